@@ -1,0 +1,43 @@
+# pdlib's two set-up commands (README "Quick start"): `make demo` and `make test`.
+# Both install what is missing (scripts/install-deps.sh), configure and build first.
+#   make test PRESET=asan     run the tests of another CMake preset (release|debug|asan|tsan)
+#   make bench                run the microbenchmarks
+#   make format / format-check
+PRESET ?= release
+JOBS ?= $(shell nproc)
+BUILD_DIR := build/$(PRESET)
+# CI builds treat warnings as errors.
+CMAKE_FLAGS := $(if $(CI),-DPDLIB_WERROR=ON,) $(CMAKE_EXTRA_FLAGS)
+
+.PHONY: all deps configure build test demo bench format format-check clean
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+configure: deps
+	cmake --preset $(PRESET) $(CMAKE_FLAGS) > $(BUILD_DIR).configure.log 2>&1 || \
+	  (mkdir -p build; cat $(BUILD_DIR).configure.log; exit 1)
+	@grep -E '^-- pdlib' $(BUILD_DIR).configure.log || true
+
+build: configure
+	cmake --build --preset $(PRESET) -j $(JOBS)
+
+test: build
+	ctest --preset $(PRESET) -j $(JOBS)
+
+demo: build
+	$(BUILD_DIR)/examples/pdlib-demo-fake
+
+bench: build
+	$(BUILD_DIR)/bench/pdlib_micro_bench
+
+FORMAT_FILES = $(shell git ls-files '*.h' '*.cc' '*.cu' '*.cuh' 2>/dev/null)
+format:
+	clang-format -i $(FORMAT_FILES)
+
+format-check:
+	@clang-format --dry-run --Werror $(FORMAT_FILES) && echo "format-check: $(words $(FORMAT_FILES)) files clean"
+
+clean:
+	rm -rf build

@@ -1,0 +1,16 @@
+// Symbol export and ABI versioning for pdlib's public API.
+#ifndef PDLIB_EXPORT_H_
+#define PDLIB_EXPORT_H_
+
+// The library is built with -fvisibility=hidden; everything an engine calls is marked.
+#if defined(_WIN32)
+#define PDLIB_EXPORT __declspec(dllexport)
+#else
+#define PDLIB_EXPORT [[gnu::visibility("default")]]
+#endif
+
+#define PDLIB_VERSION_MAJOR 0
+#define PDLIB_VERSION_MINOR 1
+#define PDLIB_VERSION_PATCH 0
+
+#endif  // PDLIB_EXPORT_H_

@@ -1,0 +1,122 @@
+// KVArgs and KVManagerOptions: everything an engine tells pdlib when it creates a KVManager.
+//
+// Plain structs with documented defaults; fill them once per rank at start-up. pdlib validates
+// them in KVManager::Create and reports the first bad field by name.
+#ifndef PDLIB_KV_ARGS_H_
+#define PDLIB_KV_ARGS_H_
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "pdlib/types.h"
+
+namespace pdlib {
+inline namespace v1 {
+
+// One family of registered buffers (KV, aux or state). Entry i describes buffer i: its base
+// address, its length in bytes, and the size of one item (a page for KV, a slot row for aux, a
+// state slot for state). An index handed to pdlib for this family is valid when
+// (index + 1) * item_lens[i] <= lens[i] for every buffer i.
+struct BufferFamily {
+  std::vector<uint64_t> ptrs;
+  std::vector<uint64_t> lens;
+  std::vector<uint64_t> item_lens;
+
+  size_t size() const { return ptrs.size(); }
+  bool empty() const { return ptrs.empty(); }
+};
+
+// How one side of the deployment is parallelised, and where this rank sits in it.
+struct ParallelConfig {
+  int32_t tp_size = 1;  // tensor parallel ranks per DP group
+  int32_t tp_rank = 0;
+  int32_t dp_size = 1;  // data parallel groups; prefill's group for a room is room % dp_size
+  int32_t dp_rank = 0;
+  int32_t pp_size = 1;  // pipeline stages
+  int32_t pp_rank = 0;
+};
+
+// Describes the model's KV shape so that two sides that would corrupt each other's memory
+// refuse to connect (SPEC R6.4). Both sides must agree on every field.
+struct ModelFingerprint {
+  int32_t num_layers = 0;      // total layers of the model (not this PP stage's share)
+  int32_t num_kv_heads = 0;    // total KV heads before TP sharding
+  int32_t head_dim = 0;        // elements per head
+  int32_t dtype_bytes = 0;     // bytes per KV element (2 for bf16/fp16, 1 for fp8)
+  int32_t layout_version = 1;  // bumped when pdlib's wire layout of KV changes
+  std::string model_name;      // free-form, compared verbatim when both sides set it
+};
+
+// The buffers and shapes of one rank (SPEC R3.1).
+struct KVArgs {
+  // One entry per layer and per K/V buffer, in the order the engine registers them
+  // (for a non-MLA model: all K buffers of this PP stage's layers, then all V buffers).
+  BufferFamily kv;
+  // MetadataBuffers::Describe() fills this: one entry per metadata field (SPEC R4.1).
+  BufferFamily aux;
+  // Which aux buffer's row starts with the request's bootstrap_room as a uint64, checked by
+  // decode after every transfer (SPEC R4.4). kAuxRoomBufferAuto: the bootstrap_room field when
+  // `aux` has the MetadataBuffers layout (10 buffers), otherwise no check. -1: no check.
+  static constexpr int32_t kAuxRoomBufferAuto = -2;
+  int32_t aux_room_buffer = kAuxRoomBufferAuto;
+  // Hybrid-model state buffers (mamba/SWA/NSA); empty when state_type is kNone.
+  BufferFamily state;
+  StateType state_type = StateType::kNone;
+  // For each state buffer, the dimension along which it is split across TP ranks (-1: not
+  // split).
+  std::vector<int32_t> state_dim_per_tensor;
+
+  uint32_t page_size = 1;    // tokens per KV page
+  int32_t kv_head_num = 0;   // KV heads held by this rank (after TP sharding)
+  KVLayout kv_layout = KVLayout::kHND;
+  bool is_mla = false;       // compressed latent KV without a head dimension (SPEC R5.5)
+
+  ParallelConfig parallel;
+  // First layer owned by this prefill PP stage (0 for PP size 1).
+  int32_t prefill_start_layer = 0;
+
+  int32_t device_id = 0;                // CUDA device when memory_kind is kCuda
+  MemoryKind memory_kind = MemoryKind::kHost;
+  std::vector<std::string> nic_names;   // e.g. {"mlx5_0", "mlx5_1"}; empty: backend's choice
+
+  ModelFingerprint fingerprint;
+};
+
+// Options of one KVManager. Defaults are what a production deployment should start from.
+struct KVManagerOptions {
+  Mode mode = Mode::kPrefill;
+  KVArgs args;
+
+  // Name of the transport backend: "fake", "ucx", "verbs", or one registered out of tree.
+  std::string backend = "fake";
+  // Backend-specific settings, documented by each backend (e.g. {"ucx.tls", "shm"}).
+  std::map<std::string, std::string> backend_options;
+
+  // Prefill: where this rank's control service listens (port 0 picks a free one).
+  std::string listen_host = "127.0.0.1";
+  uint16_t listen_port = 0;
+  // Prefill: the bootstrap server this rank registers with.
+  std::string bootstrap_host = "127.0.0.1";
+  uint16_t bootstrap_port = 8998;
+
+  // A request that stays in Bootstrapping / WaitingForInput / Transferring longer than this
+  // fails with kDeadlineExceeded and a reason naming the state (SPEC R7.1).
+  std::chrono::milliseconds bootstrap_timeout{30000};
+  std::chrono::milliseconds waiting_timeout{300000};
+  std::chrono::milliseconds transfer_timeout{60000};
+
+  // Threads that turn queued chunks into write batches (prefill).
+  int32_t transfer_workers = 2;
+
+  // Probability in [0, 1] that a transfer is failed on purpose, to exercise failure paths
+  // (SPEC R7.3). Negative: read PDLIB_TEST_FAILURE_PROB from the environment (unset: 0).
+  double failure_injection_prob = -1.0;
+};
+
+}  // namespace v1
+}  // namespace pdlib
+
+#endif  // PDLIB_KV_ARGS_H_

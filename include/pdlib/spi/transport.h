@@ -1,0 +1,143 @@
+// The transport SPI: what a data-plane backend implements (SPEC R8.2). A backend only registers
+// memory, connects to peers from opaque blobs, posts batches of one-sided writes and reports
+// their completion; the protocol, validation and state machine live in pdlib's core.
+//
+// The writer (prefill) is the "initiator"; the memory owner (decode) is the "target":
+//   target:    RegisterMemory(...) -> key blob per region
+//              CreateTargetEndpoint() -> {target id, endpoint blob}   -- sent in Register
+//   initiator: Connect(endpoint blob) -> {peer id, reply blob}        -- reply in RegisterAck
+//              ImportRemoteRegion(peer, {addr, len, key blob}) -> remote region id
+//   target:    CompleteTargetEndpoint(target id, reply blob)  (transports that connect both
+//              ends, e.g. RC QPs; capabilities().needs_reply says whether it matters)
+//   initiator: PostWrites(peer, ops, callback) ... callback(Status) once per batch
+//
+// Threads: every method may be called from any thread. A backend owns one progress thread and
+// calls completion callbacks on it; callbacks must not block and must not destroy the
+// transport. Destroying the transport completes every outstanding batch with kCancelled first.
+//
+// Out-of-tree backends implement Transport, check kTransportSpiVersion, and register a factory
+// with RegisterTransport() before creating a KVManager that names them.
+#ifndef PDLIB_SPI_TRANSPORT_H_
+#define PDLIB_SPI_TRANSPORT_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pdlib/export.h"
+#include "pdlib/status.h"
+#include "pdlib/types.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace spi {
+
+// Bumped whenever a declaration in this file changes incompatibly.
+inline constexpr uint32_t kTransportSpiVersion = 1;
+
+using Blob = std::vector<uint8_t>;
+using LocalRegionId = uint32_t;
+using RemoteRegionId = uint32_t;
+using PeerId = uint64_t;    // an initiator's connection to one target
+using TargetId = uint64_t;  // a target's half of one connection
+
+struct TransportCapabilities {
+  bool moves_bytes = true;       // false only for the fake backend
+  bool needs_reply = false;      // CompleteTargetEndpoint must be called with the reply blob
+  bool supports_cuda_memory = false;
+  uint32_t max_writes_per_batch = 0;   // 0: unlimited (the core splits larger batches)
+  uint64_t max_write_bytes = 0;        // 0: unlimited (the core splits longer writes)
+};
+
+struct MemoryRegion {
+  const void* addr = nullptr;
+  uint64_t length = 0;
+  MemoryKind kind = MemoryKind::kHost;
+  int32_t device_id = 0;
+};
+
+// A region of the peer's memory as the peer described it.
+struct RemoteRegion {
+  uint64_t addr = 0;
+  uint64_t length = 0;
+  Blob key;  // the key blob the peer's RegisterMemory returned
+};
+
+// One one-sided write: `length` bytes from local region + local_offset to remote region +
+// remote_offset. The core has bounds-checked every op; backends check again cheaply.
+struct WriteOp {
+  LocalRegionId local_region = 0;
+  uint64_t local_offset = 0;
+  RemoteRegionId remote_region = 0;
+  uint64_t remote_offset = 0;
+  uint64_t length = 0;
+};
+
+struct Connection {
+  PeerId peer = 0;
+  Blob reply;  // for the target's CompleteTargetEndpoint; empty when !needs_reply
+};
+
+struct TargetEndpoint {
+  TargetId id = 0;
+  Blob blob;
+};
+
+// Called exactly once per batch: OK when every write of the batch is visible in the target's
+// memory, otherwise the first error (kUnavailable for a dead peer, with the backend's reason).
+using WriteCallback = std::function<void(Status)>;
+
+class PDLIB_EXPORT Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual std::string_view name() const = 0;
+  virtual TransportCapabilities capabilities() const = 0;
+
+  // Registers `region` for one-sided access; fills *key_blob with what a peer needs to write
+  // into it (empty for initiator-only use is fine).
+  virtual StatusOr<LocalRegionId> RegisterMemory(const MemoryRegion& region, Blob* key_blob) = 0;
+  virtual Status DeregisterMemory(LocalRegionId region) = 0;
+
+  // Target side: a new endpoint for one initiator.
+  virtual StatusOr<TargetEndpoint> CreateTargetEndpoint() = 0;
+  // Target side: finishes a connection that needs the initiator's reply. Default: nothing to do.
+  virtual Status CompleteTargetEndpoint(TargetId target, const Blob& reply) { return Status(); }
+  virtual void CloseTargetEndpoint(TargetId target) = 0;
+
+  // Initiator side.
+  virtual StatusOr<Connection> Connect(const Blob& target_endpoint) = 0;
+  virtual StatusOr<RemoteRegionId> ImportRemoteRegion(PeerId peer, const RemoteRegion& region) = 0;
+  // Posts every op of `ops` as one batch. On a non-OK return the callback is never called.
+  virtual Status PostWrites(PeerId peer, std::span<const WriteOp> ops, WriteCallback done) = 0;
+  // Outstanding batches to `peer` complete with kCancelled; its remote regions are dropped.
+  virtual void Disconnect(PeerId peer) = 0;
+};
+
+struct TransportOptions {
+  int32_t device_id = 0;
+  std::vector<std::string> nic_names;
+  std::map<std::string, std::string> options;  // KVManagerOptions::backend_options
+};
+
+using TransportFactory =
+    std::function<StatusOr<std::unique_ptr<Transport>>(const TransportOptions& options)>;
+
+// Registers a backend under `name` (kAlreadyExists if taken). Thread-safe.
+PDLIB_EXPORT Status RegisterTransport(std::string_view name, TransportFactory factory,
+                                      uint32_t spi_version = kTransportSpiVersion);
+
+// Creates the backend registered under `name`; kNotFound lists the known names.
+PDLIB_EXPORT StatusOr<std::unique_ptr<Transport>> CreateTransport(std::string_view name,
+                                                                  const TransportOptions& options);
+
+}  // namespace spi
+}  // namespace v1
+}  // namespace pdlib
+
+#endif  // PDLIB_SPI_TRANSPORT_H_

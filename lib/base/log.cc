@@ -1,0 +1,92 @@
+#include "pdlib/log.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "absl/strings/ascii.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "lib/base/log_internal.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace {
+
+int LevelFromEnv() {
+  const char* env = std::getenv("PDLIB_LOG_LEVEL");
+  if (env == nullptr) return static_cast<int>(LogLevel::kWarning);
+  std::string v = absl::AsciiStrToLower(env);
+  if (v == "debug") return static_cast<int>(LogLevel::kDebug);
+  if (v == "info") return static_cast<int>(LogLevel::kInfo);
+  if (v == "warning" || v == "warn") return static_cast<int>(LogLevel::kWarning);
+  if (v == "error") return static_cast<int>(LogLevel::kError);
+  if (v == "off" || v == "none") return static_cast<int>(LogLevel::kOff);
+  std::fprintf(stderr, "pdlib: ignoring PDLIB_LOG_LEVEL=%s (want debug|info|warning|error|off)\n",
+               env);
+  return static_cast<int>(LogLevel::kWarning);
+}
+
+char LevelLetter(LogLevel level) {
+  switch (level) {
+    case LogLevel::kDebug: return 'D';
+    case LogLevel::kInfo: return 'I';
+    case LogLevel::kWarning: return 'W';
+    case LogLevel::kError: return 'E';
+    case LogLevel::kOff: break;
+  }
+  return '?';
+}
+
+void StderrSink(LogLevel level, std::string_view file, int line, std::string_view message) {
+  auto slash = file.rfind('/');
+  if (slash != std::string_view::npos) file.remove_prefix(slash + 1);
+  std::string out = absl::StrFormat("%c%s pdlib %s:%d] %s\n", LevelLetter(level),
+                                    absl::FormatTime("%m%d %H:%M:%E6S", absl::Now(),
+                                                     absl::LocalTimeZone()),
+                                    file, line, message);
+  std::fwrite(out.data(), 1, out.size(), stderr);  // one write per line: no interleaving
+}
+
+// The sink is swapped rarely and called often: readers copy the shared_ptr under a reader lock.
+absl::Mutex g_sink_mu;
+std::shared_ptr<const LogSink> g_sink ABSL_GUARDED_BY(g_sink_mu);
+
+}  // namespace
+
+namespace internal {
+std::atomic<int> g_log_level{LevelFromEnv()};
+
+void EmitLog(LogLevel level, const char* file, int line, std::string_view message) {
+  std::shared_ptr<const LogSink> sink;
+  {
+    absl::ReaderMutexLock lock(&g_sink_mu);
+    sink = g_sink;
+  }
+  if (sink) {
+    (*sink)(level, file, line, message);
+  } else {
+    StderrSink(level, file, line, message);
+  }
+}
+}  // namespace internal
+
+void SetLogSink(LogSink sink) {
+  auto next = sink ? std::make_shared<const LogSink>(std::move(sink)) : nullptr;
+  absl::MutexLock lock(&g_sink_mu);
+  g_sink = std::move(next);
+}
+
+void SetLogLevel(LogLevel level) {
+  internal::g_log_level.store(static_cast<int>(level), std::memory_order_relaxed);
+}
+
+LogLevel GetLogLevel() {
+  return static_cast<LogLevel>(internal::g_log_level.load(std::memory_order_relaxed));
+}
+
+}  // namespace v1
+}  // namespace pdlib

@@ -1,0 +1,36 @@
+// Internal logging: PDLIB_LOG(kInfo, "room=%d moved to %s", room, name). Formats with
+// absl::StrFormat only when the level is enabled, then hands the line to the sink (pdlib/log.h).
+#ifndef PDLIB_LIB_BASE_LOG_INTERNAL_H_
+#define PDLIB_LIB_BASE_LOG_INTERNAL_H_
+
+#include <atomic>
+#include <string_view>
+
+#include "absl/strings/str_format.h"
+#include "pdlib/log.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace internal {
+
+// The current level; relaxed loads are enough: a level change may take a moment to be seen.
+extern std::atomic<int> g_log_level;
+
+inline bool LogEnabled(LogLevel level) {
+  return static_cast<int>(level) >= g_log_level.load(std::memory_order_relaxed);
+}
+void EmitLog(LogLevel level, const char* file, int line, std::string_view message);
+
+}  // namespace internal
+}  // namespace v1
+}  // namespace pdlib
+
+#define PDLIB_LOG(level, ...)                                                      \
+  do {                                                                             \
+    if (::pdlib::internal::LogEnabled(::pdlib::LogLevel::level)) {                 \
+      ::pdlib::internal::EmitLog(::pdlib::LogLevel::level, __FILE__, __LINE__,     \
+                                 ::absl::StrFormat(__VA_ARGS__));                  \
+    }                                                                              \
+  } while (0)
+
+#endif  // PDLIB_LIB_BASE_LOG_INTERNAL_H_

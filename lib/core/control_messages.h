@@ -1,0 +1,87 @@
+// The control-plane messages between decode and prefill (SPEC R6.3, DESIGN "Control plane") as
+// plain structs, and the two link interfaces the protocol cores talk through. The in-process hub
+// implements the links with direct calls; the gRPC control plane implements them with one
+// bidirectional stream per (decode rank, prefill rank) pair.
+#ifndef PDLIB_LIB_CORE_CONTROL_MESSAGES_H_
+#define PDLIB_LIB_CORE_CONTROL_MESSAGES_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "pdlib/kv_args.h"
+#include "pdlib/spi/transport.h"
+#include "pdlib/status.h"
+
+namespace pdlib {
+inline namespace v1 {
+
+// One registered buffer of the decode side, as prefill needs it to write.
+struct RegionDesc {
+  uint64_t addr = 0;
+  uint64_t length = 0;
+  uint64_t item_len = 0;
+  spi::Blob key;
+};
+
+// decode -> prefill, once per connection.
+struct RegisterMsg {
+  uint64_t session = 0;  // identifies the decode manager's end of this connection
+  ModelFingerprint fingerprint;
+  uint32_t page_size = 0;
+  ParallelConfig parallel;
+  std::string transport;
+  spi::Blob endpoint;
+  std::vector<RegionDesc> kv, aux, state;
+  StateType state_type = StateType::kNone;
+};
+
+// prefill -> decode, the answer to RegisterMsg.
+struct RegisterAckMsg {
+  Status status;  // not OK: the connection is refused, with the reason
+  spi::Blob reply;
+  int32_t prefill_tp_rank = 0;
+  int32_t prefill_pp_rank = 0;
+};
+
+// decode -> prefill, per request.
+struct TransferInfoMsg {
+  uint64_t room = 0;
+  uint64_t session = 0;
+  std::vector<int32_t> dst_kv_pages;
+  std::optional<uint32_t> aux_index;
+  std::vector<int32_t> dst_state_indices;
+  uint32_t required_dst_info_num = 1;
+  bool is_dummy = false;
+};
+
+// prefill -> decode, once per request per prefill rank.
+struct TransferStatusMsg {
+  uint64_t room = 0;
+  int32_t prefill_tp_rank = 0;
+  int32_t prefill_pp_rank = 0;
+  Status status;  // OK: every byte of the room is in decode memory
+};
+
+// How a prefill core reaches one connected decode manager.
+class DecodeLink {
+ public:
+  virtual ~DecodeLink() = default;
+  virtual void SendStatus(const TransferStatusMsg& msg) = 0;
+};
+
+// How a decode core reaches one prefill rank.
+class PrefillLink {
+ public:
+  virtual ~PrefillLink() = default;
+  // Synchronous in the in-process hub; the gRPC link completes it from the stream.
+  virtual RegisterAckMsg Register(const RegisterMsg& msg) = 0;
+  virtual void SendTransferInfo(const TransferInfoMsg& msg) = 0;
+  virtual void SendAbort(uint64_t room, uint64_t session, const std::string& reason) = 0;
+};
+
+}  // namespace v1
+}  // namespace pdlib
+
+#endif  // PDLIB_LIB_CORE_CONTROL_MESSAGES_H_

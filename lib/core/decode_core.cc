@@ -1,0 +1,346 @@
+#include "lib/core/decode_core.h"
+
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_format.h"
+#include "lib/base/log_internal.h"
+#include "lib/core/validate.h"
+#include "pdlib/metadata_buffers.h"
+
+namespace pdlib {
+inline namespace v1 {
+
+struct DecodeCore::Room {
+  explicit Room(std::shared_ptr<RoomState> s) : state(std::move(s)) {}
+  const std::shared_ptr<RoomState> state;
+  mutable absl::Mutex mu;
+  std::vector<std::string> keys ABSL_GUARDED_BY(mu);  // prefill ranks that write to this room
+  std::optional<uint32_t> aux_index ABSL_GUARDED_BY(mu);
+  std::vector<int32_t> statuses_ok ABSL_GUARDED_BY(mu);  // tp ranks that reported success
+  bool initialized ABSL_GUARDED_BY(mu) = false;
+};
+
+StatusOr<std::shared_ptr<DecodeCore>> DecodeCore::Create(const KVManagerOptions& options,
+                                                         std::unique_ptr<spi::Transport> transport,
+                                                         uint64_t session) {
+  std::shared_ptr<DecodeCore> core(new DecodeCore(options, std::move(transport), session));
+  auto local = RegisterBuffers(*core->transport_, options.args);
+  if (!local.ok()) return local.status();
+  core->local_ = std::move(*local);
+  const BufferFamily& aux = options.args.aux;
+  int32_t pick = options.args.aux_room_buffer;
+  if (pick == KVArgs::kAuxRoomBufferAuto) {
+    pick = aux.size() == kMetadataFieldCount ? static_cast<int32_t>(MetadataField::kBootstrapRoom)
+                                             : -1;
+  }
+  if (pick >= 0 && (static_cast<size_t>(pick) >= aux.size() || aux.item_lens[pick] < 8)) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "aux_room_buffer %d does not name an aux buffer with rows of at least 8 bytes", pick));
+  }
+  // A transport that moves no bytes (fake) leaves nothing to check.
+  if (!core->transport_->capabilities().moves_bytes) pick = -1;
+  core->aux_room_buffer_ = pick;
+  core->reaper_ = std::make_unique<PeriodicThread>(absl::Milliseconds(20),
+                                                   [c = core.get()] { c->CheckTimeouts(); });
+  return core;
+}
+
+DecodeCore::DecodeCore(const KVManagerOptions& options, std::unique_ptr<spi::Transport> transport,
+                       uint64_t session)
+    : options_(options), session_(session), transport_(std::move(transport)) {}
+
+DecodeCore::~DecodeCore() { Shutdown(); }
+
+void DecodeCore::Shutdown() {
+  std::vector<std::shared_ptr<Room>> rooms;
+  absl::flat_hash_map<std::string, Connection> connections;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    for (auto& [id, room] : room_data_) rooms.push_back(room);
+    connections.swap(connections_);
+  }
+  reaper_.reset();
+  for (auto& room : rooms) FailRoom(room, Status::Cancelled("decode manager shut down"), true);
+  for (auto& [key, conn] : connections) transport_->CloseTargetEndpoint(conn.target);
+  connections.clear();
+  DeregisterBuffers(*transport_, local_);
+  transport_.reset();
+}
+
+std::shared_ptr<DecodeCore::Room> DecodeCore::FindRoom(uint64_t room) const {
+  absl::MutexLock lock(&mu_);
+  auto it = room_data_.find(room);
+  return it == room_data_.end() ? nullptr : it->second;
+}
+
+Status DecodeCore::EnsureConnected(
+    const std::string& key,
+    const std::function<StatusOr<std::shared_ptr<PrefillLink>>()>& make_link) {
+  absl::MutexLock connect_lock(&connect_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return Status::Unavailable("decode manager is shutting down");
+    if (connections_.contains(key)) return Status::OK();
+  }
+  auto link = make_link();
+  if (!link.ok()) return link.status();
+  auto target = transport_->CreateTargetEndpoint();
+  if (!target.ok()) return target.status().WithPrefix("creating transport endpoint");
+  RegisterMsg reg;
+  reg.session = session_;
+  reg.fingerprint = options_.args.fingerprint;
+  reg.page_size = options_.args.page_size;
+  reg.parallel = options_.args.parallel;
+  reg.transport = std::string(transport_->name());
+  reg.endpoint = target->blob;
+  reg.kv = local_.kv.descs;
+  reg.aux = local_.aux.descs;
+  reg.state = local_.state.descs;
+  reg.state_type = options_.args.state_type;
+  RegisterAckMsg ack = (*link)->Register(reg);
+  Status s = ack.status;
+  if (s.ok() && transport_->capabilities().needs_reply) {
+    s = transport_->CompleteTargetEndpoint(target->id, ack.reply);
+  }
+  if (!s.ok()) {
+    transport_->CloseTargetEndpoint(target->id);
+    return s.WithPrefix("prefill " + key + " refused the connection");
+  }
+  absl::MutexLock lock(&mu_);
+  connections_[key] = Connection{std::move(*link), target->id};
+  PDLIB_LOG(kInfo, "decode: connected to prefill %s", key);
+  return Status::OK();
+}
+
+StatusOr<std::shared_ptr<RoomState>> DecodeCore::CreateRoom(uint64_t room_id) {
+  auto state = rooms_.Insert(room_id);
+  if (!state.ok()) return state.status();
+  absl::MutexLock lock(&mu_);
+  if (stopping_) {
+    rooms_.Erase(room_id, state->get());
+    return Status::Unavailable("decode manager is shutting down");
+  }
+  room_data_[room_id] = std::make_shared<Room>(*state);
+  PDLIB_LOG(kDebug, "decode: room %d created", room_id);
+  return state;
+}
+
+void DecodeCore::BindRoom(uint64_t room_id, std::vector<std::string> keys) {
+  auto room = FindRoom(room_id);
+  if (!room) return;
+  {
+    absl::MutexLock lock(&room->mu);
+    room->keys = std::move(keys);
+  }
+  room->state->Advance(KVPoll::kWaitingForInput);
+}
+
+void DecodeCore::FailRoomWith(uint64_t room_id, Status reason) {
+  if (auto room = FindRoom(room_id)) FailRoom(room, std::move(reason), false);
+}
+
+Status DecodeCore::InitRoom(uint64_t room_id, std::span<const int32_t> pages,
+                            std::optional<uint32_t> aux, std::span<const int32_t> state_indices) {
+  auto room = FindRoom(room_id);
+  if (!room) return Status::NotFound(absl::StrFormat("room %d is not live", room_id));
+  KVPoll state = room->state->Poll();
+  if (state == KVPoll::kFailed) return room->state->FailureReason();
+  if (state != KVPoll::kWaitingForInput) {
+    return Status::FailedPrecondition(absl::StrFormat(
+        "room %d: Init() in state %s (wait for WaitingForInput)", room_id, KVPollName(state)));
+  }
+  const KVArgs& args = options_.args;
+  if (Status s = ValidateIndices(pages, ItemCapacity(args.kv), "kv page", "decode"); !s.ok()) {
+    return s.WithPrefix(absl::StrFormat("room %d", room_id));
+  }
+  if (aux && *aux >= ItemCapacity(args.aux)) {
+    return Status::OutOfRange(absl::StrFormat("room %d: aux index %d out of range [0, %d) on decode",
+                                              room_id, *aux, ItemCapacity(args.aux)));
+  }
+  if (Status s = ValidateIndices(state_indices, ItemCapacity(args.state), "state", "decode");
+      !s.ok()) {
+    return s.WithPrefix(absl::StrFormat("room %d", room_id));
+  }
+  std::vector<std::shared_ptr<PrefillLink>> links;
+  std::string lost;
+  {
+    absl::MutexLock lock(&room->mu);
+    if (room->initialized) {
+      return Status::FailedPrecondition(absl::StrFormat("room %d: Init() called twice", room_id));
+    }
+    room->initialized = true;
+    room->aux_index = aux;
+    absl::MutexLock conn_lock(&mu_);
+    for (const auto& key : room->keys) {
+      auto it = connections_.find(key);
+      if (it == connections_.end()) {
+        lost = key;
+        break;
+      }
+      links.push_back(it->second.link);
+    }
+  }
+  if (!lost.empty()) {
+    Status s = Status::Unavailable(
+        absl::StrFormat("room %d: connection to prefill %s was lost", room_id, lost));
+    FailRoom(room, s, false);
+    return s;
+  }
+  TransferInfoMsg info;
+  info.room = room_id;
+  info.session = session_;
+  info.dst_kv_pages.assign(pages.begin(), pages.end());
+  info.aux_index = aux;
+  info.dst_state_indices.assign(state_indices.begin(), state_indices.end());
+  info.required_dst_info_num = 1;
+  room->state->Advance(KVPoll::kTransferring);
+  for (auto& link : links) link->SendTransferInfo(info);
+  return Status::OK();
+}
+
+void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
+  auto room = FindRoom(msg.room);
+  if (!room) {
+    PDLIB_LOG(kDebug, "decode: status for unknown room %d ignored", msg.room);
+    return;
+  }
+  if (!msg.status.ok()) {
+    FailRoom(room,
+             msg.status.WithPrefix(absl::StrFormat("prefill tp rank %d", msg.prefill_tp_rank)),
+             false);
+    return;
+  }
+  bool complete = false;
+  {
+    absl::MutexLock lock(&room->mu);
+    if (!room->initialized) return;  // a success before Init() is a confused peer: ignore
+    for (int32_t r : room->statuses_ok) {
+      if (r == msg.prefill_tp_rank) return;  // duplicate
+    }
+    room->statuses_ok.push_back(msg.prefill_tp_rank);
+    complete = room->statuses_ok.size() >= room->keys.size();
+  }
+  if (!complete) return;
+  if (Status s = CheckAuxRoom(*room); !s.ok()) return FailRoom(room, s, true);
+  if (room->state->Advance(KVPoll::kSuccess)) {
+    counters_.Add(counters_.succeeded);
+    PDLIB_LOG(kInfo, "decode: room %d received", msg.room);
+  }
+}
+
+Status DecodeCore::CheckAuxRoom(const Room& room) const {
+  std::optional<uint32_t> aux;
+  {
+    absl::MutexLock lock(&room.mu);
+    aux = room.aux_index;
+  }
+  if (aux_room_buffer_ < 0 || !aux) return Status::OK();
+  const BufferFamily& fam = options_.args.aux;
+  uint64_t got = 0;
+  std::memcpy(&got,
+              reinterpret_cast<const void*>(fam.ptrs[aux_room_buffer_] +
+                                            *aux * fam.item_lens[aux_room_buffer_]),
+              sizeof(got));
+  if (got != room.state->room()) {
+    return Status::DataLoss(absl::StrFormat(
+        "room %d: metadata slot %d holds bootstrap_room %d; the transfer is not this request's",
+        room.state->room(), *aux, got));
+  }
+  return Status::OK();
+}
+
+void DecodeCore::FailRoom(const std::shared_ptr<Room>& room, Status reason, bool tell_prefill) {
+  if (!room->state->Fail(reason)) return;
+  counters_.CountFailure(*room->state);
+  PDLIB_LOG(kWarning, "decode: room %d failed: %s", room->state->room(), reason.ToString());
+  if (!tell_prefill) return;
+  std::vector<std::shared_ptr<PrefillLink>> links;
+  {
+    absl::MutexLock lock(&room->mu);
+    absl::MutexLock conn_lock(&mu_);
+    for (const auto& key : room->keys) {
+      auto it = connections_.find(key);
+      if (it != connections_.end()) links.push_back(it->second.link);
+    }
+  }
+  for (auto& link : links) link->SendAbort(room->state->room(), session_, reason.ToString());
+}
+
+void DecodeCore::AbortRoom(uint64_t room_id, std::string_view reason) {
+  if (auto room = FindRoom(room_id)) {
+    FailRoom(room, Status::Aborted(absl::StrFormat("room %d aborted by decode: %s", room_id, reason)),
+             true);
+  }
+}
+
+void DecodeCore::ReleaseRoom(uint64_t room_id, const RoomState* state) {
+  std::shared_ptr<Room> room;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = room_data_.find(room_id);
+    if (it != room_data_.end() && it->second->state.get() == state) {
+      room = std::move(it->second);
+      room_data_.erase(it);
+    }
+  }
+  if (room && !IsTerminal(room->state->Poll())) {
+    FailRoom(room, Status::Aborted(absl::StrFormat("room %d: receiver destroyed before the "
+                                                   "transfer finished", room_id)),
+             true);
+  }
+  rooms_.Erase(room_id, state);
+}
+
+void DecodeCore::OnPrefillGone(const std::string& key, const Status& reason) {
+  std::vector<std::shared_ptr<Room>> rooms;
+  std::optional<Connection> conn;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = connections_.find(key);
+    if (it != connections_.end()) {
+      conn = std::move(it->second);
+      connections_.erase(it);
+    }
+    for (auto& [id, room] : room_data_) rooms.push_back(room);
+  }
+  for (auto& room : rooms) {
+    bool bound = false;
+    {
+      absl::MutexLock lock(&room->mu);
+      for (const auto& k : room->keys) bound |= k == key;
+    }
+    if (bound) {
+      FailRoom(room,
+               reason.WithPrefix(absl::StrFormat("room %d: prefill %s", room->state->room(), key)),
+               false);
+    }
+  }
+  if (conn) transport_->CloseTargetEndpoint(conn->target);
+  PDLIB_LOG(kInfo, "decode: prefill %s gone: %s", key, reason.ToString());
+}
+
+void DecodeCore::CheckTimeouts() {
+  absl::Time now = absl::Now();
+  std::vector<std::shared_ptr<Room>> rooms;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, room] : room_data_) rooms.push_back(room);
+  }
+  for (auto& room : rooms) {
+    if (Status s = CheckRoomDeadline(*room->state, options_, now); !s.ok()) FailRoom(room, s, true);
+  }
+}
+
+KVManagerMetrics DecodeCore::metrics() const {
+  KVManagerMetrics m;
+  counters_.FillInto(&m, rooms_);
+  absl::MutexLock lock(&mu_);
+  m.connections = connections_.size();
+  return m;
+}
+
+}  // namespace v1
+}  // namespace pdlib

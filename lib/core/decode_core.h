@@ -1,0 +1,97 @@
+// DecodeCore: the decode side of the protocol. Connects to prefill ranks (once per rank, cached,
+// purged when the link breaks), registers its buffers once per connection, sends TransferInfo
+// per request, and collects Status from every prefill rank that writes to it. On success it
+// checks the aux slot's bootstrap_room (SPEC R4.4) before reporting Success.
+//
+// Threads: engine threads call the room methods; the control plane calls OnStatus and
+// OnPrefillGone. No lock is held while calling into a link.
+#ifndef PDLIB_LIB_CORE_DECODE_CORE_H_
+#define PDLIB_LIB_CORE_DECODE_CORE_H_
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "lib/core/control_messages.h"
+#include "lib/core/manager_common.h"
+#include "lib/core/room_table.h"
+
+namespace pdlib {
+inline namespace v1 {
+
+class DecodeCore : public std::enable_shared_from_this<DecodeCore> {
+ public:
+  static StatusOr<std::shared_ptr<DecodeCore>> Create(const KVManagerOptions& options,
+                                                      std::unique_ptr<spi::Transport> transport,
+                                                      uint64_t session);
+  ~DecodeCore();
+  void Shutdown();
+
+  uint64_t session() const { return session_; }
+  const KVManagerOptions& options() const { return options_; }
+
+  // Connects to the prefill rank named `key` unless already connected. `make_link` opens the
+  // control link (called without locks held).
+  Status EnsureConnected(const std::string& key,
+                         const std::function<StatusOr<std::shared_ptr<PrefillLink>>()>& make_link);
+
+  // Engine side (KVReceiver).
+  StatusOr<std::shared_ptr<RoomState>> CreateRoom(uint64_t room);
+  // Binds `room` to the prefill ranks `keys` (already connected) and moves it to
+  // WaitingForInput.
+  void BindRoom(uint64_t room, std::vector<std::string> keys);
+  void FailRoomWith(uint64_t room, Status reason);
+  Status InitRoom(uint64_t room, std::span<const int32_t> pages, std::optional<uint32_t> aux,
+                  std::span<const int32_t> state_indices);
+  void AbortRoom(uint64_t room, std::string_view reason);
+  void ReleaseRoom(uint64_t room, const RoomState* state);
+
+  // Control plane, prefill -> decode.
+  void OnStatus(const TransferStatusMsg& msg);
+  // The link to prefill rank `key` broke: every room bound to it fails, the connection is
+  // purged so the next request reconnects.
+  void OnPrefillGone(const std::string& key, const Status& reason);
+
+  KVManagerMetrics metrics() const;
+
+ private:
+  struct Room;
+  struct Connection {
+    std::shared_ptr<PrefillLink> link;
+    spi::TargetId target = 0;
+  };
+
+  DecodeCore(const KVManagerOptions& options, std::unique_ptr<spi::Transport> transport,
+             uint64_t session);
+  std::shared_ptr<Room> FindRoom(uint64_t room) const;
+  void FailRoom(const std::shared_ptr<Room>& room, Status reason, bool tell_prefill);
+  Status CheckAuxRoom(const Room& room) const;
+  void CheckTimeouts();
+
+  const KVManagerOptions options_;
+  const uint64_t session_;
+  std::unique_ptr<spi::Transport> transport_;
+  RegisteredBuffers local_;
+  int32_t aux_room_buffer_ = -1;  // aux buffer holding bootstrap_room; -1: no check
+  RoomTable rooms_;
+  MetricCounters counters_;
+
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Room>> room_data_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Connection> connections_ ABSL_GUARDED_BY(mu_);
+  // Serialises connection set-up so two receivers do not connect to one rank twice.
+  absl::Mutex connect_mu_;
+
+  std::unique_ptr<PeriodicThread> reaper_;
+};
+
+}  // namespace v1
+}  // namespace pdlib
+
+#endif  // PDLIB_LIB_CORE_DECODE_CORE_H_

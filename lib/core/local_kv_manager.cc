@@ -1,0 +1,315 @@
+#include "lib/core/local_kv_manager.h"
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "lib/base/log_internal.h"
+#include "lib/core/decode_core.h"
+#include "lib/core/prefill_core.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace {
+
+// Where in-process managers find each other: prefill ranks by bootstrap address and rank,
+// decode managers by session. Holds weak references only.
+class LocalHub {
+ public:
+  struct PrefillEntry {
+    std::string key;  // "local://host:port" of the rank
+    std::weak_ptr<PrefillCore> core;
+    ParallelConfig parallel;
+    uint32_t page_size = 0;
+  };
+
+  static LocalHub& Get() {
+    static LocalHub* hub = new LocalHub();  // never destroyed: managers may outlive main()
+    return *hub;
+  }
+
+  StatusOr<std::string> AddPrefill(const KVManagerOptions& o, std::weak_ptr<PrefillCore> core) {
+    absl::MutexLock lock(&mu_);
+    std::string bootstrap = absl::StrFormat("%s:%d", o.bootstrap_host, o.bootstrap_port);
+    uint16_t port = o.listen_port != 0 ? o.listen_port : next_port_++;
+    PrefillEntry entry{absl::StrFormat("local://%s:%d", o.listen_host, port), std::move(core),
+                       o.args.parallel, o.args.page_size};
+    auto& ranks = prefills_[bootstrap];
+    for (auto& r : ranks) {
+      if (r.key == entry.key) {
+        return Status::AlreadyExists(entry.key + " is already used by a live prefill manager");
+      }
+      if (r.parallel.tp_size != entry.parallel.tp_size ||
+          r.parallel.dp_size != entry.parallel.dp_size ||
+          r.parallel.pp_size != entry.parallel.pp_size || r.page_size != entry.page_size) {
+        return Status::FailedPrecondition(absl::StrFormat(
+            "bootstrap %s: this rank has tp/dp/pp %d/%d/%d page %d, an earlier rank %d/%d/%d "
+            "page %d",
+            bootstrap, entry.parallel.tp_size, entry.parallel.dp_size, entry.parallel.pp_size,
+            entry.page_size, r.parallel.tp_size, r.parallel.dp_size, r.parallel.pp_size,
+            r.page_size));
+      }
+    }
+    // A restarted rank replaces its predecessor's entry.
+    std::erase_if(ranks, [&](const PrefillEntry& r) {
+      return r.parallel.tp_rank == entry.parallel.tp_rank &&
+             r.parallel.dp_rank == entry.parallel.dp_rank &&
+             r.parallel.pp_rank == entry.parallel.pp_rank;
+    });
+    ranks.push_back(entry);
+    return entry.key;
+  }
+
+  void RemovePrefill(const std::string& key) {
+    absl::MutexLock lock(&mu_);
+    for (auto& [bootstrap, ranks] : prefills_) {
+      std::erase_if(ranks, [&](const PrefillEntry& r) { return r.key == key; });
+    }
+  }
+
+  StatusOr<PrefillEntry> FindPrefill(const BootstrapAddress& b, uint64_t room,
+                                     std::optional<int32_t> dp_override, const KVArgs& mine) {
+    absl::MutexLock lock(&mu_);
+    std::string bootstrap = absl::StrFormat("%s:%d", b.host, b.port);
+    auto it = prefills_.find(bootstrap);
+    if (it == prefills_.end() || it->second.empty()) {
+      return Status::Unavailable("bootstrap " + bootstrap + ": no prefill rank is registered");
+    }
+    const PrefillEntry& any = it->second.front();
+    if (any.page_size != mine.page_size) {
+      return Status::FailedPrecondition(absl::StrFormat(
+          "page size mismatch: prefill (bootstrap %s) uses %d, decode uses %d", bootstrap,
+          any.page_size, mine.page_size));
+    }
+    if (any.parallel.tp_size != mine.parallel.tp_size || any.parallel.pp_size != 1 ||
+        mine.parallel.pp_size != 1) {
+      return Status::Unimplemented(absl::StrFormat(
+          "prefill tp %d pp %d -> decode tp %d pp %d: only equal TP and PP 1 are supported yet",
+          any.parallel.tp_size, any.parallel.pp_size, mine.parallel.tp_size,
+          mine.parallel.pp_size));
+    }
+    int32_t dp = dp_override.value_or(static_cast<int32_t>(room % any.parallel.dp_size));
+    if (dp < 0 || dp >= any.parallel.dp_size) {
+      return Status::InvalidArgument(
+          absl::StrFormat("prefill dp rank %d out of range [0, %d)", dp, any.parallel.dp_size));
+    }
+    for (const auto& r : it->second) {
+      if (r.parallel.dp_rank == dp && r.parallel.tp_rank == mine.parallel.tp_rank) return r;
+    }
+    return Status::Unavailable(absl::StrFormat("bootstrap %s: prefill rank dp %d tp %d is not "
+                                               "registered", bootstrap, dp, mine.parallel.tp_rank));
+  }
+
+  uint64_t NewSession() {
+    absl::MutexLock lock(&mu_);
+    return next_session_++;
+  }
+  void AddDecode(uint64_t session, std::weak_ptr<DecodeCore> core) {
+    absl::MutexLock lock(&mu_);
+    decodes_[session] = std::move(core);
+  }
+  void RemoveDecode(uint64_t session) {
+    absl::MutexLock lock(&mu_);
+    decodes_.erase(session);
+  }
+
+  std::vector<std::shared_ptr<DecodeCore>> Decodes() {
+    absl::MutexLock lock(&mu_);
+    std::vector<std::shared_ptr<DecodeCore>> out;
+    for (auto& [s, w] : decodes_) {
+      if (auto d = w.lock()) out.push_back(std::move(d));
+    }
+    return out;
+  }
+  std::vector<std::shared_ptr<PrefillCore>> Prefills() {
+    absl::MutexLock lock(&mu_);
+    std::vector<std::shared_ptr<PrefillCore>> out;
+    for (auto& [b, ranks] : prefills_) {
+      for (auto& r : ranks) {
+        if (auto p = r.core.lock()) out.push_back(std::move(p));
+      }
+    }
+    return out;
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::vector<PrefillEntry>> prefills_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::weak_ptr<DecodeCore>> decodes_ ABSL_GUARDED_BY(mu_);
+  uint16_t next_port_ ABSL_GUARDED_BY(mu_) = 20000;
+  uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+class LocalDecodeLink final : public DecodeLink {
+ public:
+  explicit LocalDecodeLink(std::weak_ptr<DecodeCore> decode) : decode_(std::move(decode)) {}
+  void SendStatus(const TransferStatusMsg& msg) override {
+    if (auto d = decode_.lock()) d->OnStatus(msg);
+  }
+
+ private:
+  std::weak_ptr<DecodeCore> decode_;
+};
+
+class LocalPrefillLink final : public PrefillLink {
+ public:
+  LocalPrefillLink(std::weak_ptr<PrefillCore> prefill, std::weak_ptr<DecodeCore> decode)
+      : prefill_(std::move(prefill)), decode_(std::move(decode)) {}
+  RegisterAckMsg Register(const RegisterMsg& msg) override {
+    auto p = prefill_.lock();
+    if (!p) return RegisterAckMsg{Status::Unavailable("prefill rank exited"), {}, 0, 0};
+    return p->OnRegister(msg, std::make_shared<LocalDecodeLink>(decode_));
+  }
+  void SendTransferInfo(const TransferInfoMsg& msg) override {
+    if (auto p = prefill_.lock()) p->OnTransferInfo(msg);
+  }
+  void SendAbort(uint64_t room, uint64_t session, const std::string& reason) override {
+    if (auto p = prefill_.lock()) p->OnAbort(room, session, reason);
+  }
+
+ private:
+  std::weak_ptr<PrefillCore> prefill_;
+  std::weak_ptr<DecodeCore> decode_;
+};
+
+// Handles: a shared_ptr to the core keeps it alive; the RoomState gives a lock-free Poll().
+template <typename Base, typename Core>
+class HandleBase : public Base {
+ public:
+  HandleBase(std::shared_ptr<Core> core, std::shared_ptr<RoomState> state)
+      : core_(std::move(core)), state_(std::move(state)) {}
+  ~HandleBase() override { core_->ReleaseRoom(state_->room(), state_.get()); }
+  KVPoll Poll() const override { return state_->Poll(); }
+  Status FailureReason() const override { return state_->FailureReason(); }
+  uint64_t room() const override { return state_->room(); }
+  void Abort(std::string_view reason) override { core_->AbortRoom(state_->room(), reason); }
+
+ protected:
+  std::shared_ptr<Core> core_;
+  std::shared_ptr<RoomState> state_;
+};
+
+class LocalSender final : public HandleBase<KVSender, PrefillCore> {
+ public:
+  using HandleBase::HandleBase;
+  Status Init(uint64_t num_kv_pages, std::optional<uint32_t> aux_index) override {
+    return core_->InitRoom(state_->room(), num_kv_pages, aux_index);
+  }
+  Status Send(std::span<const int32_t> pages, bool is_last_chunk,
+              std::span<const int32_t> state_indices) override {
+    return core_->Send(state_->room(), pages, is_last_chunk, state_indices);
+  }
+};
+
+class LocalReceiver final : public HandleBase<KVReceiver, DecodeCore> {
+ public:
+  using HandleBase::HandleBase;
+  Status Init(std::span<const int32_t> pages, std::optional<uint32_t> aux_index,
+              std::span<const int32_t> state_indices) override {
+    return core_->InitRoom(state_->room(), pages, aux_index, state_indices);
+  }
+};
+
+class LocalPrefillManager final : public KVManager {
+ public:
+  LocalPrefillManager(std::shared_ptr<PrefillCore> core, std::string key)
+      : core_(std::move(core)), key_(std::move(key)) {}
+  ~LocalPrefillManager() override {
+    LocalHub::Get().RemovePrefill(key_);
+    core_->Shutdown();
+    for (auto& d : LocalHub::Get().Decodes()) {
+      d->OnPrefillGone(key_, Status::Unavailable("prefill rank exited"));
+    }
+  }
+  Mode mode() const override { return Mode::kPrefill; }
+  std::string endpoint() const override { return key_; }
+  StatusOr<std::unique_ptr<KVSender>> CreateSender(uint64_t room) override {
+    auto state = core_->CreateRoom(room);
+    if (!state.ok()) return state.status();
+    return std::unique_ptr<KVSender>(std::make_unique<LocalSender>(core_, std::move(*state)));
+  }
+  StatusOr<std::unique_ptr<KVReceiver>> CreateReceiver(const BootstrapAddress&, uint64_t,
+                                                       std::optional<int32_t>) override {
+    return Status::FailedPrecondition("CreateReceiver() called on a prefill manager");
+  }
+  KVManagerMetrics metrics() const override { return core_->metrics(); }
+
+ private:
+  std::shared_ptr<PrefillCore> core_;
+  std::string key_;
+};
+
+class LocalDecodeManager final : public KVManager {
+ public:
+  explicit LocalDecodeManager(std::shared_ptr<DecodeCore> core) : core_(std::move(core)) {}
+  ~LocalDecodeManager() override {
+    LocalHub::Get().RemoveDecode(core_->session());
+    core_->Shutdown();
+    for (auto& p : LocalHub::Get().Prefills()) {
+      p->OnDecodeGone(core_->session(), Status::Unavailable("decode manager exited"));
+    }
+  }
+  Mode mode() const override { return Mode::kDecode; }
+  std::string endpoint() const override {
+    return absl::StrFormat("local://decode/%d", core_->session());
+  }
+  StatusOr<std::unique_ptr<KVSender>> CreateSender(uint64_t) override {
+    return Status::FailedPrecondition("CreateSender() called on a decode manager");
+  }
+  StatusOr<std::unique_ptr<KVReceiver>> CreateReceiver(const BootstrapAddress& bootstrap,
+                                                       uint64_t room,
+                                                       std::optional<int32_t> dp) override {
+    auto state = core_->CreateRoom(room);
+    if (!state.ok()) return state.status();
+    auto handle = std::make_unique<LocalReceiver>(core_, *state);
+    // Bootstrap: resolve the prefill rank, connect once per rank (cached), bind the room.
+    auto entry = LocalHub::Get().FindPrefill(bootstrap, room, dp, core_->options().args);
+    Status s = entry.status();
+    if (s.ok()) {
+      std::weak_ptr<PrefillCore> prefill = entry->core;
+      std::weak_ptr<DecodeCore> self = core_;
+      s = core_->EnsureConnected(entry->key, [&]() -> StatusOr<std::shared_ptr<PrefillLink>> {
+        return std::shared_ptr<PrefillLink>(std::make_shared<LocalPrefillLink>(prefill, self));
+      });
+    }
+    if (s.ok()) {
+      core_->BindRoom(room, {entry->key});
+    } else {
+      core_->FailRoomWith(room, s.WithPrefix(absl::StrFormat("room %d: bootstrap", room)));
+    }
+    return std::unique_ptr<KVReceiver>(std::move(handle));
+  }
+  KVManagerMetrics metrics() const override { return core_->metrics(); }
+
+ private:
+  std::shared_ptr<DecodeCore> core_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<KVManager>> CreateLocalKVManager(const KVManagerOptions& options) {
+  spi::TransportOptions topts{options.args.device_id, options.args.nic_names,
+                              options.backend_options};
+  auto transport = spi::CreateTransport(options.backend, topts);
+  if (!transport.ok()) return transport.status();
+  if (options.mode == Mode::kPrefill) {
+    auto core = PrefillCore::Create(options, std::move(*transport));
+    if (!core.ok()) return core.status();
+    auto key = LocalHub::Get().AddPrefill(options, *core);
+    if (!key.ok()) return key.status();
+    PDLIB_LOG(kInfo, "prefill manager %s up (backend %s)", *key, options.backend);
+    return std::unique_ptr<KVManager>(std::make_unique<LocalPrefillManager>(*core, *key));
+  }
+  auto& hub = LocalHub::Get();
+  uint64_t session = hub.NewSession();
+  auto core = DecodeCore::Create(options, std::move(*transport), session);
+  if (!core.ok()) return core.status();
+  hub.AddDecode(session, *core);
+  return std::unique_ptr<KVManager>(std::make_unique<LocalDecodeManager>(*core));
+}
+
+}  // namespace v1
+}  // namespace pdlib

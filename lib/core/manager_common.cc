@@ -1,0 +1,140 @@
+#include "lib/core/manager_common.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "lib/base/log_internal.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace {
+
+Status RegisterFamily(spi::Transport& transport, const BufferFamily& family, MemoryKind kind,
+                      int32_t device, const char* what, RegisteredFamily* out) {
+  for (size_t i = 0; i < family.size(); ++i) {
+    spi::MemoryRegion region{reinterpret_cast<const void*>(family.ptrs[i]), family.lens[i], kind,
+                             device};
+    RegionDesc desc{family.ptrs[i], family.lens[i], family.item_lens[i], {}};
+    auto id = transport.RegisterMemory(region, &desc.key);
+    if (!id.ok()) {
+      return id.status().WithPrefix(absl::StrFormat("registering %s buffer %d (%d bytes)", what,
+                                                    i, family.lens[i]));
+    }
+    out->ids.push_back(*id);
+    out->descs.push_back(std::move(desc));
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+StatusOr<RegisteredBuffers> RegisterBuffers(spi::Transport& transport, const KVArgs& args) {
+  RegisteredBuffers out;
+  Status s = RegisterFamily(transport, args.kv, args.memory_kind, args.device_id, "kv", &out.kv);
+  // Metadata lives in host memory (MetadataBuffers); state follows the KV memory kind.
+  if (s.ok()) s = RegisterFamily(transport, args.aux, MemoryKind::kHost, 0, "aux", &out.aux);
+  if (s.ok()) {
+    s = RegisterFamily(transport, args.state, args.memory_kind, args.device_id, "state",
+                       &out.state);
+  }
+  if (!s.ok()) {
+    DeregisterBuffers(transport, out);
+    return s;
+  }
+  return out;
+}
+
+void DeregisterBuffers(spi::Transport& transport, const RegisteredBuffers& buffers) {
+  for (const RegisteredFamily* f : {&buffers.kv, &buffers.aux, &buffers.state}) {
+    for (spi::LocalRegionId id : f->ids) {
+      Status s = transport.DeregisterMemory(id);
+      if (!s.ok()) PDLIB_LOG(kWarning, "deregistering region %d: %s", id, s.ToString());
+    }
+  }
+}
+
+double ResolveFailureInjectionProb(const KVManagerOptions& options) {
+  if (options.failure_injection_prob >= 0) return options.failure_injection_prob;
+  const char* env = std::getenv("PDLIB_TEST_FAILURE_PROB");
+  if (env == nullptr || *env == '\0') return 0;
+  double p = 0;
+  if (!absl::SimpleAtod(env, &p) || p < 0 || p > 1) {
+    PDLIB_LOG(kWarning, "ignoring PDLIB_TEST_FAILURE_PROB=%s (want a number in [0, 1])", env);
+    return 0;
+  }
+  return p;
+}
+
+bool FailureInjector::Roll() {
+  if (prob_ <= 0) return false;
+  absl::MutexLock lock(&mu_);
+  return std::uniform_real_distribution<double>(0, 1)(rng_) < prob_;
+}
+
+void MetricCounters::CountFailure(const RoomState& room) {
+  Add(failed);
+  Add(room.failed_from() == KVPoll::kBootstrapping ? bootstrap_failed : transfer_failed);
+}
+
+void MetricCounters::FillInto(KVManagerMetrics* m, const RoomTable& rooms) const {
+  auto get = [](const std::atomic<uint64_t>& c) { return c.load(std::memory_order_relaxed); };
+  m->rooms_succeeded = get(succeeded);
+  m->rooms_failed = get(failed);
+  m->bootstrap_failed_reqs = get(bootstrap_failed);
+  m->transfer_failed_reqs = get(transfer_failed);
+  m->bytes_transferred = get(bytes);
+  m->pages_transferred = get(pages);
+  m->write_batches = get(batches);
+  m->live_rooms = 0;
+  m->bootstrap_queue_size = 0;
+  m->transfer_queue_size = 0;
+  for (const auto& room : rooms.Snapshot()) {
+    ++m->live_rooms;
+    KVPoll s = room->Poll();
+    if (s == KVPoll::kBootstrapping) ++m->bootstrap_queue_size;
+    if (s == KVPoll::kWaitingForInput || s == KVPoll::kTransferring) ++m->transfer_queue_size;
+  }
+}
+
+Status CheckRoomDeadline(const RoomState& room, const KVManagerOptions& options, absl::Time now) {
+  KVPoll state = room.Poll();
+  std::chrono::milliseconds limit;
+  switch (state) {
+    case KVPoll::kBootstrapping: limit = options.bootstrap_timeout; break;
+    case KVPoll::kWaitingForInput: limit = options.waiting_timeout; break;
+    case KVPoll::kTransferring: limit = options.transfer_timeout; break;
+    default: return Status::OK();
+  }
+  if (now - room.state_since() <= absl::FromChrono(limit)) return Status::OK();
+  return Status::DeadlineExceeded(absl::StrFormat("room %d: timed out after %d ms in state %s (%s)",
+                                                  room.room(), limit.count(), KVPollName(state),
+                                                  state == KVPoll::kBootstrapping
+                                                      ? "bootstrap_timeout"
+                                                      : state == KVPoll::kWaitingForInput
+                                                            ? "waiting_timeout"
+                                                            : "transfer_timeout"));
+}
+
+PeriodicThread::PeriodicThread(absl::Duration period, std::function<void()> tick) {
+  thread_ = std::thread([this, period, tick = std::move(tick)] {
+    absl::MutexLock lock(&mu_);
+    while (!mu_.AwaitWithTimeout(absl::Condition(&stop_), period)) {
+      mu_.Unlock();
+      tick();
+      mu_.Lock();
+    }
+  });
+}
+
+PeriodicThread::~PeriodicThread() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+}  // namespace v1
+}  // namespace pdlib

@@ -1,0 +1,84 @@
+// Pieces both protocol cores share: memory registration with the transport, the timeout
+// scanner, failure injection and metric counters.
+#ifndef PDLIB_LIB_CORE_MANAGER_COMMON_H_
+#define PDLIB_LIB_CORE_MANAGER_COMMON_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "lib/core/control_messages.h"
+#include "lib/core/room_table.h"
+#include "pdlib/kv_manager.h"
+#include "pdlib/spi/transport.h"
+
+namespace pdlib {
+inline namespace v1 {
+
+// The transport regions of one BufferFamily, in buffer order.
+struct RegisteredFamily {
+  std::vector<spi::LocalRegionId> ids;
+  std::vector<RegionDesc> descs;  // what a peer needs to write into them
+};
+
+// Every KV, aux and state buffer of one manager, registered once (DESIGN "Data plane").
+struct RegisteredBuffers {
+  RegisteredFamily kv, aux, state;
+};
+
+StatusOr<RegisteredBuffers> RegisterBuffers(spi::Transport& transport, const KVArgs& args);
+void DeregisterBuffers(spi::Transport& transport, const RegisteredBuffers& buffers);
+
+// The probability from options, or from PDLIB_TEST_FAILURE_PROB when the option is negative.
+double ResolveFailureInjectionProb(const KVManagerOptions& options);
+
+// Thread-safe coin for failure injection.
+class FailureInjector {
+ public:
+  explicit FailureInjector(double prob) : prob_(prob) {}
+  bool enabled() const { return prob_ > 0; }
+  double prob() const { return prob_; }
+  bool Roll();
+
+ private:
+  double prob_;
+  absl::Mutex mu_;
+  std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_){std::random_device{}()};
+};
+
+// Counters behind KVManagerMetrics; relaxed atomics: metrics are statistics, not
+// synchronisation.
+struct MetricCounters {
+  std::atomic<uint64_t> succeeded{0}, failed{0}, bootstrap_failed{0}, transfer_failed{0};
+  std::atomic<uint64_t> bytes{0}, pages{0}, batches{0};
+
+  void Add(std::atomic<uint64_t>& c, uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
+  // Counts a room that just failed (call only for the Fail() that returned true).
+  void CountFailure(const RoomState& room);
+  void FillInto(KVManagerMetrics* m, const RoomTable& rooms) const;
+};
+
+// The deadline for the room's current state, per the manager's options; a non-OK status (with
+// the reason to fail the room) when it has passed.
+Status CheckRoomDeadline(const RoomState& room, const KVManagerOptions& options, absl::Time now);
+
+// Runs `tick` every `period` on its own thread until destroyed.
+class PeriodicThread {
+ public:
+  PeriodicThread(absl::Duration period, std::function<void()> tick);
+  ~PeriodicThread();
+
+ private:
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace v1
+}  // namespace pdlib
+
+#endif  // PDLIB_LIB_CORE_MANAGER_COMMON_H_

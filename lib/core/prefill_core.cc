@@ -1,0 +1,605 @@
+#include "lib/core/prefill_core.h"
+
+#include <string>
+
+#include "absl/strings/str_format.h"
+#include "lib/base/log_internal.h"
+#include "lib/core/validate.h"
+#include "pdlib/page_index.h"
+
+namespace pdlib {
+inline namespace v1 {
+
+// One connected decode manager.
+struct PrefillCore::Peer {
+  uint64_t session = 0;
+  spi::PeerId peer = 0;
+  RegisterMsg reg;
+  std::vector<spi::RemoteRegionId> kv, aux, state;
+  std::shared_ptr<DecodeLink> link;
+};
+
+// Everything prefill tracks for one live request.
+struct PrefillCore::Room {
+  explicit Room(std::shared_ptr<RoomState> s) : state(std::move(s)) {}
+  const std::shared_ptr<RoomState> state;
+  absl::Mutex mu;
+  std::optional<uint64_t> num_kv_pages ABSL_GUARDED_BY(mu);
+  std::optional<uint32_t> aux_index ABSL_GUARDED_BY(mu);
+  // One TransferInfo per decode rank this room writes to, each with its connection.
+  std::vector<TransferInfoMsg> infos ABSL_GUARDED_BY(mu);
+  std::vector<std::shared_ptr<Peer>> peers ABSL_GUARDED_BY(mu);
+  size_t pages_queued ABSL_GUARDED_BY(mu) = 0;
+  bool last_queued ABSL_GUARDED_BY(mu) = false;
+  int outstanding ABSL_GUARDED_BY(mu) = 0;  // chunk batches posted, not yet complete
+  bool finalizing ABSL_GUARDED_BY(mu) = false;
+  std::vector<int32_t> state_src ABSL_GUARDED_BY(mu);
+  bool status_sent ABSL_GUARDED_BY(mu) = false;
+};
+
+StatusOr<std::shared_ptr<PrefillCore>> PrefillCore::Create(
+    const KVManagerOptions& options, std::unique_ptr<spi::Transport> transport) {
+  std::shared_ptr<PrefillCore> core(new PrefillCore(options, std::move(transport)));
+  auto local = RegisterBuffers(*core->transport_, options.args);
+  if (!local.ok()) return local.status();
+  core->local_ = std::move(*local);
+  for (int i = 0; i < options.transfer_workers; ++i) {
+    core->workers_.emplace_back([c = core.get()] { c->WorkerLoop(); });
+  }
+  core->reaper_ = std::make_unique<PeriodicThread>(absl::Milliseconds(20),
+                                                   [c = core.get()] { c->CheckTimeouts(); });
+  if (core->injector_.enabled()) {
+    PDLIB_LOG(kWarning, "prefill: failure injection on, probability %g", core->injector_.prob());
+  }
+  return core;
+}
+
+PrefillCore::PrefillCore(const KVManagerOptions& options, std::unique_ptr<spi::Transport> transport)
+    : options_(options),
+      transport_(std::move(transport)),
+      injector_(ResolveFailureInjectionProb(options)) {}
+
+PrefillCore::~PrefillCore() { Shutdown(); }
+
+void PrefillCore::Shutdown() {
+  std::vector<std::shared_ptr<Room>> rooms;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    for (auto& [id, room] : room_data_) rooms.push_back(room);
+    queue_.clear();
+    peers_.clear();
+    early_infos_.clear();
+  }
+  reaper_.reset();
+  for (auto& w : workers_) w.join();
+  workers_.clear();
+  for (auto& room : rooms) FailRoom(room, Status::Cancelled("prefill manager shut down"));
+  // Outstanding batches complete (kCancelled) inside the transport's destructor.
+  DeregisterBuffers(*transport_, local_);
+  transport_.reset();
+}
+
+std::shared_ptr<PrefillCore::Room> PrefillCore::FindRoom(uint64_t room) const {
+  absl::MutexLock lock(&mu_);
+  auto it = room_data_.find(room);
+  return it == room_data_.end() ? nullptr : it->second;
+}
+
+RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<DecodeLink> link) {
+  RegisterAckMsg ack;
+  ack.prefill_tp_rank = options_.args.parallel.tp_rank;
+  ack.prefill_pp_rank = options_.args.parallel.pp_rank;
+  const KVArgs& mine = options_.args;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) {
+      ack.status = Status::Unavailable("prefill manager is shutting down");
+      return ack;
+    }
+  }
+  auto refuse = [&](Status s) {
+    PDLIB_LOG(kWarning, "prefill: refusing decode session %d: %s", msg.session, s.ToString());
+    ack.status = std::move(s);
+    return ack;
+  };
+  if (msg.transport != transport_->name()) {
+    return refuse(Status::FailedPrecondition(absl::StrFormat(
+        "transport mismatch: decode uses '%s', prefill uses '%s'", msg.transport,
+        transport_->name())));
+  }
+  if (msg.page_size != mine.page_size) {
+    return refuse(Status::FailedPrecondition(absl::StrFormat(
+        "page size mismatch: decode %d, prefill %d", msg.page_size, mine.page_size)));
+  }
+  const ModelFingerprint& a = msg.fingerprint;
+  const ModelFingerprint& b = mine.fingerprint;
+  if (a.num_layers != b.num_layers || a.num_kv_heads != b.num_kv_heads ||
+      a.head_dim != b.head_dim || a.dtype_bytes != b.dtype_bytes ||
+      a.layout_version != b.layout_version ||
+      (!a.model_name.empty() && !b.model_name.empty() && a.model_name != b.model_name)) {
+    return refuse(Status::FailedPrecondition(absl::StrFormat(
+        "model fingerprint mismatch: decode {layers %d, kv_heads %d, head_dim %d, dtype_bytes "
+        "%d, layout v%d, model '%s'} vs prefill {layers %d, kv_heads %d, head_dim %d, "
+        "dtype_bytes %d, layout v%d, model '%s'}",
+        a.num_layers, a.num_kv_heads, a.head_dim, a.dtype_bytes, a.layout_version, a.model_name,
+        b.num_layers, b.num_kv_heads, b.head_dim, b.dtype_bytes, b.layout_version,
+        b.model_name)));
+  }
+  // The 1:1 layout: the same buffers with the same item sizes on both sides.
+  auto same_shape = [&](const std::vector<RegionDesc>& theirs, const BufferFamily& ours,
+                        const char* what) -> Status {
+    if (theirs.size() != ours.size()) {
+      return Status::FailedPrecondition(absl::StrFormat(
+          "%s buffer count mismatch: decode %d, prefill %d", what, theirs.size(), ours.size()));
+    }
+    for (size_t i = 0; i < theirs.size(); ++i) {
+      if (theirs[i].item_len != ours.item_lens[i] || theirs[i].item_len == 0 ||
+          theirs[i].item_len > theirs[i].length) {
+        return Status::FailedPrecondition(absl::StrFormat(
+            "%s buffer %d item size mismatch: decode %d bytes (of %d), prefill %d", what, i,
+            theirs[i].item_len, theirs[i].length, ours.item_lens[i]));
+      }
+    }
+    return Status::OK();
+  };
+  for (auto [theirs, ours, what] :
+       {std::tuple{&msg.kv, &mine.kv, "kv"}, std::tuple{&msg.aux, &mine.aux, "aux"},
+        std::tuple{&msg.state, &mine.state, "state"}}) {
+    if (Status s = same_shape(*theirs, *ours, what); !s.ok()) return refuse(std::move(s));
+  }
+
+  auto conn = transport_->Connect(msg.endpoint);
+  if (!conn.ok()) return refuse(conn.status().WithPrefix("connecting to decode's endpoint"));
+  auto peer = std::make_shared<Peer>();
+  peer->session = msg.session;
+  peer->peer = conn->peer;
+  peer->reg = msg;
+  peer->link = std::move(link);
+  for (auto [descs, ids] : {std::pair{&msg.kv, &peer->kv}, std::pair{&msg.aux, &peer->aux},
+                            std::pair{&msg.state, &peer->state}}) {
+    for (const RegionDesc& d : *descs) {
+      auto id = transport_->ImportRemoteRegion(conn->peer, {d.addr, d.length, d.key});
+      if (!id.ok()) {
+        transport_->Disconnect(conn->peer);
+        return refuse(id.status().WithPrefix("importing decode region"));
+      }
+      ids->push_back(*id);
+    }
+  }
+  std::shared_ptr<Peer> old;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) {
+      transport_->Disconnect(conn->peer);
+      return refuse(Status::Unavailable("prefill manager is shutting down"));
+    }
+    auto& slot = peers_[msg.session];
+    old = std::move(slot);
+    slot = peer;
+  }
+  if (old) transport_->Disconnect(old->peer);
+  ack.reply = std::move(conn->reply);
+  PDLIB_LOG(kInfo, "prefill: registered decode session %d (tp %d/%d)", msg.session,
+            msg.parallel.tp_rank, msg.parallel.tp_size);
+  return ack;
+}
+
+void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<Room> room;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    auto p = peers_.find(msg.session);
+    if (p != peers_.end()) peer = p->second;
+    auto r = room_data_.find(msg.room);
+    if (r != room_data_.end()) room = r->second;
+    if (peer && !room) {
+      // The engine has not created the sender yet; CreateRoom picks this up. Bounded by the
+      // decode side's own room limits: one entry per (room, decode rank).
+      auto& early = early_infos_[msg.room];
+      if (early.size() < 64) early.push_back(msg);
+      return;
+    }
+  }
+  auto reject = [&](Status s) {
+    PDLIB_LOG(kWarning, "prefill: room %d: rejecting TransferInfo: %s", msg.room, s.ToString());
+    if (peer) {
+      peer->link->SendStatus({msg.room, options_.args.parallel.tp_rank,
+                              options_.args.parallel.pp_rank, s});
+    }
+    if (room) FailRoom(room, s);
+  };
+  if (!peer) {
+    PDLIB_LOG(kWarning, "prefill: room %d: TransferInfo from unknown session %d", msg.room,
+              msg.session);
+    return;
+  }
+  // Validate before use (SPEC R3.2): every index against the decode side's registered sizes.
+  uint64_t dst_pages_cap = UINT64_MAX, dst_aux_cap = UINT64_MAX, dst_state_cap = UINT64_MAX;
+  for (const auto& d : peer->reg.kv) dst_pages_cap = std::min(dst_pages_cap, d.length / d.item_len);
+  for (const auto& d : peer->reg.aux) dst_aux_cap = std::min(dst_aux_cap, d.length / d.item_len);
+  for (const auto& d : peer->reg.state) dst_state_cap = std::min(dst_state_cap, d.length / d.item_len);
+  if (Status s = ValidateIndices(msg.dst_kv_pages, dst_pages_cap, "kv page", "decode"); !s.ok()) {
+    return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
+  }
+  if (msg.aux_index && (peer->reg.aux.empty() || *msg.aux_index >= dst_aux_cap)) {
+    return reject(Status::OutOfRange(absl::StrFormat(
+        "room %d: aux index %d out of range [0, %d) on decode", msg.room, *msg.aux_index,
+        peer->reg.aux.empty() ? 0 : dst_aux_cap)));
+  }
+  if (!msg.dst_state_indices.empty() && peer->reg.state.empty()) {
+    return reject(Status::OutOfRange(
+        absl::StrFormat("room %d: state indices sent but decode has no state buffers", msg.room)));
+  }
+  if (Status s = ValidateIndices(msg.dst_state_indices, dst_state_cap, "state", "decode");
+      !s.ok()) {
+    return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
+  }
+  if (msg.required_dst_info_num == 0 || msg.required_dst_info_num > 64) {
+    return reject(Status::InvalidArgument(absl::StrFormat(
+        "room %d: required_dst_info_num %d out of range [1, 64]", msg.room,
+        msg.required_dst_info_num)));
+  }
+  bool ready = false, duplicate = false;
+  {
+    absl::MutexLock lock(&room->mu);
+    for (const auto& info : room->infos) duplicate |= info.session == msg.session;
+    if (!duplicate) {
+      room->infos.push_back(msg);
+      room->peers.push_back(peer);
+      ready = room->infos.size() >= room->infos.front().required_dst_info_num;
+    }
+  }
+  if (duplicate) {
+    return reject(Status::AlreadyExists(absl::StrFormat(
+        "room %d: duplicate TransferInfo from session %d", msg.room, msg.session)));
+  }
+  if (ready && room->state->Advance(KVPoll::kWaitingForInput)) {
+    PDLIB_LOG(kDebug, "prefill: room %d: every TransferInfo arrived", msg.room);
+  }
+}
+
+void PrefillCore::OnAbort(uint64_t room_id, uint64_t session, const std::string& reason) {
+  std::shared_ptr<Room> room;
+  {
+    absl::MutexLock lock(&mu_);
+    early_infos_.erase(room_id);
+    auto it = room_data_.find(room_id);
+    if (it != room_data_.end()) room = it->second;
+  }
+  if (room) {
+    FailRoom(room, Status::Aborted(absl::StrFormat("room %d aborted by decode: %s", room_id,
+                                                   reason)));
+  }
+}
+
+void PrefillCore::OnDecodeGone(uint64_t session, const Status& reason) {
+  std::shared_ptr<Peer> peer;
+  std::vector<std::shared_ptr<Room>> rooms;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = peers_.find(session);
+    if (it == peers_.end()) return;
+    peer = std::move(it->second);
+    peers_.erase(it);
+    for (auto& [id, room] : room_data_) rooms.push_back(room);
+  }
+  for (auto& room : rooms) {
+    bool bound = false;
+    {
+      absl::MutexLock lock(&room->mu);
+      for (auto& p : room->peers) bound |= p == peer;
+    }
+    if (bound) FailRoom(room, reason.WithPrefix(absl::StrFormat("room %d", room->state->room())));
+  }
+  transport_->Disconnect(peer->peer);
+  PDLIB_LOG(kInfo, "prefill: decode session %d disconnected: %s", session, reason.ToString());
+}
+
+StatusOr<std::shared_ptr<RoomState>> PrefillCore::CreateRoom(uint64_t room_id) {
+  auto state = rooms_.Insert(room_id);
+  if (!state.ok()) return state.status();
+  auto room = std::make_shared<Room>(*state);
+  std::vector<TransferInfoMsg> early;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) {
+      rooms_.Erase(room_id, state->get());
+      return Status::Unavailable("prefill manager is shutting down");
+    }
+    room_data_[room_id] = room;
+    auto it = early_infos_.find(room_id);
+    if (it != early_infos_.end()) {
+      early = std::move(it->second);
+      early_infos_.erase(it);
+    }
+  }
+  PDLIB_LOG(kDebug, "prefill: room %d created", room_id);
+  for (const auto& info : early) OnTransferInfo(info);
+  return state;
+}
+
+Status PrefillCore::InitRoom(uint64_t room_id, uint64_t num_kv_pages,
+                             std::optional<uint32_t> aux_index) {
+  auto room = FindRoom(room_id);
+  if (!room) return Status::NotFound(absl::StrFormat("room %d is not live", room_id));
+  if (aux_index && (local_.aux.ids.empty() || *aux_index >= ItemCapacity(options_.args.aux))) {
+    return Status::OutOfRange(absl::StrFormat("room %d: aux index %d out of range [0, %d) on prefill",
+                                              room_id, *aux_index, ItemCapacity(options_.args.aux)));
+  }
+  absl::MutexLock lock(&room->mu);
+  room->num_kv_pages = num_kv_pages;
+  room->aux_index = aux_index;
+  return Status::OK();
+}
+
+Status PrefillCore::Send(uint64_t room_id, std::span<const int32_t> pages, bool last,
+                         std::span<const int32_t> state_indices) {
+  auto room = FindRoom(room_id);
+  if (!room) return Status::NotFound(absl::StrFormat("room %d is not live", room_id));
+  KVPoll state = room->state->Poll();
+  if (state == KVPoll::kFailed) return room->state->FailureReason();
+  if (state < KVPoll::kWaitingForInput || state == KVPoll::kSuccess) {
+    return Status::FailedPrecondition(absl::StrFormat(
+        "room %d: Send() in state %s (needs the decode side's TransferInfo first)", room_id,
+        KVPollName(state)));
+  }
+  if (Status s = ValidateIndices(pages, ItemCapacity(options_.args.kv), "kv page", "prefill");
+      !s.ok()) {
+    return s.WithPrefix(absl::StrFormat("room %d", room_id));
+  }
+  if (Status s = ValidateIndices(state_indices, ItemCapacity(options_.args.state), "state",
+                                 "prefill");
+      !s.ok()) {
+    return s.WithPrefix(absl::StrFormat("room %d", room_id));
+  }
+  Chunk chunk{room, {pages.begin(), pages.end()}, 0, last};
+  {
+    absl::MutexLock lock(&room->mu);
+    if (room->last_queued) {
+      return Status::FailedPrecondition(absl::StrFormat("room %d: Send() after the last chunk", room_id));
+    }
+    size_t dst_count = room->infos.front().dst_kv_pages.size();
+    for (const auto& info : room->infos) {
+      if (info.dst_kv_pages.size() != dst_count) {
+        return Status::FailedPrecondition(
+            absl::StrFormat("room %d: decode ranks disagree on the page count", room_id));
+      }
+    }
+    size_t total = room->pages_queued + pages.size();
+    if (total > dst_count || (last && total != dst_count)) {
+      return Status::OutOfRange(absl::StrFormat(
+          "room %d: %s chunk brings the pages sent to %d but decode expects %d", room_id,
+          last ? "last" : "non-last", total, dst_count));
+    }
+    if (room->num_kv_pages && total > *room->num_kv_pages) {
+      return Status::OutOfRange(absl::StrFormat("room %d: %d pages sent, Init() announced %d",
+                                                room_id, total, *room->num_kv_pages));
+    }
+    if (last && !state_indices.empty() &&
+        state_indices.size() != room->infos.front().dst_state_indices.size()) {
+      return Status::InvalidArgument(absl::StrFormat(
+          "room %d: %d state indices for %d on decode", room_id, state_indices.size(),
+          room->infos.front().dst_state_indices.size()));
+    }
+    chunk.dst_offset = room->pages_queued;
+    room->pages_queued = total;
+    room->last_queued = last;
+    if (last) room->state_src.assign(state_indices.begin(), state_indices.end());
+    ++room->outstanding;
+  }
+  room->state->Advance(KVPoll::kTransferring);
+  {
+    absl::MutexLock lock(&mu_);
+    queue_.push_back(std::move(chunk));
+  }
+  return Status::OK();
+}
+
+void PrefillCore::WorkerLoop() {
+  while (true) {
+    Chunk chunk;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &PrefillCore::WorkReady));
+      if (stopping_) return;
+      chunk = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    ProcessChunk(chunk);
+  }
+}
+
+void PrefillCore::ProcessChunk(const Chunk& chunk) {
+  const auto& room = chunk.room;
+  if (IsTerminal(room->state->Poll())) return OnBatchDone(room, 0, 0, Status::OK());
+  if (injector_.Roll()) {
+    return OnBatchDone(room, 0, 0, Status::Internal(absl::StrFormat(
+        "room %d: injected failure (probability %g)", room->state->room(), injector_.prob())));
+  }
+  std::vector<std::pair<std::shared_ptr<Peer>, std::vector<int32_t>>> targets;
+  {
+    absl::MutexLock lock(&room->mu);
+    for (size_t i = 0; i < room->infos.size(); ++i) {
+      const auto& dst = room->infos[i].dst_kv_pages;
+      targets.emplace_back(room->peers[i],
+                           std::vector<int32_t>(dst.begin() + chunk.dst_offset,
+                                                dst.begin() + chunk.dst_offset + chunk.src_pages.size()));
+    }
+  }
+  // One batch per decode rank; every layer's writes of the chunk go in it (SPEC R5.3).
+  std::vector<PageRun> runs;
+  {
+    absl::MutexLock lock(&room->mu);
+    room->outstanding += static_cast<int>(targets.size()) - 1;
+  }
+  if (targets.empty()) return OnBatchDone(room, 0, 0, Status::OK());
+  for (auto& [peer, dst] : targets) {
+    Status s = CoalescePageRuns(chunk.src_pages, dst, &runs);
+    std::vector<spi::WriteOp> ops;
+    uint64_t bytes = 0;
+    if (s.ok()) {
+      ops.reserve(runs.size() * local_.kv.ids.size());
+      for (size_t layer = 0; layer < local_.kv.ids.size(); ++layer) {
+        uint64_t item = options_.args.kv.item_lens[layer];
+        for (const PageRun& run : runs) {
+          ops.push_back({local_.kv.ids[layer], uint64_t(run.src_start) * item, peer->kv[layer],
+                         uint64_t(run.dst_start) * item, uint64_t(run.count) * item});
+          bytes += uint64_t(run.count) * item;
+        }
+      }
+    }
+    if (ops.empty() || !s.ok()) {
+      OnBatchDone(room, 0, 0, s);
+      continue;
+    }
+    uint64_t pages = chunk.src_pages.size();
+    auto self = shared_from_this();
+    s = transport_->PostWrites(peer->peer, ops, [self, room, bytes, pages](Status st) {
+      self->OnBatchDone(room, bytes, pages, std::move(st));
+    });
+    if (!s.ok()) OnBatchDone(room, 0, 0, s.WithPrefix("posting KV writes"));
+  }
+}
+
+void PrefillCore::OnBatchDone(const std::shared_ptr<Room>& room, uint64_t bytes, uint64_t pages,
+                              Status s) {
+  if (!s.ok()) {
+    FailRoom(room, s);
+  } else if (bytes > 0) {
+    counters_.Add(counters_.bytes, bytes);
+    counters_.Add(counters_.pages, pages);
+    counters_.Add(counters_.batches);
+  }
+  bool finalize = false;
+  {
+    absl::MutexLock lock(&room->mu);
+    --room->outstanding;
+    if (room->outstanding == 0 && room->last_queued && !room->finalizing) {
+      room->finalizing = true;
+      finalize = true;
+    }
+  }
+  if (finalize) Finalize(room);
+}
+
+// Every KV write of the room is complete: write aux, then state, then report.
+void PrefillCore::Finalize(const std::shared_ptr<Room>& room) {
+  if (room->state->Poll() == KVPoll::kFailed) return;
+  std::vector<std::pair<std::shared_ptr<Peer>, std::vector<spi::WriteOp>>> batches;
+  {
+    absl::MutexLock lock(&room->mu);
+    for (size_t i = 0; i < room->infos.size(); ++i) {
+      const TransferInfoMsg& info = room->infos[i];
+      const Peer& peer = *room->peers[i];
+      std::vector<spi::WriteOp> ops;
+      if (room->aux_index && info.aux_index) {
+        for (size_t j = 0; j < local_.aux.ids.size(); ++j) {
+          uint64_t item = options_.args.aux.item_lens[j];
+          ops.push_back({local_.aux.ids[j], *room->aux_index * item, peer.aux[j],
+                         *info.aux_index * item, item});
+        }
+      }
+      for (size_t k = 0; k < local_.state.ids.size(); ++k) {
+        uint64_t item = options_.args.state.item_lens[k];
+        for (size_t n = 0; n < room->state_src.size() && n < info.dst_state_indices.size(); ++n) {
+          ops.push_back({local_.state.ids[k], uint64_t(room->state_src[n]) * item, peer.state[k],
+                         uint64_t(info.dst_state_indices[n]) * item, item});
+        }
+      }
+      batches.emplace_back(room->peers[i], std::move(ops));
+    }
+  }
+  auto remaining = std::make_shared<std::atomic<int>>(static_cast<int>(batches.size()));
+  auto self = shared_from_this();
+  auto one_done = [self, room, remaining](Status s) {
+    if (!s.ok()) self->FailRoom(room, s.WithPrefix("writing aux/state"));
+    // acq_rel: the last finisher sees every other finisher's failure before reporting.
+    if (remaining->fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    if (room->state->Advance(KVPoll::kSuccess)) {
+      self->counters_.Add(self->counters_.succeeded);
+      PDLIB_LOG(kInfo, "prefill: room %d transferred", room->state->room());
+      self->SendStatusToDecode(room, Status::OK());
+    }
+  };
+  if (batches.empty()) return one_done(Status::OK());
+  for (auto& [peer, ops] : batches) {
+    if (ops.empty()) {
+      one_done(Status::OK());
+      continue;
+    }
+    Status s = transport_->PostWrites(peer->peer, ops, one_done);
+    if (!s.ok()) one_done(s);
+  }
+}
+
+void PrefillCore::FailRoom(const std::shared_ptr<Room>& room, Status reason) {
+  if (!room->state->Fail(reason)) return;
+  counters_.CountFailure(*room->state);
+  PDLIB_LOG(kWarning, "prefill: room %d failed: %s", room->state->room(), reason.ToString());
+  SendStatusToDecode(room, reason);
+}
+
+void PrefillCore::SendStatusToDecode(const std::shared_ptr<Room>& room, const Status& status) {
+  std::vector<std::shared_ptr<Peer>> peers;
+  {
+    absl::MutexLock lock(&room->mu);
+    if (room->status_sent) return;
+    room->status_sent = true;
+    peers = room->peers;
+  }
+  for (const auto& peer : peers) {
+    peer->link->SendStatus({room->state->room(), options_.args.parallel.tp_rank,
+                            options_.args.parallel.pp_rank, status});
+  }
+}
+
+void PrefillCore::AbortRoom(uint64_t room_id, std::string_view reason) {
+  if (auto room = FindRoom(room_id)) {
+    FailRoom(room, Status::Aborted(absl::StrFormat("room %d aborted by prefill: %s", room_id,
+                                                   reason)));
+  }
+}
+
+void PrefillCore::ReleaseRoom(uint64_t room_id, const RoomState* state) {
+  std::shared_ptr<Room> room;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = room_data_.find(room_id);
+    if (it != room_data_.end() && it->second->state.get() == state) {
+      room = std::move(it->second);
+      room_data_.erase(it);
+    }
+  }
+  if (room && !IsTerminal(room->state->Poll())) {
+    FailRoom(room, Status::Aborted(absl::StrFormat("room %d: sender destroyed before the "
+                                                   "transfer finished", room_id)));
+  }
+  rooms_.Erase(room_id, state);
+}
+
+void PrefillCore::CheckTimeouts() {
+  absl::Time now = absl::Now();
+  std::vector<std::shared_ptr<Room>> rooms;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, room] : room_data_) rooms.push_back(room);
+  }
+  for (auto& room : rooms) {
+    if (Status s = CheckRoomDeadline(*room->state, options_, now); !s.ok()) FailRoom(room, s);
+  }
+}
+
+KVManagerMetrics PrefillCore::metrics() const {
+  KVManagerMetrics m;
+  counters_.FillInto(&m, rooms_);
+  absl::MutexLock lock(&mu_);
+  m.connections = peers_.size();
+  return m;
+}
+
+}  // namespace v1
+}  // namespace pdlib

@@ -1,0 +1,99 @@
+// PrefillCore: the prefill side of the protocol, independent of how control messages travel.
+// It accepts decode connections (OnRegister), collects TransferInfos per room, turns each sent
+// chunk into one batch of one-sided writes, and after the last chunk writes aux then state and
+// reports Status to every decode rank involved.
+//
+// Threads: On* methods are called by the control plane's threads, the Sender* methods by engine
+// threads, completions by the transport's progress thread; a small worker pool builds and posts
+// write batches. No lock is held while calling into a link or the transport.
+#ifndef PDLIB_LIB_CORE_PREFILL_CORE_H_
+#define PDLIB_LIB_CORE_PREFILL_CORE_H_
+
+#include <deque>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "lib/core/control_messages.h"
+#include "lib/core/manager_common.h"
+#include "lib/core/room_table.h"
+
+namespace pdlib {
+inline namespace v1 {
+
+class PrefillCore : public std::enable_shared_from_this<PrefillCore> {
+ public:
+  static StatusOr<std::shared_ptr<PrefillCore>> Create(const KVManagerOptions& options,
+                                                       std::unique_ptr<spi::Transport> transport);
+  ~PrefillCore();
+  // Stops intake, fails every live room, joins the workers, releases registrations.
+  void Shutdown();
+
+  const KVManagerOptions& options() const { return options_; }
+
+  // Control plane, decode -> prefill.
+  RegisterAckMsg OnRegister(const RegisterMsg& msg, std::shared_ptr<DecodeLink> link);
+  void OnTransferInfo(const TransferInfoMsg& msg);
+  void OnAbort(uint64_t room, uint64_t session, const std::string& reason);
+  // The connection to `session` broke: its rooms fail, its transport peer is dropped.
+  void OnDecodeGone(uint64_t session, const Status& reason);
+
+  // Engine side (KVSender).
+  StatusOr<std::shared_ptr<RoomState>> CreateRoom(uint64_t room);
+  Status InitRoom(uint64_t room, uint64_t num_kv_pages, std::optional<uint32_t> aux_index);
+  Status Send(uint64_t room, std::span<const int32_t> pages, bool last,
+              std::span<const int32_t> state_indices);
+  void AbortRoom(uint64_t room, std::string_view reason);
+  void ReleaseRoom(uint64_t room, const RoomState* state);
+
+  KVManagerMetrics metrics() const;
+
+ private:
+  struct Peer;
+  struct Room;
+  struct Chunk {
+    std::shared_ptr<Room> room;
+    std::vector<int32_t> src_pages;
+    size_t dst_offset = 0;  // index into the TransferInfo's dst pages
+    bool last = false;
+  };
+
+  PrefillCore(const KVManagerOptions& options, std::unique_ptr<spi::Transport> transport);
+  void WorkerLoop();
+  bool WorkReady() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); }
+  void ProcessChunk(const Chunk& chunk);
+  void OnBatchDone(const std::shared_ptr<Room>& room, uint64_t bytes, uint64_t pages, Status s);
+  void Finalize(const std::shared_ptr<Room>& room);
+  void FailRoom(const std::shared_ptr<Room>& room, Status reason);
+  void SendStatusToDecode(const std::shared_ptr<Room>& room, const Status& status);
+  void CheckTimeouts();
+  std::shared_ptr<Room> FindRoom(uint64_t room) const;
+
+  const KVManagerOptions options_;
+  std::unique_ptr<spi::Transport> transport_;
+  RegisteredBuffers local_;
+  FailureInjector injector_;
+  RoomTable rooms_;
+  MetricCounters counters_;
+
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Room>> room_data_ ABSL_GUARDED_BY(mu_);
+  // TransferInfos that arrived before the engine created the sender.
+  absl::flat_hash_map<uint64_t, std::vector<TransferInfoMsg>> early_infos_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Peer>> peers_ ABSL_GUARDED_BY(mu_);
+  std::deque<Chunk> queue_ ABSL_GUARDED_BY(mu_);
+
+  std::vector<std::thread> workers_;
+  std::unique_ptr<PeriodicThread> reaper_;
+};
+
+}  // namespace v1
+}  // namespace pdlib
+
+#endif  // PDLIB_LIB_CORE_PREFILL_CORE_H_

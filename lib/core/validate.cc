@@ -1,0 +1,115 @@
+#include "lib/core/validate.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "absl/strings/str_format.h"
+
+namespace pdlib {
+inline namespace v1 {
+
+uint64_t ItemCapacity(const BufferFamily& family) {
+  if (family.empty()) return 0;
+  uint64_t cap = std::numeric_limits<uint64_t>::max();
+  for (size_t i = 0; i < family.size(); ++i) {
+    if (family.item_lens[i] == 0) return 0;
+    cap = std::min(cap, family.lens[i] / family.item_lens[i]);
+  }
+  return cap;
+}
+
+Status ValidateFamily(const BufferFamily& family, std::string_view what) {
+  if (family.lens.size() != family.ptrs.size() || family.item_lens.size() != family.ptrs.size()) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "%s buffers: %d ptrs, %d lens and %d item_lens must have the same length", what,
+        family.ptrs.size(), family.lens.size(), family.item_lens.size()));
+  }
+  for (size_t i = 0; i < family.size(); ++i) {
+    if (family.ptrs[i] == 0) {
+      return Status::InvalidArgument(absl::StrFormat("%s buffer %d has a null pointer", what, i));
+    }
+    if (family.item_lens[i] == 0 || family.item_lens[i] > family.lens[i]) {
+      return Status::InvalidArgument(absl::StrFormat(
+          "%s buffer %d: item_len %d must be in [1, len %d]", what, i, family.item_lens[i],
+          family.lens[i]));
+    }
+    if (family.ptrs[i] > std::numeric_limits<uint64_t>::max() - family.lens[i]) {
+      return Status::InvalidArgument(
+          absl::StrFormat("%s buffer %d: address + length overflows", what, i));
+    }
+  }
+  return Status::OK();
+}
+
+Status ValidateIndices(std::span<const int32_t> indices, uint64_t capacity, std::string_view what,
+                       std::string_view side) {
+  for (size_t i = 0; i < indices.size(); ++i) {
+    int64_t idx = indices[i];
+    if (idx < 0 || static_cast<uint64_t>(idx) >= capacity) {
+      return Status::OutOfRange(absl::StrFormat("%s index %d (position %d) out of range [0, %d) on %s",
+                                                what, idx, i, capacity, side));
+    }
+  }
+  return Status::OK();
+}
+
+Status ValidateKVArgs(const KVArgs& args) {
+  if (Status s = ValidateFamily(args.kv, "kv"); !s.ok()) return s;
+  if (Status s = ValidateFamily(args.aux, "aux"); !s.ok()) return s;
+  if (Status s = ValidateFamily(args.state, "state"); !s.ok()) return s;
+  if (args.kv.empty()) return Status::InvalidArgument("kv: at least one KV buffer is required");
+  if (args.page_size == 0) return Status::InvalidArgument("page_size must be > 0");
+  if (args.state_type == StateType::kNone && !args.state.empty()) {
+    return Status::InvalidArgument("state buffers given but state_type is none");
+  }
+  if (!args.state_dim_per_tensor.empty() &&
+      args.state_dim_per_tensor.size() != args.state.size()) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "state_dim_per_tensor has %d entries for %d state buffers",
+        args.state_dim_per_tensor.size(), args.state.size()));
+  }
+  const ParallelConfig& p = args.parallel;
+  auto check_rank = [](const char* name, int32_t size, int32_t rank) -> Status {
+    if (size < 1 || rank < 0 || rank >= size) {
+      return Status::InvalidArgument(
+          absl::StrFormat("parallel.%s_rank %d must be in [0, %s_size %d)", name, rank, name, size));
+    }
+    return Status::OK();
+  };
+  if (Status s = check_rank("tp", p.tp_size, p.tp_rank); !s.ok()) return s;
+  if (Status s = check_rank("dp", p.dp_size, p.dp_rank); !s.ok()) return s;
+  if (Status s = check_rank("pp", p.pp_size, p.pp_rank); !s.ok()) return s;
+  if (args.memory_kind != MemoryKind::kHost && args.memory_kind != MemoryKind::kCuda) {
+    return Status::InvalidArgument("memory_kind must be host or cuda");
+  }
+  return Status::OK();
+}
+
+Status ValidateOptions(const KVManagerOptions& options) {
+  if (options.mode != Mode::kPrefill && options.mode != Mode::kDecode) {
+    return Status::InvalidArgument("mode must be prefill or decode");
+  }
+  if (options.backend.empty()) return Status::InvalidArgument("backend name is empty");
+  if (options.transfer_workers < 1 || options.transfer_workers > 64) {
+    return Status::InvalidArgument(
+        absl::StrFormat("transfer_workers %d must be in [1, 64]", options.transfer_workers));
+  }
+  if (options.failure_injection_prob > 1.0) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "failure_injection_prob %g must be in [0, 1] (negative: from the environment)",
+        options.failure_injection_prob));
+  }
+  for (auto [name, value] : {std::pair{"bootstrap_timeout", options.bootstrap_timeout},
+                             std::pair{"waiting_timeout", options.waiting_timeout},
+                             std::pair{"transfer_timeout", options.transfer_timeout}}) {
+    if (value.count() <= 0) {
+      return Status::InvalidArgument(absl::StrFormat("%s must be > 0 ms", name));
+    }
+  }
+  return ValidateKVArgs(options.args).WithPrefix(ModeName(options.mode) == "prefill"
+                                                     ? "prefill KVArgs"
+                                                     : "decode KVArgs");
+}
+
+}  // namespace v1
+}  // namespace pdlib

@@ -1,0 +1,191 @@
+// The backend conformance suite: every registered built-in backend must pass it (STYLE.md
+// habit 8). Backends that move bytes are also checked byte for byte; the fake backend, which
+// by design moves none, says so and is checked on everything else.
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "pdlib/backends.h"
+#include "pdlib/spi/transport.h"
+
+namespace spi = pdlib::spi;
+using pdlib::Status;
+using pdlib::StatusCode;
+
+namespace {
+
+// Collects completions; Wait returns false on timeout so a lost completion fails, never hangs.
+class Completions {
+ public:
+  spi::WriteCallback Callback() {
+    return [this](Status s) {
+      std::lock_guard lock(mu_);
+      statuses_.push_back(std::move(s));
+      cv_.notify_all();
+    };
+  }
+  bool Wait(size_t n, std::chrono::seconds limit = std::chrono::seconds(10)) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, limit, [&] { return statuses_.size() >= n; });
+  }
+  std::vector<Status> statuses() {
+    std::lock_guard lock(mu_);
+    return statuses_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Status> statuses_;
+};
+
+struct Pair {
+  std::unique_ptr<spi::Transport> initiator, target;
+  std::vector<uint8_t> src, dst;
+  spi::LocalRegionId src_region = 0, dst_region = 0;
+  spi::PeerId peer = 0;
+  spi::RemoteRegionId remote = 0;
+  spi::TargetId target_id = 0;
+};
+
+Pair Connect(const std::string& name, size_t bytes) {
+  Pair p;
+  auto a = spi::CreateTransport(name, {});
+  auto b = spi::CreateTransport(name, {});
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  p.initiator = std::move(*a);
+  p.target = std::move(*b);
+  p.src.resize(bytes);
+  p.dst.assign(bytes, 0);
+  for (size_t i = 0; i < bytes; ++i) p.src[i] = static_cast<uint8_t>(i * 31 + 7);
+  spi::Blob src_key, dst_key;
+  auto sr = p.initiator->RegisterMemory({p.src.data(), bytes}, &src_key);
+  auto dr = p.target->RegisterMemory({p.dst.data(), bytes}, &dst_key);
+  REQUIRE(sr.ok());
+  REQUIRE(dr.ok());
+  p.src_region = *sr;
+  p.dst_region = *dr;
+  auto ep = p.target->CreateTargetEndpoint();
+  REQUIRE(ep.ok());
+  p.target_id = ep->id;
+  auto conn = p.initiator->Connect(ep->blob);
+  REQUIRE(conn.ok());
+  if (p.target->capabilities().needs_reply) {
+    REQUIRE(p.target->CompleteTargetEndpoint(ep->id, conn->reply).ok());
+  }
+  p.peer = conn->peer;
+  auto remote = p.initiator->ImportRemoteRegion(
+      p.peer, {reinterpret_cast<uint64_t>(p.dst.data()), bytes, dst_key});
+  REQUIRE(remote.ok());
+  p.remote = *remote;
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("backend conformance") {
+  auto name = GENERATE(from_range(pdlib::BuiltinBackends()));
+  INFO("backend " << name);
+  constexpr size_t kBytes = 1 << 16;
+  Pair p = Connect(name, kBytes);
+  auto caps = p.initiator->capabilities();
+  CHECK(p.initiator->name() == name);
+
+  SECTION("a batch completes exactly once, with OK") {
+    std::vector<spi::WriteOp> ops;
+    for (uint64_t off = 0; off < kBytes; off += 4096) {
+      ops.push_back({p.src_region, off, p.remote, kBytes - 4096 - off, 4096});  // reversed pages
+    }
+    Completions done;
+    REQUIRE(p.initiator->PostWrites(p.peer, ops, done.Callback()).ok());
+    REQUIRE(done.Wait(1));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    auto st = done.statuses();
+    REQUIRE(st.size() == 1);
+    CHECK(st[0].ok());
+    if (caps.moves_bytes) {
+      for (uint64_t off = 0; off < kBytes; off += 4096) {
+        CHECK(std::equal(p.src.begin() + off, p.src.begin() + off + 4096,
+                         p.dst.begin() + (kBytes - 4096 - off)));
+      }
+    } else {
+      WARN("backend " << name << " moves no bytes by design: byte comparison not applicable");
+      CHECK(std::all_of(p.dst.begin(), p.dst.end(), [](uint8_t b) { return b == 0; }));
+    }
+  }
+
+  SECTION("an empty batch completes") {
+    Completions done;
+    REQUIRE(p.initiator->PostWrites(p.peer, {}, done.Callback()).ok());
+    REQUIRE(done.Wait(1));
+    CHECK(done.statuses()[0].ok());
+  }
+
+  SECTION("writes outside a region are refused before anything moves") {
+    Completions done;
+    std::vector<spi::WriteOp> past_end = {{p.src_region, 0, p.remote, kBytes - 10, 20}};
+    std::vector<spi::WriteOp> overflow = {{p.src_region, ~uint64_t{0} - 5, p.remote, 0, 16}};
+    std::vector<spi::WriteOp> bad_region = {{p.src_region, 0, p.remote + 99, 0, 16}};
+    std::vector<spi::WriteOp> bad_local = {{p.src_region + 99, 0, p.remote, 0, 16}};
+    for (auto* ops : {&past_end, &overflow, &bad_region, &bad_local}) {
+      Status s = p.initiator->PostWrites(p.peer, *ops, done.Callback());
+      CHECK_FALSE(s.ok());
+      CHECK((s.code() == StatusCode::kOutOfRange || s.code() == StatusCode::kInvalidArgument));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK(done.statuses().empty());  // a refused batch never calls back
+    CHECK(std::all_of(p.dst.begin(), p.dst.end(), [](uint8_t b) { return b == 0; }));
+  }
+
+  SECTION("unknown peers and foreign blobs are refused") {
+    Completions done;
+    CHECK_FALSE(p.initiator->PostWrites(p.peer + 1000, {}, done.Callback()).ok());
+    CHECK_FALSE(p.initiator->Connect(spi::Blob{1, 2, 3}).ok());
+    CHECK_FALSE(p.initiator->ImportRemoteRegion(p.peer, {1, 16, spi::Blob{9}}).ok());
+    CHECK_FALSE(p.initiator->DeregisterMemory(p.src_region + 1000).ok());
+  }
+
+  SECTION("after Disconnect the peer is gone") {
+    p.initiator->Disconnect(p.peer);
+    Completions done;
+    CHECK_FALSE(p.initiator->PostWrites(p.peer, {}, done.Callback()).ok());
+  }
+
+  SECTION("many threads post concurrently; every batch completes once") {
+    constexpr int kThreads = 4, kBatches = 200;
+    Completions done;
+    std::atomic<int> post_errors{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        for (int i = 0; i < kBatches; ++i) {
+          uint64_t off = ((t * kBatches + i) % 16) * 4096;
+          spi::WriteOp op{p.src_region, off, p.remote, off, 4096};
+          if (!p.initiator->PostWrites(p.peer, std::span(&op, 1), done.Callback()).ok()) {
+            post_errors++;
+          }
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    CHECK(post_errors == 0);
+    REQUIRE(done.Wait(kThreads * kBatches));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    auto st = done.statuses();
+    CHECK(st.size() == size_t{kThreads * kBatches});
+    CHECK(std::all_of(st.begin(), st.end(), [](const Status& s) { return s.ok(); }));
+    if (caps.moves_bytes) CHECK(p.dst == p.src);
+  }
+
+  SECTION("regions deregister and endpoints close cleanly") {
+    CHECK(p.initiator->DeregisterMemory(p.src_region).ok());
+    CHECK(p.target->DeregisterMemory(p.dst_region).ok());
+    CHECK_FALSE(p.target->DeregisterMemory(p.dst_region).ok());
+    p.target->CloseTargetEndpoint(p.target_id);
+  }
+}

@@ -1,0 +1,31 @@
+# Steps of the install test; any failing step fails the test with its output.
+file(REMOVE_RECURSE ${WORK_DIR})
+set(prefix ${WORK_DIR}/prefix)
+
+function(step name)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${name} failed (${rc}):\n${out}\n${err}")
+  endif()
+  message(STATUS "${name}: ok")
+  set(STEP_OUTPUT "${out}" PARENT_SCOPE)
+endfunction()
+
+step("install" ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+if(NOT EXISTS ${prefix}/include/pdlib/pdlib.h)
+  message(FATAL_ERROR "install tree has no include/pdlib/pdlib.h")
+endif()
+set(flags "")
+if(SANITIZE)
+  string(REPLACE ";" "," san "${SANITIZE}")
+  set(flags "-fsanitize=${san}")
+endif()
+step("configure consumer" ${CMAKE_COMMAND} -S ${CONSUMER_SRC} -B ${WORK_DIR}/build -G ${GENERATOR}
+     -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_CXX_COMPILER=${CXX_COMPILER}
+     -DCMAKE_CXX_FLAGS=${flags} -DCMAKE_EXE_LINKER_FLAGS=${flags})
+step("build consumer" ${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+step("run consumer" ${WORK_DIR}/build/pdlib_consumer)
+message(STATUS "consumer said: ${STEP_OUTPUT}")
+if(NOT STEP_OUTPUT MATCHES "consumer: room 42 Success on both sides")
+  message(FATAL_ERROR "consumer did not report success")
+endif()

@@ -1,0 +1,316 @@
+// KVManager / KVSender / KVReceiver through the in-process control plane over the fake backend:
+// the state machine, validation, timeouts, aborts and clean-up. (Byte-level tests come with the
+// backends that move bytes.)
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <thread>
+
+#include "pdlib/pdlib.h"
+
+using namespace std::chrono_literals;
+using pdlib::KVPoll;
+using pdlib::StatusCode;
+
+namespace {
+
+std::atomic<uint16_t> g_next_bootstrap{30000};
+
+struct Pools {
+  std::vector<uint8_t> k, v;
+  std::unique_ptr<pdlib::MetadataBuffers> aux;
+};
+
+pdlib::KVManagerOptions Options(pdlib::Mode mode, uint16_t bootstrap, Pools& pools,
+                                uint64_t pages = 64, uint64_t page_bytes = 256) {
+  pools.k.assign(pages * page_bytes, 0);
+  pools.v.assign(pages * page_bytes, 0);
+  pools.aux = std::move(*pdlib::MetadataBuffers::Create(8, 0, 0));
+  pdlib::KVManagerOptions o;
+  o.mode = mode;
+  o.bootstrap_port = bootstrap;
+  o.args.kv = {{reinterpret_cast<uint64_t>(pools.k.data()), reinterpret_cast<uint64_t>(pools.v.data())},
+               {pools.k.size(), pools.v.size()},
+               {page_bytes, page_bytes}};
+  o.args.aux = pools.aux->Describe();
+  o.args.page_size = 16;
+  o.args.fingerprint = {2, 8, 128, 2, 1, "test-model"};
+  return o;
+}
+
+template <typename Pred>
+bool WaitFor(Pred pred, std::chrono::milliseconds limit = 5000ms) {
+  auto end = std::chrono::steady_clock::now() + limit;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(200us);
+  }
+  return true;
+}
+
+struct Deployment {
+  Pools ppools, dpools;
+  uint16_t bootstrap = g_next_bootstrap++;
+  std::unique_ptr<pdlib::KVManager> prefill, decode;
+  explicit Deployment(std::function<void(pdlib::KVManagerOptions&, pdlib::KVManagerOptions&)> tweak = {}) {
+    auto p = Options(pdlib::Mode::kPrefill, bootstrap, ppools);
+    auto d = Options(pdlib::Mode::kDecode, bootstrap, dpools);
+    if (tweak) tweak(p, d);
+    auto pm = pdlib::KVManager::Create(p);
+    REQUIRE(pm.ok());
+    prefill = std::move(*pm);
+    auto dm = pdlib::KVManager::Create(d);
+    REQUIRE(dm.ok());
+    decode = std::move(*dm);
+  }
+  pdlib::BootstrapAddress addr() const { return {"127.0.0.1", bootstrap}; }
+};
+
+}  // namespace
+
+TEST_CASE("1P1D: requests reach Success on both sides with monotonic polls") {
+  Deployment dep;
+  for (uint64_t room = 100; room < 140; ++room) {
+    auto sender = dep.prefill->CreateSender(room);
+    REQUIRE(sender.ok());
+    CHECK((*sender)->Poll() == KVPoll::kBootstrapping);
+    auto receiver = dep.decode->CreateReceiver(dep.addr(), room);
+    REQUIRE(receiver.ok());
+    CHECK((*receiver)->Poll() == KVPoll::kWaitingForInput);
+    std::vector<int32_t> dst = {3, 4, 5, 9}, src = {10, 11, 12, 20};
+    uint32_t slot = static_cast<uint32_t>(room % 8);
+    REQUIRE((*receiver)->Init(dst, slot).ok());
+    REQUIRE(WaitFor([&] { return (*sender)->Poll() == KVPoll::kWaitingForInput; }));
+    REQUIRE((*sender)->Init(src.size(), slot).ok());
+    REQUIRE((*sender)->Send(std::span(src).first(2), false).ok());  // chunked prefill
+    REQUIRE((*sender)->Send(std::span(src).subspan(2), true).ok());
+    int last_s = 0, last_r = 0;
+    bool monotonic = true;
+    REQUIRE(WaitFor([&] {
+      int s = static_cast<int>((*sender)->Poll()), r = static_cast<int>((*receiver)->Poll());
+      monotonic &= s >= last_s && r >= last_r;
+      last_s = s;
+      last_r = r;
+      return s == 4 && r == 4;
+    }));
+    CHECK(monotonic);
+    CHECK((*sender)->FailureReason().ok());
+  }
+  auto pm = dep.prefill->metrics();
+  CHECK(pm.rooms_succeeded == 40);
+  CHECK(pm.pages_transferred == 160);
+  CHECK(pm.bytes_transferred == 160 * 2 * 256);
+  CHECK(pm.live_rooms == 0);  // handles destroyed
+  CHECK(pm.connections == 1);
+  CHECK(dep.decode->metrics().rooms_succeeded == 40);
+}
+
+TEST_CASE("TransferInfo that arrives before the sender exists is kept") {
+  Deployment dep;
+  auto receiver = dep.decode->CreateReceiver(dep.addr(), 7);
+  REQUIRE(receiver.ok());
+  std::vector<int32_t> pages = {1};
+  REQUIRE((*receiver)->Init(pages, std::nullopt).ok());
+  auto sender = dep.prefill->CreateSender(7);
+  REQUIRE(sender.ok());
+  CHECK((*sender)->Poll() == KVPoll::kWaitingForInput);
+  REQUIRE((*sender)->Send(pages, true).ok());
+  CHECK(WaitFor([&] { return (*receiver)->Poll() == KVPoll::kSuccess; }));
+}
+
+TEST_CASE("bad input gives clear errors and leaves nothing behind") {
+  Deployment dep;
+  SECTION("duplicate room") {
+    auto a = dep.prefill->CreateSender(1);
+    REQUIRE(a.ok());
+    auto b = dep.prefill->CreateSender(1);
+    REQUIRE_FALSE(b.ok());
+    CHECK(b.status().code() == StatusCode::kAlreadyExists);
+    auto r1 = dep.decode->CreateReceiver(dep.addr(), 1);
+    REQUIRE(r1.ok());
+    CHECK(dep.decode->CreateReceiver(dep.addr(), 1).status().code() == StatusCode::kAlreadyExists);
+  }
+  SECTION("out-of-range page and aux indices on decode") {
+    auto r = dep.decode->CreateReceiver(dep.addr(), 2);
+    REQUIRE(r.ok());
+    std::vector<int32_t> bad = {1, 64};
+    pdlib::Status s = (*r)->Init(bad, std::nullopt);
+    CHECK(s.code() == StatusCode::kOutOfRange);
+    CHECK(std::string(s.message()).find("kv page index 64 (position 1) out of range [0, 64) on decode") !=
+          std::string::npos);
+    std::vector<int32_t> good = {1};
+    CHECK((*r)->Init(good, 8u).code() == StatusCode::kOutOfRange);
+  }
+  SECTION("out-of-range page on prefill, and too many pages") {
+    auto r = dep.decode->CreateReceiver(dep.addr(), 3);
+    auto s = dep.prefill->CreateSender(3);
+    REQUIRE((r.ok() && s.ok()));
+    std::vector<int32_t> dst = {1, 2};
+    REQUIRE((*r)->Init(dst, std::nullopt).ok());
+    REQUIRE(WaitFor([&] { return (*s)->Poll() == KVPoll::kWaitingForInput; }));
+    std::vector<int32_t> bad = {-1, 2};
+    CHECK((*s)->Send(bad, true).code() == StatusCode::kOutOfRange);
+    std::vector<int32_t> three = {1, 2, 3};
+    CHECK((*s)->Send(three, true).code() == StatusCode::kOutOfRange);
+    std::vector<int32_t> one = {1};
+    CHECK((*s)->Send(one, true).code() == StatusCode::kOutOfRange);  // last chunk short
+  }
+  SECTION("send before TransferInfo") {
+    auto s = dep.prefill->CreateSender(4);
+    REQUIRE(s.ok());
+    std::vector<int32_t> one = {1};
+    CHECK((*s)->Send(one, true).code() == StatusCode::kFailedPrecondition);
+  }
+  SECTION("bootstrap unreachable") {
+    auto r = dep.decode->CreateReceiver({"127.0.0.1", 1}, 5);
+    REQUIRE(r.ok());
+    CHECK((*r)->Poll() == KVPoll::kFailed);
+    CHECK((*r)->FailureReason().code() == StatusCode::kUnavailable);
+    CHECK(std::string((*r)->FailureReason().message()).find("127.0.0.1:1") != std::string::npos);
+  }
+  SECTION("wrong role") {
+    CHECK(dep.decode->CreateSender(6).status().code() == StatusCode::kFailedPrecondition);
+    CHECK(dep.prefill->CreateReceiver(dep.addr(), 6).status().code() ==
+          StatusCode::kFailedPrecondition);
+  }
+  // Every section's handles are gone here: nothing may be left behind.
+  CHECK(dep.prefill->metrics().live_rooms == 0);
+  CHECK(dep.decode->metrics().live_rooms == 0);
+}
+
+TEST_CASE("handles release their rooms when destroyed") {
+  Deployment dep;
+  {
+    auto s = dep.prefill->CreateSender(11);
+    auto r = dep.decode->CreateReceiver(dep.addr(), 11);
+    REQUIRE((s.ok() && r.ok()));
+    CHECK(dep.prefill->metrics().live_rooms == 1);
+    CHECK(dep.decode->metrics().live_rooms == 1);
+  }
+  CHECK(dep.prefill->metrics().live_rooms == 0);
+  CHECK(dep.decode->metrics().live_rooms == 0);
+  CHECK(dep.prefill->CreateSender(11).ok());  // the id is free again
+}
+
+TEST_CASE("mismatched page size or fingerprint is refused with both values") {
+  SECTION("page size") {
+    Deployment dep([](auto&, auto& d) { d.args.page_size = 32; });
+    auto r = dep.decode->CreateReceiver(dep.addr(), 1);
+    REQUIRE(r.ok());
+    REQUIRE((*r)->Poll() == KVPoll::kFailed);
+    std::string msg((*r)->FailureReason().message());
+    CHECK(msg.find("page size mismatch") != std::string::npos);
+    CHECK(msg.find("16") != std::string::npos);
+    CHECK(msg.find("32") != std::string::npos);
+  }
+  SECTION("fingerprint") {
+    Deployment dep([](auto&, auto& d) { d.args.fingerprint.num_kv_heads = 4; });
+    auto r = dep.decode->CreateReceiver(dep.addr(), 1);
+    REQUIRE(r.ok());
+    REQUIRE((*r)->Poll() == KVPoll::kFailed);
+    std::string msg((*r)->FailureReason().message());
+    CHECK(msg.find("fingerprint mismatch") != std::string::npos);
+    CHECK(msg.find("kv_heads 4") != std::string::npos);
+    CHECK(msg.find("kv_heads 8") != std::string::npos);
+    CHECK(dep.decode->metrics().connections == 0);
+  }
+}
+
+TEST_CASE("timeouts fail rooms in every waiting state, with the state named") {
+  Deployment dep([](auto& p, auto& d) {
+    p.bootstrap_timeout = d.bootstrap_timeout = 100ms;
+    p.waiting_timeout = d.waiting_timeout = 100ms;
+    p.transfer_timeout = d.transfer_timeout = 100ms;
+  });
+  auto s = dep.prefill->CreateSender(1);  // never gets a TransferInfo
+  REQUIRE(s.ok());
+  REQUIRE(WaitFor([&] { return (*s)->Poll() == KVPoll::kFailed; }, 3000ms));
+  CHECK((*s)->FailureReason().code() == StatusCode::kDeadlineExceeded);
+  CHECK(std::string((*s)->FailureReason().message()).find("Bootstrapping") != std::string::npos);
+
+  auto r = dep.decode->CreateReceiver(dep.addr(), 2);  // never Init()ed
+  REQUIRE(r.ok());
+  REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }, 3000ms));
+  CHECK(std::string((*r)->FailureReason().message()).find("WaitingForInput") != std::string::npos);
+  CHECK(dep.prefill->metrics().bootstrap_failed_reqs == 1);
+}
+
+TEST_CASE("abort on either side fails both, with the reason") {
+  Deployment dep;
+  auto s = dep.prefill->CreateSender(1);
+  auto r = dep.decode->CreateReceiver(dep.addr(), 1);
+  REQUIRE((s.ok() && r.ok()));
+  std::vector<int32_t> pages = {1};
+  REQUIRE((*r)->Init(pages, std::nullopt).ok());
+  REQUIRE(WaitFor([&] { return (*s)->Poll() == KVPoll::kWaitingForInput; }));
+  (*r)->Abort("engine retracted the request");
+  CHECK((*r)->Poll() == KVPoll::kFailed);
+  REQUIRE(WaitFor([&] { return (*s)->Poll() == KVPoll::kFailed; }));
+  CHECK((*s)->FailureReason().code() == StatusCode::kAborted);
+  CHECK(std::string((*s)->FailureReason().message()).find("engine retracted") != std::string::npos);
+
+  auto s2 = dep.prefill->CreateSender(2);
+  auto r2 = dep.decode->CreateReceiver(dep.addr(), 2);
+  REQUIRE((s2.ok() && r2.ok()));
+  REQUIRE((*r2)->Init(pages, std::nullopt).ok());
+  (*s2)->Abort("out of memory");
+  REQUIRE(WaitFor([&] { return (*r2)->Poll() == KVPoll::kFailed; }));
+  CHECK(std::string((*r2)->FailureReason().message()).find("out of memory") != std::string::npos);
+}
+
+TEST_CASE("a prefill manager going away fails its decode rooms; a new one serves new rooms") {
+  Pools ppools, dpools;
+  uint16_t bootstrap = g_next_bootstrap++;
+  auto d = pdlib::KVManager::Create(Options(pdlib::Mode::kDecode, bootstrap, dpools));
+  REQUIRE(d.ok());
+  auto p = pdlib::KVManager::Create(Options(pdlib::Mode::kPrefill, bootstrap, ppools));
+  REQUIRE(p.ok());
+  auto r = (*d)->CreateReceiver({"127.0.0.1", bootstrap}, 1);
+  REQUIRE(r.ok());
+  std::vector<int32_t> pages = {1};
+  REQUIRE((*r)->Init(pages, std::nullopt).ok());
+  p->reset();  // the prefill rank exits
+  REQUIRE((*r)->Poll() == KVPoll::kFailed);
+  CHECK((*r)->FailureReason().code() == StatusCode::kUnavailable);
+  CHECK((*d)->metrics().connections == 0);  // purged: no stale connection
+
+  auto p2 = pdlib::KVManager::Create(Options(pdlib::Mode::kPrefill, bootstrap, ppools));
+  REQUIRE(p2.ok());
+  auto s = (*p2)->CreateSender(2);
+  auto r2 = (*d)->CreateReceiver({"127.0.0.1", bootstrap}, 2);
+  REQUIRE((s.ok() && r2.ok()));
+  REQUIRE((*r2)->Init(pages, std::nullopt).ok());
+  REQUIRE(WaitFor([&] { return (*s)->Poll() == KVPoll::kWaitingForInput; }));
+  REQUIRE((*s)->Send(pages, true).ok());
+  CHECK(WaitFor([&] { return (*r2)->Poll() == KVPoll::kSuccess; }));
+}
+
+TEST_CASE("failure injection fails transfers with a reason") {
+  Deployment dep([](auto& p, auto&) { p.failure_injection_prob = 1.0; });
+  auto s = dep.prefill->CreateSender(1);
+  auto r = dep.decode->CreateReceiver(dep.addr(), 1);
+  REQUIRE((s.ok() && r.ok()));
+  std::vector<int32_t> pages = {1, 2};
+  REQUIRE((*r)->Init(pages, std::nullopt).ok());
+  REQUIRE(WaitFor([&] { return (*s)->Poll() == KVPoll::kWaitingForInput; }));
+  REQUIRE((*s)->Send(pages, true).ok());
+  REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
+  CHECK(std::string((*r)->FailureReason().message()).find("injected failure") != std::string::npos);
+  CHECK((*s)->Poll() == KVPoll::kFailed);
+  CHECK(dep.prefill->metrics().transfer_failed_reqs == 1);
+}
+
+TEST_CASE("invalid options name the field") {
+  Pools pools;
+  auto o = Options(pdlib::Mode::kPrefill, 1, pools);
+  o.args.kv.item_lens[1] = 0;
+  auto m = pdlib::KVManager::Create(o);
+  REQUIRE_FALSE(m.ok());
+  CHECK(std::string(m.status().message()).find("kv buffer 1: item_len 0") != std::string::npos);
+  o = Options(pdlib::Mode::kPrefill, 1, pools);
+  o.backend = "nosuch";
+  CHECK(pdlib::KVManager::Create(o).status().code() == StatusCode::kNotFound);
+  o = Options(pdlib::Mode::kPrefill, 1, pools);
+  o.args.parallel.tp_rank = 2;
+  CHECK(std::string(pdlib::KVManager::Create(o).status().message()).find("tp_rank 2") !=
+        std::string::npos);
+}
