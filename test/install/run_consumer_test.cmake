@@ -17,8 +17,7 @@ if(NOT EXISTS ${prefix}/include/pdlib/pdlib.h)
 endif()
 set(flags "")
 if(SANITIZE)
-  string(REPLACE ";" "," san "${SANITIZE}")
-  set(flags "-fsanitize=${san}")
+  set(flags "-fsanitize=${SANITIZE}")
 endif()
 step("configure consumer" ${CMAKE_COMMAND} -S ${CONSUMER_SRC} -B ${WORK_DIR}/build -G ${GENERATOR}
      -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_CXX_COMPILER=${CXX_COMPILER}
