@@ -102,6 +102,9 @@ TEST_CASE("1P1D: requests reach Success on both sides with monotonic polls") {
   CHECK(pm.live_rooms == 0);  // handles destroyed
   CHECK(pm.connections == 1);
   CHECK(dep.decode->metrics().rooms_succeeded == 40);
+  CHECK(pm.requests_total == 40);
+  CHECK(pm.transfer_latency_count == 40);
+  CHECK(pm.failed_by_cause.empty());
 }
 
 TEST_CASE("TransferInfo that arrives before the sender exists is kept") {
@@ -232,6 +235,7 @@ TEST_CASE("timeouts fail rooms in every waiting state, with the state named") {
   REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }, 3000ms));
   CHECK(std::string((*r)->FailureReason().message()).find("WaitingForInput") != std::string::npos);
   CHECK(dep.prefill->metrics().bootstrap_failed_reqs == 1);
+  CHECK(dep.prefill->metrics().failed_by_cause.at("DEADLINE_EXCEEDED") == 1);
 }
 
 TEST_CASE("abort on either side fails both, with the reason") {

@@ -12,6 +12,7 @@
 #define PDLIB_KV_MANAGER_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -83,7 +84,18 @@ struct KVManagerMetrics {
   uint64_t pages_transferred = 0;
   uint64_t write_batches = 0;
   uint64_t connections = 0;            // live peer connections
+  uint64_t requests_total = 0;         // handles ever created
+  // Failed rooms by the failure's status code name ("DEADLINE_EXCEEDED", "UNAVAILABLE", ...).
+  std::map<std::string, uint64_t> failed_by_cause;
+  // Time from a room's creation to Success, summed over succeeded rooms (mean = sum / count).
+  uint64_t transfer_latency_us_sum = 0;
+  uint64_t transfer_latency_count = 0;
 };
+
+// Renders `m` in the Prometheus text exposition format, every metric prefixed "pdlib_" and
+// carrying `labels` (e.g. {{"role", "prefill"}, {"tp_rank", "0"}}).
+PDLIB_EXPORT std::string RenderPrometheus(const KVManagerMetrics& m,
+                                          const std::map<std::string, std::string>& labels = {});
 
 // One per engine rank. Create it after the engine has allocated its KV pools.
 class PDLIB_EXPORT KVManager {

@@ -1,15 +1,15 @@
 #include "pdlib/log.h"
 
+#include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
 
 #include "absl/strings/ascii.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
+#include "lib/base/mutex.h"
 #include "lib/base/log_internal.h"
 
 namespace pdlib {
@@ -44,15 +44,23 @@ char LevelLetter(LogLevel level) {
 void StderrSink(LogLevel level, std::string_view file, int line, std::string_view message) {
   auto slash = file.rfind('/');
   if (slash != std::string_view::npos) file.remove_prefix(slash + 1);
-  std::string out = absl::StrFormat("%c%s pdlib %s:%d] %s\n", LevelLetter(level),
-                                    absl::FormatTime("%m%d %H:%M:%E6S", absl::Now(),
-                                                     absl::LocalTimeZone()),
-                                    file, line, message);
+  // libc time formatting, not absl::FormatTime: Debian's Abseil time-zone code is not
+  // TSan-instrumented and would be reported from every thread that logs.
+  auto now = std::chrono::system_clock::now();
+  std::time_t secs = std::chrono::system_clock::to_time_t(now);
+  auto micros = std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()) %
+                std::chrono::seconds(1);
+  std::tm tm{};
+  localtime_r(&secs, &tm);
+  char stamp[32];
+  std::strftime(stamp, sizeof(stamp), "%m%d %H:%M:%S", &tm);
+  std::string out = absl::StrFormat("%c%s.%06d pdlib %s:%d] %s\n", LevelLetter(level), stamp,
+                                    micros.count(), file, line, message);
   std::fwrite(out.data(), 1, out.size(), stderr);  // one write per line: no interleaving
 }
 
 // The sink is swapped rarely and called often: readers copy the shared_ptr under a reader lock.
-absl::Mutex g_sink_mu;
+Mutex g_sink_mu;
 std::shared_ptr<const LogSink> g_sink ABSL_GUARDED_BY(g_sink_mu);
 
 }  // namespace
@@ -63,7 +71,7 @@ std::atomic<int> g_log_level{LevelFromEnv()};
 void EmitLog(LogLevel level, const char* file, int line, std::string_view message) {
   std::shared_ptr<const LogSink> sink;
   {
-    absl::ReaderMutexLock lock(&g_sink_mu);
+    MutexLock lock(&g_sink_mu);
     sink = g_sink;
   }
   if (sink) {
@@ -76,7 +84,7 @@ void EmitLog(LogLevel level, const char* file, int line, std::string_view messag
 
 void SetLogSink(LogSink sink) {
   auto next = sink ? std::make_shared<const LogSink>(std::move(sink)) : nullptr;
-  absl::MutexLock lock(&g_sink_mu);
+  MutexLock lock(&g_sink_mu);
   g_sink = std::move(next);
 }
 

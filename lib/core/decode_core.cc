@@ -14,7 +14,7 @@ inline namespace v1 {
 struct DecodeCore::Room {
   explicit Room(std::shared_ptr<RoomState> s) : state(std::move(s)) {}
   const std::shared_ptr<RoomState> state;
-  mutable absl::Mutex mu;
+  mutable Mutex mu;
   std::vector<std::string> keys ABSL_GUARDED_BY(mu);  // prefill ranks that write to this room
   std::optional<uint32_t> aux_index ABSL_GUARDED_BY(mu);
   std::vector<int32_t> statuses_ok ABSL_GUARDED_BY(mu);  // tp ranks that reported success
@@ -56,7 +56,7 @@ void DecodeCore::Shutdown() {
   std::vector<std::shared_ptr<Room>> rooms;
   absl::flat_hash_map<std::string, Connection> connections;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return;
     stopping_ = true;
     for (auto& [id, room] : room_data_) rooms.push_back(room);
@@ -71,7 +71,7 @@ void DecodeCore::Shutdown() {
 }
 
 std::shared_ptr<DecodeCore::Room> DecodeCore::FindRoom(uint64_t room) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = room_data_.find(room);
   return it == room_data_.end() ? nullptr : it->second;
 }
@@ -79,9 +79,9 @@ std::shared_ptr<DecodeCore::Room> DecodeCore::FindRoom(uint64_t room) const {
 Status DecodeCore::EnsureConnected(
     const std::string& key,
     const std::function<StatusOr<std::shared_ptr<PrefillLink>>()>& make_link) {
-  absl::MutexLock connect_lock(&connect_mu_);
+  MutexLock connect_lock(&connect_mu_);
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return Status::Unavailable("decode manager is shutting down");
     if (connections_.contains(key)) return Status::OK();
   }
@@ -109,7 +109,7 @@ Status DecodeCore::EnsureConnected(
     transport_->CloseTargetEndpoint(target->id);
     return s.WithPrefix("prefill " + key + " refused the connection");
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   connections_[key] = Connection{std::move(*link), target->id};
   PDLIB_LOG(kInfo, "decode: connected to prefill %s", key);
   return Status::OK();
@@ -118,7 +118,8 @@ Status DecodeCore::EnsureConnected(
 StatusOr<std::shared_ptr<RoomState>> DecodeCore::CreateRoom(uint64_t room_id) {
   auto state = rooms_.Insert(room_id);
   if (!state.ok()) return state.status();
-  absl::MutexLock lock(&mu_);
+  counters_.Add(counters_.requests);
+  MutexLock lock(&mu_);
   if (stopping_) {
     rooms_.Erase(room_id, state->get());
     return Status::Unavailable("decode manager is shutting down");
@@ -132,7 +133,7 @@ void DecodeCore::BindRoom(uint64_t room_id, std::vector<std::string> keys) {
   auto room = FindRoom(room_id);
   if (!room) return;
   {
-    absl::MutexLock lock(&room->mu);
+    MutexLock lock(&room->mu);
     room->keys = std::move(keys);
   }
   room->state->Advance(KVPoll::kWaitingForInput);
@@ -167,13 +168,13 @@ Status DecodeCore::InitRoom(uint64_t room_id, std::span<const int32_t> pages,
   std::vector<std::shared_ptr<PrefillLink>> links;
   std::string lost;
   {
-    absl::MutexLock lock(&room->mu);
+    MutexLock lock(&room->mu);
     if (room->initialized) {
       return Status::FailedPrecondition(absl::StrFormat("room %d: Init() called twice", room_id));
     }
     room->initialized = true;
     room->aux_index = aux;
-    absl::MutexLock conn_lock(&mu_);
+    MutexLock conn_lock(&mu_);
     for (const auto& key : room->keys) {
       auto it = connections_.find(key);
       if (it == connections_.end()) {
@@ -215,7 +216,7 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
   }
   bool complete = false;
   {
-    absl::MutexLock lock(&room->mu);
+    MutexLock lock(&room->mu);
     if (!room->initialized) return;  // a success before Init() is a confused peer: ignore
     for (int32_t r : room->statuses_ok) {
       if (r == msg.prefill_tp_rank) return;  // duplicate
@@ -226,7 +227,7 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
   if (!complete) return;
   if (Status s = CheckAuxRoom(*room); !s.ok()) return FailRoom(room, s, true);
   if (room->state->Advance(KVPoll::kSuccess)) {
-    counters_.Add(counters_.succeeded);
+    counters_.CountSuccess(*room->state);
     PDLIB_LOG(kInfo, "decode: room %d received", msg.room);
   }
 }
@@ -234,7 +235,7 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
 Status DecodeCore::CheckAuxRoom(const Room& room) const {
   std::optional<uint32_t> aux;
   {
-    absl::MutexLock lock(&room.mu);
+    MutexLock lock(&room.mu);
     aux = room.aux_index;
   }
   if (aux_room_buffer_ < 0 || !aux) return Status::OK();
@@ -259,8 +260,8 @@ void DecodeCore::FailRoom(const std::shared_ptr<Room>& room, Status reason, bool
   if (!tell_prefill) return;
   std::vector<std::shared_ptr<PrefillLink>> links;
   {
-    absl::MutexLock lock(&room->mu);
-    absl::MutexLock conn_lock(&mu_);
+    MutexLock lock(&room->mu);
+    MutexLock conn_lock(&mu_);
     for (const auto& key : room->keys) {
       auto it = connections_.find(key);
       if (it != connections_.end()) links.push_back(it->second.link);
@@ -279,7 +280,7 @@ void DecodeCore::AbortRoom(uint64_t room_id, std::string_view reason) {
 void DecodeCore::ReleaseRoom(uint64_t room_id, const RoomState* state) {
   std::shared_ptr<Room> room;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = room_data_.find(room_id);
     if (it != room_data_.end() && it->second->state.get() == state) {
       room = std::move(it->second);
@@ -298,7 +299,7 @@ void DecodeCore::OnPrefillGone(const std::string& key, const Status& reason) {
   std::vector<std::shared_ptr<Room>> rooms;
   std::optional<Connection> conn;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = connections_.find(key);
     if (it != connections_.end()) {
       conn = std::move(it->second);
@@ -309,7 +310,7 @@ void DecodeCore::OnPrefillGone(const std::string& key, const Status& reason) {
   for (auto& room : rooms) {
     bool bound = false;
     {
-      absl::MutexLock lock(&room->mu);
+      MutexLock lock(&room->mu);
       for (const auto& k : room->keys) bound |= k == key;
     }
     if (bound) {
@@ -326,7 +327,7 @@ void DecodeCore::CheckTimeouts() {
   absl::Time now = absl::Now();
   std::vector<std::shared_ptr<Room>> rooms;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (auto& [id, room] : room_data_) rooms.push_back(room);
   }
   for (auto& room : rooms) {
@@ -337,7 +338,7 @@ void DecodeCore::CheckTimeouts() {
 KVManagerMetrics DecodeCore::metrics() const {
   KVManagerMetrics m;
   counters_.FillInto(&m, rooms_);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   m.connections = connections_.size();
   return m;
 }

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/synchronization/mutex.h"
+#include "lib/base/mutex.h"
 #include "lib/core/control_messages.h"
 #include "lib/core/manager_common.h"
 #include "lib/core/room_table.h"
@@ -81,12 +81,12 @@ class DecodeCore : public std::enable_shared_from_this<DecodeCore> {
   RoomTable rooms_;
   MetricCounters counters_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Room>> room_data_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Connection> connections_ ABSL_GUARDED_BY(mu_);
   // Serialises connection set-up so two receivers do not connect to one rank twice.
-  absl::Mutex connect_mu_;
+  Mutex connect_mu_;
 
   std::unique_ptr<PeriodicThread> reaper_;
 };

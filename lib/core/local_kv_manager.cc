@@ -6,7 +6,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
+#include "lib/base/mutex.h"
 #include "lib/base/log_internal.h"
 #include "lib/core/decode_core.h"
 #include "lib/core/prefill_core.h"
@@ -32,7 +32,7 @@ class LocalHub {
   }
 
   StatusOr<std::string> AddPrefill(const KVManagerOptions& o, std::weak_ptr<PrefillCore> core) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     std::string bootstrap = absl::StrFormat("%s:%d", o.bootstrap_host, o.bootstrap_port);
     uint16_t port = o.listen_port != 0 ? o.listen_port : next_port_++;
     PrefillEntry entry{absl::StrFormat("local://%s:%d", o.listen_host, port), std::move(core),
@@ -64,7 +64,7 @@ class LocalHub {
   }
 
   void RemovePrefill(const std::string& key) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (auto& [bootstrap, ranks] : prefills_) {
       std::erase_if(ranks, [&](const PrefillEntry& r) { return r.key == key; });
     }
@@ -72,7 +72,7 @@ class LocalHub {
 
   StatusOr<PrefillEntry> FindPrefill(const BootstrapAddress& b, uint64_t room,
                                      std::optional<int32_t> dp_override, const KVArgs& mine) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     std::string bootstrap = absl::StrFormat("%s:%d", b.host, b.port);
     auto it = prefills_.find(bootstrap);
     if (it == prefills_.end() || it->second.empty()) {
@@ -104,20 +104,20 @@ class LocalHub {
   }
 
   uint64_t NewSession() {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return next_session_++;
   }
   void AddDecode(uint64_t session, std::weak_ptr<DecodeCore> core) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     decodes_[session] = std::move(core);
   }
   void RemoveDecode(uint64_t session) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     decodes_.erase(session);
   }
 
   std::vector<std::shared_ptr<DecodeCore>> Decodes() {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     std::vector<std::shared_ptr<DecodeCore>> out;
     for (auto& [s, w] : decodes_) {
       if (auto d = w.lock()) out.push_back(std::move(d));
@@ -125,7 +125,7 @@ class LocalHub {
     return out;
   }
   std::vector<std::shared_ptr<PrefillCore>> Prefills() {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     std::vector<std::shared_ptr<PrefillCore>> out;
     for (auto& [b, ranks] : prefills_) {
       for (auto& r : ranks) {
@@ -136,7 +136,7 @@ class LocalHub {
   }
 
  private:
-  absl::Mutex mu_;
+  Mutex mu_;
   absl::flat_hash_map<std::string, std::vector<PrefillEntry>> prefills_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::weak_ptr<DecodeCore>> decodes_ ABSL_GUARDED_BY(mu_);
   uint16_t next_port_ ABSL_GUARDED_BY(mu_) = 20000;

@@ -69,13 +69,21 @@ double ResolveFailureInjectionProb(const KVManagerOptions& options) {
 
 bool FailureInjector::Roll() {
   if (prob_ <= 0) return false;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return std::uniform_real_distribution<double>(0, 1)(rng_) < prob_;
 }
 
 void MetricCounters::CountFailure(const RoomState& room) {
   Add(failed);
   Add(room.failed_from() == KVPoll::kBootstrapping ? bootstrap_failed : transfer_failed);
+  std::string cause(StatusCodeName(room.FailureReason().code()));
+  MutexLock lock(&causes_mu_);
+  ++failed_by_cause_[cause];
+}
+
+void MetricCounters::CountSuccess(const RoomState& room) {
+  Add(succeeded);
+  Add(latency_us_sum, static_cast<uint64_t>(absl::ToInt64Microseconds(absl::Now() - room.created())));
 }
 
 void MetricCounters::FillInto(KVManagerMetrics* m, const RoomTable& rooms) const {
@@ -87,6 +95,13 @@ void MetricCounters::FillInto(KVManagerMetrics* m, const RoomTable& rooms) const
   m->bytes_transferred = get(bytes);
   m->pages_transferred = get(pages);
   m->write_batches = get(batches);
+  m->requests_total = get(requests);
+  m->transfer_latency_us_sum = get(latency_us_sum);
+  m->transfer_latency_count = m->rooms_succeeded;
+  {
+    MutexLock lock(&causes_mu_);
+    m->failed_by_cause = failed_by_cause_;
+  }
   m->live_rooms = 0;
   m->bootstrap_queue_size = 0;
   m->transfer_queue_size = 0;
@@ -119,20 +134,24 @@ Status CheckRoomDeadline(const RoomState& room, const KVManagerOptions& options,
 
 PeriodicThread::PeriodicThread(absl::Duration period, std::function<void()> tick) {
   thread_ = std::thread([this, period, tick = std::move(tick)] {
-    absl::MutexLock lock(&mu_);
-    while (!mu_.AwaitWithTimeout(absl::Condition(&stop_), period)) {
-      mu_.Unlock();
+    auto wait = absl::ToChronoMicroseconds(period);
+    while (true) {
+      {
+        MutexLock lock(&mu_);
+        if (!stop_) cv_.WaitFor(&mu_, wait);
+        if (stop_) return;
+      }
       tick();
-      mu_.Lock();
     }
   });
 }
 
 PeriodicThread::~PeriodicThread() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
+  cv_.SignalAll();
   thread_.join();
 }
 

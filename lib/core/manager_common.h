@@ -5,12 +5,14 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
+#include <string>
 #include <memory>
 #include <random>
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
+#include "lib/base/mutex.h"
 #include "lib/core/control_messages.h"
 #include "lib/core/room_table.h"
 #include "pdlib/kv_manager.h"
@@ -46,20 +48,28 @@ class FailureInjector {
 
  private:
   double prob_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_){std::random_device{}()};
 };
 
 // Counters behind KVManagerMetrics; relaxed atomics: metrics are statistics, not
 // synchronisation.
 struct MetricCounters {
-  std::atomic<uint64_t> succeeded{0}, failed{0}, bootstrap_failed{0}, transfer_failed{0};
+  std::atomic<uint64_t> requests{0}, succeeded{0}, failed{0}, bootstrap_failed{0},
+      transfer_failed{0};
   std::atomic<uint64_t> bytes{0}, pages{0}, batches{0};
+  std::atomic<uint64_t> latency_us_sum{0};
 
   void Add(std::atomic<uint64_t>& c, uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
   // Counts a room that just failed (call only for the Fail() that returned true).
   void CountFailure(const RoomState& room);
+  // Counts a room that just succeeded (call only for the Advance(kSuccess) that returned true).
+  void CountSuccess(const RoomState& room);
   void FillInto(KVManagerMetrics* m, const RoomTable& rooms) const;
+
+ private:
+  mutable Mutex causes_mu_;
+  std::map<std::string, uint64_t> failed_by_cause_ ABSL_GUARDED_BY(causes_mu_);
 };
 
 // The deadline for the room's current state, per the manager's options; a non-OK status (with
@@ -73,7 +83,8 @@ class PeriodicThread {
   ~PeriodicThread();
 
  private:
-  absl::Mutex mu_;
+  Mutex mu_;
+  CondVar cv_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

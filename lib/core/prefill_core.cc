@@ -23,7 +23,7 @@ struct PrefillCore::Peer {
 struct PrefillCore::Room {
   explicit Room(std::shared_ptr<RoomState> s) : state(std::move(s)) {}
   const std::shared_ptr<RoomState> state;
-  absl::Mutex mu;
+  Mutex mu;
   std::optional<uint64_t> num_kv_pages ABSL_GUARDED_BY(mu);
   std::optional<uint32_t> aux_index ABSL_GUARDED_BY(mu);
   // One TransferInfo per decode rank this room writes to, each with its connection.
@@ -64,7 +64,7 @@ PrefillCore::~PrefillCore() { Shutdown(); }
 void PrefillCore::Shutdown() {
   std::vector<std::shared_ptr<Room>> rooms;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return;
     stopping_ = true;
     for (auto& [id, room] : room_data_) rooms.push_back(room);
@@ -72,6 +72,7 @@ void PrefillCore::Shutdown() {
     peers_.clear();
     early_infos_.clear();
   }
+  work_cv_.SignalAll();
   reaper_.reset();
   for (auto& w : workers_) w.join();
   workers_.clear();
@@ -82,7 +83,7 @@ void PrefillCore::Shutdown() {
 }
 
 std::shared_ptr<PrefillCore::Room> PrefillCore::FindRoom(uint64_t room) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = room_data_.find(room);
   return it == room_data_.end() ? nullptr : it->second;
 }
@@ -93,7 +94,7 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
   ack.prefill_pp_rank = options_.args.parallel.pp_rank;
   const KVArgs& mine = options_.args;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopping_) {
       ack.status = Status::Unavailable("prefill manager is shutting down");
       return ack;
@@ -170,7 +171,7 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
   }
   std::shared_ptr<Peer> old;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopping_) {
       transport_->Disconnect(conn->peer);
       return refuse(Status::Unavailable("prefill manager is shutting down"));
@@ -190,7 +191,7 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
   std::shared_ptr<Peer> peer;
   std::shared_ptr<Room> room;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return;
     auto p = peers_.find(msg.session);
     if (p != peers_.end()) peer = p->second;
@@ -245,7 +246,7 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
   }
   bool ready = false, duplicate = false;
   {
-    absl::MutexLock lock(&room->mu);
+    MutexLock lock(&room->mu);
     for (const auto& info : room->infos) duplicate |= info.session == msg.session;
     if (!duplicate) {
       room->infos.push_back(msg);
@@ -265,7 +266,7 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
 void PrefillCore::OnAbort(uint64_t room_id, uint64_t session, const std::string& reason) {
   std::shared_ptr<Room> room;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     early_infos_.erase(room_id);
     auto it = room_data_.find(room_id);
     if (it != room_data_.end()) room = it->second;
@@ -280,7 +281,7 @@ void PrefillCore::OnDecodeGone(uint64_t session, const Status& reason) {
   std::shared_ptr<Peer> peer;
   std::vector<std::shared_ptr<Room>> rooms;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = peers_.find(session);
     if (it == peers_.end()) return;
     peer = std::move(it->second);
@@ -290,7 +291,7 @@ void PrefillCore::OnDecodeGone(uint64_t session, const Status& reason) {
   for (auto& room : rooms) {
     bool bound = false;
     {
-      absl::MutexLock lock(&room->mu);
+      MutexLock lock(&room->mu);
       for (auto& p : room->peers) bound |= p == peer;
     }
     if (bound) FailRoom(room, reason.WithPrefix(absl::StrFormat("room %d", room->state->room())));
@@ -302,10 +303,11 @@ void PrefillCore::OnDecodeGone(uint64_t session, const Status& reason) {
 StatusOr<std::shared_ptr<RoomState>> PrefillCore::CreateRoom(uint64_t room_id) {
   auto state = rooms_.Insert(room_id);
   if (!state.ok()) return state.status();
+  counters_.Add(counters_.requests);
   auto room = std::make_shared<Room>(*state);
   std::vector<TransferInfoMsg> early;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopping_) {
       rooms_.Erase(room_id, state->get());
       return Status::Unavailable("prefill manager is shutting down");
@@ -330,7 +332,7 @@ Status PrefillCore::InitRoom(uint64_t room_id, uint64_t num_kv_pages,
     return Status::OutOfRange(absl::StrFormat("room %d: aux index %d out of range [0, %d) on prefill",
                                               room_id, *aux_index, ItemCapacity(options_.args.aux)));
   }
-  absl::MutexLock lock(&room->mu);
+  MutexLock lock(&room->mu);
   room->num_kv_pages = num_kv_pages;
   room->aux_index = aux_index;
   return Status::OK();
@@ -358,7 +360,7 @@ Status PrefillCore::Send(uint64_t room_id, std::span<const int32_t> pages, bool 
   }
   Chunk chunk{room, {pages.begin(), pages.end()}, 0, last};
   {
-    absl::MutexLock lock(&room->mu);
+    MutexLock lock(&room->mu);
     if (room->last_queued) {
       return Status::FailedPrecondition(absl::StrFormat("room %d: Send() after the last chunk", room_id));
     }
@@ -393,9 +395,10 @@ Status PrefillCore::Send(uint64_t room_id, std::span<const int32_t> pages, bool 
   }
   room->state->Advance(KVPoll::kTransferring);
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     queue_.push_back(std::move(chunk));
   }
+  work_cv_.Signal();
   return Status::OK();
 }
 
@@ -403,8 +406,8 @@ void PrefillCore::WorkerLoop() {
   while (true) {
     Chunk chunk;
     {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(this, &PrefillCore::WorkReady));
+      MutexLock lock(&mu_);
+      while (!WorkReady()) work_cv_.Wait(&mu_);
       if (stopping_) return;
       chunk = std::move(queue_.front());
       queue_.pop_front();
@@ -422,7 +425,7 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
   }
   std::vector<std::pair<std::shared_ptr<Peer>, std::vector<int32_t>>> targets;
   {
-    absl::MutexLock lock(&room->mu);
+    MutexLock lock(&room->mu);
     for (size_t i = 0; i < room->infos.size(); ++i) {
       const auto& dst = room->infos[i].dst_kv_pages;
       targets.emplace_back(room->peers[i],
@@ -433,7 +436,7 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
   // One batch per decode rank; every layer's writes of the chunk go in it (SPEC R5.3).
   std::vector<PageRun> runs;
   {
-    absl::MutexLock lock(&room->mu);
+    MutexLock lock(&room->mu);
     room->outstanding += static_cast<int>(targets.size()) - 1;
   }
   if (targets.empty()) return OnBatchDone(room, 0, 0, Status::OK());
@@ -476,7 +479,7 @@ void PrefillCore::OnBatchDone(const std::shared_ptr<Room>& room, uint64_t bytes,
   }
   bool finalize = false;
   {
-    absl::MutexLock lock(&room->mu);
+    MutexLock lock(&room->mu);
     --room->outstanding;
     if (room->outstanding == 0 && room->last_queued && !room->finalizing) {
       room->finalizing = true;
@@ -491,7 +494,7 @@ void PrefillCore::Finalize(const std::shared_ptr<Room>& room) {
   if (room->state->Poll() == KVPoll::kFailed) return;
   std::vector<std::pair<std::shared_ptr<Peer>, std::vector<spi::WriteOp>>> batches;
   {
-    absl::MutexLock lock(&room->mu);
+    MutexLock lock(&room->mu);
     for (size_t i = 0; i < room->infos.size(); ++i) {
       const TransferInfoMsg& info = room->infos[i];
       const Peer& peer = *room->peers[i];
@@ -520,7 +523,7 @@ void PrefillCore::Finalize(const std::shared_ptr<Room>& room) {
     // acq_rel: the last finisher sees every other finisher's failure before reporting.
     if (remaining->fetch_sub(1, std::memory_order_acq_rel) != 1) return;
     if (room->state->Advance(KVPoll::kSuccess)) {
-      self->counters_.Add(self->counters_.succeeded);
+      self->counters_.CountSuccess(*room->state);
       PDLIB_LOG(kInfo, "prefill: room %d transferred", room->state->room());
       self->SendStatusToDecode(room, Status::OK());
     }
@@ -546,7 +549,7 @@ void PrefillCore::FailRoom(const std::shared_ptr<Room>& room, Status reason) {
 void PrefillCore::SendStatusToDecode(const std::shared_ptr<Room>& room, const Status& status) {
   std::vector<std::shared_ptr<Peer>> peers;
   {
-    absl::MutexLock lock(&room->mu);
+    MutexLock lock(&room->mu);
     if (room->status_sent) return;
     room->status_sent = true;
     peers = room->peers;
@@ -567,7 +570,7 @@ void PrefillCore::AbortRoom(uint64_t room_id, std::string_view reason) {
 void PrefillCore::ReleaseRoom(uint64_t room_id, const RoomState* state) {
   std::shared_ptr<Room> room;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = room_data_.find(room_id);
     if (it != room_data_.end() && it->second->state.get() == state) {
       room = std::move(it->second);
@@ -585,7 +588,7 @@ void PrefillCore::CheckTimeouts() {
   absl::Time now = absl::Now();
   std::vector<std::shared_ptr<Room>> rooms;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (auto& [id, room] : room_data_) rooms.push_back(room);
   }
   for (auto& room : rooms) {
@@ -596,7 +599,7 @@ void PrefillCore::CheckTimeouts() {
 KVManagerMetrics PrefillCore::metrics() const {
   KVManagerMetrics m;
   counters_.FillInto(&m, rooms_);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   m.connections = peers_.size();
   return m;
 }

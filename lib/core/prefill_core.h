@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/synchronization/mutex.h"
+#include "lib/base/mutex.h"
 #include "lib/core/control_messages.h"
 #include "lib/core/manager_common.h"
 #include "lib/core/room_table.h"
@@ -81,13 +81,14 @@ class PrefillCore : public std::enable_shared_from_this<PrefillCore> {
   RoomTable rooms_;
   MetricCounters counters_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Room>> room_data_ ABSL_GUARDED_BY(mu_);
   // TransferInfos that arrived before the engine created the sender.
   absl::flat_hash_map<uint64_t, std::vector<TransferInfoMsg>> early_infos_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<Peer>> peers_ ABSL_GUARDED_BY(mu_);
   std::deque<Chunk> queue_ ABSL_GUARDED_BY(mu_);
+  CondVar work_cv_;  // signalled when queue_ grows or stopping_ is set
 
   std::vector<std::thread> workers_;
   std::unique_ptr<PeriodicThread> reaper_;

@@ -9,7 +9,7 @@ int64_t NowNs() { return absl::ToUnixNanos(absl::Now()); }
 }  // namespace
 
 RoomState::RoomState(uint64_t room, KVPoll initial)
-    : room_(room), state_(initial), state_since_ns_(NowNs()) {}
+    : room_(room), created_ns_(NowNs()), state_(initial), state_since_ns_(created_ns_) {}
 
 bool RoomState::Advance(KVPoll to) {
   if (to == KVPoll::kFailed) return false;
@@ -27,7 +27,7 @@ bool RoomState::Advance(KVPoll to) {
 
 bool RoomState::Fail(Status reason) {
   if (reason.ok()) reason = Status::Internal("room failed without a reason");
-  absl::MutexLock lock(&reason_mu_);
+  MutexLock lock(&reason_mu_);
   KVPoll cur = state_.load(std::memory_order_acquire);
   while (!IsTerminal(cur)) {
     if (state_.compare_exchange_weak(cur, KVPoll::kFailed, std::memory_order_release,
@@ -42,13 +42,13 @@ bool RoomState::Fail(Status reason) {
 }
 
 Status RoomState::FailureReason() const {
-  absl::MutexLock lock(&reason_mu_);
+  MutexLock lock(&reason_mu_);
   return reason_;
 }
 
 StatusOr<std::shared_ptr<RoomState>> RoomTable::Insert(uint64_t room, KVPoll initial) {
   auto state = std::make_shared<RoomState>(room, initial);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto [it, inserted] = rooms_.try_emplace(room, state);
   if (!inserted) {
     return Status::AlreadyExists("room " + std::to_string(room) +
@@ -59,24 +59,24 @@ StatusOr<std::shared_ptr<RoomState>> RoomTable::Insert(uint64_t room, KVPoll ini
 }
 
 std::shared_ptr<RoomState> RoomTable::Find(uint64_t room) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = rooms_.find(room);
   return it == rooms_.end() ? nullptr : it->second;
 }
 
 void RoomTable::Erase(uint64_t room, const RoomState* state) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = rooms_.find(room);
   if (it != rooms_.end() && it->second.get() == state) rooms_.erase(it);
 }
 
 size_t RoomTable::size() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return rooms_.size();
 }
 
 std::vector<std::shared_ptr<RoomState>> RoomTable::Snapshot() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<std::shared_ptr<RoomState>> out;
   out.reserve(rooms_.size());
   for (const auto& [room, state] : rooms_) out.push_back(state);

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/synchronization/mutex.h"
+#include "lib/base/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "pdlib/status.h"
@@ -49,6 +49,8 @@ class RoomState {
   // The state the room was in when it failed (kFailed while not failed).
   KVPoll failed_from() const { return failed_from_.load(std::memory_order_acquire); }
 
+  // When the room was created (for latency metrics).
+  absl::Time created() const { return absl::FromUnixNanos(created_ns_); }
   // When the room entered its current state (for timeouts).
   absl::Time state_since() const {
     return absl::FromUnixNanos(state_since_ns_.load(std::memory_order_relaxed));
@@ -56,13 +58,14 @@ class RoomState {
 
  private:
   const uint64_t room_;
+  const int64_t created_ns_;
   std::atomic<KVPoll> state_;
   std::atomic<KVPoll> failed_from_{KVPoll::kFailed};
   // Relaxed: only read by the timeout scanner, which tolerates a slightly stale value.
   std::atomic<int64_t> state_since_ns_;
   // Fail() writes the reason and the state under this lock, so FailureReason() (which takes it)
   // never sees Failed without its reason.
-  mutable absl::Mutex reason_mu_;
+  mutable Mutex reason_mu_;
   Status reason_ ABSL_GUARDED_BY(reason_mu_);
 };
 
@@ -80,7 +83,7 @@ class RoomTable {
   std::vector<std::shared_ptr<RoomState>> Snapshot() const;
 
  private:
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<RoomState>> rooms_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -8,7 +8,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
+#include "lib/base/mutex.h"
 #include "pdlib/backends.h"
 #include "pdlib/spi/transport.h"
 
@@ -22,7 +22,7 @@ std::vector<std::string> BuiltinBackendNames();
 namespace {
 
 struct Registry {
-  absl::Mutex mu;
+  Mutex mu;
   absl::flat_hash_map<std::string, spi::TransportFactory> factories ABSL_GUARDED_BY(mu);
 };
 
@@ -55,7 +55,7 @@ Status AddFactory(Registry& r, std::string_view name, spi::TransportFactory fact
         std::to_string(spi_version) + " but this pdlib implements version " +
         std::to_string(spi::kTransportSpiVersion));
   }
-  absl::MutexLock lock(&r.mu);
+  MutexLock lock(&r.mu);
   auto [it, inserted] = r.factories.try_emplace(std::string(name), std::move(factory));
   if (!inserted) {
     return Status::AlreadyExists("backend '" + std::string(name) + "' is already registered");
@@ -84,7 +84,7 @@ StatusOr<std::unique_ptr<Transport>> CreateTransport(std::string_view name,
   Registry& r = GetRegistry();
   TransportFactory factory;
   {
-    absl::MutexLock lock(&r.mu);
+    MutexLock lock(&r.mu);
     auto it = r.factories.find(std::string(name));
     if (it == r.factories.end()) {
       return Status::NotFound("unknown backend '" + std::string(name) +
@@ -106,7 +106,7 @@ StatusOr<std::unique_ptr<Transport>> CreateTransport(std::string_view name,
 
 std::vector<std::string> ListBackends() {
   Registry& r = GetRegistry();
-  absl::MutexLock lock(&r.mu);
+  MutexLock lock(&r.mu);
   return SortedNames(r);
 }
 
