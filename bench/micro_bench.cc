@@ -66,8 +66,8 @@ void BM_CoalescePages(benchmark::State& state) {
     pdlib::CoalescePageRuns(src, dst, &runs).IgnoreError();
     benchmark::DoNotOptimize(runs.data());
   }
-  state.counters["pages_per_s"] = benchmark::Counter(
-      static_cast<double>(n) * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["pages_per_s"] =
+      benchmark::Counter(static_cast<double>(n) * state.iterations(), benchmark::Counter::kIsRate);
   state.counters["runs"] = static_cast<double>(runs.size());
 }
 BENCHMARK(BM_CoalescePages)->Arg(0)->Arg(10)->Arg(100);

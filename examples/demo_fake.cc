@@ -82,7 +82,8 @@ int main() {
 
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while (Watch("prefill", **sender, &ls) != pdlib::KVPoll::kWaitingForInput) {
-    if (std::chrono::steady_clock::now() > deadline) return Fail("wait", (*sender)->FailureReason());
+    if (std::chrono::steady_clock::now() > deadline)
+      return Fail("wait", (*sender)->FailureReason());
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   // Prefill's forward pass produced KV in pages 1..5; chunked prefill sends it in two chunks.
@@ -92,18 +93,20 @@ int main() {
   if (auto s = (*sender)->Send(std::span(src).subspan(4), true); !s.ok()) return Fail("Send", s);
   while (!pdlib::IsTerminal(Watch("prefill", **sender, &ls)) ||
          !pdlib::IsTerminal(Watch("decode", **receiver, &lr))) {
-    if (std::chrono::steady_clock::now() > deadline) return Fail("transfer", pdlib::Status::DeadlineExceeded("10 s"));
+    if (std::chrono::steady_clock::now() > deadline)
+      return Fail("transfer", pdlib::Status::DeadlineExceeded("10 s"));
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   if ((*receiver)->Poll() != pdlib::KVPoll::kSuccess) {
     return Fail("transfer", (*receiver)->FailureReason());
   }
   auto m = (*prefill)->metrics();
-  std::printf("done: %llu pages, %llu bytes described in %llu write batch(es); the fake backend "
-              "moves no bytes\n",
-              static_cast<unsigned long long>(m.pages_transferred),
-              static_cast<unsigned long long>(m.bytes_transferred),
-              static_cast<unsigned long long>(m.write_batches));
+  std::printf(
+      "done: %llu pages, %llu bytes described in %llu write batch(es); the fake backend "
+      "moves no bytes\n",
+      static_cast<unsigned long long>(m.pages_transferred),
+      static_cast<unsigned long long>(m.bytes_transferred),
+      static_cast<unsigned long long>(m.write_batches));
   std::printf("demo: room %llu reached Success on prefill and decode\n",
               static_cast<unsigned long long>(room));
   return 0;

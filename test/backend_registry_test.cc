@@ -39,8 +39,7 @@ TEST_CASE("out-of-tree backends register by name and version") {
   REQUIRE(pdlib::spi::RegisterTransport("registry_test_backend", factory).ok());
   CHECK(pdlib::spi::RegisterTransport("registry_test_backend", factory).code() ==
         pdlib::StatusCode::kAlreadyExists);
-  CHECK(pdlib::spi::RegisterTransport("fake", factory).code() ==
-        pdlib::StatusCode::kAlreadyExists);
+  CHECK(pdlib::spi::RegisterTransport("fake", factory).code() == pdlib::StatusCode::kAlreadyExists);
   CHECK(pdlib::spi::RegisterTransport("old_backend", factory, 0).code() ==
         pdlib::StatusCode::kFailedPrecondition);
   auto listed = pdlib::ListBackends();

@@ -28,9 +28,10 @@ pdlib::KVManagerOptions Options(pdlib::Mode mode, uint16_t bootstrap, Pools& poo
   pdlib::KVManagerOptions o;
   o.mode = mode;
   o.bootstrap_port = bootstrap;
-  o.args.kv = {{reinterpret_cast<uint64_t>(pools.k.data()), reinterpret_cast<uint64_t>(pools.v.data())},
-               {pools.k.size(), pools.v.size()},
-               {page_bytes, page_bytes}};
+  o.args.kv = {
+      {reinterpret_cast<uint64_t>(pools.k.data()), reinterpret_cast<uint64_t>(pools.v.data())},
+      {pools.k.size(), pools.v.size()},
+      {page_bytes, page_bytes}};
   o.args.aux = pools.aux->Describe();
   o.args.page_size = 16;
   o.args.fingerprint = {2, 8, 128, 2, 1, "test-model"};
@@ -51,7 +52,8 @@ struct Deployment {
   Pools ppools, dpools;
   uint16_t bootstrap = g_next_bootstrap++;
   std::unique_ptr<pdlib::KVManager> prefill, decode;
-  explicit Deployment(std::function<void(pdlib::KVManagerOptions&, pdlib::KVManagerOptions&)> tweak = {}) {
+  explicit Deployment(
+      std::function<void(pdlib::KVManagerOptions&, pdlib::KVManagerOptions&)> tweak = {}) {
     auto p = Options(pdlib::Mode::kPrefill, bootstrap, ppools);
     auto d = Options(pdlib::Mode::kDecode, bootstrap, dpools);
     if (tweak) tweak(p, d);
@@ -138,7 +140,8 @@ TEST_CASE("bad input gives clear errors and leaves nothing behind") {
     std::vector<int32_t> bad = {1, 64};
     pdlib::Status s = (*r)->Init(bad, std::nullopt);
     CHECK(s.code() == StatusCode::kOutOfRange);
-    CHECK(std::string(s.message()).find("kv page index 64 (position 1) out of range [0, 64) on decode") !=
+    CHECK(std::string(s.message())
+              .find("kv page index 64 (position 1) out of range [0, 64) on decode") !=
           std::string::npos);
     std::vector<int32_t> good = {1};
     CHECK((*r)->Init(good, 8u).code() == StatusCode::kOutOfRange);

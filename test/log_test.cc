@@ -14,13 +14,13 @@ TEST_CASE("log lines go to the installed sink, filtered by level") {
   };
   std::mutex mu;
   std::vector<Line> lines;
-  pdlib::SetLogSink([&](pdlib::LogLevel level, std::string_view file, int line,
-                        std::string_view message) {
-    std::lock_guard lock(mu);
-    CHECK(line > 0);
-    CHECK(file.find("log_test.cc") != std::string_view::npos);
-    lines.push_back({level, std::string(message)});
-  });
+  pdlib::SetLogSink(
+      [&](pdlib::LogLevel level, std::string_view file, int line, std::string_view message) {
+        std::lock_guard lock(mu);
+        CHECK(line > 0);
+        CHECK(file.find("log_test.cc") != std::string_view::npos);
+        lines.push_back({level, std::string(message)});
+      });
   pdlib::LogLevel saved = pdlib::GetLogLevel();
   pdlib::SetLogLevel(pdlib::LogLevel::kInfo);
   PDLIB_LOG(kDebug, "dropped %d", 1);

@@ -20,8 +20,9 @@ TEST_CASE("Prometheus rendering carries every counter with its labels") {
         std::string::npos);
   CHECK(text.find("pdlib_failed_reqs_by_cause_total{role=\"prefill\",tp_rank=\"0\",cause="
                   "\"UNAVAILABLE\"} 3\n") != std::string::npos);
-  CHECK(text.find("pdlib_transfer_latency_seconds_sum{role=\"prefill\",tp_rank=\"0\"} 1.500000\n") !=
-        std::string::npos);
+  CHECK(
+      text.find("pdlib_transfer_latency_seconds_sum{role=\"prefill\",tp_rank=\"0\"} 1.500000\n") !=
+      std::string::npos);
   // Without labels there are no braces, and label values are escaped.
   CHECK(pdlib::RenderPrometheus(m).find("pdlib_live_rooms 3\n") != std::string::npos);
   CHECK(pdlib::RenderPrometheus(m, {{"x", "a\"b"}}).find("x=\"a\\\"b\"") != std::string::npos);

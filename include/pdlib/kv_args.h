@@ -69,18 +69,18 @@ struct KVArgs {
   // split).
   std::vector<int32_t> state_dim_per_tensor;
 
-  uint32_t page_size = 1;    // tokens per KV page
-  int32_t kv_head_num = 0;   // KV heads held by this rank (after TP sharding)
+  uint32_t page_size = 1;   // tokens per KV page
+  int32_t kv_head_num = 0;  // KV heads held by this rank (after TP sharding)
   KVLayout kv_layout = KVLayout::kHND;
-  bool is_mla = false;       // compressed latent KV without a head dimension (SPEC R5.5)
+  bool is_mla = false;  // compressed latent KV without a head dimension (SPEC R5.5)
 
   ParallelConfig parallel;
   // First layer owned by this prefill PP stage (0 for PP size 1).
   int32_t prefill_start_layer = 0;
 
-  int32_t device_id = 0;                // CUDA device when memory_kind is kCuda
+  int32_t device_id = 0;  // CUDA device when memory_kind is kCuda
   MemoryKind memory_kind = MemoryKind::kHost;
-  std::vector<std::string> nic_names;   // e.g. {"mlx5_0", "mlx5_1"}; empty: backend's choice
+  std::vector<std::string> nic_names;  // e.g. {"mlx5_0", "mlx5_1"}; empty: backend's choice
 
   ModelFingerprint fingerprint;
 };

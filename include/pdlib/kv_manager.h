@@ -73,9 +73,9 @@ struct BootstrapAddress {
 
 // Point-in-time counters of one manager (SPEC R10.1).
 struct KVManagerMetrics {
-  uint64_t live_rooms = 0;             // handles not yet destroyed
-  uint64_t bootstrap_queue_size = 0;   // rooms in Bootstrapping
-  uint64_t transfer_queue_size = 0;    // rooms in WaitingForInput or Transferring
+  uint64_t live_rooms = 0;            // handles not yet destroyed
+  uint64_t bootstrap_queue_size = 0;  // rooms in Bootstrapping
+  uint64_t transfer_queue_size = 0;   // rooms in WaitingForInput or Transferring
   uint64_t rooms_succeeded = 0;
   uint64_t rooms_failed = 0;
   uint64_t bootstrap_failed_reqs = 0;  // failed before leaving Bootstrapping
@@ -83,8 +83,8 @@ struct KVManagerMetrics {
   uint64_t bytes_transferred = 0;      // bytes written to peers (prefill)
   uint64_t pages_transferred = 0;
   uint64_t write_batches = 0;
-  uint64_t connections = 0;            // live peer connections
-  uint64_t requests_total = 0;         // handles ever created
+  uint64_t connections = 0;     // live peer connections
+  uint64_t requests_total = 0;  // handles ever created
   // Failed rooms by the failure's status code name ("DEADLINE_EXCEEDED", "UNAVAILABLE", ...).
   std::map<std::string, uint64_t> failed_by_cause;
   // Time from a room's creation to Success, summed over succeeded rooms (mean = sum / count).

@@ -82,16 +82,36 @@ class PDLIB_EXPORT MetadataBuffers {
   std::span<const std::byte> Row(MetadataField field, size_t slot) const;
 
   // Typed views of one row (empty when slot is out of range).
-  std::span<int32_t> output_ids(size_t slot) { return Typed<int32_t>(MetadataField::kOutputIds, slot); }
-  std::span<int32_t> cached_tokens(size_t slot) { return Typed<int32_t>(MetadataField::kCachedTokens, slot); }
-  std::span<float> output_token_logprobs_val(size_t slot) { return Typed<float>(MetadataField::kOutputTokenLogprobsVal, slot); }
-  std::span<int32_t> output_token_logprobs_idx(size_t slot) { return Typed<int32_t>(MetadataField::kOutputTokenLogprobsIdx, slot); }
-  std::span<float> output_top_logprobs_val(size_t slot) { return Typed<float>(MetadataField::kOutputTopLogprobsVal, slot); }
-  std::span<int32_t> output_top_logprobs_idx(size_t slot) { return Typed<int32_t>(MetadataField::kOutputTopLogprobsIdx, slot); }
-  std::span<float> output_topk_p(size_t slot) { return Typed<float>(MetadataField::kOutputTopkP, slot); }
-  std::span<int64_t> output_topk_index(size_t slot) { return Typed<int64_t>(MetadataField::kOutputTopkIndex, slot); }
-  std::span<std::byte> output_hidden_states(size_t slot) { return Row(MetadataField::kOutputHiddenStates, slot).first(hidden_bytes_); }
-  std::span<uint64_t> bootstrap_room(size_t slot) { return Typed<uint64_t>(MetadataField::kBootstrapRoom, slot); }
+  std::span<int32_t> output_ids(size_t slot) {
+    return Typed<int32_t>(MetadataField::kOutputIds, slot);
+  }
+  std::span<int32_t> cached_tokens(size_t slot) {
+    return Typed<int32_t>(MetadataField::kCachedTokens, slot);
+  }
+  std::span<float> output_token_logprobs_val(size_t slot) {
+    return Typed<float>(MetadataField::kOutputTokenLogprobsVal, slot);
+  }
+  std::span<int32_t> output_token_logprobs_idx(size_t slot) {
+    return Typed<int32_t>(MetadataField::kOutputTokenLogprobsIdx, slot);
+  }
+  std::span<float> output_top_logprobs_val(size_t slot) {
+    return Typed<float>(MetadataField::kOutputTopLogprobsVal, slot);
+  }
+  std::span<int32_t> output_top_logprobs_idx(size_t slot) {
+    return Typed<int32_t>(MetadataField::kOutputTopLogprobsIdx, slot);
+  }
+  std::span<float> output_topk_p(size_t slot) {
+    return Typed<float>(MetadataField::kOutputTopkP, slot);
+  }
+  std::span<int64_t> output_topk_index(size_t slot) {
+    return Typed<int64_t>(MetadataField::kOutputTopkIndex, slot);
+  }
+  std::span<std::byte> output_hidden_states(size_t slot) {
+    return Row(MetadataField::kOutputHiddenStates, slot).first(hidden_bytes_);
+  }
+  std::span<uint64_t> bootstrap_room(size_t slot) {
+    return Typed<uint64_t>(MetadataField::kBootstrapRoom, slot);
+  }
 
   // Copies a whole slot in or out. Errors: slot out of range, hidden-state size mismatch.
   Status WriteSlot(size_t slot, const MetadataSlot& values);

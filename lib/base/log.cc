@@ -2,15 +2,15 @@
 
 #include <chrono>
 #include <cstdio>
-#include <ctime>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <memory>
 #include <string>
 
 #include "absl/strings/ascii.h"
-#include "lib/base/mutex.h"
 #include "lib/base/log_internal.h"
+#include "lib/base/mutex.h"
 
 namespace pdlib {
 inline namespace v1 {

@@ -25,12 +25,12 @@ void EmitLog(LogLevel level, const char* file, int line, std::string_view messag
 }  // namespace v1
 }  // namespace pdlib
 
-#define PDLIB_LOG(level, ...)                                                      \
-  do {                                                                             \
-    if (::pdlib::internal::LogEnabled(::pdlib::LogLevel::level)) {                 \
-      ::pdlib::internal::EmitLog(::pdlib::LogLevel::level, __FILE__, __LINE__,     \
-                                 ::absl::StrFormat(__VA_ARGS__));                  \
-    }                                                                              \
+#define PDLIB_LOG(level, ...)                                                  \
+  do {                                                                         \
+    if (::pdlib::internal::LogEnabled(::pdlib::LogLevel::level)) {             \
+      ::pdlib::internal::EmitLog(::pdlib::LogLevel::level, __FILE__, __LINE__, \
+                                 ::absl::StrFormat(__VA_ARGS__));              \
+    }                                                                          \
   } while (0)
 
 #endif  // PDLIB_LIB_BASE_LOG_INTERNAL_H_

@@ -36,8 +36,7 @@ Status::Status(StatusCode code, std::string_view message) {
   if (code != StatusCode::kOk) rep_.reset(new Rep{code, std::string(message)});
 }
 
-Status::Status(const Status& other)
-    : rep_(other.rep_ ? new Rep(*other.rep_) : nullptr) {}
+Status::Status(const Status& other) : rep_(other.rep_ ? new Rep(*other.rep_) : nullptr) {}
 
 Status& Status::operator=(const Status& other) {
   if (this != &other) rep_.reset(other.rep_ ? new Rep(*other.rep_) : nullptr);

@@ -158,8 +158,9 @@ Status DecodeCore::InitRoom(uint64_t room_id, std::span<const int32_t> pages,
     return s.WithPrefix(absl::StrFormat("room %d", room_id));
   }
   if (aux && *aux >= ItemCapacity(args.aux)) {
-    return Status::OutOfRange(absl::StrFormat("room %d: aux index %d out of range [0, %d) on decode",
-                                              room_id, *aux, ItemCapacity(args.aux)));
+    return Status::OutOfRange(
+        absl::StrFormat("room %d: aux index %d out of range [0, %d) on decode", room_id, *aux,
+                        ItemCapacity(args.aux)));
   }
   if (Status s = ValidateIndices(state_indices, ItemCapacity(args.state), "state", "decode");
       !s.ok()) {
@@ -272,7 +273,8 @@ void DecodeCore::FailRoom(const std::shared_ptr<Room>& room, Status reason, bool
 
 void DecodeCore::AbortRoom(uint64_t room_id, std::string_view reason) {
   if (auto room = FindRoom(room_id)) {
-    FailRoom(room, Status::Aborted(absl::StrFormat("room %d aborted by decode: %s", room_id, reason)),
+    FailRoom(room,
+             Status::Aborted(absl::StrFormat("room %d aborted by decode: %s", room_id, reason)),
              true);
   }
 }
@@ -288,8 +290,10 @@ void DecodeCore::ReleaseRoom(uint64_t room_id, const RoomState* state) {
     }
   }
   if (room && !IsTerminal(room->state->Poll())) {
-    FailRoom(room, Status::Aborted(absl::StrFormat("room %d: receiver destroyed before the "
-                                                   "transfer finished", room_id)),
+    FailRoom(room,
+             Status::Aborted(absl::StrFormat("room %d: receiver destroyed before the "
+                                             "transfer finished",
+                                             room_id)),
              true);
   }
   rooms_.Erase(room_id, state);

@@ -6,8 +6,8 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_format.h"
-#include "lib/base/mutex.h"
 #include "lib/base/log_internal.h"
+#include "lib/base/mutex.h"
 #include "lib/core/decode_core.h"
 #include "lib/core/prefill_core.h"
 
@@ -80,9 +80,9 @@ class LocalHub {
     }
     const PrefillEntry& any = it->second.front();
     if (any.page_size != mine.page_size) {
-      return Status::FailedPrecondition(absl::StrFormat(
-          "page size mismatch: prefill (bootstrap %s) uses %d, decode uses %d", bootstrap,
-          any.page_size, mine.page_size));
+      return Status::FailedPrecondition(
+          absl::StrFormat("page size mismatch: prefill (bootstrap %s) uses %d, decode uses %d",
+                          bootstrap, any.page_size, mine.page_size));
     }
     if (any.parallel.tp_size != mine.parallel.tp_size || any.parallel.pp_size != 1 ||
         mine.parallel.pp_size != 1) {
@@ -99,8 +99,10 @@ class LocalHub {
     for (const auto& r : it->second) {
       if (r.parallel.dp_rank == dp && r.parallel.tp_rank == mine.parallel.tp_rank) return r;
     }
-    return Status::Unavailable(absl::StrFormat("bootstrap %s: prefill rank dp %d tp %d is not "
-                                               "registered", bootstrap, dp, mine.parallel.tp_rank));
+    return Status::Unavailable(
+        absl::StrFormat("bootstrap %s: prefill rank dp %d tp %d is not "
+                        "registered",
+                        bootstrap, dp, mine.parallel.tp_rank));
   }
 
   uint64_t NewSession() {

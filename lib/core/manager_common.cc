@@ -19,8 +19,8 @@ Status RegisterFamily(spi::Transport& transport, const BufferFamily& family, Mem
     RegionDesc desc{family.ptrs[i], family.lens[i], family.item_lens[i], {}};
     auto id = transport.RegisterMemory(region, &desc.key);
     if (!id.ok()) {
-      return id.status().WithPrefix(absl::StrFormat("registering %s buffer %d (%d bytes)", what,
-                                                    i, family.lens[i]));
+      return id.status().WithPrefix(
+          absl::StrFormat("registering %s buffer %d (%d bytes)", what, i, family.lens[i]));
     }
     out->ids.push_back(*id);
     out->descs.push_back(std::move(desc));
@@ -83,7 +83,8 @@ void MetricCounters::CountFailure(const RoomState& room) {
 
 void MetricCounters::CountSuccess(const RoomState& room) {
   Add(succeeded);
-  Add(latency_us_sum, static_cast<uint64_t>(absl::ToInt64Microseconds(absl::Now() - room.created())));
+  Add(latency_us_sum,
+      static_cast<uint64_t>(absl::ToInt64Microseconds(absl::Now() - room.created())));
 }
 
 void MetricCounters::FillInto(KVManagerMetrics* m, const RoomTable& rooms) const {
@@ -123,13 +124,12 @@ Status CheckRoomDeadline(const RoomState& room, const KVManagerOptions& options,
     default: return Status::OK();
   }
   if (now - room.state_since() <= absl::FromChrono(limit)) return Status::OK();
-  return Status::DeadlineExceeded(absl::StrFormat("room %d: timed out after %d ms in state %s (%s)",
-                                                  room.room(), limit.count(), KVPollName(state),
-                                                  state == KVPoll::kBootstrapping
-                                                      ? "bootstrap_timeout"
-                                                      : state == KVPoll::kWaitingForInput
-                                                            ? "waiting_timeout"
-                                                            : "transfer_timeout"));
+  return Status::DeadlineExceeded(
+      absl::StrFormat("room %d: timed out after %d ms in state %s (%s)", room.room(), limit.count(),
+                      KVPollName(state),
+                      state == KVPoll::kBootstrapping     ? "bootstrap_timeout"
+                      : state == KVPoll::kWaitingForInput ? "waiting_timeout"
+                                                          : "transfer_timeout"));
 }
 
 PeriodicThread::PeriodicThread(absl::Duration period, std::function<void()> tick) {

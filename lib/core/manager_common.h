@@ -6,9 +6,9 @@
 #include <atomic>
 #include <functional>
 #include <map>
-#include <string>
 #include <memory>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 

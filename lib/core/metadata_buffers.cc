@@ -118,7 +118,8 @@ Status MetadataBuffers::WriteSlot(size_t slot, const MetadataSlot& v) {
   CopyIn(Row(MetadataField::kOutputTopLogprobsIdx, slot), v.output_top_logprobs_idx);
   CopyIn(Row(MetadataField::kOutputTopkP, slot), v.output_topk_p);
   CopyIn(Row(MetadataField::kOutputTopkIndex, slot), v.output_topk_index);
-  if (hidden_bytes_ > 0) CopyIn(Row(MetadataField::kOutputHiddenStates, slot), v.output_hidden_states);
+  if (hidden_bytes_ > 0)
+    CopyIn(Row(MetadataField::kOutputHiddenStates, slot), v.output_hidden_states);
   CopyIn(Row(MetadataField::kBootstrapRoom, slot), v.bootstrap_room);
   return Status::OK();
 }
@@ -138,7 +139,8 @@ StatusOr<MetadataSlot> MetadataBuffers::ReadSlot(size_t slot) const {
   CopyOut(Row(MetadataField::kOutputTopkP, slot), v.output_topk_p);
   CopyOut(Row(MetadataField::kOutputTopkIndex, slot), v.output_topk_index);
   v.output_hidden_states.resize(hidden_bytes_);
-  if (hidden_bytes_ > 0) CopyOut(Row(MetadataField::kOutputHiddenStates, slot), v.output_hidden_states);
+  if (hidden_bytes_ > 0)
+    CopyOut(Row(MetadataField::kOutputHiddenStates, slot), v.output_hidden_states);
   CopyOut(Row(MetadataField::kBootstrapRoom, slot), v.bootstrap_room);
   return v;
 }

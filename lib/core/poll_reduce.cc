@@ -84,7 +84,8 @@ StatusOr<std::vector<KVPoll>> PollAndAllReduce(std::span<const KVPollable* const
   for (size_t i = 0; i < values.size(); ++i) {
     int32_t v = values[i];
     if (v < static_cast<int32_t>(KVPoll::kFailed) || v > static_cast<int32_t>(KVPoll::kSuccess)) {
-      return Status::DataLoss("PollAndAllReduce: group returned invalid state " + std::to_string(v));
+      return Status::DataLoss("PollAndAllReduce: group returned invalid state " +
+                              std::to_string(v));
     }
     out[i] = static_cast<KVPoll>(v);
   }

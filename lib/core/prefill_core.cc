@@ -106,9 +106,9 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
     return ack;
   };
   if (msg.transport != transport_->name()) {
-    return refuse(Status::FailedPrecondition(absl::StrFormat(
-        "transport mismatch: decode uses '%s', prefill uses '%s'", msg.transport,
-        transport_->name())));
+    return refuse(Status::FailedPrecondition(
+        absl::StrFormat("transport mismatch: decode uses '%s', prefill uses '%s'", msg.transport,
+                        transport_->name())));
   }
   if (msg.page_size != mine.page_size) {
     return refuse(Status::FailedPrecondition(absl::StrFormat(
@@ -125,8 +125,7 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
         "%d, layout v%d, model '%s'} vs prefill {layers %d, kv_heads %d, head_dim %d, "
         "dtype_bytes %d, layout v%d, model '%s'}",
         a.num_layers, a.num_kv_heads, a.head_dim, a.dtype_bytes, a.layout_version, a.model_name,
-        b.num_layers, b.num_kv_heads, b.head_dim, b.dtype_bytes, b.layout_version,
-        b.model_name)));
+        b.num_layers, b.num_kv_heads, b.head_dim, b.dtype_bytes, b.layout_version, b.model_name)));
   }
   // The 1:1 layout: the same buffers with the same item sizes on both sides.
   auto same_shape = [&](const std::vector<RegionDesc>& theirs, const BufferFamily& ours,
@@ -138,9 +137,9 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
     for (size_t i = 0; i < theirs.size(); ++i) {
       if (theirs[i].item_len != ours.item_lens[i] || theirs[i].item_len == 0 ||
           theirs[i].item_len > theirs[i].length) {
-        return Status::FailedPrecondition(absl::StrFormat(
-            "%s buffer %d item size mismatch: decode %d bytes (of %d), prefill %d", what, i,
-            theirs[i].item_len, theirs[i].length, ours.item_lens[i]));
+        return Status::FailedPrecondition(
+            absl::StrFormat("%s buffer %d item size mismatch: decode %d bytes (of %d), prefill %d",
+                            what, i, theirs[i].item_len, theirs[i].length, ours.item_lens[i]));
       }
     }
     return Status::OK();
@@ -208,8 +207,8 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
   auto reject = [&](Status s) {
     PDLIB_LOG(kWarning, "prefill: room %d: rejecting TransferInfo: %s", msg.room, s.ToString());
     if (peer) {
-      peer->link->SendStatus({msg.room, options_.args.parallel.tp_rank,
-                              options_.args.parallel.pp_rank, s});
+      peer->link->SendStatus(
+          {msg.room, options_.args.parallel.tp_rank, options_.args.parallel.pp_rank, s});
     }
     if (room) FailRoom(room, s);
   };
@@ -222,14 +221,15 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
   uint64_t dst_pages_cap = UINT64_MAX, dst_aux_cap = UINT64_MAX, dst_state_cap = UINT64_MAX;
   for (const auto& d : peer->reg.kv) dst_pages_cap = std::min(dst_pages_cap, d.length / d.item_len);
   for (const auto& d : peer->reg.aux) dst_aux_cap = std::min(dst_aux_cap, d.length / d.item_len);
-  for (const auto& d : peer->reg.state) dst_state_cap = std::min(dst_state_cap, d.length / d.item_len);
+  for (const auto& d : peer->reg.state)
+    dst_state_cap = std::min(dst_state_cap, d.length / d.item_len);
   if (Status s = ValidateIndices(msg.dst_kv_pages, dst_pages_cap, "kv page", "decode"); !s.ok()) {
     return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
   }
   if (msg.aux_index && (peer->reg.aux.empty() || *msg.aux_index >= dst_aux_cap)) {
-    return reject(Status::OutOfRange(absl::StrFormat(
-        "room %d: aux index %d out of range [0, %d) on decode", msg.room, *msg.aux_index,
-        peer->reg.aux.empty() ? 0 : dst_aux_cap)));
+    return reject(Status::OutOfRange(
+        absl::StrFormat("room %d: aux index %d out of range [0, %d) on decode", msg.room,
+                        *msg.aux_index, peer->reg.aux.empty() ? 0 : dst_aux_cap)));
   }
   if (!msg.dst_state_indices.empty() && peer->reg.state.empty()) {
     return reject(Status::OutOfRange(
@@ -240,9 +240,9 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
     return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
   }
   if (msg.required_dst_info_num == 0 || msg.required_dst_info_num > 64) {
-    return reject(Status::InvalidArgument(absl::StrFormat(
-        "room %d: required_dst_info_num %d out of range [1, 64]", msg.room,
-        msg.required_dst_info_num)));
+    return reject(Status::InvalidArgument(
+        absl::StrFormat("room %d: required_dst_info_num %d out of range [1, 64]", msg.room,
+                        msg.required_dst_info_num)));
   }
   bool ready = false, duplicate = false;
   {
@@ -255,8 +255,8 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
     }
   }
   if (duplicate) {
-    return reject(Status::AlreadyExists(absl::StrFormat(
-        "room %d: duplicate TransferInfo from session %d", msg.room, msg.session)));
+    return reject(Status::AlreadyExists(
+        absl::StrFormat("room %d: duplicate TransferInfo from session %d", msg.room, msg.session)));
   }
   if (ready && room->state->Advance(KVPoll::kWaitingForInput)) {
     PDLIB_LOG(kDebug, "prefill: room %d: every TransferInfo arrived", msg.room);
@@ -272,8 +272,8 @@ void PrefillCore::OnAbort(uint64_t room_id, uint64_t session, const std::string&
     if (it != room_data_.end()) room = it->second;
   }
   if (room) {
-    FailRoom(room, Status::Aborted(absl::StrFormat("room %d aborted by decode: %s", room_id,
-                                                   reason)));
+    FailRoom(room,
+             Status::Aborted(absl::StrFormat("room %d aborted by decode: %s", room_id, reason)));
   }
 }
 
@@ -329,8 +329,9 @@ Status PrefillCore::InitRoom(uint64_t room_id, uint64_t num_kv_pages,
   auto room = FindRoom(room_id);
   if (!room) return Status::NotFound(absl::StrFormat("room %d is not live", room_id));
   if (aux_index && (local_.aux.ids.empty() || *aux_index >= ItemCapacity(options_.args.aux))) {
-    return Status::OutOfRange(absl::StrFormat("room %d: aux index %d out of range [0, %d) on prefill",
-                                              room_id, *aux_index, ItemCapacity(options_.args.aux)));
+    return Status::OutOfRange(
+        absl::StrFormat("room %d: aux index %d out of range [0, %d) on prefill", room_id,
+                        *aux_index, ItemCapacity(options_.args.aux)));
   }
   MutexLock lock(&room->mu);
   room->num_kv_pages = num_kv_pages;
@@ -345,16 +346,16 @@ Status PrefillCore::Send(uint64_t room_id, std::span<const int32_t> pages, bool 
   KVPoll state = room->state->Poll();
   if (state == KVPoll::kFailed) return room->state->FailureReason();
   if (state < KVPoll::kWaitingForInput || state == KVPoll::kSuccess) {
-    return Status::FailedPrecondition(absl::StrFormat(
-        "room %d: Send() in state %s (needs the decode side's TransferInfo first)", room_id,
-        KVPollName(state)));
+    return Status::FailedPrecondition(
+        absl::StrFormat("room %d: Send() in state %s (needs the decode side's TransferInfo first)",
+                        room_id, KVPollName(state)));
   }
   if (Status s = ValidateIndices(pages, ItemCapacity(options_.args.kv), "kv page", "prefill");
       !s.ok()) {
     return s.WithPrefix(absl::StrFormat("room %d", room_id));
   }
-  if (Status s = ValidateIndices(state_indices, ItemCapacity(options_.args.state), "state",
-                                 "prefill");
+  if (Status s =
+          ValidateIndices(state_indices, ItemCapacity(options_.args.state), "state", "prefill");
       !s.ok()) {
     return s.WithPrefix(absl::StrFormat("room %d", room_id));
   }
@@ -362,7 +363,8 @@ Status PrefillCore::Send(uint64_t room_id, std::span<const int32_t> pages, bool 
   {
     MutexLock lock(&room->mu);
     if (room->last_queued) {
-      return Status::FailedPrecondition(absl::StrFormat("room %d: Send() after the last chunk", room_id));
+      return Status::FailedPrecondition(
+          absl::StrFormat("room %d: Send() after the last chunk", room_id));
     }
     size_t dst_count = room->infos.front().dst_kv_pages.size();
     for (const auto& info : room->infos) {
@@ -373,9 +375,9 @@ Status PrefillCore::Send(uint64_t room_id, std::span<const int32_t> pages, bool 
     }
     size_t total = room->pages_queued + pages.size();
     if (total > dst_count || (last && total != dst_count)) {
-      return Status::OutOfRange(absl::StrFormat(
-          "room %d: %s chunk brings the pages sent to %d but decode expects %d", room_id,
-          last ? "last" : "non-last", total, dst_count));
+      return Status::OutOfRange(
+          absl::StrFormat("room %d: %s chunk brings the pages sent to %d but decode expects %d",
+                          room_id, last ? "last" : "non-last", total, dst_count));
     }
     if (room->num_kv_pages && total > *room->num_kv_pages) {
       return Status::OutOfRange(absl::StrFormat("room %d: %d pages sent, Init() announced %d",
@@ -383,9 +385,9 @@ Status PrefillCore::Send(uint64_t room_id, std::span<const int32_t> pages, bool 
     }
     if (last && !state_indices.empty() &&
         state_indices.size() != room->infos.front().dst_state_indices.size()) {
-      return Status::InvalidArgument(absl::StrFormat(
-          "room %d: %d state indices for %d on decode", room_id, state_indices.size(),
-          room->infos.front().dst_state_indices.size()));
+      return Status::InvalidArgument(absl::StrFormat("room %d: %d state indices for %d on decode",
+                                                     room_id, state_indices.size(),
+                                                     room->infos.front().dst_state_indices.size()));
     }
     chunk.dst_offset = room->pages_queued;
     room->pages_queued = total;
@@ -420,17 +422,19 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
   const auto& room = chunk.room;
   if (IsTerminal(room->state->Poll())) return OnBatchDone(room, 0, 0, Status::OK());
   if (injector_.Roll()) {
-    return OnBatchDone(room, 0, 0, Status::Internal(absl::StrFormat(
-        "room %d: injected failure (probability %g)", room->state->room(), injector_.prob())));
+    return OnBatchDone(
+        room, 0, 0,
+        Status::Internal(absl::StrFormat("room %d: injected failure (probability %g)",
+                                         room->state->room(), injector_.prob())));
   }
   std::vector<std::pair<std::shared_ptr<Peer>, std::vector<int32_t>>> targets;
   {
     MutexLock lock(&room->mu);
     for (size_t i = 0; i < room->infos.size(); ++i) {
       const auto& dst = room->infos[i].dst_kv_pages;
-      targets.emplace_back(room->peers[i],
-                           std::vector<int32_t>(dst.begin() + chunk.dst_offset,
-                                                dst.begin() + chunk.dst_offset + chunk.src_pages.size()));
+      targets.emplace_back(room->peers[i], std::vector<int32_t>(dst.begin() + chunk.dst_offset,
+                                                                dst.begin() + chunk.dst_offset +
+                                                                    chunk.src_pages.size()));
     }
   }
   // One batch per decode rank; every layer's writes of the chunk go in it (SPEC R5.3).
@@ -562,8 +566,8 @@ void PrefillCore::SendStatusToDecode(const std::shared_ptr<Room>& room, const St
 
 void PrefillCore::AbortRoom(uint64_t room_id, std::string_view reason) {
   if (auto room = FindRoom(room_id)) {
-    FailRoom(room, Status::Aborted(absl::StrFormat("room %d aborted by prefill: %s", room_id,
-                                                   reason)));
+    FailRoom(room,
+             Status::Aborted(absl::StrFormat("room %d aborted by prefill: %s", room_id, reason)));
   }
 }
 
@@ -579,7 +583,8 @@ void PrefillCore::ReleaseRoom(uint64_t room_id, const RoomState* state) {
   }
   if (room && !IsTerminal(room->state->Poll())) {
     FailRoom(room, Status::Aborted(absl::StrFormat("room %d: sender destroyed before the "
-                                                   "transfer finished", room_id)));
+                                                   "transfer finished",
+                                                   room_id)));
   }
   rooms_.Erase(room_id, state);
 }

@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "lib/base/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "lib/base/mutex.h"
 #include "pdlib/status.h"
 #include "pdlib/types.h"
 

@@ -20,18 +20,18 @@ uint64_t ItemCapacity(const BufferFamily& family) {
 
 Status ValidateFamily(const BufferFamily& family, std::string_view what) {
   if (family.lens.size() != family.ptrs.size() || family.item_lens.size() != family.ptrs.size()) {
-    return Status::InvalidArgument(absl::StrFormat(
-        "%s buffers: %d ptrs, %d lens and %d item_lens must have the same length", what,
-        family.ptrs.size(), family.lens.size(), family.item_lens.size()));
+    return Status::InvalidArgument(
+        absl::StrFormat("%s buffers: %d ptrs, %d lens and %d item_lens must have the same length",
+                        what, family.ptrs.size(), family.lens.size(), family.item_lens.size()));
   }
   for (size_t i = 0; i < family.size(); ++i) {
     if (family.ptrs[i] == 0) {
       return Status::InvalidArgument(absl::StrFormat("%s buffer %d has a null pointer", what, i));
     }
     if (family.item_lens[i] == 0 || family.item_lens[i] > family.lens[i]) {
-      return Status::InvalidArgument(absl::StrFormat(
-          "%s buffer %d: item_len %d must be in [1, len %d]", what, i, family.item_lens[i],
-          family.lens[i]));
+      return Status::InvalidArgument(
+          absl::StrFormat("%s buffer %d: item_len %d must be in [1, len %d]", what, i,
+                          family.item_lens[i], family.lens[i]));
     }
     if (family.ptrs[i] > std::numeric_limits<uint64_t>::max() - family.lens[i]) {
       return Status::InvalidArgument(
@@ -46,8 +46,8 @@ Status ValidateIndices(std::span<const int32_t> indices, uint64_t capacity, std:
   for (size_t i = 0; i < indices.size(); ++i) {
     int64_t idx = indices[i];
     if (idx < 0 || static_cast<uint64_t>(idx) >= capacity) {
-      return Status::OutOfRange(absl::StrFormat("%s index %d (position %d) out of range [0, %d) on %s",
-                                                what, idx, i, capacity, side));
+      return Status::OutOfRange(absl::StrFormat(
+          "%s index %d (position %d) out of range [0, %d) on %s", what, idx, i, capacity, side));
     }
   }
   return Status::OK();
@@ -62,17 +62,16 @@ Status ValidateKVArgs(const KVArgs& args) {
   if (args.state_type == StateType::kNone && !args.state.empty()) {
     return Status::InvalidArgument("state buffers given but state_type is none");
   }
-  if (!args.state_dim_per_tensor.empty() &&
-      args.state_dim_per_tensor.size() != args.state.size()) {
-    return Status::InvalidArgument(absl::StrFormat(
-        "state_dim_per_tensor has %d entries for %d state buffers",
-        args.state_dim_per_tensor.size(), args.state.size()));
+  if (!args.state_dim_per_tensor.empty() && args.state_dim_per_tensor.size() != args.state.size()) {
+    return Status::InvalidArgument(
+        absl::StrFormat("state_dim_per_tensor has %d entries for %d state buffers",
+                        args.state_dim_per_tensor.size(), args.state.size()));
   }
   const ParallelConfig& p = args.parallel;
   auto check_rank = [](const char* name, int32_t size, int32_t rank) -> Status {
     if (size < 1 || rank < 0 || rank >= size) {
-      return Status::InvalidArgument(
-          absl::StrFormat("parallel.%s_rank %d must be in [0, %s_size %d)", name, rank, name, size));
+      return Status::InvalidArgument(absl::StrFormat(
+          "parallel.%s_rank %d must be in [0, %s_size %d)", name, rank, name, size));
     }
     return Status::OK();
   };
@@ -106,9 +105,8 @@ Status ValidateOptions(const KVManagerOptions& options) {
       return Status::InvalidArgument(absl::StrFormat("%s must be > 0 ms", name));
     }
   }
-  return ValidateKVArgs(options.args).WithPrefix(ModeName(options.mode) == "prefill"
-                                                     ? "prefill KVArgs"
-                                                     : "decode KVArgs");
+  return ValidateKVArgs(options.args)
+      .WithPrefix(ModeName(options.mode) == "prefill" ? "prefill KVArgs" : "decode KVArgs");
 }
 
 }  // namespace v1

@@ -48,7 +48,8 @@ std::vector<std::string> SortedNames(Registry& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(
 Status AddFactory(Registry& r, std::string_view name, spi::TransportFactory factory,
                   uint32_t spi_version) {
   if (name.empty()) return Status::InvalidArgument("backend name must not be empty");
-  if (!factory) return Status::InvalidArgument("backend '" + std::string(name) + "' has no factory");
+  if (!factory)
+    return Status::InvalidArgument("backend '" + std::string(name) + "' has no factory");
   if (spi_version != spi::kTransportSpiVersion) {
     return Status::FailedPrecondition(
         "backend '" + std::string(name) + "' was built against transport SPI version " +

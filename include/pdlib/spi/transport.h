@@ -47,11 +47,11 @@ using PeerId = uint64_t;    // an initiator's connection to one target
 using TargetId = uint64_t;  // a target's half of one connection
 
 struct TransportCapabilities {
-  bool moves_bytes = true;       // false only for the fake backend
-  bool needs_reply = false;      // CompleteTargetEndpoint must be called with the reply blob
+  bool moves_bytes = true;   // false only for the fake backend
+  bool needs_reply = false;  // CompleteTargetEndpoint must be called with the reply blob
   bool supports_cuda_memory = false;
-  uint32_t max_writes_per_batch = 0;   // 0: unlimited (the core splits larger batches)
-  uint64_t max_write_bytes = 0;        // 0: unlimited (the core splits longer writes)
+  uint32_t max_writes_per_batch = 0;  // 0: unlimited (the core splits larger batches)
+  uint64_t max_write_bytes = 0;       // 0: unlimited (the core splits longer writes)
 };
 
 struct MemoryRegion {
