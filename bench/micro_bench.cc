@@ -47,6 +47,7 @@ void BM_PollHandle(benchmark::State& state) {
   std::vector<uint8_t> kv(1 << 16);
   pdlib::KVManagerOptions o;
   o.mode = pdlib::Mode::kPrefill;
+  o.control_plane = pdlib::ControlPlane::kInProcess;
   o.bootstrap_port = 1;  // in-process only
   o.args.kv = {{reinterpret_cast<uint64_t>(kv.data())}, {kv.size()}, {4096}};
   auto manager = pdlib::KVManager::Create(o);

@@ -44,6 +44,7 @@ int main() {
   auto options = [&](pdlib::Mode mode, int first_pool, pdlib::MetadataBuffers& aux) {
     pdlib::KVManagerOptions o;
     o.mode = mode;
+    o.control_plane = pdlib::ControlPlane::kInProcess;
     o.backend = "fake";
     o.bootstrap_port = 8998;
     for (int i = first_pool; i < first_pool + 2 * kLayers; ++i) {

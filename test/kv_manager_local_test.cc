@@ -27,6 +27,7 @@ pdlib::KVManagerOptions Options(pdlib::Mode mode, uint16_t bootstrap, Pools& poo
   pools.aux = std::move(*pdlib::MetadataBuffers::Create(8, 0, 0));
   pdlib::KVManagerOptions o;
   o.mode = mode;
+  o.control_plane = pdlib::ControlPlane::kInProcess;
   o.bootstrap_port = bootstrap;
   o.args.kv = {
       {reinterpret_cast<uint64_t>(pools.k.data()), reinterpret_cast<uint64_t>(pools.v.data())},

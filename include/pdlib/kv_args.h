@@ -85,10 +85,21 @@ struct KVArgs {
   ModelFingerprint fingerprint;
 };
 
+// How control messages travel between managers.
+enum class ControlPlane : int32_t {
+  // gRPC over TCP: a bootstrap server per prefill deployment and one stream per
+  // (decode rank, prefill rank) pair. What every deployment uses.
+  kGrpc = 0,
+  // Direct calls between managers of one process, found by bootstrap address. For tests and
+  // single-process set-ups; no sockets.
+  kInProcess = 1,
+};
+
 // Options of one KVManager. Defaults are what a production deployment should start from.
 struct KVManagerOptions {
   Mode mode = Mode::kPrefill;
   KVArgs args;
+  ControlPlane control_plane = ControlPlane::kGrpc;
 
   // Name of the transport backend: "fake", "ucx", "verbs", or one registered out of tree.
   std::string backend = "fake";
@@ -101,6 +112,15 @@ struct KVManagerOptions {
   // Prefill: the bootstrap server this rank registers with.
   std::string bootstrap_host = "127.0.0.1";
   uint16_t bootstrap_port = 8998;
+  // Prefill: run the bootstrap server inside this manager, on bootstrap_host:bootstrap_port
+  // (typically on one rank of the deployment; pdlib-bootstrap is the standalone alternative).
+  bool start_bootstrap_server = false;
+
+  // A silent peer (frozen process, cut network) is declared dead after this long and every
+  // request bound to it fails (SPEC R7.2); a peer that exits is noticed at once. >= 1000 ms.
+  std::chrono::milliseconds liveness_timeout{5000};
+  // Decode: bootstrap queries and connection set-up to a prefill rank give up after this long.
+  std::chrono::milliseconds connect_timeout{5000};
 
   // A request that stays in Bootstrapping / WaitingForInput / Transferring longer than this
   // fails with kDeadlineExceeded and a reason naming the state (SPEC R7.1).

@@ -8,7 +8,8 @@ inline namespace v1 {
 
 StatusOr<std::unique_ptr<KVManager>> KVManager::Create(const KVManagerOptions& options) {
   if (Status s = ValidateOptions(options); !s.ok()) return s;
-  return CreateLocalKVManager(options);
+  if (options.control_plane == ControlPlane::kInProcess) return CreateLocalKVManager(options);
+  return Status::Unimplemented("the gRPC control plane is not built yet; use kInProcess");
 }
 
 }  // namespace v1

@@ -98,7 +98,16 @@ Status ValidateOptions(const KVManagerOptions& options) {
         "failure_injection_prob %g must be in [0, 1] (negative: from the environment)",
         options.failure_injection_prob));
   }
-  for (auto [name, value] : {std::pair{"bootstrap_timeout", options.bootstrap_timeout},
+  if (options.control_plane != ControlPlane::kGrpc &&
+      options.control_plane != ControlPlane::kInProcess) {
+    return Status::InvalidArgument("control_plane must be kGrpc or kInProcess");
+  }
+  if (options.liveness_timeout < std::chrono::milliseconds(1000)) {
+    return Status::InvalidArgument(absl::StrFormat("liveness_timeout %d ms must be >= 1000 ms",
+                                                   options.liveness_timeout.count()));
+  }
+  for (auto [name, value] : {std::pair{"connect_timeout", options.connect_timeout},
+                             std::pair{"bootstrap_timeout", options.bootstrap_timeout},
                              std::pair{"waiting_timeout", options.waiting_timeout},
                              std::pair{"transfer_timeout", options.transfer_timeout}}) {
     if (value.count() <= 0) {

@@ -11,6 +11,7 @@ int main() {
   std::vector<char> kv(1 << 16), kv2(1 << 16);
   pdlib::KVManagerOptions p;
   p.mode = pdlib::Mode::kPrefill;
+  p.control_plane = pdlib::ControlPlane::kInProcess;
   p.bootstrap_port = 9100;
   p.args.kv = {{reinterpret_cast<uint64_t>(kv.data())}, {kv.size()}, {4096}};
   p.args.page_size = 16;
