@@ -1,0 +1,89 @@
+// ModelConfig: the shape of the small Llama-style decoder that pdlib's example hosts run, and of
+// its paged KV cache.
+//
+// A plain value type; fill it, call Validate(), and hand it to ModelWeights. The default is a
+// model small enough to run quickly on two CPU cores. Thread-safe as any const value.
+#ifndef PDLIB_KERNELS_CONFIG_H_
+#define PDLIB_KERNELS_CONFIG_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pdlib/kv_args.h"
+#include "pdlib/status.h"
+#include "pdlib/types.h"
+
+namespace pdlib::kernels {
+
+// Element type of the KV cache. Weights and activations are always fp32.
+enum class KVDtype : int32_t {
+  kFloat32 = 0,
+  kBFloat16 = 1,  // rounded to nearest even on write, widened to fp32 on read
+};
+std::string_view KVDtypeName(KVDtype dtype);
+
+// What the mixing half of a decoder layer is. Every layer also has a SwiGLU MLP.
+enum class LayerKind : int32_t {
+  kAttention = 0,  // grouped-query attention over the paged KV cache
+  kRecurrent = 1,  // gated linear recurrence over a per-request state slot (mamba-like)
+};
+
+struct ModelConfig {
+  int32_t num_layers = 4;
+  int32_t hidden_size = 256;
+  int32_t num_heads = 4;     // query heads
+  int32_t num_kv_heads = 2;  // key/value heads (GQA); divides num_heads
+  int32_t head_dim = 64;
+  int32_t intermediate_size = 512;  // SwiGLU width
+  int32_t vocab_size = 512;
+  float rope_theta = 10000.0f;
+  float rms_norm_eps = 1e-5f;
+  int32_t page_size = 16;  // tokens per KV page
+  KVDtype kv_dtype = KVDtype::kFloat32;
+  KVLayout kv_layout = KVLayout::kNHD;
+  // Empty: every layer is attention. Otherwise exactly num_layers entries.
+  std::vector<LayerKind> layer_kinds;
+  // When true, the LM head reuses the embedding table (no lm_head.weight tensor).
+  bool tie_word_embeddings = false;
+
+  // The default: 4 attention layers, hidden 256, 4 query heads and 2 KV heads of 64, vocab 512.
+  static ModelConfig Small() { return ModelConfig(); }
+  // Small() with layers 1 and 3 recurrent, so hosts exercise state transfer.
+  static ModelConfig SmallHybrid();
+
+  [[nodiscard]] Status Validate() const;
+  std::string ToString() const;
+
+  LayerKind layer_kind(int32_t layer) const;
+  bool is_hybrid() const { return num_recurrent_layers() > 0; }
+  int32_t num_attention_layers() const;
+  int32_t num_recurrent_layers() const;
+  // Position of `layer` among the attention layers (its KV pool index), or -1.
+  int32_t kv_layer_index(int32_t layer) const;
+  // Position of `layer` among the recurrent layers (its state pool index), or -1.
+  int32_t state_layer_index(int32_t layer) const;
+
+  int32_t q_width() const { return num_heads * head_dim; }
+  int32_t kv_width() const { return num_kv_heads * head_dim; }
+  // Width of a recurrent layer's state: one fp32 per hidden unit.
+  int32_t state_dim() const { return hidden_size; }
+
+  size_t kv_elem_bytes() const { return kv_dtype == KVDtype::kFloat32 ? 4 : 2; }
+  // Bytes of one page of one K (or V) pool: page_size * num_kv_heads * head_dim elements.
+  size_t kv_page_bytes() const {
+    return static_cast<size_t>(page_size) * static_cast<size_t>(kv_width()) * kv_elem_bytes();
+  }
+  // Bytes of one request's state in one recurrent layer's pool.
+  size_t state_slot_bytes() const { return static_cast<size_t>(state_dim()) * sizeof(float); }
+
+  // What a pdlib KVManager compares between the two sides (SPEC R6.4). num_layers counts the
+  // layers that own KV pools (the attention layers).
+  ModelFingerprint Fingerprint(std::string model_name = "pdlib-kernels-llama") const;
+};
+
+}  // namespace pdlib::kernels
+
+#endif  // PDLIB_KERNELS_CONFIG_H_

@@ -1,0 +1,59 @@
+#include "cpu/host_kv_cache.h"
+
+#include <cstring>
+#include <string>
+
+namespace pdlib::kernels::internal {
+namespace {
+
+// Page alignment lets RDMA and GPU-direct registration pin the pools without slack.
+constexpr size_t kAlignment = 4096;
+
+}  // namespace
+
+StatusOr<std::unique_ptr<HostKVCache>> HostKVCache::Create(const ModelConfig& config,
+                                                           int32_t num_pages,
+                                                           int32_t num_state_slots) {
+  std::unique_ptr<HostKVCache> cache(new HostKVCache(config, num_pages, num_state_slots));
+  const size_t page_bytes = config.kv_page_bytes();
+  for (int32_t l = 0; l < config.num_attention_layers(); ++l) {
+    for (std::vector<PoolRegion>* pools : {&cache->k_pools_, &cache->v_pools_}) {
+      StatusOr<PoolRegion> r =
+          cache->Allocate(page_bytes * static_cast<size_t>(num_pages), page_bytes);
+      if (!r.ok()) return r.status();
+      pools->push_back(*r);
+    }
+  }
+  const size_t slot_bytes = config.state_slot_bytes();
+  for (int32_t l = 0; l < config.num_recurrent_layers(); ++l) {
+    StatusOr<PoolRegion> r =
+        cache->Allocate(slot_bytes * static_cast<size_t>(num_state_slots), slot_bytes);
+    if (!r.ok()) return r.status();
+    cache->state_pools_.push_back(*r);
+  }
+  return cache;
+}
+
+StatusOr<PoolRegion> HostKVCache::Allocate(size_t bytes, size_t item_bytes) {
+  const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  void* p = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
+  if (p == nullptr) {
+    return Status::ResourceExhausted("KV cache: cannot allocate " + std::to_string(rounded) +
+                                     " bytes of host memory");
+  }
+  std::memset(p, 0, rounded == 0 ? kAlignment : rounded);
+  allocations_.emplace_back(p);
+  return PoolRegion{p, bytes, item_bytes};
+}
+
+Status HostKVCache::CopyToHost(const void* src, void* dst, size_t bytes) const {
+  std::memcpy(dst, src, bytes);
+  return Status::OK();
+}
+
+Status HostKVCache::CopyFromHost(const void* src, void* dst, size_t bytes) {
+  std::memcpy(dst, src, bytes);
+  return Status::OK();
+}
+
+}  // namespace pdlib::kernels::internal

@@ -1,0 +1,220 @@
+#include "cpu/ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "half_float.h"
+#include "pdlib_kernels/kv_cache.h"
+
+namespace pdlib::kernels::internal {
+namespace {
+
+inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float Silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+size_t PageElems(const ModelConfig& config) {
+  return static_cast<size_t>(config.page_size) * static_cast<size_t>(config.kv_width());
+}
+
+}  // namespace
+
+void Embedding(const float* table, int32_t hidden, std::span<const int32_t> ids, float* out) {
+  for (size_t t = 0; t < ids.size(); ++t) {
+    std::memcpy(out + t * static_cast<size_t>(hidden),
+                table + static_cast<size_t>(ids[t]) * static_cast<size_t>(hidden),
+                sizeof(float) * static_cast<size_t>(hidden));
+  }
+}
+
+void RmsNorm(const float* x, const float* weight, int64_t rows, int32_t hidden, float eps,
+             float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * hidden;
+    float* yr = out + r * hidden;
+    const float mean_sq = Dot(xr, xr, hidden) / static_cast<float>(hidden);
+    const float inv = 1.0f / std::sqrt(mean_sq + eps);
+    for (int32_t i = 0; i < hidden; ++i) yr[i] = xr[i] * inv * weight[i];
+  }
+}
+
+void RopeTable(std::span<const int32_t> positions, int32_t head_dim, float theta,
+               std::vector<float>* cos, std::vector<float>* sin) {
+  const int32_t half = head_dim / 2;
+  cos->resize(positions.size() * static_cast<size_t>(half));
+  sin->resize(positions.size() * static_cast<size_t>(half));
+  for (size_t t = 0; t < positions.size(); ++t) {
+    for (int32_t i = 0; i < half; ++i) {
+      const double inv_freq =
+          std::pow(static_cast<double>(theta), -2.0 * i / static_cast<double>(head_dim));
+      const double angle = static_cast<double>(positions[t]) * inv_freq;
+      (*cos)[t * static_cast<size_t>(half) + static_cast<size_t>(i)] =
+          static_cast<float>(std::cos(angle));
+      (*sin)[t * static_cast<size_t>(half) + static_cast<size_t>(i)] =
+          static_cast<float>(std::sin(angle));
+    }
+  }
+}
+
+void ApplyRope(float* x, int64_t rows, int32_t heads, int32_t head_dim, const float* cos,
+               const float* sin) {
+  const int32_t half = head_dim / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos + r * half;
+    const float* s = sin + r * half;
+    for (int32_t h = 0; h < heads; ++h) {
+      float* v = x + (r * heads + h) * head_dim;
+      for (int32_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i] + a * s[i];
+      }
+    }
+  }
+}
+
+void WriteKV(const ModelConfig& config, const float* k, const float* v,
+             std::span<const int64_t> write_slots, void* k_pool, void* v_pool) {
+  const int32_t hd = config.head_dim;
+  const size_t page_elems = PageElems(config);
+  for (size_t t = 0; t < write_slots.size(); ++t) {
+    const int64_t page = write_slots[t] / config.page_size;
+    const int32_t off = static_cast<int32_t>(write_slots[t] % config.page_size);
+    for (int32_t h = 0; h < config.num_kv_heads; ++h) {
+      const size_t dst = static_cast<size_t>(page) * page_elems + KVOffsetInPage(config, off, h, 0);
+      const float* ks = k + (t * static_cast<size_t>(config.num_kv_heads) + h) * hd;
+      const float* vs = v + (t * static_cast<size_t>(config.num_kv_heads) + h) * hd;
+      if (config.kv_dtype == KVDtype::kFloat32) {
+        std::memcpy(static_cast<float*>(k_pool) + dst, ks, sizeof(float) * hd);
+        std::memcpy(static_cast<float*>(v_pool) + dst, vs, sizeof(float) * hd);
+      } else {
+        uint16_t* kd = static_cast<uint16_t*>(k_pool) + dst;
+        uint16_t* vd = static_cast<uint16_t*>(v_pool) + dst;
+        for (int32_t d = 0; d < hd; ++d) {
+          kd[d] = FloatToBf16(ks[d]);
+          vd[d] = FloatToBf16(vs[d]);
+        }
+      }
+    }
+  }
+}
+
+void ReadKVHead(const ModelConfig& config, const void* pool, int64_t slot, int32_t head,
+                float* out) {
+  const int64_t page = slot / config.page_size;
+  const int32_t off = static_cast<int32_t>(slot % config.page_size);
+  const size_t at =
+      static_cast<size_t>(page) * PageElems(config) + KVOffsetInPage(config, off, head, 0);
+  if (config.kv_dtype == KVDtype::kFloat32) {
+    std::memcpy(out, static_cast<const float*>(pool) + at, sizeof(float) * config.head_dim);
+  } else {
+    const uint16_t* src = static_cast<const uint16_t*>(pool) + at;
+    for (int32_t d = 0; d < config.head_dim; ++d) out[d] = Bf16ToFloat(src[d]);
+  }
+}
+
+const float* KVHead(const ModelConfig& config, const void* pool, int64_t slot, int32_t head,
+                    float* scratch) {
+  if (config.kv_dtype != KVDtype::kFloat32) {
+    ReadKVHead(config, pool, slot, head, scratch);
+    return scratch;
+  }
+  const int64_t page = slot / config.page_size;
+  const int32_t off = static_cast<int32_t>(slot % config.page_size);
+  return static_cast<const float*>(pool) + static_cast<size_t>(page) * PageElems(config) +
+         KVOffsetInPage(config, off, head, 0);
+}
+
+void PagedAttention(ThreadPool& pool, const ModelConfig& config, const float* q,
+                    const AttentionBatch& batch, const void* k_pool, const void* v_pool,
+                    float* out) {
+  const int32_t hd = config.head_dim;
+  const int32_t heads = config.num_heads;
+  const int32_t group = config.num_heads / config.num_kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t tasks = static_cast<int64_t>(batch.positions.size()) * heads;
+  const int64_t mean_keys = batch.positions.empty() ? 1 : batch.positions.back() + 1;
+  pool.ParallelFor(tasks, mean_keys * hd * 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, kv(static_cast<size_t>(hd)), acc(static_cast<size_t>(hd));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / heads;
+      const int32_t h = static_cast<int32_t>(task % heads);
+      const int32_t kvh = h / group;
+      const int32_t pos = batch.positions[static_cast<size_t>(t)];
+      const int32_t seq = batch.token_seq[static_cast<size_t>(t)];
+      const int32_t* pages = batch.page_tables.data() + batch.page_table_begin[seq];
+      const float* qh = q + (t * heads + h) * hd;
+      auto slot_of = [&](int32_t j) {
+        return static_cast<int64_t>(pages[j / config.page_size]) * config.page_size +
+               j % config.page_size;
+      };
+      scores.resize(static_cast<size_t>(pos) + 1);
+      float max_score = -INFINITY;
+      for (int32_t j = 0; j <= pos; ++j) {
+        scores[j] = Dot(qh, KVHead(config, k_pool, slot_of(j), kvh, kv.data()), hd) * scale;
+        max_score = std::max(max_score, scores[j]);
+      }
+      float sum = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int32_t j = 0; j <= pos; ++j) {
+        const float p = std::exp(scores[j] - max_score);
+        sum += p;
+        const float* v = KVHead(config, v_pool, slot_of(j), kvh, kv.data());
+        Axpy(p, v, acc.data(), hd);
+      }
+      float* oh = out + (t * heads + h) * hd;
+      for (int32_t d = 0; d < hd; ++d) oh[d] = acc[d] / sum;
+    }
+  });
+}
+
+void SwiGLU(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = Silu(gate[i]) * up[i];
+}
+
+void AddInPlace(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+void RecurrentScan(const RecurrentBatch& batch, int32_t dim, const float* u, const float* decay,
+                   const float* z, float* state_pool, float* y) {
+  for (size_t s = 0; s + 1 < batch.seq_token_begin.size(); ++s) {
+    float* state = state_pool + static_cast<size_t>(batch.seq_state_slot[s]) * dim;
+    if (batch.seq_start_pos[s] == 0) std::fill(state, state + dim, 0.0f);
+    for (int32_t t = batch.seq_token_begin[s]; t < batch.seq_token_begin[s + 1]; ++t) {
+      const size_t row = static_cast<size_t>(t) * static_cast<size_t>(dim);
+      for (int32_t d = 0; d < dim; ++d) {
+        const float a = Sigmoid(decay[row + d]);
+        state[d] = a * state[d] + (1.0f - a) * u[row + d];
+        y[row + d] = state[d] * Silu(z[row + d]);
+      }
+    }
+  }
+}
+
+void SampleGreedy(const float* logits, int32_t vocab, int32_t top_k, ForwardResult* result) {
+  // NaN sorts below every number, so the ordering stays strict and weak.
+  auto key = [&](int32_t i) { return std::isnan(logits[i]) ? -INFINITY : logits[i]; };
+  int32_t best = 0;
+  for (int32_t i = 1; i < vocab; ++i) {
+    if (key(i) > key(best)) best = i;
+  }
+  const float max_logit = logits[best];
+  double sum = 0.0;
+  for (int32_t i = 0; i < vocab; ++i) sum += std::exp(static_cast<double>(logits[i] - max_logit));
+  const double lse = static_cast<double>(max_logit) + std::log(sum);
+  auto logprob = [&](int32_t i) { return static_cast<float>(logits[i] - lse); };
+  result->token = best;
+  result->logprob = logprob(best);
+  std::vector<int32_t> ids(static_cast<size_t>(vocab));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::partial_sort(ids.begin(), ids.begin() + top_k, ids.end(), [&](int32_t a, int32_t b) {
+    return key(a) != key(b) ? key(a) > key(b) : a < b;
+  });
+  result->top_ids.assign(ids.begin(), ids.begin() + top_k);
+  result->top_logprobs.resize(static_cast<size_t>(top_k));
+  for (int32_t k = 0; k < top_k; ++k) result->top_logprobs[k] = logprob(ids[k]);
+}
+
+}  // namespace pdlib::kernels::internal

@@ -1,0 +1,107 @@
+// The CPU reference ops of the decoder, on plain row-major fp32 arrays.
+//
+// Every op computes each output element in one fixed order, whatever the batch or the number
+// of threads, so the CPU model is bit-for-bit reproducible. Ops that take a ThreadPool split
+// only across output elements, never inside a sum.
+#ifndef PDLIB_KERNELS_SRC_CPU_OPS_H_
+#define PDLIB_KERNELS_SRC_CPU_OPS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "cpu/thread_pool.h"
+#include "pdlib_kernels/config.h"
+#include "pdlib_kernels/model.h"
+
+namespace pdlib::kernels::internal {
+
+// Sum of a[i] * b[i] in a fixed order (eight interleaved partial sums, then a fixed tree).
+float Dot(const float* a, const float* b, int64_t n);
+
+// out[t][:] = table[ids[t]][:].
+void Embedding(const float* table, int32_t hidden, std::span<const int32_t> ids, float* out);
+
+// out[r][i] = x[r][i] / sqrt(mean(x[r]^2) + eps) * weight[i].
+void RmsNorm(const float* x, const float* weight, int64_t rows, int32_t hidden, float eps,
+             float* out);
+
+// y[i] += a * x[i] (element-wise, so exact whatever the vector width).
+void Axpy(float a, const float* x, float* y, int64_t n);
+
+// y[r][o] = sum_i x[r][i] * w[o][i]: x is [rows][in], w is [out][in], y is [rows][out].
+// Each y element equals Dot(x[r], w[o], in) bit for bit.
+void MatMul(ThreadPool& pool, const float* x, int64_t rows, int32_t in, const float* w, int32_t out,
+            float* y);
+
+// Which instruction set Dot's, Axpy's and MatMul's inner loops are compiled for. Both give
+// identical bits; tests force each in turn to prove it.
+enum class MatMulIsa { kAuto, kGeneric, kAvx2 };
+bool MatMulIsaAvailable(MatMulIsa isa);
+void ForceMatMulIsa(MatMulIsa isa);
+
+// cos and sin of position * theta^(-2i / head_dim) for i < head_dim / 2, per position:
+// [positions.size()][head_dim / 2] each. Computed in double, then rounded, so every backend can
+// use the same table.
+void RopeTable(std::span<const int32_t> positions, int32_t head_dim, float theta,
+               std::vector<float>* cos, std::vector<float>* sin);
+
+// Rotates each head of x ([rows][heads * head_dim]) in place, Llama "rotate half" style:
+// the pair (x[i], x[i + head_dim/2]) is rotated by row r's angle i.
+void ApplyRope(float* x, int64_t rows, int32_t heads, int32_t head_dim, const float* cos,
+               const float* sin);
+
+// Stores k and v ([tokens][kv_heads * head_dim]) into one layer's pools at write_slots
+// (page * page_size + offset), in the config's layout and dtype.
+void WriteKV(const ModelConfig& config, const float* k, const float* v,
+             std::span<const int64_t> write_slots, void* k_pool, void* v_pool);
+
+// Reads one head of one token back from a pool as fp32 (head_dim values).
+void ReadKVHead(const ModelConfig& config, const void* pool, int64_t slot, int32_t head,
+                float* out);
+// The same head as a pointer: straight into an fp32 pool, or into `scratch` (head_dim floats)
+// after widening bf16.
+const float* KVHead(const ModelConfig& config, const void* pool, int64_t slot, int32_t head,
+                    float* scratch);
+
+// Causal paged attention. For each token t of the batch (request token_seq[t], position
+// positions[t]) and query head h: softmax over keys j in [0, positions[t]] of
+// q.k_j / sqrt(head_dim), times v_j, with K and V read from the request's pages. GQA: query
+// head h reads KV head h / (num_heads / num_kv_heads). q and out are [tokens][num_heads *
+// head_dim]. The pools must already hold the tokens' own K and V.
+struct AttentionBatch {
+  std::span<const int32_t> positions;
+  std::span<const int32_t> token_seq;
+  std::span<const int32_t> page_table_begin;  // per request, into page_tables
+  std::span<const int32_t> page_tables;
+};
+void PagedAttention(ThreadPool& pool, const ModelConfig& config, const float* q,
+                    const AttentionBatch& batch, const void* k_pool, const void* v_pool,
+                    float* out);
+
+// out[i] = silu(gate[i]) * up[i], silu(x) = x / (1 + exp(-x)).
+void SwiGLU(const float* gate, const float* up, int64_t n, float* out);
+
+// x[i] += y[i].
+void AddInPlace(float* x, const float* y, int64_t n);
+
+// The recurrent mixer, per request and state dimension, over that request's tokens in order:
+//   a = sigmoid(decay[t]), h = a * h + (1 - a) * u[t], y[t] = h * silu(z[t]).
+// u, decay, z and y are [tokens][dim]; `state` is the request's slot (dim floats), read as the
+// initial h (zeros when seq_start_pos is 0) and overwritten with the final h.
+struct RecurrentBatch {
+  std::span<const int32_t> seq_token_begin;  // num_seqs + 1 entries
+  std::span<const int32_t> seq_start_pos;
+  std::span<const int32_t> seq_state_slot;
+};
+void RecurrentScan(const RecurrentBatch& batch, int32_t dim, const float* u, const float* decay,
+                   const float* z, float* state_pool, float* y);
+
+// Log-softmax of `logits` and the greedy choice: token = argmax (lowest id on ties), its
+// logprob, and the top_k tokens by logprob (best first, lowest id on ties).
+void SampleGreedy(const float* logits, int32_t vocab, int32_t top_k, ForwardResult* result);
+
+}  // namespace pdlib::kernels::internal
+
+#endif  // PDLIB_KERNELS_SRC_CPU_OPS_H_

@@ -1,0 +1,117 @@
+#include "pdlib_kernels/kv_cache.h"
+
+#include <string>
+
+namespace pdlib::kernels {
+
+KVCache::KVCache(const ModelConfig& config, int32_t num_pages, int32_t num_state_slots,
+                 MemoryKind memory_kind)
+    : config_(config),
+      num_pages_(num_pages),
+      num_state_slots_(num_state_slots),
+      memory_kind_(memory_kind) {}
+
+PoolRegion KVCache::pool(KVKind kind, int32_t kv_layer) const {
+  const std::vector<PoolRegion>& pools = kind == KVKind::kKey ? k_pools_ : v_pools_;
+  if (kv_layer < 0 || static_cast<size_t>(kv_layer) >= pools.size()) return {};
+  return pools[static_cast<size_t>(kv_layer)];
+}
+
+PoolRegion KVCache::state_pool(int32_t state_layer) const {
+  if (state_layer < 0 || static_cast<size_t>(state_layer) >= state_pools_.size()) return {};
+  return state_pools_[static_cast<size_t>(state_layer)];
+}
+
+namespace {
+
+void Append(BufferFamily* family, const PoolRegion& r) {
+  family->ptrs.push_back(reinterpret_cast<uint64_t>(r.base));
+  family->lens.push_back(r.bytes);
+  family->item_lens.push_back(r.item_bytes);
+}
+
+}  // namespace
+
+BufferFamily KVCache::DescribeKV() const {
+  BufferFamily family;
+  for (const PoolRegion& r : k_pools_) Append(&family, r);
+  for (const PoolRegion& r : v_pools_) Append(&family, r);
+  return family;
+}
+
+BufferFamily KVCache::DescribeState() const {
+  BufferFamily family;
+  for (const PoolRegion& r : state_pools_) Append(&family, r);
+  return family;
+}
+
+Status KVCache::CheckPage(KVKind kind, int32_t kv_layer, int32_t page, size_t bytes,
+                          const void** where) const {
+  if (kv_layer < 0 || kv_layer >= num_kv_layers()) {
+    return Status::OutOfRange("KV layer " + std::to_string(kv_layer) + " out of range [0, " +
+                              std::to_string(num_kv_layers()) + ")");
+  }
+  if (page < 0 || page >= num_pages_) {
+    return Status::OutOfRange("page " + std::to_string(page) + " out of range [0, " +
+                              std::to_string(num_pages_) + ") for KV layer " +
+                              std::to_string(kv_layer));
+  }
+  const PoolRegion r = pool(kind, kv_layer);
+  if (bytes != r.item_bytes) {
+    return Status::InvalidArgument("page copy of " + std::to_string(bytes) + " bytes; a page has " +
+                                   std::to_string(r.item_bytes));
+  }
+  *where = static_cast<const std::byte*>(r.base) + static_cast<size_t>(page) * r.item_bytes;
+  return Status::OK();
+}
+
+Status KVCache::CheckState(int32_t state_layer, int32_t slot, size_t bytes,
+                           const void** where) const {
+  if (state_layer < 0 || state_layer >= num_state_layers()) {
+    return Status::OutOfRange("state layer " + std::to_string(state_layer) + " out of range [0, " +
+                              std::to_string(num_state_layers()) + ")");
+  }
+  if (slot < 0 || slot >= num_state_slots_) {
+    return Status::OutOfRange("state slot " + std::to_string(slot) + " out of range [0, " +
+                              std::to_string(num_state_slots_) + ")");
+  }
+  const PoolRegion r = state_pool(state_layer);
+  if (bytes != r.item_bytes) {
+    return Status::InvalidArgument("state copy of " + std::to_string(bytes) +
+                                   " bytes; a slot has " + std::to_string(r.item_bytes));
+  }
+  *where = static_cast<const std::byte*>(r.base) + static_cast<size_t>(slot) * r.item_bytes;
+  return Status::OK();
+}
+
+Status KVCache::ReadPage(KVKind kind, int32_t kv_layer, int32_t page,
+                         std::span<std::byte> out) const {
+  const void* where = nullptr;
+  Status s = CheckPage(kind, kv_layer, page, out.size(), &where);
+  if (!s.ok()) return s;
+  return CopyToHost(where, out.data(), out.size());
+}
+
+Status KVCache::WritePage(KVKind kind, int32_t kv_layer, int32_t page,
+                          std::span<const std::byte> bytes) {
+  const void* where = nullptr;
+  Status s = CheckPage(kind, kv_layer, page, bytes.size(), &where);
+  if (!s.ok()) return s;
+  return CopyFromHost(bytes.data(), const_cast<void*>(where), bytes.size());
+}
+
+Status KVCache::ReadState(int32_t state_layer, int32_t slot, std::span<float> out) const {
+  const void* where = nullptr;
+  Status s = CheckState(state_layer, slot, out.size_bytes(), &where);
+  if (!s.ok()) return s;
+  return CopyToHost(where, out.data(), out.size_bytes());
+}
+
+Status KVCache::WriteState(int32_t state_layer, int32_t slot, std::span<const float> in) {
+  const void* where = nullptr;
+  Status s = CheckState(state_layer, slot, in.size_bytes(), &where);
+  if (!s.ok()) return s;
+  return CopyFromHost(in.data(), const_cast<void*>(where), in.size_bytes());
+}
+
+}  // namespace pdlib::kernels
