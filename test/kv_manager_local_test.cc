@@ -1,6 +1,11 @@
-// KVManager / KVSender / KVReceiver through the in-process control plane over the fake backend:
-// the state machine, validation, timeouts, aborts and clean-up. (Byte-level tests come with the
-// backends that move bytes.)
+// KVManager / KVSender / KVReceiver over the fake backend, every case run twice: through the
+// in-process control plane and through the gRPC one (bootstrap server, peer streams on
+// 127.0.0.1). The state machine, validation, timeouts, aborts and clean-up. (Byte-level tests
+// come with the backends that move bytes.)
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <thread>
@@ -14,6 +19,30 @@ using pdlib::StatusCode;
 namespace {
 
 std::atomic<uint16_t> g_next_bootstrap{30000};
+pdlib::ControlPlane g_plane = pdlib::ControlPlane::kInProcess;
+
+// A port nobody listens on right now (the kernel's choice for an ephemeral bind).
+uint16_t FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+uint16_t NextBootstrapPort() {
+  return g_plane == pdlib::ControlPlane::kGrpc ? FreePort() : g_next_bootstrap++;
+}
+
+// Runs the enclosing test case once per control plane.
+#define FOR_EACH_CONTROL_PLANE()                                                   \
+  g_plane = GENERATE(pdlib::ControlPlane::kInProcess, pdlib::ControlPlane::kGrpc); \
+  INFO("control plane " << (g_plane == pdlib::ControlPlane::kGrpc ? "grpc" : "in-process"))
 
 struct Pools {
   std::vector<uint8_t> k, v;
@@ -27,7 +56,10 @@ pdlib::KVManagerOptions Options(pdlib::Mode mode, uint16_t bootstrap, Pools& poo
   pools.aux = std::move(*pdlib::MetadataBuffers::Create(8, 0, 0));
   pdlib::KVManagerOptions o;
   o.mode = mode;
-  o.control_plane = pdlib::ControlPlane::kInProcess;
+  o.control_plane = g_plane;
+  o.start_bootstrap_server = mode == pdlib::Mode::kPrefill;  // gRPC: prefill hosts bootstrap
+  o.liveness_timeout = 1000ms;
+  o.connect_timeout = 2000ms;
   o.bootstrap_port = bootstrap;
   o.args.kv = {
       {reinterpret_cast<uint64_t>(pools.k.data()), reinterpret_cast<uint64_t>(pools.v.data())},
@@ -51,7 +83,7 @@ bool WaitFor(Pred pred, std::chrono::milliseconds limit = 5000ms) {
 
 struct Deployment {
   Pools ppools, dpools;
-  uint16_t bootstrap = g_next_bootstrap++;
+  uint16_t bootstrap = NextBootstrapPort();
   std::unique_ptr<pdlib::KVManager> prefill, decode;
   explicit Deployment(
       std::function<void(pdlib::KVManagerOptions&, pdlib::KVManagerOptions&)> tweak = {}) {
@@ -71,6 +103,7 @@ struct Deployment {
 }  // namespace
 
 TEST_CASE("1P1D: requests reach Success on both sides with monotonic polls") {
+  FOR_EACH_CONTROL_PLANE();
   Deployment dep;
   for (uint64_t room = 100; room < 140; ++room) {
     auto sender = dep.prefill->CreateSender(room);
@@ -78,7 +111,7 @@ TEST_CASE("1P1D: requests reach Success on both sides with monotonic polls") {
     CHECK((*sender)->Poll() == KVPoll::kBootstrapping);
     auto receiver = dep.decode->CreateReceiver(dep.addr(), room);
     REQUIRE(receiver.ok());
-    CHECK((*receiver)->Poll() == KVPoll::kWaitingForInput);
+    REQUIRE(WaitFor([&] { return (*receiver)->Poll() == KVPoll::kWaitingForInput; }));
     std::vector<int32_t> dst = {3, 4, 5, 9}, src = {10, 11, 12, 20};
     uint32_t slot = static_cast<uint32_t>(room % 8);
     REQUIRE((*receiver)->Init(dst, slot).ok());
@@ -111,6 +144,7 @@ TEST_CASE("1P1D: requests reach Success on both sides with monotonic polls") {
 }
 
 TEST_CASE("TransferInfo that arrives before the sender exists is kept") {
+  FOR_EACH_CONTROL_PLANE();
   Deployment dep;
   auto receiver = dep.decode->CreateReceiver(dep.addr(), 7);
   REQUIRE(receiver.ok());
@@ -118,12 +152,13 @@ TEST_CASE("TransferInfo that arrives before the sender exists is kept") {
   REQUIRE((*receiver)->Init(pages, std::nullopt).ok());
   auto sender = dep.prefill->CreateSender(7);
   REQUIRE(sender.ok());
-  CHECK((*sender)->Poll() == KVPoll::kWaitingForInput);
+  REQUIRE(WaitFor([&] { return (*sender)->Poll() == KVPoll::kWaitingForInput; }));
   REQUIRE((*sender)->Send(pages, true).ok());
   CHECK(WaitFor([&] { return (*receiver)->Poll() == KVPoll::kSuccess; }));
 }
 
 TEST_CASE("bad input gives clear errors and leaves nothing behind") {
+  FOR_EACH_CONTROL_PLANE();
   Deployment dep;
   SECTION("duplicate room") {
     auto a = dep.prefill->CreateSender(1);
@@ -170,7 +205,7 @@ TEST_CASE("bad input gives clear errors and leaves nothing behind") {
   SECTION("bootstrap unreachable") {
     auto r = dep.decode->CreateReceiver({"127.0.0.1", 1}, 5);
     REQUIRE(r.ok());
-    CHECK((*r)->Poll() == KVPoll::kFailed);
+    REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
     CHECK((*r)->FailureReason().code() == StatusCode::kUnavailable);
     CHECK(std::string((*r)->FailureReason().message()).find("127.0.0.1:1") != std::string::npos);
   }
@@ -185,6 +220,7 @@ TEST_CASE("bad input gives clear errors and leaves nothing behind") {
 }
 
 TEST_CASE("handles release their rooms when destroyed") {
+  FOR_EACH_CONTROL_PLANE();
   Deployment dep;
   {
     auto s = dep.prefill->CreateSender(11);
@@ -199,11 +235,12 @@ TEST_CASE("handles release their rooms when destroyed") {
 }
 
 TEST_CASE("mismatched page size or fingerprint is refused with both values") {
+  FOR_EACH_CONTROL_PLANE();
   SECTION("page size") {
     Deployment dep([](auto&, auto& d) { d.args.page_size = 32; });
     auto r = dep.decode->CreateReceiver(dep.addr(), 1);
     REQUIRE(r.ok());
-    REQUIRE((*r)->Poll() == KVPoll::kFailed);
+    REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
     std::string msg((*r)->FailureReason().message());
     CHECK(msg.find("page size mismatch") != std::string::npos);
     CHECK(msg.find("16") != std::string::npos);
@@ -213,7 +250,7 @@ TEST_CASE("mismatched page size or fingerprint is refused with both values") {
     Deployment dep([](auto&, auto& d) { d.args.fingerprint.num_kv_heads = 4; });
     auto r = dep.decode->CreateReceiver(dep.addr(), 1);
     REQUIRE(r.ok());
-    REQUIRE((*r)->Poll() == KVPoll::kFailed);
+    REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
     std::string msg((*r)->FailureReason().message());
     CHECK(msg.find("fingerprint mismatch") != std::string::npos);
     CHECK(msg.find("kv_heads 4") != std::string::npos);
@@ -223,8 +260,10 @@ TEST_CASE("mismatched page size or fingerprint is refused with both values") {
 }
 
 TEST_CASE("timeouts fail rooms in every waiting state, with the state named") {
+  FOR_EACH_CONTROL_PLANE();
   Deployment dep([](auto& p, auto& d) {
-    p.bootstrap_timeout = d.bootstrap_timeout = 100ms;
+    p.bootstrap_timeout = 100ms;
+    d.bootstrap_timeout = 5000ms;  // connecting over gRPC may take longer than 100 ms
     p.waiting_timeout = d.waiting_timeout = 100ms;
     p.transfer_timeout = d.transfer_timeout = 100ms;
   });
@@ -243,6 +282,7 @@ TEST_CASE("timeouts fail rooms in every waiting state, with the state named") {
 }
 
 TEST_CASE("abort on either side fails both, with the reason") {
+  FOR_EACH_CONTROL_PLANE();
   Deployment dep;
   auto s = dep.prefill->CreateSender(1);
   auto r = dep.decode->CreateReceiver(dep.addr(), 1);
@@ -266,8 +306,9 @@ TEST_CASE("abort on either side fails both, with the reason") {
 }
 
 TEST_CASE("a prefill manager going away fails its decode rooms; a new one serves new rooms") {
+  FOR_EACH_CONTROL_PLANE();
   Pools ppools, dpools;
-  uint16_t bootstrap = g_next_bootstrap++;
+  uint16_t bootstrap = NextBootstrapPort();
   auto d = pdlib::KVManager::Create(Options(pdlib::Mode::kDecode, bootstrap, dpools));
   REQUIRE(d.ok());
   auto p = pdlib::KVManager::Create(Options(pdlib::Mode::kPrefill, bootstrap, ppools));
@@ -277,9 +318,9 @@ TEST_CASE("a prefill manager going away fails its decode rooms; a new one serves
   std::vector<int32_t> pages = {1};
   REQUIRE((*r)->Init(pages, std::nullopt).ok());
   p->reset();  // the prefill rank exits
-  REQUIRE((*r)->Poll() == KVPoll::kFailed);
+  REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
   CHECK((*r)->FailureReason().code() == StatusCode::kUnavailable);
-  CHECK((*d)->metrics().connections == 0);  // purged: no stale connection
+  CHECK(WaitFor([&] { return (*d)->metrics().connections == 0; }));  // purged: no stale one
 
   auto p2 = pdlib::KVManager::Create(Options(pdlib::Mode::kPrefill, bootstrap, ppools));
   REQUIRE(p2.ok());
@@ -293,6 +334,7 @@ TEST_CASE("a prefill manager going away fails its decode rooms; a new one serves
 }
 
 TEST_CASE("failure injection fails transfers with a reason") {
+  FOR_EACH_CONTROL_PLANE();
   Deployment dep([](auto& p, auto&) { p.failure_injection_prob = 1.0; });
   auto s = dep.prefill->CreateSender(1);
   auto r = dep.decode->CreateReceiver(dep.addr(), 1);

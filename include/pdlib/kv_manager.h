@@ -58,7 +58,9 @@ class PDLIB_EXPORT KVSender : public KVPollable {
 class PDLIB_EXPORT KVReceiver : public KVPollable {
  public:
   // Hands over the destination pages, the metadata slot and the state slots, and sends them to
-  // every prefill rank that writes to this rank (SPEC R1.3). Call once, after Bootstrapping.
+  // every prefill rank that writes to this rank (SPEC R1.3). Call once. Poll() reaches
+  // kWaitingForInput when the prefill rank is connected; Init() may also come earlier, while
+  // Bootstrapping, and is then sent as soon as the connection is up.
   virtual Status Init(std::span<const int32_t> kv_page_indices, std::optional<uint32_t> aux_index,
                       std::span<const int32_t> state_indices = {}) = 0;
   // Fails the request with `reason` (code kAborted) and tells the prefill side. Idempotent.

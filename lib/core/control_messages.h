@@ -6,6 +6,7 @@
 #define PDLIB_LIB_CORE_CONTROL_MESSAGES_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -71,6 +72,29 @@ class DecodeLink {
   virtual void SendStatus(const TransferStatusMsg& msg) = 0;
 };
 
+// What the control plane delivers to the prefill side (PrefillCore implements it). Called on the
+// control plane's threads; implementations validate, record and return quickly.
+class PrefillHandler {
+ public:
+  virtual ~PrefillHandler() = default;
+  // `link` answers this decode session; it stays valid until OnDecodeGone for it.
+  virtual RegisterAckMsg OnRegister(const RegisterMsg& msg, std::shared_ptr<DecodeLink> link) = 0;
+  virtual void OnTransferInfo(const TransferInfoMsg& msg) = 0;
+  virtual void OnAbort(uint64_t room, uint64_t session, const std::string& reason) = 0;
+  // The connection behind `link` broke or closed. A newer connection of the same session (a
+  // reconnect) is not affected.
+  virtual void OnDecodeGone(uint64_t session, const DecodeLink* link, const Status& reason) = 0;
+};
+
+// What the control plane delivers to the decode side (DecodeCore implements it).
+class DecodeHandler {
+ public:
+  virtual ~DecodeHandler() = default;
+  virtual void OnStatus(const TransferStatusMsg& msg) = 0;
+  // The connection to prefill rank `key` broke.
+  virtual void OnPrefillGone(const std::string& key, const Status& reason) = 0;
+};
+
 // How a decode core reaches one prefill rank.
 class PrefillLink {
  public:
@@ -79,6 +103,8 @@ class PrefillLink {
   virtual RegisterAckMsg Register(const RegisterMsg& msg) = 0;
   virtual void SendTransferInfo(const TransferInfoMsg& msg) = 0;
   virtual void SendAbort(uint64_t room, uint64_t session, const std::string& reason) = 0;
+  // Ends the connection without reporting it back (shutdown, purge). Idempotent.
+  virtual void Close() {}
 };
 
 }  // namespace v1

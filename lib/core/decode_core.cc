@@ -19,6 +19,7 @@ struct DecodeCore::Room {
   std::optional<uint32_t> aux_index ABSL_GUARDED_BY(mu);
   std::vector<int32_t> statuses_ok ABSL_GUARDED_BY(mu);  // tp ranks that reported success
   bool initialized ABSL_GUARDED_BY(mu) = false;
+  TransferInfoMsg info ABSL_GUARDED_BY(mu);  // what Init() asked for
 };
 
 StatusOr<std::shared_ptr<DecodeCore>> DecodeCore::Create(const KVManagerOptions& options,
@@ -64,7 +65,10 @@ void DecodeCore::Shutdown() {
   }
   reaper_.reset();
   for (auto& room : rooms) FailRoom(room, Status::Cancelled("decode manager shut down"), true);
-  for (auto& [key, conn] : connections) transport_->CloseTargetEndpoint(conn.target);
+  for (auto& [key, conn] : connections) {
+    conn.link->Close();
+    transport_->CloseTargetEndpoint(conn.target);
+  }
   connections.clear();
   DeregisterBuffers(*transport_, local_);
   transport_.reset();
@@ -115,6 +119,16 @@ Status DecodeCore::EnsureConnected(
   return Status::OK();
 }
 
+bool DecodeCore::IsConnected(const std::string& key) const {
+  MutexLock lock(&mu_);
+  return connections_.contains(key);
+}
+
+KVPoll DecodeCore::RoomPoll(uint64_t room) const {
+  auto r = FindRoom(room);
+  return r ? r->state->Poll() : KVPoll::kFailed;
+}
+
 StatusOr<std::shared_ptr<RoomState>> DecodeCore::CreateRoom(uint64_t room_id) {
   auto state = rooms_.Insert(room_id);
   if (!state.ok()) return state.status();
@@ -132,11 +146,45 @@ StatusOr<std::shared_ptr<RoomState>> DecodeCore::CreateRoom(uint64_t room_id) {
 void DecodeCore::BindRoom(uint64_t room_id, std::vector<std::string> keys) {
   auto room = FindRoom(room_id);
   if (!room) return;
+  bool initialized = false;
   {
     MutexLock lock(&room->mu);
     room->keys = std::move(keys);
+    initialized = room->initialized;
   }
-  room->state->Advance(KVPoll::kWaitingForInput);
+  // Init() came first: its TransferInfo goes out now; otherwise the engine may call Init().
+  if (initialized) {
+    SendTransferInfo(room);
+  } else {
+    room->state->Advance(KVPoll::kWaitingForInput);
+  }
+}
+
+void DecodeCore::SendTransferInfo(const std::shared_ptr<Room>& room) {
+  std::vector<std::shared_ptr<PrefillLink>> links;
+  std::string lost;
+  TransferInfoMsg info;
+  {
+    MutexLock lock(&room->mu);
+    info = room->info;
+    MutexLock conn_lock(&mu_);
+    for (const auto& key : room->keys) {
+      auto it = connections_.find(key);
+      if (it == connections_.end()) {
+        lost = key;
+        break;
+      }
+      links.push_back(it->second.link);
+    }
+  }
+  if (!lost.empty()) {
+    return FailRoom(room,
+                    Status::Unavailable(absl::StrFormat(
+                        "room %d: connection to prefill %s was lost", info.room, lost)),
+                    false);
+  }
+  room->state->Advance(KVPoll::kTransferring);
+  for (auto& link : links) link->SendTransferInfo(info);
 }
 
 void DecodeCore::FailRoomWith(uint64_t room_id, Status reason) {
@@ -149,9 +197,9 @@ Status DecodeCore::InitRoom(uint64_t room_id, std::span<const int32_t> pages,
   if (!room) return Status::NotFound(absl::StrFormat("room %d is not live", room_id));
   KVPoll state = room->state->Poll();
   if (state == KVPoll::kFailed) return room->state->FailureReason();
-  if (state != KVPoll::kWaitingForInput) {
-    return Status::FailedPrecondition(absl::StrFormat(
-        "room %d: Init() in state %s (wait for WaitingForInput)", room_id, KVPollName(state)));
+  if (state != KVPoll::kWaitingForInput && state != KVPoll::kBootstrapping) {
+    return Status::FailedPrecondition(
+        absl::StrFormat("room %d: Init() in state %s", room_id, KVPollName(state)));
   }
   const KVArgs& args = options_.args;
   if (Status s = ValidateIndices(pages, ItemCapacity(args.kv), "kv page", "decode"); !s.ok()) {
@@ -166,8 +214,7 @@ Status DecodeCore::InitRoom(uint64_t room_id, std::span<const int32_t> pages,
       !s.ok()) {
     return s.WithPrefix(absl::StrFormat("room %d", room_id));
   }
-  std::vector<std::shared_ptr<PrefillLink>> links;
-  std::string lost;
+  bool bound = false;
   {
     MutexLock lock(&room->mu);
     if (room->initialized) {
@@ -175,31 +222,16 @@ Status DecodeCore::InitRoom(uint64_t room_id, std::span<const int32_t> pages,
     }
     room->initialized = true;
     room->aux_index = aux;
-    MutexLock conn_lock(&mu_);
-    for (const auto& key : room->keys) {
-      auto it = connections_.find(key);
-      if (it == connections_.end()) {
-        lost = key;
-        break;
-      }
-      links.push_back(it->second.link);
-    }
+    room->info.room = room_id;
+    room->info.session = session_;
+    room->info.dst_kv_pages.assign(pages.begin(), pages.end());
+    room->info.aux_index = aux;
+    room->info.dst_state_indices.assign(state_indices.begin(), state_indices.end());
+    room->info.required_dst_info_num = 1;
+    bound = !room->keys.empty();
   }
-  if (!lost.empty()) {
-    Status s = Status::Unavailable(
-        absl::StrFormat("room %d: connection to prefill %s was lost", room_id, lost));
-    FailRoom(room, s, false);
-    return s;
-  }
-  TransferInfoMsg info;
-  info.room = room_id;
-  info.session = session_;
-  info.dst_kv_pages.assign(pages.begin(), pages.end());
-  info.aux_index = aux;
-  info.dst_state_indices.assign(state_indices.begin(), state_indices.end());
-  info.required_dst_info_num = 1;
-  room->state->Advance(KVPoll::kTransferring);
-  for (auto& link : links) link->SendTransferInfo(info);
+  // Not bound yet (still bootstrapping): BindRoom sends it.
+  if (bound) SendTransferInfo(room);
   return Status::OK();
 }
 
@@ -323,7 +355,10 @@ void DecodeCore::OnPrefillGone(const std::string& key, const Status& reason) {
                false);
     }
   }
-  if (conn) transport_->CloseTargetEndpoint(conn->target);
+  if (conn) {
+    conn->link->Close();
+    transport_->CloseTargetEndpoint(conn->target);
+  }
   PDLIB_LOG(kInfo, "decode: prefill %s gone: %s", key, reason.ToString());
 }
 

@@ -24,12 +24,12 @@
 namespace pdlib {
 inline namespace v1 {
 
-class DecodeCore : public std::enable_shared_from_this<DecodeCore> {
+class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<DecodeCore> {
  public:
   static StatusOr<std::shared_ptr<DecodeCore>> Create(const KVManagerOptions& options,
                                                       std::unique_ptr<spi::Transport> transport,
                                                       uint64_t session);
-  ~DecodeCore();
+  ~DecodeCore() override;
   void Shutdown();
 
   uint64_t session() const { return session_; }
@@ -39,6 +39,10 @@ class DecodeCore : public std::enable_shared_from_this<DecodeCore> {
   // control link (called without locks held).
   Status EnsureConnected(const std::string& key,
                          const std::function<StatusOr<std::shared_ptr<PrefillLink>>()>& make_link);
+
+  bool IsConnected(const std::string& key) const;
+  // kFailed for a room that is not live.
+  KVPoll RoomPoll(uint64_t room) const;
 
   // Engine side (KVReceiver).
   StatusOr<std::shared_ptr<RoomState>> CreateRoom(uint64_t room);
@@ -52,10 +56,10 @@ class DecodeCore : public std::enable_shared_from_this<DecodeCore> {
   void ReleaseRoom(uint64_t room, const RoomState* state);
 
   // Control plane, prefill -> decode.
-  void OnStatus(const TransferStatusMsg& msg);
+  void OnStatus(const TransferStatusMsg& msg) override;
   // The link to prefill rank `key` broke: every room bound to it fails, the connection is
   // purged so the next request reconnects.
-  void OnPrefillGone(const std::string& key, const Status& reason);
+  void OnPrefillGone(const std::string& key, const Status& reason) override;
 
   KVManagerMetrics metrics() const;
 
@@ -69,6 +73,8 @@ class DecodeCore : public std::enable_shared_from_this<DecodeCore> {
   DecodeCore(const KVManagerOptions& options, std::unique_ptr<spi::Transport> transport,
              uint64_t session);
   std::shared_ptr<Room> FindRoom(uint64_t room) const;
+  // Sends the room's TransferInfo to every prefill rank bound to it.
+  void SendTransferInfo(const std::shared_ptr<Room>& room);
   void FailRoom(const std::shared_ptr<Room>& room, Status reason, bool tell_prefill);
   Status CheckAuxRoom(const Room& room) const;
   void CheckTimeouts();

@@ -1,5 +1,6 @@
 #include "pdlib/kv_manager.h"
 
+#include "lib/core/grpc_kv_manager.h"
 #include "lib/core/local_kv_manager.h"
 #include "lib/core/validate.h"
 
@@ -9,7 +10,7 @@ inline namespace v1 {
 StatusOr<std::unique_ptr<KVManager>> KVManager::Create(const KVManagerOptions& options) {
   if (Status s = ValidateOptions(options); !s.ok()) return s;
   if (options.control_plane == ControlPlane::kInProcess) return CreateLocalKVManager(options);
-  return Status::Unimplemented("the gRPC control plane is not built yet; use kInProcess");
+  return CreateGrpcKVManager(options);
 }
 
 }  // namespace v1

@@ -9,6 +9,7 @@
 #include "lib/base/log_internal.h"
 #include "lib/base/mutex.h"
 #include "lib/core/decode_core.h"
+#include "lib/core/handles.h"
 #include "lib/core/prefill_core.h"
 
 namespace pdlib {
@@ -177,44 +178,6 @@ class LocalPrefillLink final : public PrefillLink {
   std::weak_ptr<DecodeCore> decode_;
 };
 
-// Handles: a shared_ptr to the core keeps it alive; the RoomState gives a lock-free Poll().
-template <typename Base, typename Core>
-class HandleBase : public Base {
- public:
-  HandleBase(std::shared_ptr<Core> core, std::shared_ptr<RoomState> state)
-      : core_(std::move(core)), state_(std::move(state)) {}
-  ~HandleBase() override { core_->ReleaseRoom(state_->room(), state_.get()); }
-  KVPoll Poll() const override { return state_->Poll(); }
-  Status FailureReason() const override { return state_->FailureReason(); }
-  uint64_t room() const override { return state_->room(); }
-  void Abort(std::string_view reason) override { core_->AbortRoom(state_->room(), reason); }
-
- protected:
-  std::shared_ptr<Core> core_;
-  std::shared_ptr<RoomState> state_;
-};
-
-class LocalSender final : public HandleBase<KVSender, PrefillCore> {
- public:
-  using HandleBase::HandleBase;
-  Status Init(uint64_t num_kv_pages, std::optional<uint32_t> aux_index) override {
-    return core_->InitRoom(state_->room(), num_kv_pages, aux_index);
-  }
-  Status Send(std::span<const int32_t> pages, bool is_last_chunk,
-              std::span<const int32_t> state_indices) override {
-    return core_->Send(state_->room(), pages, is_last_chunk, state_indices);
-  }
-};
-
-class LocalReceiver final : public HandleBase<KVReceiver, DecodeCore> {
- public:
-  using HandleBase::HandleBase;
-  Status Init(std::span<const int32_t> pages, std::optional<uint32_t> aux_index,
-              std::span<const int32_t> state_indices) override {
-    return core_->InitRoom(state_->room(), pages, aux_index, state_indices);
-  }
-};
-
 class LocalPrefillManager final : public KVManager {
  public:
   LocalPrefillManager(std::shared_ptr<PrefillCore> core, std::string key)
@@ -231,7 +194,7 @@ class LocalPrefillManager final : public KVManager {
   StatusOr<std::unique_ptr<KVSender>> CreateSender(uint64_t room) override {
     auto state = core_->CreateRoom(room);
     if (!state.ok()) return state.status();
-    return std::unique_ptr<KVSender>(std::make_unique<LocalSender>(core_, std::move(*state)));
+    return std::unique_ptr<KVSender>(std::make_unique<CoreSender>(core_, std::move(*state)));
   }
   StatusOr<std::unique_ptr<KVReceiver>> CreateReceiver(const BootstrapAddress&, uint64_t,
                                                        std::optional<int32_t>) override {
@@ -251,7 +214,7 @@ class LocalDecodeManager final : public KVManager {
     LocalHub::Get().RemoveDecode(core_->session());
     core_->Shutdown();
     for (auto& p : LocalHub::Get().Prefills()) {
-      p->OnDecodeGone(core_->session(), Status::Unavailable("decode manager exited"));
+      p->OnDecodeGone(core_->session(), nullptr, Status::Unavailable("decode manager exited"));
     }
   }
   Mode mode() const override { return Mode::kDecode; }
@@ -266,7 +229,7 @@ class LocalDecodeManager final : public KVManager {
                                                        std::optional<int32_t> dp) override {
     auto state = core_->CreateRoom(room);
     if (!state.ok()) return state.status();
-    auto handle = std::make_unique<LocalReceiver>(core_, *state);
+    auto handle = std::make_unique<CoreReceiver>(core_, *state);
     // Bootstrap: resolve the prefill rank, connect once per rank (cached), bind the room.
     auto entry = LocalHub::Get().FindPrefill(bootstrap, room, dp, core_->options().args);
     Status s = entry.status();

@@ -187,8 +187,10 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
 }
 
 void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
+  constexpr size_t kMaxEarlyRooms = 1 << 16;
   std::shared_ptr<Peer> peer;
   std::shared_ptr<Room> room;
+  bool overflow = false;
   {
     MutexLock lock(&mu_);
     if (stopping_) return;
@@ -199,9 +201,13 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
     if (peer && !room) {
       // The engine has not created the sender yet; CreateRoom picks this up. Bounded by the
       // decode side's own room limits: one entry per (room, decode rank).
-      auto& early = early_infos_[msg.room];
-      if (early.size() < 64) early.push_back(msg);
-      return;
+      // Bounded: a peer cannot grow this without limit.
+      if (early_infos_.size() < kMaxEarlyRooms || early_infos_.contains(msg.room)) {
+        auto& early = early_infos_[msg.room];
+        if (early.size() < 64) early.push_back(msg);
+        return;
+      }
+      overflow = true;
     }
   }
   auto reject = [&](Status s) {
@@ -212,6 +218,11 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
     }
     if (room) FailRoom(room, s);
   };
+  if (overflow) {
+    return reject(Status::ResourceExhausted(
+        absl::StrFormat("room %d: %d rooms already wait for their sender on this prefill rank",
+                        msg.room, kMaxEarlyRooms)));
+  }
   if (!peer) {
     PDLIB_LOG(kWarning, "prefill: room %d: TransferInfo from unknown session %d", msg.room,
               msg.session);
@@ -258,6 +269,12 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
     return reject(Status::AlreadyExists(
         absl::StrFormat("room %d: duplicate TransferInfo from session %d", msg.room, msg.session)));
   }
+  if (room->state->Poll() == KVPoll::kFailed) {
+    // Failed before this decode rank was known (abort, timeout): tell it now.
+    peer->link->SendStatus({msg.room, options_.args.parallel.tp_rank,
+                            options_.args.parallel.pp_rank, room->state->FailureReason()});
+    return;
+  }
   if (ready && room->state->Advance(KVPoll::kWaitingForInput)) {
     PDLIB_LOG(kDebug, "prefill: room %d: every TransferInfo arrived", msg.room);
   }
@@ -277,13 +294,14 @@ void PrefillCore::OnAbort(uint64_t room_id, uint64_t session, const std::string&
   }
 }
 
-void PrefillCore::OnDecodeGone(uint64_t session, const Status& reason) {
+void PrefillCore::OnDecodeGone(uint64_t session, const DecodeLink* link, const Status& reason) {
   std::shared_ptr<Peer> peer;
   std::vector<std::shared_ptr<Room>> rooms;
   {
     MutexLock lock(&mu_);
     auto it = peers_.find(session);
     if (it == peers_.end()) return;
+    if (link != nullptr && it->second->link.get() != link) return;  // a newer connection
     peer = std::move(it->second);
     peers_.erase(it);
     for (auto& [id, room] : room_data_) rooms.push_back(room);

@@ -26,22 +26,22 @@
 namespace pdlib {
 inline namespace v1 {
 
-class PrefillCore : public std::enable_shared_from_this<PrefillCore> {
+class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<PrefillCore> {
  public:
   static StatusOr<std::shared_ptr<PrefillCore>> Create(const KVManagerOptions& options,
                                                        std::unique_ptr<spi::Transport> transport);
-  ~PrefillCore();
+  ~PrefillCore() override;
   // Stops intake, fails every live room, joins the workers, releases registrations.
   void Shutdown();
 
   const KVManagerOptions& options() const { return options_; }
 
   // Control plane, decode -> prefill.
-  RegisterAckMsg OnRegister(const RegisterMsg& msg, std::shared_ptr<DecodeLink> link);
-  void OnTransferInfo(const TransferInfoMsg& msg);
-  void OnAbort(uint64_t room, uint64_t session, const std::string& reason);
+  RegisterAckMsg OnRegister(const RegisterMsg& msg, std::shared_ptr<DecodeLink> link) override;
+  void OnTransferInfo(const TransferInfoMsg& msg) override;
+  void OnAbort(uint64_t room, uint64_t session, const std::string& reason) override;
   // The connection to `session` broke: its rooms fail, its transport peer is dropped.
-  void OnDecodeGone(uint64_t session, const Status& reason);
+  void OnDecodeGone(uint64_t session, const DecodeLink* link, const Status& reason) override;
 
   // Engine side (KVSender).
   StatusOr<std::shared_ptr<RoomState>> CreateRoom(uint64_t room);

@@ -1,0 +1,167 @@
+#include "lib/control/peer_convert.h"
+
+#include <string>
+
+#include "absl/strings/str_format.h"
+#include "lib/control/grpc_status.h"
+#include "lib/control/proto_convert.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace control {
+namespace {
+
+// Far above any real model (layers x K/V x NICs), low enough that a hostile Register cannot make
+// prefill import millions of regions.
+constexpr int kMaxRegions = 1 << 14;
+constexpr int kMaxIndices = 1 << 22;
+
+void RegionsToProto(const std::vector<RegionDesc>& in,
+                    google::protobuf::RepeatedPtrField<wire::v1::RegionDesc>* out) {
+  for (const RegionDesc& d : in) {
+    auto* r = out->Add();
+    r->set_addr(d.addr);
+    r->set_length(d.length);
+    r->set_item_len(d.item_len);
+    r->set_key(d.key.data(), d.key.size());
+  }
+}
+
+Status RegionsFromProto(const google::protobuf::RepeatedPtrField<wire::v1::RegionDesc>& in,
+                        const char* what, std::vector<RegionDesc>* out) {
+  if (in.size() > kMaxRegions) {
+    return Status::InvalidArgument(
+        absl::StrFormat("Register: %d %s regions (at most %d)", in.size(), what, kMaxRegions));
+  }
+  for (int i = 0; i < in.size(); ++i) {
+    const auto& r = in[i];
+    if (r.item_len() == 0 || r.item_len() > r.length() || r.addr() == 0 ||
+        r.addr() > UINT64_MAX - r.length()) {
+      return Status::InvalidArgument(
+          absl::StrFormat("Register: %s region %d is malformed (addr %#x, length %d, item_len %d)",
+                          what, i, r.addr(), r.length(), r.item_len()));
+    }
+    out->push_back(
+        RegionDesc{r.addr(), r.length(), r.item_len(), spi::Blob(r.key().begin(), r.key().end())});
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+void ToProto(const RegisterMsg& in, wire::v1::Register* out) {
+  ToProto(in.parallel, out->mutable_decode_rank());
+  out->set_session_id(in.session);
+  ToProto(in.fingerprint, out->mutable_fingerprint());
+  out->set_page_size(in.page_size);
+  out->set_transport(in.transport);
+  out->set_transport_endpoint(in.endpoint.data(), in.endpoint.size());
+  RegionsToProto(in.kv, out->mutable_kv_regions());
+  RegionsToProto(in.aux, out->mutable_aux_regions());
+  RegionsToProto(in.state, out->mutable_state_regions());
+  out->set_state_type(static_cast<wire::v1::StateType>(in.state_type));
+}
+
+StatusOr<RegisterMsg> FromProto(const wire::v1::Register& in) {
+  RegisterMsg out;
+  out.parallel = FromProto(in.decode_rank());
+  out.session = in.session_id();
+  out.fingerprint = FromProto(in.fingerprint());
+  out.page_size = in.page_size();
+  out.transport = in.transport();
+  out.endpoint.assign(in.transport_endpoint().begin(), in.transport_endpoint().end());
+  if (Status s = RegionsFromProto(in.kv_regions(), "kv", &out.kv); !s.ok()) return s;
+  if (Status s = RegionsFromProto(in.aux_regions(), "aux", &out.aux); !s.ok()) return s;
+  if (Status s = RegionsFromProto(in.state_regions(), "state", &out.state); !s.ok()) return s;
+  if (!wire::v1::StateType_IsValid(in.state_type())) {
+    return Status::InvalidArgument(absl::StrFormat("Register: state_type %d", in.state_type()));
+  }
+  out.state_type = static_cast<StateType>(in.state_type());
+  return out;
+}
+
+void ToProto(const RegisterAckMsg& in, wire::v1::RegisterAck* out) {
+  out->set_ok(in.status.ok());
+  out->set_error_code(static_cast<int>(in.status.code()));
+  out->set_error_message(std::string(in.status.message()));
+  out->set_transport_reply(in.reply.data(), in.reply.size());
+  out->mutable_prefill_rank()->set_tp_rank(in.prefill_tp_rank);
+  out->mutable_prefill_rank()->set_pp_rank(in.prefill_pp_rank);
+}
+
+RegisterAckMsg FromProto(const wire::v1::RegisterAck& in) {
+  RegisterAckMsg out;
+  if (!in.ok()) {
+    StatusCode code = StatusCodeFromInt(in.error_code());
+    if (code == StatusCode::kOk) code = StatusCode::kUnknown;
+    out.status = Status(code, in.error_message());
+  }
+  out.reply.assign(in.transport_reply().begin(), in.transport_reply().end());
+  out.prefill_tp_rank = in.prefill_rank().tp_rank();
+  out.prefill_pp_rank = in.prefill_rank().pp_rank();
+  return out;
+}
+
+void ToProto(const TransferInfoMsg& in, wire::v1::TransferInfo* out) {
+  out->set_room(in.room);
+  out->mutable_dst_kv_pages()->Add(in.dst_kv_pages.begin(), in.dst_kv_pages.end());
+  if (in.aux_index) out->set_aux_index(static_cast<int32_t>(*in.aux_index));
+  out->mutable_dst_state_indices()->Add(in.dst_state_indices.begin(), in.dst_state_indices.end());
+  out->set_required_dst_info_num(in.required_dst_info_num);
+  out->set_is_dummy(in.is_dummy);
+}
+
+StatusOr<TransferInfoMsg> FromProto(const wire::v1::TransferInfo& in, uint64_t session) {
+  if (in.dst_kv_pages_size() > kMaxIndices || in.dst_state_indices_size() > kMaxIndices) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "room %d: TransferInfo with %d pages and %d state indices (at most %d each)", in.room(),
+        in.dst_kv_pages_size(), in.dst_state_indices_size(), kMaxIndices));
+  }
+  if (in.has_aux_index() && in.aux_index() < 0) {
+    return Status::OutOfRange(
+        absl::StrFormat("room %d: aux index %d is negative", in.room(), in.aux_index()));
+  }
+  TransferInfoMsg out;
+  out.room = in.room();
+  out.session = session;
+  out.dst_kv_pages.assign(in.dst_kv_pages().begin(), in.dst_kv_pages().end());
+  if (in.has_aux_index()) out.aux_index = static_cast<uint32_t>(in.aux_index());
+  out.dst_state_indices.assign(in.dst_state_indices().begin(), in.dst_state_indices().end());
+  out.required_dst_info_num = in.required_dst_info_num();
+  out.is_dummy = in.is_dummy();
+  return out;
+}
+
+void ToProto(const TransferStatusMsg& in, wire::v1::TransferStatus* out) {
+  out->set_room(in.room);
+  out->set_result(in.status.ok() ? wire::v1::TRANSFER_RESULT_SUCCESS
+                                 : wire::v1::TRANSFER_RESULT_FAILED);
+  out->set_prefill_tp_rank(in.prefill_tp_rank);
+  out->set_prefill_pp_rank(in.prefill_pp_rank);
+  out->set_error_code(static_cast<int>(in.status.code()));
+  out->set_reason(std::string(in.status.message()));
+}
+
+StatusOr<TransferStatusMsg> FromProto(const wire::v1::TransferStatus& in) {
+  TransferStatusMsg out;
+  out.room = in.room();
+  out.prefill_tp_rank = in.prefill_tp_rank();
+  out.prefill_pp_rank = in.prefill_pp_rank();
+  switch (in.result()) {
+    case wire::v1::TRANSFER_RESULT_SUCCESS: break;
+    case wire::v1::TRANSFER_RESULT_FAILED: {
+      StatusCode code = StatusCodeFromInt(in.error_code());
+      if (code == StatusCode::kOk) code = StatusCode::kUnknown;
+      out.status = Status(code, in.reason().empty() ? "prefill reported failure" : in.reason());
+      break;
+    }
+    default:
+      return Status::InvalidArgument(
+          absl::StrFormat("room %d: TransferStatus without a result", in.room()));
+  }
+  return out;
+}
+
+}  // namespace control
+}  // namespace v1
+}  // namespace pdlib

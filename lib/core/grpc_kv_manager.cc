@@ -1,0 +1,388 @@
+#include "lib/core/grpc_kv_manager.h"
+
+#include <deque>
+#include <random>
+#include <thread>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_format.h"
+#include "lib/base/log_internal.h"
+#include "lib/base/mutex.h"
+#include "lib/control/bootstrap_client.h"
+#include "lib/control/bootstrap_server.h"
+#include "lib/control/net_address.h"
+#include "lib/control/peer_client.h"
+#include "lib/control/peer_server.h"
+#include "lib/core/handles.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace {
+
+using control::BootstrapClient;
+using control::BootstrapClientOptions;
+
+// ---------------------------------------------------------------------------------------------
+// Prefill
+// ---------------------------------------------------------------------------------------------
+
+class GrpcPrefillManager final : public KVManager {
+ public:
+  static StatusOr<std::unique_ptr<KVManager>> Create(const KVManagerOptions& o,
+                                                     std::unique_ptr<spi::Transport> transport) {
+    std::unique_ptr<GrpcPrefillManager> m(new GrpcPrefillManager());
+    auto core = PrefillCore::Create(o, std::move(transport));
+    if (!core.ok()) return core.status();
+    m->core_ = *core;
+    if (o.start_bootstrap_server) {
+      control::BootstrapServerOptions bo;
+      bo.host = o.bootstrap_host;
+      bo.port = o.bootstrap_port;
+      auto server = control::BootstrapServer::Start(bo);
+      if (!server.ok()) return server.status().WithPrefix("starting the bootstrap server");
+      m->bootstrap_server_ = std::move(*server);
+    }
+    control::PeerServerOptions po;
+    po.host = o.listen_host;
+    po.port = o.listen_port;
+    po.liveness_timeout = o.liveness_timeout;
+    auto server = control::PeerServer::Start(po, m->core_);
+    if (!server.ok()) return server.status();
+    m->peer_server_ = std::move(*server);
+    m->endpoint_ = control::JoinHostPort(o.listen_host, m->peer_server_->port());
+
+    BootstrapClientOptions bco;
+    bco.register_deadline = std::chrono::hours(24 * 365);  // keep trying until shut down
+    auto client = BootstrapClient::Create(o.bootstrap_host, o.bootstrap_port, bco);
+    if (!client.ok()) return client.status().WithPrefix("bootstrap address");
+    m->bootstrap_ = std::move(*client);
+    control::RankRegistration reg;
+    reg.parallel = o.args.parallel;
+    reg.host = o.listen_host;
+    reg.port = static_cast<uint32_t>(m->peer_server_->port());
+    reg.page_size = o.args.page_size;
+    reg.fingerprint = o.args.fingerprint;
+    m->registration_ = reg;
+    // One quick attempt now, so a deployment whose bootstrap server is up is reachable as soon
+    // as Create returns; otherwise retry in the background, so prefill may start before its
+    // bootstrap server.
+    BootstrapClientOptions once;
+    once.rpc_timeout = std::chrono::milliseconds(1000);
+    once.register_max_attempts = 1;
+    if (auto quick = BootstrapClient::Create(o.bootstrap_host, o.bootstrap_port, once);
+        quick.ok()) {
+      if (auto r = (*quick)->RegisterRank(reg); r.ok()) {
+        PDLIB_LOG(kInfo, "prefill %s registered with bootstrap %s", m->endpoint_,
+                  (*quick)->address());
+        return std::unique_ptr<KVManager>(std::move(m));
+      } else if (r.status().code() != StatusCode::kUnavailable &&
+                 r.status().code() != StatusCode::kDeadlineExceeded) {
+        return r.status().WithPrefix("registering with the bootstrap server");
+      }
+    }
+    m->register_thread_ = std::thread([mgr = m.get(), reg] {
+      auto result = mgr->bootstrap_->RegisterRank(reg);
+      if (result.ok()) {
+        PDLIB_LOG(kInfo, "prefill %s registered with bootstrap %s (%d/%d ranks)", mgr->endpoint_,
+                  mgr->bootstrap_->address(), result->ranks_registered, result->ranks_expected);
+      } else if (result.status().code() != StatusCode::kCancelled) {
+        PDLIB_LOG(kError, "prefill %s: registration with bootstrap failed: %s", mgr->endpoint_,
+                  result.status().ToString());
+      }
+    });
+    PDLIB_LOG(kInfo, "prefill manager listening on %s (backend %s)", m->endpoint_, o.backend);
+    return std::unique_ptr<KVManager>(std::move(m));
+  }
+
+  ~GrpcPrefillManager() override {
+    if (bootstrap_) bootstrap_->Cancel();
+    if (register_thread_.joinable()) register_thread_.join();
+    // Withdraw this rank's address so decode stops choosing it (best effort, bounded).
+    if (bootstrap_ && peer_server_) {
+      BootstrapClientOptions quick;
+      quick.rpc_timeout = std::chrono::milliseconds(500);
+      if (auto c = BootstrapClient::Create(core_->options().bootstrap_host,
+                                           core_->options().bootstrap_port, quick);
+          c.ok()) {
+        (*c)->UnregisterRank(registration_.rank_id(), registration_.host, registration_.port)
+            .status()
+            .IgnoreError();
+      }
+    }
+    if (peer_server_) peer_server_->Shutdown();  // decode sees every stream end
+    if (core_) core_->Shutdown();
+    bootstrap_server_.reset();
+  }
+
+  Mode mode() const override { return Mode::kPrefill; }
+  std::string endpoint() const override { return endpoint_; }
+  StatusOr<std::unique_ptr<KVSender>> CreateSender(uint64_t room) override {
+    auto state = core_->CreateRoom(room);
+    if (!state.ok()) return state.status();
+    return std::unique_ptr<KVSender>(std::make_unique<CoreSender>(core_, std::move(*state)));
+  }
+  StatusOr<std::unique_ptr<KVReceiver>> CreateReceiver(const BootstrapAddress&, uint64_t,
+                                                       std::optional<int32_t>) override {
+    return Status::FailedPrecondition("CreateReceiver() called on a prefill manager");
+  }
+  KVManagerMetrics metrics() const override { return core_->metrics(); }
+
+ private:
+  GrpcPrefillManager() = default;
+
+  std::shared_ptr<PrefillCore> core_;
+  std::unique_ptr<control::BootstrapServer> bootstrap_server_;
+  std::unique_ptr<control::PeerServer> peer_server_;
+  std::unique_ptr<BootstrapClient> bootstrap_;
+  control::RankRegistration registration_;
+  std::string endpoint_;
+  std::thread register_thread_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Decode
+// ---------------------------------------------------------------------------------------------
+
+class GrpcDecodeManager final : public KVManager {
+ public:
+  static StatusOr<std::unique_ptr<KVManager>> Create(const KVManagerOptions& o,
+                                                     std::unique_ptr<spi::Transport> transport) {
+    // A random session id: prefill tells a restarted decode from its predecessor.
+    uint64_t session = std::random_device{}();
+    session = (session << 32) ^ std::random_device{}();
+    auto core = DecodeCore::Create(o, std::move(transport), session);
+    if (!core.ok()) return core.status();
+    std::unique_ptr<GrpcDecodeManager> m(new GrpcDecodeManager(o, *core));
+    m->worker_ = std::thread([mgr = m.get()] { mgr->BootstrapLoop(); });
+    return std::unique_ptr<KVManager>(std::move(m));
+  }
+
+  ~GrpcDecodeManager() override {
+    {
+      MutexLock lock(&mu_);
+      stopping_ = true;
+      for (auto& [addr, client] : clients_) client->Cancel();
+    }
+    cv_.SignalAll();
+    worker_.join();
+    core_->Shutdown();
+  }
+
+  Mode mode() const override { return Mode::kDecode; }
+  std::string endpoint() const override {
+    return absl::StrFormat("decode/%016x", core_->session());
+  }
+  StatusOr<std::unique_ptr<KVSender>> CreateSender(uint64_t) override {
+    return Status::FailedPrecondition("CreateSender() called on a decode manager");
+  }
+
+  StatusOr<std::unique_ptr<KVReceiver>> CreateReceiver(const BootstrapAddress& bootstrap,
+                                                       uint64_t room,
+                                                       std::optional<int32_t> dp) override {
+    auto state = core_->CreateRoom(room);
+    if (!state.ok()) return state.status();
+    auto handle = std::make_unique<CoreReceiver>(core_, *state);
+    Pending p{room, bootstrap, dp};
+    // Fast path: the prefill rank is known and connected; no thread hop.
+    if (std::string key = CachedConnectedKey(p); !key.empty()) {
+      core_->BindRoom(room, {key});
+    } else {
+      {
+        MutexLock lock(&mu_);
+        queue_.push_back(std::move(p));
+      }
+      cv_.Signal();
+    }
+    return std::unique_ptr<KVReceiver>(std::move(handle));
+  }
+
+  KVManagerMetrics metrics() const override { return core_->metrics(); }
+
+ private:
+  struct Pending {
+    uint64_t room;
+    BootstrapAddress bootstrap;
+    std::optional<int32_t> dp;
+    std::chrono::steady_clock::time_point first_try{};
+    std::chrono::steady_clock::time_point next_try{};
+    std::chrono::milliseconds backoff{20};
+  };
+  // What one bootstrap server told us; used only while the rank's connection is alive.
+  struct Deployment {
+    control::ParallelInfo info;
+    absl::flat_hash_map<int32_t, std::string> key_by_dp;  // dp rank -> "host:port" of our tp
+  };
+
+  GrpcDecodeManager(const KVManagerOptions& o, std::shared_ptr<DecodeCore> core)
+      : options_(o), core_(std::move(core)) {}
+
+  static std::string AddrKey(const BootstrapAddress& b) {
+    return control::JoinHostPort(b.host, b.port);
+  }
+
+  std::string CachedConnectedKey(const Pending& p) {
+    std::string key;
+    {
+      MutexLock lock(&mu_);
+      auto it = deployments_.find(AddrKey(p.bootstrap));
+      if (it == deployments_.end()) return "";
+      int32_t dp = p.dp.value_or(static_cast<int32_t>(p.room % it->second.info.dp_size));
+      auto k = it->second.key_by_dp.find(dp);
+      if (k == it->second.key_by_dp.end()) return "";
+      key = k->second;
+    }
+    return core_->IsConnected(key) ? key : "";
+  }
+
+  // Resolves and connects pending rooms one at a time. A lookup that may succeed later (no
+  // such rank registered yet, bootstrap or prefill unreachable) is retried with backoff until
+  // connect_timeout has passed since the room's first try; other errors fail the room at once.
+  void BootstrapLoop() {
+    using Clock = std::chrono::steady_clock;
+    while (true) {
+      Pending p;
+      {
+        MutexLock lock(&mu_);
+        while (true) {
+          if (stopping_) return;
+          auto now = Clock::now();
+          auto due = queue_.end();
+          auto earliest = Clock::time_point::max();
+          for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+            if (it->next_try <= now) {
+              due = it;
+              break;
+            }
+            earliest = std::min(earliest, it->next_try);
+          }
+          if (due != queue_.end()) {
+            p = std::move(*due);
+            queue_.erase(due);
+            break;
+          }
+          if (queue_.empty()) {
+            cv_.Wait(&mu_);
+          } else {
+            cv_.WaitFor(&mu_, earliest - now);
+          }
+        }
+      }
+      auto now = Clock::now();
+      if (p.first_try == Clock::time_point{}) p.first_try = now;
+      auto key = Resolve(p);
+      if (key.ok()) {
+        core_->BindRoom(p.room, {*key});
+        continue;
+      }
+      {
+        // A failed lookup or connection purges what we cached about this deployment (R6.2).
+        MutexLock lock(&mu_);
+        deployments_.erase(AddrKey(p.bootstrap));
+      }
+      StatusCode code = key.status().code();
+      bool retryable = code == StatusCode::kNotFound || code == StatusCode::kUnavailable ||
+                       code == StatusCode::kDeadlineExceeded;
+      if (retryable && now - p.first_try < options_.connect_timeout &&
+          !IsTerminal(RoomPoll(p.room))) {
+        p.next_try = now + p.backoff;
+        p.backoff = std::min(p.backoff * 2, std::chrono::milliseconds(500));
+        MutexLock lock(&mu_);
+        queue_.push_back(std::move(p));
+        continue;
+      }
+      core_->FailRoomWith(p.room, key.status().WithPrefix(absl::StrFormat(
+                                      "room %d: bootstrap via %s", p.room, AddrKey(p.bootstrap))));
+    }
+  }
+
+  KVPoll RoomPoll(uint64_t room) const { return core_->RoomPoll(room); }
+
+  // Finds the prefill rank for `p`, connecting to it if needed. Runs on the bootstrap thread.
+  StatusOr<std::string> Resolve(const Pending& p) {
+    if (std::string key = CachedConnectedKey(p); !key.empty()) return key;
+    const std::string addr = AddrKey(p.bootstrap);
+    BootstrapClient* client = nullptr;
+    {
+      MutexLock lock(&mu_);
+      auto& c = clients_[addr];
+      if (!c) {
+        BootstrapClientOptions bco;
+        bco.rpc_timeout = options_.connect_timeout;
+        auto created = BootstrapClient::Create(p.bootstrap.host, p.bootstrap.port, bco);
+        if (!created.ok()) {
+          clients_.erase(addr);
+          return created.status();
+        }
+        c = std::move(*created);
+      }
+      client = c.get();  // clients_ entries live until the manager is destroyed
+    }
+    auto info = client->GetParallelInfo();
+    if (!info.ok()) return info.status();
+    const KVArgs& mine = options_.args;
+    if (info->page_size != mine.page_size) {
+      return Status::FailedPrecondition(
+          absl::StrFormat("page size mismatch: prefill (bootstrap %s) uses %d, decode uses %d",
+                          addr, info->page_size, mine.page_size));
+    }
+    if (info->tp_size != mine.parallel.tp_size || info->pp_size != 1 ||
+        mine.parallel.pp_size != 1) {
+      return Status::Unimplemented(absl::StrFormat(
+          "prefill tp %d pp %d -> decode tp %d pp %d: only equal TP and PP 1 are supported yet",
+          info->tp_size, info->pp_size, mine.parallel.tp_size, mine.parallel.pp_size));
+    }
+    int32_t dp = p.dp.value_or(static_cast<int32_t>(p.room % info->dp_size));
+    if (dp < 0 || dp >= info->dp_size) {
+      return Status::InvalidArgument(
+          absl::StrFormat("prefill dp rank %d out of range [0, %d)", dp, info->dp_size));
+    }
+    auto rank = client->GetRankAddress({dp, mine.parallel.tp_rank, 0});
+    if (!rank.ok()) return rank.status();
+    const std::string key = control::JoinHostPort(rank->host, rank->port);
+    control::PeerClientOptions pco;
+    pco.host = rank->host;
+    pco.port = rank->port;
+    pco.key = key;
+    pco.liveness_timeout = options_.liveness_timeout;
+    pco.connect_timeout = options_.connect_timeout;
+    std::weak_ptr<DecodeHandler> handler = core_;
+    Status s = core_->EnsureConnected(key, [&]() -> StatusOr<std::shared_ptr<PrefillLink>> {
+      auto link = control::PeerClient::Open(pco, handler);
+      if (!link.ok()) return link.status();
+      return std::shared_ptr<PrefillLink>(std::move(*link));
+    });
+    if (!s.ok()) return s;
+    MutexLock lock(&mu_);
+    Deployment& d = deployments_[addr];
+    d.info = *info;
+    d.key_by_dp[dp] = key;
+    return key;
+  }
+
+  const KVManagerOptions options_;
+  const std::shared_ptr<DecodeCore> core_;
+
+  Mutex mu_;
+  CondVar cv_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::unique_ptr<BootstrapClient>> clients_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Deployment> deployments_ ABSL_GUARDED_BY(mu_);
+  std::thread worker_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<KVManager>> CreateGrpcKVManager(const KVManagerOptions& options) {
+  spi::TransportOptions topts{options.args.device_id, options.args.nic_names,
+                              options.backend_options};
+  auto transport = spi::CreateTransport(options.backend, topts);
+  if (!transport.ok()) return transport.status();
+  if (options.mode == Mode::kPrefill) {
+    return GrpcPrefillManager::Create(options, std::move(*transport));
+  }
+  return GrpcDecodeManager::Create(options, std::move(*transport));
+}
+
+}  // namespace v1
+}  // namespace pdlib
