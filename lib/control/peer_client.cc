@@ -7,6 +7,7 @@
 #include "absl/strings/str_format.h"
 #include "lib/base/log_internal.h"
 #include "lib/base/mutex.h"
+#include "lib/base/tsan.h"
 #include "lib/control/net_address.h"
 #include "lib/control/peer_convert.h"
 #include "lib/proto/pdlib.grpc.pb.h"
@@ -66,18 +67,29 @@ class ClientStream final
     state_->stub->async()->Connect(&ctx_, this);
     StartRead(&in_);
     AddHold();  // writes are started from engine threads, outside reactions
+    PdlibTsanRelease(this);
     StartCall();
   }
 
   void Write(std::vector<DecodeToPrefill> batch) {
     out_.Clear();
     for (auto& m : batch) *out_.add_msgs() = std::move(m);
+    PdlibTsanRelease(this);
     StartWrite(&out_);
   }
 
-  void Cancel() { ctx_.TryCancel(); }
+  void Cancel() {
+    PdlibTsanRelease(this);
+    ctx_.TryCancel();
+  }
+
+  void ReleaseHold() {
+    PdlibTsanRelease(this);
+    RemoveHold();
+  }
 
   void OnReadDone(bool ok) override {
+    PdlibTsanAcquire(this);
     if (!ok) return state_->ReadSideEnded();
     for (const auto& msg : in_.msgs()) {
       if (msg.has_register_ack()) {
@@ -91,12 +103,17 @@ class ClientStream final
         if (auto h = state_->handler.lock()) h->OnStatus(*st);
       }
     }
+    PdlibTsanRelease(this);
     StartRead(&in_);
   }
 
-  void OnWriteDone(bool ok) override { state_->WriteDone(ok); }
+  void OnWriteDone(bool ok) override {
+    PdlibTsanAcquire(this);
+    state_->WriteDone(ok);
+  }
 
   void OnDone(const grpc::Status& status) override {
+    PdlibTsanAcquire(this);
     state_->OnDone(status);
     self_.reset();  // may destroy this object: nothing after this line
   }
@@ -144,7 +161,7 @@ void PeerClient::State::WriteDone(bool ok) {
     s = stream;
   }
   if (!batch.empty()) s->Write(std::move(batch));
-  if (release && s) s->RemoveHold();
+  if (release && s) s->ReleaseHold();
 }
 
 void PeerClient::State::ReadSideEnded() {
@@ -156,7 +173,7 @@ void PeerClient::State::ReadSideEnded() {
     release = TakeHoldRelease();
     s = stream;
   }
-  if (release && s) s->RemoveHold();
+  if (release && s) s->ReleaseHold();
 }
 
 void PeerClient::State::OnAck(RegisterAckMsg msg) {
@@ -282,7 +299,7 @@ void PeerClient::Close() {
   }
   if (s) {
     s->Cancel();
-    if (release) s->RemoveHold();
+    if (release) s->ReleaseHold();
   }
 }
 

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "lib/base/log_internal.h"
 #include "lib/base/mutex.h"
+#include "lib/base/tsan.h"
 #include "lib/control/net_address.h"
 #include "lib/control/peer_convert.h"
 #include "lib/proto/pdlib.grpc.pb.h"
@@ -53,6 +54,7 @@ class PeerStream final
       : handler_(std::move(handler)),
         peer_(std::move(peer)),
         writer_(std::make_shared<StreamWriter>(this)) {
+    PdlibTsanRelease(this);
     StartRead(&in_);
   }
 
@@ -60,22 +62,36 @@ class PeerStream final
   void Write(std::vector<PrefillToDecode> batch) {
     out_.Clear();
     for (auto& m : batch) *out_.add_msgs() = std::move(m);
+    PdlibTsanRelease(this);
     StartWrite(&out_);
   }
 
+  void FinishCall(const grpc::Status& status) {
+    PdlibTsanRelease(this);
+    Finish(status);
+  }
+
   void OnReadDone(bool ok) override {
+    PdlibTsanAcquire(this);
     if (!ok) return EndOfStream("stream closed");
     for (const auto& msg : in_.msgs()) {
       if (Status s = Dispatch(msg); !s.ok())
         PDLIB_LOG(kWarning, "peer %s: %s", peer_, s.ToString());
       if (finishing_) return;  // no more reads: the call is being finished
     }
+    PdlibTsanRelease(this);
     StartRead(&in_);
   }
 
-  void OnWriteDone(bool ok) override { writer_->WriteDone(ok); }
+  void OnWriteDone(bool ok) override {
+    PdlibTsanAcquire(this);
+    writer_->WriteDone(ok);
+  }
+
+  void OnCancel() override { PdlibTsanAcquire(this); }
 
   void OnDone() override {
+    PdlibTsanAcquire(this);
     writer_->Detach();
     if (registered_ && !gone_reported_) {
       handler_->OnDecodeGone(session_, writer_.get(),
@@ -203,7 +219,7 @@ void StreamWriter::WriteDone(bool ok) {
     }
   }
   if (!batch.empty()) stream->Write(std::move(batch));
-  if (finish) stream->Finish(status);
+  if (finish) stream->FinishCall(status);
 }
 
 void StreamWriter::RequestFinish(grpc::Status status) {
@@ -217,7 +233,7 @@ void StreamWriter::RequestFinish(grpc::Status status) {
     finished_ = true;
     stream = stream_;
   }
-  stream->Finish(status);
+  stream->FinishCall(status);
 }
 
 void StreamWriter::Detach() {
