@@ -143,6 +143,79 @@ TEST_CASE("1P1D: requests reach Success on both sides with monotonic polls") {
   CHECK(pm.failed_by_cause.empty());
 }
 
+// Drives `rooms` requests concurrently: each room's sender on prefill[room % prefill.size()],
+// its receiver on decode[room % decode.size()]. Returns true when all reached Success.
+bool RunRequests(const std::vector<pdlib::KVManager*>& prefill,
+                 const std::vector<pdlib::KVManager*>& decode, pdlib::BootstrapAddress addr,
+                 uint64_t first_room, int rooms) {
+  std::vector<std::unique_ptr<pdlib::KVSender>> senders;
+  std::vector<std::unique_ptr<pdlib::KVReceiver>> receivers;
+  for (int i = 0; i < rooms; ++i) {
+    uint64_t room = first_room + i;
+    auto s = prefill[room % prefill.size()]->CreateSender(room);
+    auto r = decode[room % decode.size()]->CreateReceiver(addr, room);
+    if (!s.ok() || !r.ok()) return false;
+    std::vector<int32_t> dst = {static_cast<int32_t>(i % 60), static_cast<int32_t>(i % 60 + 1)};
+    if (!(*r)->Init(dst, std::nullopt).ok()) return false;
+    senders.push_back(std::move(*s));
+    receivers.push_back(std::move(*r));
+  }
+  std::vector<bool> sent(rooms, false);
+  return WaitFor(
+      [&] {
+        bool all = true;
+        for (int i = 0; i < rooms; ++i) {
+          if (!sent[i] && senders[i]->Poll() == KVPoll::kWaitingForInput) {
+            std::vector<int32_t> src = {1, 2};
+            sent[i] = senders[i]->Send(src, true).ok();
+          }
+          all &= receivers[i]->Poll() == KVPoll::kSuccess && senders[i]->Poll() == KVPoll::kSuccess;
+        }
+        return all;
+      },
+      10000ms);
+}
+
+TEST_CASE("2P1D: two prefill DP ranks feed one decode, routed by room % dp_size") {
+  FOR_EACH_CONTROL_PLANE();
+  Pools p0pools, p1pools, dpools;
+  uint16_t bootstrap = NextBootstrapPort();
+  auto o0 = Options(pdlib::Mode::kPrefill, bootstrap, p0pools);
+  auto o1 = Options(pdlib::Mode::kPrefill, bootstrap, p1pools);
+  o0.args.parallel.dp_size = o1.args.parallel.dp_size = 2;
+  o1.args.parallel.dp_rank = 1;
+  o1.start_bootstrap_server = false;  // rank dp 0 hosts it
+  auto p0 = pdlib::KVManager::Create(o0);
+  REQUIRE(p0.ok());
+  auto p1 = pdlib::KVManager::Create(o1);
+  REQUIRE(p1.ok());
+  auto d = pdlib::KVManager::Create(Options(pdlib::Mode::kDecode, bootstrap, dpools));
+  REQUIRE(d.ok());
+  // RunRequests puts room r's sender on prefill[r % 2], which is the DP rank decode must pick.
+  REQUIRE(RunRequests({p0->get(), p1->get()}, {d->get()}, {"127.0.0.1", bootstrap}, 1000, 40));
+  CHECK((*p0)->metrics().rooms_succeeded == 20);
+  CHECK((*p1)->metrics().rooms_succeeded == 20);
+  CHECK((*d)->metrics().rooms_succeeded == 40);
+  CHECK((*d)->metrics().connections == 2);
+}
+
+TEST_CASE("1P2D: one prefill rank serves two decode managers") {
+  FOR_EACH_CONTROL_PLANE();
+  Pools ppools, d0pools, d1pools;
+  uint16_t bootstrap = NextBootstrapPort();
+  auto p = pdlib::KVManager::Create(Options(pdlib::Mode::kPrefill, bootstrap, ppools));
+  REQUIRE(p.ok());
+  auto d0 = pdlib::KVManager::Create(Options(pdlib::Mode::kDecode, bootstrap, d0pools));
+  auto d1 = pdlib::KVManager::Create(Options(pdlib::Mode::kDecode, bootstrap, d1pools));
+  REQUIRE((d0.ok() && d1.ok()));
+  REQUIRE(RunRequests({p->get()}, {d0->get(), d1->get()}, {"127.0.0.1", bootstrap}, 5000, 40));
+  CHECK((*p)->metrics().rooms_succeeded == 40);
+  CHECK((*p)->metrics().connections == 2);
+  CHECK((*d0)->metrics().rooms_succeeded == 20);
+  CHECK((*d1)->metrics().rooms_succeeded == 20);
+  CHECK((*p)->metrics().live_rooms == 0);
+}
+
 TEST_CASE("TransferInfo that arrives before the sender exists is kept") {
   FOR_EACH_CONTROL_PLANE();
   Deployment dep;
