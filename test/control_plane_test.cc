@@ -354,6 +354,25 @@ TEST_CASE("timeouts fail rooms in every waiting state, with the state named") {
   CHECK(dep.prefill->metrics().failed_by_cause.at("DEADLINE_EXCEEDED") == 1);
 }
 
+TEST_CASE("a room prefill never creates times out on decode and leaves nothing on prefill") {
+  FOR_EACH_CONTROL_PLANE();
+  Deployment dep([](auto& p, auto& d) {
+    d.transfer_timeout = 200ms;
+    p.bootstrap_timeout = 400ms;
+  });
+  auto r = dep.decode->CreateReceiver(dep.addr(), 77);
+  REQUIRE(r.ok());
+  std::vector<int32_t> pages = {1};
+  REQUIRE((*r)->Init(pages, std::nullopt).ok());
+  // Prefill holds the TransferInfo for a sender that may still come...
+  REQUIRE(WaitFor([&] { return dep.prefill->metrics().bootstrap_queue_size == 1; }));
+  // ...until decode gives up (and tells prefill), or prefill's own bound passes.
+  REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
+  CHECK((*r)->FailureReason().code() == StatusCode::kDeadlineExceeded);
+  CHECK(WaitFor([&] { return dep.prefill->metrics().bootstrap_queue_size == 0; }));
+  CHECK(dep.prefill->metrics().live_rooms == 0);
+}
+
 TEST_CASE("abort on either side fails both, with the reason") {
   FOR_EACH_CONTROL_PLANE();
   Deployment dep;

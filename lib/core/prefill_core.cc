@@ -204,7 +204,8 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
       // Bounded: a peer cannot grow this without limit.
       if (early_infos_.size() < kMaxEarlyRooms || early_infos_.contains(msg.room)) {
         auto& early = early_infos_[msg.room];
-        if (early.size() < 64) early.push_back(msg);
+        if (early.infos.empty()) early.arrived = absl::Now();
+        if (early.infos.size() < 64) early.infos.push_back(msg);
         return;
       }
       overflow = true;
@@ -304,6 +305,15 @@ void PrefillCore::OnDecodeGone(uint64_t session, const DecodeLink* link, const S
     if (link != nullptr && it->second->link.get() != link) return;  // a newer connection
     peer = std::move(it->second);
     peers_.erase(it);
+    for (auto e = early_infos_.begin(); e != early_infos_.end();) {
+      std::erase_if(e->second.infos,
+                    [&](const TransferInfoMsg& info) { return info.session == session; });
+      if (e->second.infos.empty()) {
+        early_infos_.erase(e++);
+      } else {
+        ++e;
+      }
+    }
     for (auto& [id, room] : room_data_) rooms.push_back(room);
   }
   for (auto& room : rooms) {
@@ -333,7 +343,7 @@ StatusOr<std::shared_ptr<RoomState>> PrefillCore::CreateRoom(uint64_t room_id) {
     room_data_[room_id] = room;
     auto it = early_infos_.find(room_id);
     if (it != early_infos_.end()) {
-      early = std::move(it->second);
+      early = std::move(it->second.infos);
       early_infos_.erase(it);
     }
   }
@@ -613,10 +623,18 @@ void PrefillCore::CheckTimeouts() {
   {
     MutexLock lock(&mu_);
     for (auto& [id, room] : room_data_) rooms.push_back(room);
+    absl::erase_if(early_infos_, [&](const auto& entry) {
+      return now - entry.second.arrived > absl::FromChrono(options_.bootstrap_timeout);
+    });
   }
   for (auto& room : rooms) {
     if (Status s = CheckRoomDeadline(*room->state, options_, now); !s.ok()) FailRoom(room, s);
   }
+}
+
+size_t PrefillCore::early_info_count() const {
+  MutexLock lock(&mu_);
+  return early_infos_.size();
 }
 
 KVManagerMetrics PrefillCore::metrics() const {
@@ -624,6 +642,8 @@ KVManagerMetrics PrefillCore::metrics() const {
   counters_.FillInto(&m, rooms_);
   MutexLock lock(&mu_);
   m.connections = peers_.size();
+  // Requests decode announced whose sender does not exist yet also wait in the queue.
+  m.bootstrap_queue_size += early_infos_.size();
   return m;
 }
 

@@ -52,6 +52,8 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   void ReleaseRoom(uint64_t room, const RoomState* state);
 
   KVManagerMetrics metrics() const;
+  // TransferInfos held for senders not created yet (for tests and leak checks).
+  size_t early_info_count() const;
 
  private:
   struct Peer;
@@ -84,8 +86,14 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   mutable Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Room>> room_data_ ABSL_GUARDED_BY(mu_);
-  // TransferInfos that arrived before the engine created the sender.
-  absl::flat_hash_map<uint64_t, std::vector<TransferInfoMsg>> early_infos_ ABSL_GUARDED_BY(mu_);
+  // TransferInfos that arrived before the engine created the sender, with their arrival time:
+  // dropped after bootstrap_timeout (the decode side has timed out by then too) and when their
+  // decode session goes away.
+  struct EarlyInfos {
+    absl::Time arrived;
+    std::vector<TransferInfoMsg> infos;
+  };
+  absl::flat_hash_map<uint64_t, EarlyInfos> early_infos_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<Peer>> peers_ ABSL_GUARDED_BY(mu_);
   std::deque<Chunk> queue_ ABSL_GUARDED_BY(mu_);
   CondVar work_cv_;  // signalled when queue_ grows or stopping_ is set
