@@ -10,7 +10,9 @@
 #include "absl/synchronization/mutex.h"
 #include "lib/base/log_internal.h"
 #include "lib/base/mutex.h"
+#include "lib/base/tsan.h"
 #include "lib/control/bootstrap_table.h"
+#include "lib/control/grpc_runtime.h"
 #include "lib/control/grpc_status.h"
 #include "lib/control/net_address.h"
 #include "lib/control/proto_convert.h"
@@ -79,9 +81,13 @@ class BootstrapService final : public pb::Bootstrap::CallbackService {
 
  private:
   template <typename Handler>
-  static grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx, Handler&& handler) {
+  grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx, Handler&& handler) {
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-    reactor->Finish(ToGrpcStatus(handler()));
+    grpc::Status status = ToGrpcStatus(handler());
+    // Pairs with the acquire after Server::Wait(): the handler's reads of this service happen
+    // before its destruction (ordered by gRPC, invisibly to TSan).
+    PdlibTsanRelease(this);
+    reactor->Finish(std::move(status));
     return reactor;
   }
 
@@ -128,6 +134,7 @@ StatusOr<std::unique_ptr<BootstrapServer>> BootstrapServer::Start(
 
   auto rep = std::make_unique<Rep>(options);
   const std::string requested = JoinHostPort(options.host, options.port);
+  KeepCallbackQueueAlive();  // a callback-API server: see grpc_runtime.h
   grpc::ServerBuilder builder;
   // Without this gRPC sets SO_REUSEPORT, and a second server on a taken port would start and
   // silently share (or steal) the first one's connections.
@@ -163,6 +170,7 @@ void BootstrapServer::Shutdown() {
   }
   rep_->server->Shutdown(std::chrono::system_clock::now() + rep_->options.shutdown_grace);
   rep_->server->Wait();
+  PdlibTsanAcquire(&rep_->service);
   PDLIB_LOG(kInfo, "bootstrap server on %s stopped", address());
 }
 

@@ -8,6 +8,7 @@
 #include "lib/base/log_internal.h"
 #include "lib/base/mutex.h"
 #include "lib/base/tsan.h"
+#include "lib/control/grpc_runtime.h"
 #include "lib/control/net_address.h"
 #include "lib/control/peer_convert.h"
 #include "lib/proto/pdlib.grpc.pb.h"
@@ -115,6 +116,8 @@ class ClientStream final
   void OnDone(const grpc::Status& status) override {
     PdlibTsanAcquire(this);
     state_->OnDone(status);
+    // The state owns the channel: never let its last reference drop on a gRPC thread.
+    ReleaseLater(std::move(state_));
     self_.reset();  // may destroy this object: nothing after this line
   }
 
@@ -214,6 +217,7 @@ StatusOr<std::shared_ptr<PeerClient>> PeerClient::Open(const PeerClientOptions& 
     return Status::InvalidArgument(
         absl::StrFormat("prefill address '%s' is not host:port", options.key));
   }
+  KeepCallbackQueueAlive();
   auto state = std::make_shared<State>();
   state->options = options;
   state->handler = std::move(handler);

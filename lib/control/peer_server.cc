@@ -9,6 +9,7 @@
 #include "lib/base/log_internal.h"
 #include "lib/base/mutex.h"
 #include "lib/base/tsan.h"
+#include "lib/control/grpc_runtime.h"
 #include "lib/control/net_address.h"
 #include "lib/control/peer_convert.h"
 #include "lib/proto/pdlib.grpc.pb.h"
@@ -271,6 +272,7 @@ StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(const PeerServerOptions&
     return Status::InvalidArgument(
         absl::StrFormat("peer server: port %d out of range", options.port));
   }
+  KeepCallbackQueueAlive();
   auto rep = std::make_unique<Rep>();
   rep->service = std::make_unique<PeerServiceImpl>(std::move(handler));
   const int half = static_cast<int>(options.liveness_timeout.count() / 2);

@@ -1,0 +1,75 @@
+// The two sides of pdlib-transfer-bench: a prefill rank and a decode rank that drive a stream of
+// requests through pdlib's public API as an engine would, as fast as the library lets them.
+//
+// Both ranks derive every request from the configuration alone (room id = base + index, pages
+// from a seeded generator), so they need no coordination beyond what pdlib itself does: prefill
+// creates its senders ahead of time, up to the concurrency window, and sends as soon as each
+// one's TransferInfo has arrived; decode keeps `concurrency` receivers in flight and measures
+// each request from CreateReceiver() to Success.
+//
+// Threads: each Run*Rank call drives its rank from the calling thread only.
+#ifndef PDLIB_BENCH_TRANSFER_BENCH_RANKS_H_
+#define PDLIB_BENCH_TRANSFER_BENCH_RANKS_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "pdlib/pdlib.h"
+
+namespace pdlib_bench {
+
+enum class Layout { kScattered, kContiguous };
+
+struct BenchConfig {
+  std::string backend = "fake";
+  std::map<std::string, std::string> backend_options;
+  uint64_t requests = 20000;  // measured requests
+  uint64_t warmup = 500;      // requests run (and not measured) before them
+  uint64_t concurrency = 256;
+  uint64_t layers = 4;  // model layers; each has a K and a V buffer
+  uint64_t item_bytes = 4096;
+  uint64_t pages = 4;       // KV pages per request
+  uint64_t pool_pages = 0;  // pages per buffer; 0: enough for every request in flight
+  Layout layout = Layout::kScattered;
+  uint64_t seed = 1;
+  uint16_t bootstrap_port = 8998;
+  int32_t transfer_workers = 2;
+  // Idle passes over the handles that yield the CPU before the driver starts sleeping.
+  uint64_t idle_spins = 64;
+  uint64_t idle_sleep_us = 20;
+  pdlib::ControlPlane control_plane = pdlib::ControlPlane::kGrpc;
+
+  uint64_t PoolPages() const;
+  uint64_t BytesPerRequest() const { return pages * 2 * layers * item_bytes; }
+  uint64_t FirstRoom() const;  // room of request 0 (warm-up included)
+  // Name of what carries the bytes: a backend's transport choice (e.g. ucx.tls) or its name.
+  std::string Transport() const;
+};
+
+struct RankResult {
+  std::string error;  // empty when the rank ran to the end
+  uint64_t succeeded = 0;
+  uint64_t failed = 0;
+  std::string first_failure;
+  double seconds = 0;                  // decode: first measured request to last completion
+  std::vector<uint32_t> latencies_us;  // decode: CreateReceiver() to Success, measured requests
+  pdlib::KVManagerMetrics metrics;     // of the rank's manager, at the end
+};
+
+// Runs the prefill rank: creates its manager (serving the bootstrap server when
+// `start_bootstrap`), calls `on_ready(endpoint)`, serves warm-up + measured requests, then calls
+// `before_teardown(result)` (which returns when the manager may go) and destroys everything.
+RankResult RunPrefillRank(const BenchConfig& config, bool start_bootstrap,
+                          const std::function<void(const std::string&)>& on_ready,
+                          const std::function<void(const RankResult&)>& before_teardown);
+
+// Runs the decode rank: creates its manager, waits until prefill accepts connections (at most
+// 30 s), calls `on_ready()`, runs the warm-up requests, then the measured ones.
+RankResult RunDecodeRank(const BenchConfig& config, const std::function<void()>& on_ready);
+
+}  // namespace pdlib_bench
+
+#endif  // PDLIB_BENCH_TRANSFER_BENCH_RANKS_H_

@@ -1,0 +1,49 @@
+// ChildProcess: this binary started again with other flags (the bench's prefill and decode
+// ranks), talked to over its stdin and stdout; and UnusedLocalPort for their bootstrap server.
+//
+// Ownership: the destructor kills (SIGKILL) and reaps a child that is still running.
+// Threads: one thread per object.
+#ifndef PDLIB_BENCH_TRANSFER_CHILD_PROCESS_H_
+#define PDLIB_BENCH_TRANSFER_CHILD_PROCESS_H_
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace pdlib_bench {
+
+class ChildProcess {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // Starts /proc/self/exe with `args`; check started().
+  explicit ChildProcess(const std::vector<std::string>& args);
+  ~ChildProcess();
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+
+  bool started() const { return pid_ > 0; }
+  // The next line starting with `prefix`, or nullopt at the deadline or the end of its output.
+  std::optional<std::string> Expect(std::string_view prefix, Clock::time_point deadline);
+  // Writes one line to its stdin (ignored when the child is gone: its exit status tells).
+  void Send(std::string_view line);
+  // Exit status (128 + n when killed by signal n), or -1 when still running at the deadline.
+  int Wait(Clock::time_point deadline);
+
+ private:
+  pid_t pid_ = -1;
+  int in_ = -1, out_ = -1;
+  std::string buf_;
+};
+
+// A port on 127.0.0.1 that nothing listens on right now (bound to 0, then closed); 0 on error.
+uint16_t UnusedLocalPort();
+
+}  // namespace pdlib_bench
+
+#endif  // PDLIB_BENCH_TRANSFER_CHILD_PROCESS_H_

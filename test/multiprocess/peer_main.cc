@@ -1,0 +1,586 @@
+// pdlib_test_peer: one prefill or decode rank in a process of its own, driven by a test over a
+// line protocol on stdin/stdout. The multi-process and fault tests (test/multiprocess/) start two
+// or more of these, tell them which rooms to run and where to stop, and kill them mid-request.
+//
+//   pdlib_test_peer --role prefill|decode [--bootstrap-port N] [--start-bootstrap]
+//       [--listen-port N] [--backend fake] [--layers L] [--item-bytes B] [--pages-per-pool P]
+//       [--pages-per-request K] [--page-size S] [--model-name NAME] [--concurrency C]
+//       [--requests R --rooms-from X [--hold H] [--exit-when-done]]
+//       [--liveness-ms MS] [--connect-timeout-ms MS] [--bootstrap-timeout-ms MS]
+//       [--waiting-timeout-ms MS] [--transfer-timeout-ms MS] [--max-seconds S]
+//
+// Both sides derive everything about a room from its id, so the test only has to send the same
+// RUN line to both. Lines the peer prints (stdout, flushed after each):
+//   READY role=<prefill|decode> port=<control port, 0 on decode> endpoint=<host:port>
+//   ROOM <id> <KVPoll name> <reason>       once per room, when it is terminal ("OK" on Success);
+//                                          the handle is destroyed right after, as an engine would
+//   HELD first=<f> count=<c> held=<h> state=<hold>  every room of the batch sits at its hold
+//                                          point (h of them) or is terminal (c - h)
+//   DONE first=<f> count=<c> ok=<n> failed=<n>      every room of the batch is terminal
+//   METRICS live_rooms=<n> connections=<n> ... aux_free=<n> aux_capacity=<n> handles=<n>
+//   ERROR <message>                        a bad command, or an API call refused
+//   BYE                                    after QUIT, just before exiting 0
+// Commands (stdin):
+//   RUN <first> <count> [hold]   start rooms first..first+count-1, at most --concurrency of them
+//                                in flight at once. hold (both sides: none, the default):
+//                                  decode  waiting        receivers never Init(): prefill rooms
+//                                                         stay in Bootstrapping
+//                                  prefill bootstrapping  senders are created and left alone
+//                                          waiting        senders wait in WaitingForInput
+//                                          transferring   all pages but the last are sent as a
+//                                                         non-last chunk; the last one is held
+//                                A held batch must fit in the concurrency window.
+//   RESUME     held rooms go on (a decode receiver Init()s, a prefill sender sends)
+//   METRICS    print one METRICS line
+//   QUIT       destroy every handle, then the manager; print BYE; exit 0
+// End of stdin counts as QUIT, except with --exit-when-done: then the peer prints METRICS and
+// exits by itself once every batch is done (prefill: and no decode is connected any more), e.g.
+//   pdlib_test_peer --role prefill --start-bootstrap --requests 100 --exit-when-done &
+//   pdlib_test_peer --role decode --requests 100 --exit-when-done </dev/null
+// The process also exits (status 3) after --max-seconds, and dies with its parent
+// (PR_SET_PDEATHSIG), so a crashed test never leaves it behind.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "pdlib/pdlib.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+struct Flags {
+  pdlib::Mode mode = pdlib::Mode::kPrefill;
+  bool role_set = false;
+  uint16_t bootstrap_port = 8998;
+  bool start_bootstrap = false;
+  uint16_t listen_port = 0;
+  std::string backend = "fake";
+  int64_t layers = 2;
+  int64_t item_bytes = 1024;
+  int64_t pages_per_pool = 256;
+  int64_t pages_per_request = 4;
+  int64_t page_size = 16;
+  std::string model_name = "pdlib-test-model";
+  int64_t concurrency = 16;
+  int64_t requests = 0;
+  int64_t rooms_from = 0;
+  std::string hold = "none";
+  bool exit_when_done = false;
+  int64_t liveness_ms = 5000;
+  int64_t connect_timeout_ms = 5000;
+  int64_t bootstrap_timeout_ms = 30000;
+  int64_t waiting_timeout_ms = 300000;
+  int64_t transfer_timeout_ms = 60000;
+  int64_t max_seconds = 120;
+};
+
+void Emit(const std::string& line) {
+  std::fwrite(line.data(), 1, line.size(), stdout);
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+}
+
+bool ParseInt(std::string_view text, int64_t* out) {
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
+  return ec == std::errc() && end == text.data() + text.size();
+}
+
+// Accepts "--flag value" and "--flag=value"; prints why and returns false on bad input.
+bool ParseFlags(int argc, char** argv, Flags* f) {
+  const std::map<std::string_view, int64_t*> ints = {
+      {"--layers", &f->layers},
+      {"--item-bytes", &f->item_bytes},
+      {"--pages-per-pool", &f->pages_per_pool},
+      {"--pages-per-request", &f->pages_per_request},
+      {"--page-size", &f->page_size},
+      {"--concurrency", &f->concurrency},
+      {"--requests", &f->requests},
+      {"--rooms-from", &f->rooms_from},
+      {"--liveness-ms", &f->liveness_ms},
+      {"--connect-timeout-ms", &f->connect_timeout_ms},
+      {"--bootstrap-timeout-ms", &f->bootstrap_timeout_ms},
+      {"--waiting-timeout-ms", &f->waiting_timeout_ms},
+      {"--transfer-timeout-ms", &f->transfer_timeout_ms},
+      {"--max-seconds", &f->max_seconds},
+  };
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (arg == "--start-bootstrap") {
+      f->start_bootstrap = true;
+      continue;
+    }
+    if (arg == "--exit-when-done") {
+      f->exit_when_done = true;
+      continue;
+    }
+    std::string_view value;
+    if (size_t eq = arg.find('='); eq != std::string_view::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      std::fprintf(stderr, "pdlib_test_peer: %.*s needs a value\n", int(arg.size()), arg.data());
+      return false;
+    }
+    int64_t n = 0;
+    if (auto it = ints.find(arg); it != ints.end()) {
+      if (!ParseInt(value, it->second) || *it->second < 0) {
+        std::fprintf(stderr, "pdlib_test_peer: bad value for %.*s\n", int(arg.size()), arg.data());
+        return false;
+      }
+    } else if (arg == "--role") {
+      if (value != "prefill" && value != "decode") {
+        std::fprintf(stderr, "pdlib_test_peer: --role must be prefill or decode\n");
+        return false;
+      }
+      f->mode = value == "prefill" ? pdlib::Mode::kPrefill : pdlib::Mode::kDecode;
+      f->role_set = true;
+    } else if (arg == "--bootstrap-port" || arg == "--listen-port") {
+      if (!ParseInt(value, &n) || n < 0 || n > 65535) {
+        std::fprintf(stderr, "pdlib_test_peer: bad port for %.*s\n", int(arg.size()), arg.data());
+        return false;
+      }
+      (arg == "--bootstrap-port" ? f->bootstrap_port : f->listen_port) = uint16_t(n);
+    } else if (arg == "--backend") {
+      f->backend = value;
+    } else if (arg == "--model-name") {
+      f->model_name = value;
+    } else if (arg == "--hold") {
+      f->hold = value;
+    } else {
+      std::fprintf(stderr, "pdlib_test_peer: unknown flag %.*s\n", int(arg.size()), arg.data());
+      return false;
+    }
+  }
+  if (!f->role_set) {
+    std::fprintf(stderr, "pdlib_test_peer: --role prefill|decode is required\n");
+    return false;
+  }
+  if (f->pages_per_request < 1 || f->pages_per_request > f->pages_per_pool || f->concurrency < 1 ||
+      f->layers < 1 || f->item_bytes < 1 || f->page_size < 1) {
+    std::fprintf(stderr, "pdlib_test_peer: sizes must be >= 1 and pages-per-request <= pool\n");
+    return false;
+  }
+  return true;
+}
+
+// Where a room of a batch stops until RESUME.
+enum class Hold { kNone, kWaiting, kBootstrapping, kTransferring };
+
+std::optional<Hold> ParseHold(std::string_view s, pdlib::Mode mode) {
+  if (s == "none") return Hold::kNone;
+  if (s == "waiting") return Hold::kWaiting;
+  if (mode == pdlib::Mode::kPrefill && s == "bootstrapping") return Hold::kBootstrapping;
+  if (mode == pdlib::Mode::kPrefill && s == "transferring") return Hold::kTransferring;
+  return std::nullopt;
+}
+
+struct Batch {
+  uint64_t first = 0;
+  uint64_t count = 0;
+  Hold hold = Hold::kNone;
+  std::string hold_name;
+  uint64_t started = 0;  // rooms first..first+started-1 have been created
+  uint64_t held = 0, ok = 0, failed = 0;
+  bool held_reported = false;
+  uint64_t terminal() const { return ok + failed; }
+};
+
+// One live request and its handle.
+struct Active {
+  uint64_t room = 0;
+  size_t batch = 0;
+  std::unique_ptr<pdlib::KVSender> sender;
+  std::unique_ptr<pdlib::KVReceiver> receiver;
+  std::optional<uint32_t> aux;
+  bool held = false;
+  bool partial_sent = false;  // prefill: the non-last chunk is queued
+  bool done_sending = false;  // prefill: the last chunk is queued; decode: Init() called
+  const pdlib::KVPollable& handle() const {
+    return sender ? static_cast<const pdlib::KVPollable&>(*sender) : *receiver;
+  }
+};
+
+class Peer {
+ public:
+  explicit Peer(Flags flags) : f_(std::move(flags)) {}
+
+  // Builds the pools and the manager. Prints ERROR and returns false on failure.
+  bool Start() {
+    const size_t layers = size_t(f_.layers), item = size_t(f_.item_bytes);
+    const size_t pool_bytes = size_t(f_.pages_per_pool) * item;
+    pools_.resize(2 * layers);
+    for (auto& pool : pools_) pool.assign(pool_bytes, 0);
+    const size_t slots = pdlib::MetadataBuffers::SlotCountFor(size_t(f_.concurrency));
+    auto aux = pdlib::MetadataBuffers::Create(slots, 0, 0);
+    if (!aux.ok()) return Fail("MetadataBuffers::Create: " + aux.status().ToString());
+    aux_ = std::move(*aux);
+    slots_ = std::make_unique<pdlib::MetadataSlotAllocator>(slots);
+
+    pdlib::KVManagerOptions o;
+    o.mode = f_.mode;
+    o.backend = f_.backend;
+    o.control_plane = pdlib::ControlPlane::kGrpc;
+    o.listen_host = "127.0.0.1";
+    o.listen_port = f_.listen_port;
+    o.bootstrap_host = "127.0.0.1";
+    o.bootstrap_port = f_.bootstrap_port;
+    o.start_bootstrap_server = f_.start_bootstrap;
+    o.liveness_timeout = milliseconds(f_.liveness_ms);
+    o.connect_timeout = milliseconds(f_.connect_timeout_ms);
+    o.bootstrap_timeout = milliseconds(f_.bootstrap_timeout_ms);
+    o.waiting_timeout = milliseconds(f_.waiting_timeout_ms);
+    o.transfer_timeout = milliseconds(f_.transfer_timeout_ms);
+    for (auto& pool : pools_) {
+      o.args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(pool.data()));
+      o.args.kv.lens.push_back(pool.size());
+      o.args.kv.item_lens.push_back(item);
+    }
+    o.args.aux = aux_->Describe();
+    o.args.page_size = uint32_t(f_.page_size);
+    o.args.fingerprint = {int32_t(f_.layers), 8, 128, 2, 1, f_.model_name};
+    auto manager = pdlib::KVManager::Create(o);
+    if (!manager.ok()) return Fail("KVManager::Create: " + manager.status().ToString());
+    manager_ = std::move(*manager);
+
+    const std::string endpoint = f_.mode == pdlib::Mode::kPrefill ? manager_->endpoint() : "-";
+    int64_t port = 0;
+    if (size_t colon = endpoint.rfind(':'); colon != std::string::npos) {
+      if (!ParseInt(std::string_view(endpoint).substr(colon + 1), &port)) port = 0;
+    }
+    Emit("READY role=" + std::string(pdlib::ModeName(f_.mode)) + " port=" + std::to_string(port) +
+         " endpoint=" + endpoint);
+    if (f_.requests > 0) {
+      RunBatch(uint64_t(f_.rooms_from), uint64_t(f_.requests), f_.hold);
+    }
+    return true;
+  }
+
+  // The event loop: commands from stdin, handles polled, until QUIT, EOF or the watchdog.
+  int Loop() {
+    const auto deadline = Clock::now() + std::chrono::seconds(f_.max_seconds);
+    while (!quit_) {
+      if (Clock::now() > deadline) {
+        std::fprintf(stderr, "pdlib_test_peer: --max-seconds %lld passed, exiting\n",
+                     static_cast<long long>(f_.max_seconds));
+        std::fflush(stderr);
+        _exit(3);
+      }
+      bool progressed = Drive();
+      if (f_.exit_when_done && batches_done_ == batches_.size() && active_.empty() &&
+          (f_.mode == pdlib::Mode::kDecode || manager_->metrics().connections == 0)) {
+        PrintMetrics();
+        quit_ = true;
+        break;
+      }
+      // Idle: wait for a command a little, then look at the handles again.
+      const int timeout_ms = progressed ? 0 : (active_.empty() ? 50 : 1);
+      ReadCommands(timeout_ms);
+    }
+    active_.clear();  // destroying a live handle aborts its room
+    manager_.reset();
+    Emit("BYE");
+    return 0;
+  }
+
+ private:
+  bool Fail(const std::string& message) {
+    Emit("ERROR " + message);
+    return false;
+  }
+
+  void RunBatch(uint64_t first, uint64_t count, std::string_view hold_name) {
+    auto hold = ParseHold(hold_name, f_.mode);
+    if (!hold) {
+      Fail("unknown hold '" + std::string(hold_name) + "' for " +
+           std::string(pdlib::ModeName(f_.mode)));
+      return;
+    }
+    if (*hold != Hold::kNone && count > uint64_t(f_.concurrency)) {
+      Fail("a held batch must fit in --concurrency");
+      return;
+    }
+    Batch b;
+    b.first = first;
+    b.count = count;
+    b.hold = *hold;
+    b.hold_name = std::string(hold_name);
+    batches_.push_back(b);
+    if (count == 0) FinishBatchIfDone(batches_.size() - 1);
+  }
+
+  // Pages of `room`: a fixed, room-dependent window of the pool (contents do not matter here).
+  std::vector<int32_t> Pages(uint64_t room) const {
+    std::vector<int32_t> pages(size_t(f_.pages_per_request));
+    const uint64_t pool = uint64_t(f_.pages_per_pool);
+    for (size_t i = 0; i < pages.size(); ++i) {
+      pages[i] = int32_t((room * uint64_t(f_.pages_per_request) + i) % pool);
+    }
+    return pages;
+  }
+
+  // Starts rooms while the concurrency window has room. Returns true when it started one.
+  bool StartRooms() {
+    bool started = false;
+    for (size_t bi = next_batch_; bi < batches_.size(); ++bi) {
+      Batch& b = batches_[bi];
+      while (b.started < b.count && active_.size() < size_t(f_.concurrency)) {
+        StartRoom(bi, b.first + b.started);
+        ++b.started;
+        started = true;
+      }
+      if (b.started < b.count) break;  // window full: later batches wait their turn
+      if (bi == next_batch_) ++next_batch_;
+    }
+    return started;
+  }
+
+  void StartRoom(size_t bi, uint64_t room) {
+    auto a = std::make_unique<Active>();
+    a->room = room;
+    a->batch = bi;
+    pdlib::Status s;
+    if (f_.mode == pdlib::Mode::kPrefill) {
+      auto sender = manager_->CreateSender(room);
+      if (sender.ok()) a->sender = std::move(*sender);
+      s = sender.status();
+    } else {
+      auto receiver = manager_->CreateReceiver({"127.0.0.1", f_.bootstrap_port}, room);
+      if (receiver.ok()) a->receiver = std::move(*receiver);
+      s = receiver.status();
+    }
+    if (!s.ok()) {
+      // No handle: the room is over before it began.
+      Emit("ROOM " + std::to_string(room) + " Failed " + s.ToString());
+      ++batches_[bi].failed;
+      FinishBatchIfDone(bi);
+      return;
+    }
+    a->aux = slots_->Alloc();
+    if (a->aux && f_.mode == pdlib::Mode::kPrefill) {
+      aux_->bootstrap_room(*a->aux)[0] = room;  // what decode checks (SPEC R4.4)
+      aux_->output_ids(*a->aux)[0] = int32_t(room % 32000);
+    }
+    active_.push_back(std::move(a));
+  }
+
+  // One pass over every handle. Returns true when anything moved.
+  bool Drive() {
+    bool progressed = StartRooms();
+    for (size_t i = 0; i < active_.size();) {
+      Active& a = *active_[i];
+      const pdlib::KVPoll st = a.handle().Poll();
+      if (pdlib::IsTerminal(st)) {
+        Finish(i, st);
+        progressed = true;
+        continue;
+      }
+      progressed |= f_.mode == pdlib::Mode::kPrefill ? StepSender(a, st) : StepReceiver(a, st);
+      ++i;
+    }
+    for (size_t bi = 0; bi < batches_.size(); ++bi) ReportHeldIfReady(bi);
+    return progressed;
+  }
+
+  bool MarkHeld(Active& a) {
+    if (a.held) return false;
+    a.held = true;
+    ++batches_[a.batch].held;
+    return true;
+  }
+
+  bool StepReceiver(Active& a, pdlib::KVPoll st) {
+    if (a.done_sending || st != pdlib::KVPoll::kWaitingForInput) return false;
+    if (batches_[a.batch].hold == Hold::kWaiting) return MarkHeld(a);
+    a.done_sending = true;
+    const std::vector<int32_t> pages = Pages(a.room);
+    if (pdlib::Status s = a.receiver->Init(pages, a.aux); !s.ok()) {
+      Emit("ERROR room " + std::to_string(a.room) + " Init: " + s.ToString());
+      a.receiver->Abort("Init() refused: " + s.ToString());
+    }
+    return true;
+  }
+
+  bool StepSender(Active& a, pdlib::KVPoll st) {
+    const Hold hold = batches_[a.batch].hold;
+    if (hold == Hold::kBootstrapping) return MarkHeld(a);
+    if (a.done_sending || st < pdlib::KVPoll::kWaitingForInput) return false;
+    if (hold == Hold::kWaiting) return MarkHeld(a);
+    const std::vector<int32_t> pages = Pages(a.room);
+    auto check = [&](pdlib::Status s, const char* what) {
+      if (s.ok()) return true;
+      Emit("ERROR room " + std::to_string(a.room) + " " + what + ": " + s.ToString());
+      a.sender->Abort(std::string(what) + " refused: " + s.ToString());
+      a.done_sending = true;
+      return false;
+    };
+    if (!a.partial_sent) {
+      if (!check(a.sender->Init(pages.size(), a.aux), "Init")) return true;
+      if (hold == Hold::kTransferring && pages.size() > 1) {
+        a.partial_sent = true;
+        check(a.sender->Send(std::span(pages).first(pages.size() - 1), false), "Send");
+        return true;
+      }
+      a.partial_sent = true;
+      a.done_sending = true;
+      check(a.sender->Send(pages, true), "Send");
+      return true;
+    }
+    if (hold == Hold::kTransferring) {
+      return st == pdlib::KVPoll::kTransferring && MarkHeld(a);
+    }
+    a.done_sending = true;
+    check(a.sender->Send(std::span(pages).last(1), true), "Send");
+    return true;
+  }
+
+  void Finish(size_t index, pdlib::KVPoll st) {
+    std::unique_ptr<Active> a = std::move(active_[index]);
+    active_.erase(active_.begin() + std::ptrdiff_t(index));
+    const pdlib::Status reason = a->handle().FailureReason();
+    Emit("ROOM " + std::to_string(a->room) + " " + std::string(pdlib::KVPollName(st)) + " " +
+         (st == pdlib::KVPoll::kSuccess ? std::string("OK") : reason.ToString()));
+    Batch& b = batches_[a->batch];
+    ++(st == pdlib::KVPoll::kSuccess ? b.ok : b.failed);
+    if (a->held) --b.held;
+    const size_t bi = a->batch;
+    const std::optional<uint32_t> aux = a->aux;
+    a.reset();  // the engine releases the request: handle first, then its slot
+    if (aux) slots_->Free(*aux).IgnoreError();
+    FinishBatchIfDone(bi);
+  }
+
+  void ReportHeldIfReady(size_t bi) {
+    Batch& b = batches_[bi];
+    if (b.hold == Hold::kNone || b.held_reported || b.started < b.count) return;
+    if (b.held + b.terminal() < b.count) return;
+    b.held_reported = true;
+    Emit("HELD first=" + std::to_string(b.first) + " count=" + std::to_string(b.count) +
+         " held=" + std::to_string(b.held) + " state=" + b.hold_name);
+  }
+
+  void FinishBatchIfDone(size_t bi) {
+    Batch& b = batches_[bi];
+    if (b.terminal() != b.count) return;
+    ReportHeldIfReady(bi);
+    ++batches_done_;
+    Emit("DONE first=" + std::to_string(b.first) + " count=" + std::to_string(b.count) +
+         " ok=" + std::to_string(b.ok) + " failed=" + std::to_string(b.failed));
+  }
+
+  void PrintMetrics() {
+    const pdlib::KVManagerMetrics m = manager_->metrics();
+    std::ostringstream out;
+    out << "METRICS live_rooms=" << m.live_rooms << " connections=" << m.connections
+        << " requests_total=" << m.requests_total << " rooms_succeeded=" << m.rooms_succeeded
+        << " rooms_failed=" << m.rooms_failed << " bootstrap_queue=" << m.bootstrap_queue_size
+        << " transfer_queue=" << m.transfer_queue_size
+        << " bootstrap_failed=" << m.bootstrap_failed_reqs
+        << " transfer_failed=" << m.transfer_failed_reqs << " bytes=" << m.bytes_transferred
+        << " pages=" << m.pages_transferred << " batches=" << m.write_batches
+        << " aux_free=" << slots_->available() << " aux_capacity=" << slots_->capacity()
+        << " handles=" << active_.size();
+    for (const auto& [cause, n] : m.failed_by_cause) out << " failed_" << cause << "=" << n;
+    Emit(out.str());
+  }
+
+  void HandleCommand(std::string_view line) {
+    std::istringstream in{std::string(line)};
+    std::string cmd;
+    in >> cmd;
+    if (cmd == "RUN") {
+      uint64_t first = 0, count = 0;
+      std::string hold = "none";
+      if (!(in >> first >> count)) {
+        Fail("usage: RUN <first> <count> [hold]");
+        return;
+      }
+      in >> hold;
+      RunBatch(first, count, hold);
+    } else if (cmd == "RESUME") {
+      for (auto& b : batches_) b.hold = Hold::kNone;
+      for (auto& a : active_) a->held = false;
+      for (auto& b : batches_) b.held = 0;
+    } else if (cmd == "METRICS") {
+      PrintMetrics();
+    } else if (cmd == "QUIT") {
+      quit_ = true;
+    } else if (!cmd.empty()) {
+      Fail("unknown command '" + cmd + "'");
+    }
+  }
+
+  // Reads whatever stdin has (waiting up to timeout_ms for the first byte) and runs every
+  // complete line. End of input means QUIT.
+  void ReadCommands(int timeout_ms) {
+    if (!stdin_open_) {
+      std::this_thread::sleep_for(milliseconds(timeout_ms));
+      return;
+    }
+    pollfd pfd{STDIN_FILENO, POLLIN, 0};
+    if (::poll(&pfd, 1, timeout_ms) <= 0) return;
+    char buf[4096];
+    const ssize_t n = ::read(STDIN_FILENO, buf, sizeof(buf));
+    if (n <= 0) {
+      if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+        // With --exit-when-done the batch decides when to go; otherwise EOF means QUIT.
+        stdin_open_ = false;
+        quit_ = !f_.exit_when_done;
+      }
+      return;
+    }
+    input_.append(buf, size_t(n));
+    for (size_t nl; !quit_ && (nl = input_.find('\n')) != std::string::npos;) {
+      std::string line = input_.substr(0, nl);
+      input_.erase(0, nl + 1);
+      HandleCommand(line);
+    }
+  }
+
+  const Flags f_;
+  std::vector<std::vector<uint8_t>> pools_;  // one K and one V pool per layer
+  std::unique_ptr<pdlib::MetadataBuffers> aux_;
+  std::unique_ptr<pdlib::MetadataSlotAllocator> slots_;
+  std::unique_ptr<pdlib::KVManager> manager_;
+  std::deque<Batch> batches_;
+  size_t next_batch_ = 0;  // first batch with rooms not yet started
+  size_t batches_done_ = 0;
+  std::vector<std::unique_ptr<Active>> active_;
+  std::string input_;
+  bool stdin_open_ = true;
+  bool quit_ = false;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Die with the test that started us, even when it is killed itself.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() == 1) return 4;
+  ::signal(SIGPIPE, SIG_IGN);
+  Flags flags;
+  if (!ParseFlags(argc, argv, &flags)) return 2;
+  Peer peer(std::move(flags));
+  if (!peer.Start()) return 1;
+  return peer.Loop();
+}
