@@ -16,8 +16,9 @@ deps:
 	@scripts/install-deps.sh
 
 configure: deps
+	@mkdir -p build
 	cmake --preset $(PRESET) $(CMAKE_FLAGS) > $(BUILD_DIR).configure.log 2>&1 || \
-	  (mkdir -p build; cat $(BUILD_DIR).configure.log; exit 1)
+	  (cat $(BUILD_DIR).configure.log; exit 1)
 	@grep -E '^-- pdlib' $(BUILD_DIR).configure.log || true
 
 build: configure
