@@ -26,7 +26,7 @@ using control::BootstrapClientOptions;
 // Prefill
 // ---------------------------------------------------------------------------------------------
 
-class GrpcPrefillManager final : public KVManager {
+class GrpcPrefillManager final : public PrefillManagerBase {
  public:
   static StatusOr<std::unique_ptr<KVManager>> Create(const KVManagerOptions& o,
                                                      std::unique_ptr<spi::Transport> transport) {
@@ -114,23 +114,11 @@ class GrpcPrefillManager final : public KVManager {
     bootstrap_server_.reset();
   }
 
-  Mode mode() const override { return Mode::kPrefill; }
   std::string endpoint() const override { return endpoint_; }
-  StatusOr<std::unique_ptr<KVSender>> CreateSender(uint64_t room) override {
-    auto state = core_->CreateRoom(room);
-    if (!state.ok()) return state.status();
-    return std::unique_ptr<KVSender>(std::make_unique<CoreSender>(core_, std::move(*state)));
-  }
-  StatusOr<std::unique_ptr<KVReceiver>> CreateReceiver(const BootstrapAddress&, uint64_t,
-                                                       std::optional<int32_t>) override {
-    return Status::FailedPrecondition("CreateReceiver() called on a prefill manager");
-  }
-  KVManagerMetrics metrics() const override { return core_->metrics(); }
 
  private:
   GrpcPrefillManager() = default;
 
-  std::shared_ptr<PrefillCore> core_;
   std::unique_ptr<control::BootstrapServer> bootstrap_server_;
   std::unique_ptr<control::PeerServer> peer_server_;
   std::unique_ptr<BootstrapClient> bootstrap_;
@@ -143,7 +131,7 @@ class GrpcPrefillManager final : public KVManager {
 // Decode
 // ---------------------------------------------------------------------------------------------
 
-class GrpcDecodeManager final : public KVManager {
+class GrpcDecodeManager final : public DecodeManagerBase {
  public:
   static StatusOr<std::unique_ptr<KVManager>> Create(const KVManagerOptions& o,
                                                      std::unique_ptr<spi::Transport> transport) {
@@ -168,12 +156,8 @@ class GrpcDecodeManager final : public KVManager {
     core_->Shutdown();
   }
 
-  Mode mode() const override { return Mode::kDecode; }
   std::string endpoint() const override {
     return absl::StrFormat("decode/%016x", core_->session());
-  }
-  StatusOr<std::unique_ptr<KVSender>> CreateSender(uint64_t) override {
-    return Status::FailedPrecondition("CreateSender() called on a decode manager");
   }
 
   StatusOr<std::unique_ptr<KVReceiver>> CreateReceiver(const BootstrapAddress& bootstrap,
@@ -196,8 +180,6 @@ class GrpcDecodeManager final : public KVManager {
     return std::unique_ptr<KVReceiver>(std::move(handle));
   }
 
-  KVManagerMetrics metrics() const override { return core_->metrics(); }
-
  private:
   struct Pending {
     uint64_t room;
@@ -214,7 +196,7 @@ class GrpcDecodeManager final : public KVManager {
   };
 
   GrpcDecodeManager(const KVManagerOptions& o, std::shared_ptr<DecodeCore> core)
-      : options_(o), core_(std::move(core)) {}
+      : DecodeManagerBase(std::move(core)), options_(o) {}
 
   static std::string AddrKey(const BootstrapAddress& b) {
     return control::JoinHostPort(b.host, b.port);
@@ -360,7 +342,6 @@ class GrpcDecodeManager final : public KVManager {
   }
 
   const KVManagerOptions options_;
-  const std::shared_ptr<DecodeCore> core_;
 
   Mutex mu_;
   CondVar cv_;

@@ -50,6 +50,39 @@ class CoreReceiver final : public HandleBase<KVReceiver, DecodeCore> {
   }
 };
 
+// What every prefill KVManager does the same way, whatever carries its control messages.
+class PrefillManagerBase : public KVManager {
+ public:
+  Mode mode() const override { return Mode::kPrefill; }
+  StatusOr<std::unique_ptr<KVSender>> CreateSender(uint64_t room) override {
+    auto state = core_->CreateRoom(room);
+    if (!state.ok()) return state.status();
+    return std::unique_ptr<KVSender>(std::make_unique<CoreSender>(core_, std::move(*state)));
+  }
+  StatusOr<std::unique_ptr<KVReceiver>> CreateReceiver(const BootstrapAddress&, uint64_t,
+                                                       std::optional<int32_t>) override {
+    return Status::FailedPrecondition("CreateReceiver() called on a prefill manager");
+  }
+  KVManagerMetrics metrics() const override { return core_->metrics(); }
+
+ protected:
+  std::shared_ptr<PrefillCore> core_;
+};
+
+// The decode counterpart; subclasses implement CreateReceiver (bootstrapping differs).
+class DecodeManagerBase : public KVManager {
+ public:
+  Mode mode() const override { return Mode::kDecode; }
+  StatusOr<std::unique_ptr<KVSender>> CreateSender(uint64_t) override {
+    return Status::FailedPrecondition("CreateSender() called on a decode manager");
+  }
+  KVManagerMetrics metrics() const override { return core_->metrics(); }
+
+ protected:
+  explicit DecodeManagerBase(std::shared_ptr<DecodeCore> core) : core_(std::move(core)) {}
+  const std::shared_ptr<DecodeCore> core_;
+};
+
 }  // namespace v1
 }  // namespace pdlib
 

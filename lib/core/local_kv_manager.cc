@@ -178,10 +178,11 @@ class LocalPrefillLink final : public PrefillLink {
   std::weak_ptr<DecodeCore> decode_;
 };
 
-class LocalPrefillManager final : public KVManager {
+class LocalPrefillManager final : public PrefillManagerBase {
  public:
-  LocalPrefillManager(std::shared_ptr<PrefillCore> core, std::string key)
-      : core_(std::move(core)), key_(std::move(key)) {}
+  LocalPrefillManager(std::shared_ptr<PrefillCore> core, std::string key) : key_(std::move(key)) {
+    core_ = std::move(core);
+  }
   ~LocalPrefillManager() override {
     LocalHub::Get().RemovePrefill(key_);
     core_->Shutdown();
@@ -189,27 +190,16 @@ class LocalPrefillManager final : public KVManager {
       d->OnPrefillGone(key_, Status::Unavailable("prefill rank exited"));
     }
   }
-  Mode mode() const override { return Mode::kPrefill; }
   std::string endpoint() const override { return key_; }
-  StatusOr<std::unique_ptr<KVSender>> CreateSender(uint64_t room) override {
-    auto state = core_->CreateRoom(room);
-    if (!state.ok()) return state.status();
-    return std::unique_ptr<KVSender>(std::make_unique<CoreSender>(core_, std::move(*state)));
-  }
-  StatusOr<std::unique_ptr<KVReceiver>> CreateReceiver(const BootstrapAddress&, uint64_t,
-                                                       std::optional<int32_t>) override {
-    return Status::FailedPrecondition("CreateReceiver() called on a prefill manager");
-  }
-  KVManagerMetrics metrics() const override { return core_->metrics(); }
 
  private:
-  std::shared_ptr<PrefillCore> core_;
   std::string key_;
 };
 
-class LocalDecodeManager final : public KVManager {
+class LocalDecodeManager final : public DecodeManagerBase {
  public:
-  explicit LocalDecodeManager(std::shared_ptr<DecodeCore> core) : core_(std::move(core)) {}
+  explicit LocalDecodeManager(std::shared_ptr<DecodeCore> core)
+      : DecodeManagerBase(std::move(core)) {}
   ~LocalDecodeManager() override {
     LocalHub::Get().RemoveDecode(core_->session());
     core_->Shutdown();
@@ -217,12 +207,8 @@ class LocalDecodeManager final : public KVManager {
       p->OnDecodeGone(core_->session(), nullptr, Status::Unavailable("decode manager exited"));
     }
   }
-  Mode mode() const override { return Mode::kDecode; }
   std::string endpoint() const override {
     return absl::StrFormat("local://decode/%d", core_->session());
-  }
-  StatusOr<std::unique_ptr<KVSender>> CreateSender(uint64_t) override {
-    return Status::FailedPrecondition("CreateSender() called on a decode manager");
   }
   StatusOr<std::unique_ptr<KVReceiver>> CreateReceiver(const BootstrapAddress& bootstrap,
                                                        uint64_t room,
@@ -247,10 +233,6 @@ class LocalDecodeManager final : public KVManager {
     }
     return std::unique_ptr<KVReceiver>(std::move(handle));
   }
-  KVManagerMetrics metrics() const override { return core_->metrics(); }
-
- private:
-  std::shared_ptr<DecodeCore> core_;
 };
 
 }  // namespace
