@@ -1,0 +1,233 @@
+#include "backends/ucx/ucx_options.h"
+
+#include <cctype>
+#include <charconv>
+#include <string_view>
+
+namespace pdlib {
+inline namespace v1 {
+namespace ucx {
+namespace {
+
+constexpr std::string_view kPrefix = "ucx.";
+constexpr std::string_view kConfigPrefix = "ucx.config.";
+
+// Chosen on UCX 1.13.1 (Debian) with in-process loopback measurements; see the issue note.
+constexpr UcxDefault kDefaults[] = {
+    {"MM_ERROR_HANDLING", "y", "MM_ERROR_HANDLING,POSIX_ERROR_HANDLING,SYSV_ERROR_HANDLING",
+     "shared memory (posix/sysv) does not advertise peer-failure support by default, and UCX "
+     "then refuses it to endpoints with peer error handling ('no peer failure handler'), which "
+     "pdlib always asks for; with it, UCX detects a dead peer process by its pid"},
+    {"MM_SEG_SIZE", "33000", "MM_SEG_SIZE,POSIX_SEG_SIZE,SYSV_SEG_SIZE",
+     "puts into memory UCX did not allocate are emulated with active messages of at most one "
+     "segment; 8 KiB segments (default) cut a 32 KiB KV page into 4 messages (about 0.7x the "
+     "throughput), 33000 moves it in one. Must stay below 64 KiB (see kMaxMmSegSize)"},
+    {"TX_SEG_SIZE", "128k", "TCP_TX_SEG_SIZE,TCP_RX_SEG_SIZE,TX_SEG_SIZE,RX_SEG_SIZE",
+     "tcp sends puts in segments of this size; the 8 KiB default costs a send call and a header "
+     "per 8 KiB and gets about a quarter of the loopback throughput for 32 KiB writes"},
+    {"RX_SEG_SIZE", "128k", "TCP_TX_SEG_SIZE,TCP_RX_SEG_SIZE,TX_SEG_SIZE,RX_SEG_SIZE",
+     "tcp's receive segment must hold a whole send segment"},
+    {"KEEPALIVE_INTERVAL", "1s", "KEEPALIVE_INTERVAL",
+     "how often UCX checks that peers are alive (20 s by default); a dead decode process fails "
+     "its transfers within about a second instead of twenty"},
+};
+
+// UCX 1.13 keeps a shared-memory FIFO element's length in 16 bits: with segments larger than
+// this, an active message of 64 KiB or more wraps and its data is silently lost (measured: a
+// 64 KiB put with UCX_SYSV_SEG_SIZE=66000 completes, flushed, and never arrives).
+constexpr uint64_t kMaxMmSegSize = 65535;
+constexpr const char* kMmSegSizeVars[] = {"MM_SEG_SIZE", "POSIX_SEG_SIZE", "SYSV_SEG_SIZE"};
+
+// Which transports (as UCX_TLS names them) a default concerns; a default for a transport that
+// UCX_TLS leaves out is not applied (UCX would warn that nothing used it).
+struct DefaultScope {
+  const char* key;
+  const char* transports;
+};
+constexpr DefaultScope kScopes[] = {
+    {"MM_ERROR_HANDLING", "shm,sm,mm,posix,sysv"},
+    {"MM_SEG_SIZE", "shm,sm,mm,posix,sysv"},
+    {"TX_SEG_SIZE", "tcp"},
+    {"RX_SEG_SIZE", "tcp"},
+};
+
+// True when `name` is in the comma-separated `list`.
+bool InList(std::string_view list, std::string_view name) {
+  while (!list.empty()) {
+    size_t comma = list.find(',');
+    if (list.substr(0, comma) == name) return true;
+    if (comma == std::string_view::npos) break;
+    list.remove_prefix(comma + 1);
+  }
+  return false;
+}
+
+// Whether the user chose any of `d.user_vars`, in the environment or as backend options.
+bool UserChose(const UcxDefault& d, const std::map<std::string, std::string>& config,
+               const EnvLookup& getenv_fn) {
+  for (const auto& [name, value] : config) {
+    if (name == d.key || InList(d.user_vars, name)) return true;
+  }
+  std::string_view list = d.user_vars;
+  while (!list.empty()) {
+    size_t comma = list.find(',');
+    std::string env = "UCX_" + std::string(list.substr(0, comma));
+    if (getenv_fn && getenv_fn(env.c_str()) != nullptr) return true;
+    if (comma == std::string_view::npos) break;
+    list.remove_prefix(comma + 1);
+  }
+  return false;
+}
+
+StatusOr<uint64_t> ParseUnsigned(const std::string& key, const std::string& text, uint64_t max) {
+  uint64_t value = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || value > max) {
+    return Status::InvalidArgument("ucx: option " + key + "='" + text +
+                                   "' is not a number in [0, " + std::to_string(max) + "]");
+  }
+  return value;
+}
+
+std::string Join(const std::vector<std::string>& items, char sep) {
+  std::string out;
+  for (const auto& item : items) {
+    if (!out.empty()) out += sep;
+    out += item;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::span<const UcxDefault> UcxDefaults() { return kDefaults; }
+
+StatusOr<uint64_t> ParseByteSize(const std::string& text) {
+  uint64_t value = 0;
+  const char* begin = text.data();
+  const char* end = text.data() + text.size();
+  auto [p, ec] = std::from_chars(begin, end, value);
+  if (ec != std::errc() || p == begin) {
+    return Status::InvalidArgument("'" + text + "' is not a byte size (e.g. 65536, 64k, 4M)");
+  }
+  int shift = 0;
+  if (p != end) {
+    switch (std::tolower(static_cast<unsigned char>(*p))) {
+      case 'k': shift = 10; break;
+      case 'm': shift = 20; break;
+      case 'g': shift = 30; break;
+      default: return Status::InvalidArgument("'" + text + "' has an unknown unit (k, m or g)");
+    }
+    ++p;
+    if (p != end && std::tolower(static_cast<unsigned char>(*p)) == 'b') ++p;
+    if (p != end) return Status::InvalidArgument("'" + text + "' is not a byte size");
+  }
+  if (shift > 0 && value > (~uint64_t{0} >> shift)) {
+    return Status::InvalidArgument("'" + text + "' does not fit in 64 bits");
+  }
+  return value << shift;
+}
+
+StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
+                                     const EnvLookup& getenv_fn) {
+  UcxOptions out;
+  // Pacing defaults: see put_window.h for why these exist and the issue note for the figures.
+  out.max_inflight_bytes = uint64_t{4} << 20;
+  out.chunk_bytes = uint64_t{1} << 20;
+  out.busy_poll_us = 20;
+  out.stall_timeout_ms = 30000;
+
+  for (const auto& [key, value] : options.options) {
+    if (key.compare(0, kPrefix.size(), kPrefix) != 0) continue;
+    if (key.compare(0, kConfigPrefix.size(), kConfigPrefix) == 0) {
+      std::string name = key.substr(kConfigPrefix.size());
+      if (name.empty())
+        return Status::InvalidArgument("ucx: option '" + key + "' names no variable");
+      if (name.compare(0, 4, "UCX_") == 0) name = name.substr(4);
+      out.ucx_config[name] = value;
+    } else if (key == "ucx.tls") {
+      out.ucx_config["TLS"] = value;
+    } else if (key == "ucx.net_devices") {
+      out.ucx_config["NET_DEVICES"] = value;
+    } else if (key == "ucx.max_inflight_bytes" || key == "ucx.chunk_bytes") {
+      auto bytes = ParseByteSize(value);
+      if (!bytes.ok()) return bytes.status().WithPrefix("ucx: option " + key);
+      (key == "ucx.chunk_bytes" ? out.chunk_bytes : out.max_inflight_bytes) = *bytes;
+    } else if (key == "ucx.busy_poll_us") {
+      auto v = ParseUnsigned(key, value, 1000000);
+      if (!v.ok()) return v.status();
+      out.busy_poll_us = static_cast<uint32_t>(*v);
+    } else if (key == "ucx.stall_timeout_ms") {
+      auto v = ParseUnsigned(key, value, 24u * 3600 * 1000);
+      if (!v.ok()) return v.status();
+      out.stall_timeout_ms = static_cast<uint32_t>(*v);
+    } else if (key == "ucx.flush") {
+      if (value == "ep") {
+        out.flush = FlushMode::kEndpoint;
+      } else if (value == "worker") {
+        out.flush = FlushMode::kWorker;
+      } else {
+        return Status::InvalidArgument("ucx: option ucx.flush='" + value +
+                                       "' must be 'ep' or 'worker'");
+      }
+    } else {
+      return Status::InvalidArgument(
+          "ucx: unknown backend option '" + key +
+          "' (known: ucx.tls, ucx.net_devices, ucx.config.<NAME>, ucx.max_inflight_bytes, "
+          "ucx.chunk_bytes, ucx.busy_poll_us, ucx.stall_timeout_ms, ucx.flush)");
+    }
+  }
+  if (!out.ucx_config.count("NET_DEVICES") && !options.nic_names.empty()) {
+    out.ucx_config["NET_DEVICES"] = Join(options.nic_names, ',');
+  }
+  for (const char* var : kMmSegSizeVars) {
+    const char* env = getenv_fn ? getenv_fn(("UCX_" + std::string(var)).c_str()) : nullptr;
+    auto it = out.ucx_config.find(var);
+    const char* value = it != out.ucx_config.end() ? it->second.c_str() : env;
+    if (value == nullptr) continue;
+    auto bytes = ParseByteSize(value);
+    if (bytes.ok() && *bytes > kMaxMmSegSize) {
+      return Status::InvalidArgument(
+          std::string("ucx: ") + var + "=" + value + " is above " + std::to_string(kMaxMmSegSize) +
+          " bytes: UCX 1.13's shared-memory transport loses messages of 64 KiB or more; use a "
+          "smaller segment (pdlib's default is 33000)");
+    }
+  }
+
+  // UCX_TLS as UCX will see it: the backend option, else the environment, else "all".
+  std::string tls = "all";
+  if (auto it = out.ucx_config.find("TLS"); it != out.ucx_config.end()) {
+    tls = it->second;
+  } else if (const char* env = getenv_fn ? getenv_fn("UCX_TLS") : nullptr; env != nullptr) {
+    tls = env;
+  }
+  const bool negated = !tls.empty() && tls[0] == '^';
+  std::string_view tls_list = negated ? std::string_view(tls).substr(1) : std::string_view(tls);
+  auto in_scope = [&](const UcxDefault& d) {
+    for (const DefaultScope& scope : kScopes) {
+      if (std::string_view(scope.key) != d.key) continue;
+      if (InList(tls_list, "all")) return true;
+      bool named = false;
+      std::string_view transports = scope.transports;
+      while (!transports.empty()) {
+        size_t comma = transports.find(',');
+        named |= InList(tls_list, transports.substr(0, comma));
+        if (comma == std::string_view::npos) break;
+        transports.remove_prefix(comma + 1);
+      }
+      return negated ? !named : named;
+    }
+    return true;  // not transport-specific
+  };
+
+  std::map<std::string, std::string> defaults;
+  for (const UcxDefault& d : kDefaults) {
+    if (in_scope(d) && !UserChose(d, out.ucx_config, getenv_fn)) defaults[d.key] = d.value;
+  }
+  out.ucx_config.merge(defaults);
+  return out;
+}
+
+}  // namespace ucx
+}  // namespace v1
+}  // namespace pdlib

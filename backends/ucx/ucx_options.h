@@ -1,0 +1,76 @@
+// The UCX backend's settings: parsed from TransportOptions::options (KVManagerOptions::
+// backend_options) and the environment. Pure: the environment is passed in as a lookup function,
+// so precedence and defaults are unit-tested without touching the process environment.
+//
+// Backend options (all optional):
+//   ucx.tls                  UCX_TLS for this transport ("shm", "tcp", "rc_verbs,sm", ...)
+//   ucx.net_devices          UCX_NET_DEVICES ("lo", "mlx5_0:1", ...); TransportOptions::nic_names
+//                            is used when this is absent
+//   ucx.config.<NAME>        any other UCX variable, without the UCX_ prefix
+//                            ("ucx.config.TCP_TX_SEG_SIZE" = "64k")
+//   ucx.max_inflight_bytes   bytes posted per endpoint and not yet completed (window)
+//   ucx.chunk_bytes          longest single put; longer writes are split
+//   ucx.busy_poll_us         how long the progress thread spins before it sleeps on the fds
+//   ucx.stall_timeout_ms     a peer with outstanding writes and no completion for this long is
+//                            declared dead (bounds every wait, also where UCX cannot detect a
+//                            dead peer, e.g. shared memory inside one process); 0 disables
+//   ucx.flush                "ep" (default) or "worker": how a batch waits for remote completion
+//
+// Precedence for a UCX variable: a backend option > the environment (UCX_<NAME>, read by UCX
+// itself) > pdlib's default (UcxDefaults()). pdlib never overrides what the user exported.
+#ifndef PDLIB_BACKENDS_UCX_UCX_OPTIONS_H_
+#define PDLIB_BACKENDS_UCX_UCX_OPTIONS_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <span>
+#include <string>
+
+#include "pdlib/spi/transport.h"
+#include "pdlib/status.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace ucx {
+
+// A UCX setting pdlib makes unless the user made a related one (in the environment or as a
+// backend option). UCX 1.13 matches a transport's setting by its name inside the transport's own
+// table ("TX_SEG_SIZE" for UCX_TCP_TX_SEG_SIZE, "MM_SEG_SIZE" for UCX_POSIX_/UCX_SYSV_SEG_SIZE)
+// when it is passed to ucp_config_modify, hence `key` and `user_vars` differ.
+struct UcxDefault {
+  const char* key;  // passed to ucp_config_modify
+  const char* value;
+  const char* user_vars;  // comma-separated names (no UCX_ prefix) that mean "the user chose"
+  const char* why;
+};
+std::span<const UcxDefault> UcxDefaults();
+
+enum class FlushMode { kEndpoint, kWorker };
+
+struct UcxOptions {
+  // Applied to this transport's context with ucp_config_modify: NAME (no UCX_ prefix) -> value.
+  std::map<std::string, std::string> ucx_config;
+  uint64_t max_inflight_bytes = 0;
+  uint64_t chunk_bytes = 0;
+  uint32_t busy_poll_us = 0;
+  uint32_t stall_timeout_ms = 0;
+  FlushMode flush = FlushMode::kEndpoint;
+};
+
+// Returns the value of an environment variable or null (getenv's contract).
+using EnvLookup = std::function<const char*(const char* name)>;
+
+// Parses and checks the "ucx.*" options (keys without that prefix belong to others and are
+// ignored; an unknown "ucx.*" key is an error, so typos do not pass silently).
+StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
+                                     const EnvLookup& getenv_fn);
+
+// "4M", "64k", "1g", "12345" -> bytes (binary units, as UCX spells them).
+StatusOr<uint64_t> ParseByteSize(const std::string& text);
+
+}  // namespace ucx
+}  // namespace v1
+}  // namespace pdlib
+
+#endif  // PDLIB_BACKENDS_UCX_UCX_OPTIONS_H_

@@ -1,0 +1,449 @@
+// The UCX transport's progress thread: the only thread that calls UCX with the worker. It accepts
+// batches, posts their puts paced by each endpoint's window, drives ucp_worker_progress, turns
+// request completions into batch completions, closes dead endpoints, and sleeps on the worker's
+// fd and the wake fd when there is nothing to do.
+#include <sched.h>
+#include <sys/epoll.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "backends/ucx/ucx_transport.h"
+#include "lib/base/log_internal.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace ucx {
+namespace {
+
+constexpr int kProgressRounds = 64;  // ucp_worker_progress calls before looking at commands again
+constexpr auto kStallCheckPeriod = std::chrono::milliseconds(100);
+// Closing: how long a healthy endpoint may take to flush the puts already posted, and how long
+// UCX may take to close and to complete the requests it cancels (a backstop: both are prompt).
+constexpr auto kFlushGrace = std::chrono::seconds(2);
+constexpr auto kCloseGrace = std::chrono::seconds(5);
+constexpr int kSleepTimeoutMs = 100;  // wake up anyway for UCX's timers (keepalive) and stalls
+// While writes are outstanding: poll (yielding) this long after the last progress, then sleep in
+// short steps (see ProgressLoop).
+constexpr auto kOutstandingPollFor = std::chrono::milliseconds(2);
+constexpr int kOutstandingSleepMs = 1;
+
+}  // namespace
+
+void UcxTransport::ProgressLoop() {
+  Clock::time_point spin_until{};
+  Clock::time_point idle_since{};
+  const auto busy_poll = std::chrono::microseconds(options_.busy_poll_us);
+  while (true) {
+    now_ = Clock::now();
+    if (DrainCommands()) break;
+    bool worked = PostReady();
+    for (int i = 0; i < kProgressRounds && ucp_worker_progress(worker_.get()) != 0; ++i) {
+      worked = true;
+    }
+    worked |= ReapPeers(now_);
+    ReapRetired();
+    if (!completed_.empty() || !orphan_calls_.empty() || !erased_signals_.empty()) {
+      worked = true;
+      RunCompletions();
+    }
+    if (now_ >= next_stall_check_) {
+      CheckStalls(now_);
+      next_stall_check_ = now_ + kStallCheckPeriod;
+    }
+    if (worked) {
+      spin_until = now_ + busy_poll;
+      idle_since = now_;
+    } else if (now_ >= spin_until) {
+      // With writes outstanding, keep polling (yielding the core to whoever needs it) for a
+      // while before sleeping: UCX does not signal the worker fd when a peer frees room in a
+      // shared-memory FIFO or socket, so an armed sleep there lasts until the timeout. With
+      // nothing outstanding, sleep until a command or a UCX event arrives.
+      const bool outstanding = !outstanding_seqs_.empty();
+      if (outstanding && now_ - idle_since < kOutstandingPollFor) {
+        sched_yield();
+      } else {
+        SleepUntilWoken(outstanding ? kOutstandingSleepMs : kSleepTimeoutMs);
+      }
+    }
+  }
+  Shutdown();
+}
+
+bool UcxTransport::DrainCommands() {
+  std::deque<Command> commands;
+  bool stop = false;
+  {
+    MutexLock lock(&mu_);
+    commands.swap(commands_);
+    stop = stopping_;
+  }
+  for (Command& command : commands) {
+    if (command.batch) {
+      AcceptBatch(std::move(command.batch));
+    } else {
+      command.fn();
+    }
+  }
+  if (!commands.empty()) RunCompletions();
+  return stop;
+}
+
+void UcxTransport::AcceptBatch(std::unique_ptr<Batch> owned) {
+  owned->seq = ++last_seq_;
+  outstanding_seqs_.insert(owned->seq);
+  auto it = peer_states_.find(owned->peer_id);
+  if (it == peer_states_.end()) {  // disconnected after the batch was validated
+    owned->status =
+        Status::Cancelled("ucx: peer " + std::to_string(owned->peer_id) + " was disconnected");
+    outstanding_seqs_.erase(owned->seq);
+    completed_.push_back(std::move(owned));
+    return;
+  }
+  PeerState& peer = *it->second;
+  if (peer.batches.empty()) peer.last_activity = now_;
+  owned->peer = &peer;
+  peer.batches.push_back(std::move(owned));
+  Batch& batch = *peer.batches.back();
+  batch.self = std::prev(peer.batches.end());
+  if (!peer.failure.ok()) {
+    batch.status = peer.failure;
+  } else if (!batch.ops.empty()) {
+    peer.to_post.push_back(&batch);  // keeps the posting reference until fully posted
+    return;
+  }
+  ReleaseRef(batch);
+}
+
+bool UcxTransport::PostReady() {
+  bool posted = false;
+  for (auto& [id, peer] : peer_states_) {
+    if (!peer->to_post.empty() && peer->failure.ok()) posted |= PostChunks(*peer);
+  }
+  return posted;
+}
+
+bool UcxTransport::PostChunks(PeerState& peer) {
+  bool posted = false;
+  while (!peer.to_post.empty() && peer.failure.ok()) {
+    Batch& batch = *peer.to_post.front();
+    while (batch.next_op < batch.ops.size()) {
+      const ResolvedOp& op = batch.ops[batch.next_op];
+      if (op.length == 0) {
+        ++batch.next_op;
+        continue;
+      }
+      const uint64_t offset = batch.next_offset;
+      const uint64_t length = ChunkLength(op.length, offset, options_.chunk_bytes);
+      if (!peer.window.CanPost(length) || !peer.failure.ok()) return posted;
+      ucp_request_param_t param{};
+      param.op_attr_mask =
+          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+      param.cb.send = &UcxTransport::OnRequestDone;
+      param.user_data = this;
+      param.memh = op.memh;
+      ucs_status_ptr_t request =
+          ucp_put_nbx(peer.ep.get(), op.src + offset, length, op.dst + offset, op.rkey, &param);
+      posted = true;
+      peer.last_activity = now_;
+      batch.next_offset += length;
+      if (batch.next_offset == op.length) {
+        ++batch.next_op;
+        batch.next_offset = 0;
+      }
+      if (request == nullptr) continue;  // done already (the local buffer is reusable)
+      if (UCS_PTR_IS_ERR(request)) {
+        FailBatch(batch, Status::Unavailable("ucx: put to peer " + std::to_string(peer.id) +
+                                             " failed: " + UcsStatusName(UCS_PTR_STATUS(request))));
+        batch.next_op = batch.ops.size();
+        break;
+      }
+      auto* context = static_cast<RequestContext*>(request);
+      context->batch = &batch;
+      context->bytes = length;
+      ++batch.pending;
+      peer.window.OnPosted(length);
+    }
+    peer.to_post.pop_front();
+    if (batch.status.ok()) PostFlush(batch);
+    ReleaseRef(batch);  // the posting reference; may complete the batch
+  }
+  return posted;
+}
+
+void UcxTransport::PostFlush(Batch& batch) {
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = &UcxTransport::OnRequestDone;
+  param.user_data = this;
+  ucs_status_ptr_t request = options_.flush == FlushMode::kWorker
+                                 ? ucp_worker_flush_nbx(worker_.get(), &param)
+                                 : ucp_ep_flush_nbx(batch.peer->ep.get(), &param);
+  if (request == nullptr) return;
+  if (UCS_PTR_IS_ERR(request)) {
+    FailBatch(batch, Status::Unavailable("ucx: flush to peer " + std::to_string(batch.peer_id) +
+                                         " failed: " + UcsStatusName(UCS_PTR_STATUS(request))));
+    return;
+  }
+  auto* context = static_cast<RequestContext*>(request);
+  context->batch = &batch;
+  context->bytes = 0;
+  ++batch.pending;
+}
+
+void UcxTransport::OnRequestDone(void* request, ucs_status_t status, void* user_data) {
+  auto* self = static_cast<UcxTransport*>(user_data);
+  auto* context = static_cast<RequestContext*>(request);
+  Batch& batch = *context->batch;
+  const uint64_t bytes = context->bytes;
+  ucp_request_free(request);
+  if (batch.orphaned) {  // its peer and callback are gone; only the memory is left to free
+    --batch.pending;
+    return;
+  }
+  PeerState& peer = *batch.peer;
+  peer.window.OnCompleted(bytes);
+  peer.last_activity = self->now_;
+  if (status != UCS_OK) {
+    std::string reason =
+        "ucx: write to peer " + std::to_string(peer.id) + " failed: " + UcsStatusName(status);
+    self->FailBatch(batch, status == UCS_ERR_CANCELED ? Status::Cancelled(reason)
+                                                      : Status::Unavailable(reason));
+  }
+  self->ReleaseRef(batch);
+}
+
+void UcxTransport::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* peer = static_cast<PeerState*>(arg);
+  peer->ep_failed = true;
+  peer->transport->FailPeer(
+      *peer, Status::Unavailable("ucx: connection to peer " + std::to_string(peer->id) +
+                                 " failed: " + UcsStatusName(status)));
+  // The endpoint is closed from the loop (ReapPeers), outside UCX's callback.
+}
+
+void UcxTransport::FailBatch(Batch& batch, const Status& status) {
+  if (batch.status.ok()) batch.status = status;
+}
+
+void UcxTransport::ReleaseRef(Batch& batch) {
+  if (--batch.pending != 0 || batch.orphaned) return;
+  outstanding_seqs_.erase(batch.seq);
+  PeerState& peer = *batch.peer;
+  std::unique_ptr<Batch> owned = std::move(*batch.self);
+  peer.batches.erase(batch.self);
+  completed_.push_back(std::move(owned));
+}
+
+void UcxTransport::FailPeer(PeerState& peer, const Status& status) {
+  if (peer.failure.ok()) {
+    peer.failure = status;
+    MutexLock lock(&mu_);
+    auto it = peers_.find(peer.id);
+    if (it != peers_.end()) it->second.failure = status;  // refuse new batches up front
+  }
+  // Only marks: this may run inside UCX calls (the error callback), so nothing is freed here.
+  // Unposted chunks are dropped by ReapPeers and PostChunks stops at the failure.
+  for (auto& batch : peer.batches) FailBatch(*batch, peer.failure);
+}
+
+// Closing an endpoint. A healthy one is flushed first, so that the peer has handled every put
+// already posted before the connection goes: UCX 1.13 aborts a process that handles an emulated
+// put arriving on an endpoint it has already marked failed (ucp_put_handler cannot send its
+// completion, "Fatal: unexpected error"), which a forced close with puts in flight causes. A
+// failed endpoint, or one whose flush does not finish within kFlushGrace, is closed by force.
+void UcxTransport::AdvanceClose(PeerState& peer) {
+  switch (peer.close_state) {
+    case CloseState::kOpen: {
+      peer.close_deadline = now_ + kFlushGrace;
+      if (peer.ep_failed) {
+        CloseEndpoint(peer, /*force=*/true);
+        return;
+      }
+      ucp_request_param_t param{};  // no callback: polled here
+      ucs_status_ptr_t request = ucp_ep_flush_nbx(peer.ep.get(), &param);
+      if (UCS_PTR_IS_PTR(request)) {
+        peer.flush_request = request;
+        peer.close_state = CloseState::kFlushing;
+        return;
+      }
+      CloseEndpoint(peer, /*force=*/UCS_PTR_STATUS(request) != UCS_OK);
+      return;
+    }
+    case CloseState::kFlushing: {
+      ucs_status_t st = ucp_request_check_status(peer.flush_request);
+      if (st == UCS_INPROGRESS && !peer.ep_failed && now_ < peer.close_deadline) return;
+      // Freeing a request still in progress is allowed: UCX finishes it without telling us.
+      ucp_request_free(std::exchange(peer.flush_request, nullptr));
+      CloseEndpoint(peer, /*force=*/st != UCS_OK || peer.ep_failed);
+      return;
+    }
+    case CloseState::kClosing: {
+      ucs_status_t st = ucp_request_check_status(peer.close_request);
+      if (st == UCS_INPROGRESS && now_ < peer.close_deadline) return;
+      ucp_request_free(std::exchange(peer.close_request, nullptr));
+      peer.close_state = CloseState::kClosed;
+      return;
+    }
+    case CloseState::kClosed: return;
+  }
+}
+
+void UcxTransport::CloseEndpoint(PeerState& peer, bool force) {
+  peer.close_deadline = now_ + kCloseGrace;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  // Force: outstanding requests complete with UCS_ERR_CANCELED instead of draining to a peer
+  // that is dead or does not answer.
+  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  ucs_status_ptr_t request = ucp_ep_close_nbx(peer.ep.Release(), &param);
+  if (UCS_PTR_IS_PTR(request)) {
+    peer.close_request = request;
+    peer.close_state = CloseState::kClosing;
+  } else {
+    peer.close_state = CloseState::kClosed;
+  }
+}
+
+bool UcxTransport::ReapPeers(Clock::time_point now) {
+  bool changed = false;
+  for (auto it = peer_states_.begin(); it != peer_states_.end();) {
+    PeerState& peer = *it->second;
+    if (!peer.failure.ok() && !peer.to_post.empty()) {
+      std::deque<Batch*> unposted;
+      unposted.swap(peer.to_post);
+      for (Batch* batch : unposted) ReleaseRef(*batch);  // their posting references
+      changed = true;
+    }
+    if (!peer.failure.ok() && peer.close_state != CloseState::kClosed) {
+      CloseState before = peer.close_state;
+      AdvanceClose(peer);
+      changed |= peer.close_state != before;
+    }
+    if (peer.close_state == CloseState::kClosed) {
+      if (!peer.batches.empty() && now >= peer.close_deadline) {
+        PDLIB_LOG(kWarning, "ucx: %d batches to peer %d still outstanding after closing it",
+                  static_cast<int>(peer.batches.size()), peer.id);
+        OrphanBatches(peer);
+        changed = true;
+      }
+      if (peer.batches.empty() && !peer.rkeys.empty()) {
+        peer.rkeys.clear();  // after the endpoint and every request that used them
+        changed = true;
+      }
+      if (peer.batches.empty() && peer.disconnecting) {
+        // Signalled after RunCompletions: Disconnect returns once every callback has run.
+        for (auto& promise : peer.on_erased) erased_signals_.push_back(std::move(promise));
+        it = peer_states_.erase(it);
+        continue;
+      }
+    }
+    ++it;
+  }
+  return changed;
+}
+
+void UcxTransport::OrphanBatches(PeerState& peer) {
+  peer.to_post.clear();
+  for (auto& batch : peer.batches) {
+    batch->orphaned = true;
+    outstanding_seqs_.erase(batch->seq);
+    Status status = batch->status.ok() ? Status::Cancelled("ucx: endpoint closed") : batch->status;
+    orphan_calls_.emplace_back(std::move(batch->done), std::move(status));
+    orphans_.push_back(std::move(batch));
+  }
+  peer.batches.clear();
+}
+
+void UcxTransport::CheckStalls(Clock::time_point now) {
+  if (options_.stall_timeout_ms == 0) return;
+  const auto limit = std::chrono::milliseconds(options_.stall_timeout_ms);
+  for (auto& [id, peer] : peer_states_) {
+    if (peer->failure.ok() && !peer->batches.empty() && now - peer->last_activity > limit) {
+      peer->ep_failed = true;  // do not wait for a flush either
+      FailPeer(*peer,
+               Status::Unavailable("ucx: no write to peer " + std::to_string(id) +
+                                   " completed for " + std::to_string(options_.stall_timeout_ms) +
+                                   " ms (ucx.stall_timeout_ms); the peer is presumed dead"));
+    }
+  }
+}
+
+void UcxTransport::ReapRetired() {
+  if (retired_.empty()) return;
+  const uint64_t oldest = outstanding_seqs_.empty() ? ~uint64_t{0} : *outstanding_seqs_.begin();
+  std::erase_if(retired_, [oldest](const auto& entry) { return entry.first < oldest; });
+}
+
+void UcxTransport::RunCompletions() {
+  while (!completed_.empty() || !orphan_calls_.empty() || !erased_signals_.empty()) {
+    std::vector<std::unique_ptr<Batch>> done;
+    done.swap(completed_);
+    std::vector<std::pair<spi::WriteCallback, Status>> orphan_calls;
+    orphan_calls.swap(orphan_calls_);
+    for (auto& batch : done) {
+      spi::WriteCallback callback = std::move(batch->done);
+      Status status = std::move(batch->status);
+      batch.reset();
+      if (callback) callback(std::move(status));
+    }
+    for (auto& [callback, status] : orphan_calls) {
+      if (callback) callback(std::move(status));
+    }
+    std::vector<std::promise<void>> signals;
+    signals.swap(erased_signals_);
+    for (auto& signal : signals) signal.set_value();
+  }
+}
+
+void UcxTransport::SleepUntilWoken(int timeout_ms) {
+  ucs_status_t st = ucp_worker_arm(worker_.get());
+  if (st == UCS_ERR_BUSY) {
+    // Events are pending that progress did not consume, e.g. a shared-memory FIFO slot that a
+    // preempted peer thread has claimed but not yet filled: give the core away before polling
+    // again, or an oversubscribed machine spins here for a whole time slice.
+    sched_yield();
+    return;
+  }
+  {
+    MutexLock lock(&mu_);
+    if (stopping_ || !commands_.empty()) return;
+    sleeping_ = true;  // from here on, Enqueue writes the wake fd
+  }
+  epoll_event events[2];
+  // Should arming fail otherwise, do not trust the worker fd: nap briefly instead.
+  int n = epoll_wait(epoll_fd_, events, 2, st == UCS_OK ? timeout_ms : 1);
+  (void)n;  // the loop re-checks everything; EINTR and timeouts need no handling
+  {
+    MutexLock lock(&mu_);
+    sleeping_ = false;
+  }
+  uint64_t drained = 0;
+  ssize_t r = read(wake_fd_, &drained, sizeof(drained));  // non-blocking: EAGAIN when not woken
+  (void)r;
+}
+
+void UcxTransport::Shutdown() {
+  // Every command queued before stopping_ was set has run; fail and close everything.
+  for (auto& [id, peer] : peer_states_) {
+    peer->disconnecting = true;
+    FailPeer(*peer, Status::Cancelled("ucx: the transport is being destroyed"));
+  }
+  // Healthy peers are flushed first (AdvanceClose); every wait is bounded by its grace period.
+  while (!peer_states_.empty()) {
+    now_ = Clock::now();
+    bool progressed = false;
+    for (int i = 0; i < kProgressRounds && ucp_worker_progress(worker_.get()) != 0; ++i) {
+      progressed = true;
+    }
+    ReapPeers(now_);
+    RunCompletions();
+    if (!progressed) sched_yield();
+  }
+  RunCompletions();
+  retired_.clear();
+}
+
+}  // namespace ucx
+}  // namespace v1
+}  // namespace pdlib

@@ -1,0 +1,495 @@
+// The UCX transport's API side: setup, blobs, validation and hand-over to the progress thread
+// (whose side lives in ucx_progress.cc).
+#include "backends/ucx/ucx_transport.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "lib/base/log_internal.h"
+#include "lib/base/tsan.h"
+#include "lib/registry/builtin_registration.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace ucx {
+namespace {
+
+// Blobs start with a magic and a version, so a blob from another backend or another pdlib
+// version is refused with a clear message instead of being handed to UCX.
+constexpr uint32_t kEndpointMagic = 0x45554450;  // "PDUE"
+constexpr uint32_t kKeyMagic = 0x4b554450;       // "PDUK"
+constexpr uint32_t kBlobVersion = 1;
+constexpr size_t kBlobHeader = 8;
+
+spi::Blob MakeBlob(uint32_t magic, const void* payload, size_t size) {
+  spi::Blob blob(kBlobHeader + size);
+  std::memcpy(blob.data(), &magic, 4);
+  std::memcpy(blob.data() + 4, &kBlobVersion, 4);
+  if (size > 0) std::memcpy(blob.data() + kBlobHeader, payload, size);
+  return blob;
+}
+
+// The payload of a blob made by MakeBlob(magic, ...), or an error naming what is wrong.
+StatusOr<std::span<const uint8_t>> BlobPayload(const spi::Blob& blob, uint32_t magic,
+                                               const char* what) {
+  uint32_t got_magic = 0, version = 0;
+  if (blob.size() <= kBlobHeader) {
+    return Status::InvalidArgument(std::string("ucx: ") + what + " blob of " +
+                                   std::to_string(blob.size()) + " bytes is too short");
+  }
+  std::memcpy(&got_magic, blob.data(), 4);
+  std::memcpy(&version, blob.data() + 4, 4);
+  if (got_magic != magic) {
+    return Status::InvalidArgument(std::string("ucx: blob is not a ucx ") + what +
+                                   " (made by another backend?)");
+  }
+  if (version != kBlobVersion) {
+    return Status::InvalidArgument(std::string("ucx: ") + what + " blob has version " +
+                                   std::to_string(version) + ", this pdlib reads version " +
+                                   std::to_string(kBlobVersion));
+  }
+  return std::span<const uint8_t>(blob.data() + kBlobHeader, blob.size() - kBlobHeader);
+}
+
+bool IsPdlibDefault(const std::string& name) {
+  for (const UcxDefault& d : UcxDefaults()) {
+    if (name == d.key) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+UcxTransport::UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context)
+    : options_(std::move(options)), context_(std::move(context)) {
+  local_regions_.emplace_back();  // region ids start at 1
+}
+
+StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const spi::TransportOptions& options) {
+  auto parsed = ParseUcxOptions(options, [](const char* name) { return std::getenv(name); });
+  if (!parsed.ok()) return parsed.status();
+#ifdef PDLIB_TSAN
+  // UCX's memory hooks (libucm, installed when libucs loads unless UCX_MEM_EVENTS=n) patch
+  // madvise in libc; glibc calls it while a thread exits, after TSan dropped the thread's state,
+  // and the hook's pthread lock then crashes the process. Only the environment can turn them
+  // off in time; pdlib_add_test sets it for tests in TSan builds.
+  if (std::getenv("UCX_MEM_EVENTS") == nullptr) {
+    PDLIB_LOG(kWarning,
+              "ucx: ThreadSanitizer build without UCX_MEM_EVENTS=n in the environment: "
+              "threads may crash when they exit");
+  }
+#endif
+
+  ucp_config_t* raw_config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &raw_config);
+  if (st != UCS_OK) {
+    return Status::FailedPrecondition("ucx: ucp_config_read failed: " + UcsStatusName(st) +
+                                      "; check the UCX_* environment variables");
+  }
+  UcpConfigPtr config(raw_config);
+  for (const auto& [name, value] : parsed->ucx_config) {
+    st = ucp_config_modify(config.get(), name.c_str(), value.c_str());
+    if (st == UCS_OK) continue;
+    if (IsPdlibDefault(name)) {  // e.g. a transport this UCX build lacks: not the user's error
+      PDLIB_LOG(kWarning, "ucx: default UCX_%s=%s not applied: %s", name, value, UcsStatusName(st));
+      continue;
+    }
+    return Status::InvalidArgument("ucx: UCX setting " + name + "='" + value +
+                                   "' rejected: " + UcsStatusName(st));
+  }
+
+  auto context = std::make_shared<UcxContext>();
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_REQUEST_SIZE |
+                      UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.request_size = sizeof(RequestContext);
+  params.mt_workers_shared = 1;
+  params.name = "pdlib";
+  ucp_context_h raw_context = nullptr;
+  st = ucp_init(&params, config.get(), &raw_context);
+  if (st != UCS_OK) {
+    return Status::FailedPrecondition("ucx: ucp_init failed: " + UcsStatusName(st) +
+                                      " (UCX_TLS / UCX_NET_DEVICES select no usable transport?)");
+  }
+  context->handle.reset(raw_context);
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  if (ucp_context_query(raw_context, &attr) == UCS_OK) {
+    context->cuda_supported = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  }
+
+  std::unique_ptr<UcxTransport> transport(new UcxTransport(std::move(*parsed), context));
+  Status init = transport->Init();
+  if (!init.ok()) return init;
+  return transport;
+}
+
+Status UcxTransport::Init() {
+  ucp_worker_params_t params{};
+  params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  params.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches the worker
+  ucp_worker_h raw_worker = nullptr;
+  ucs_status_t st = ucp_worker_create(context_->handle.get(), &params, &raw_worker);
+  if (st != UCS_OK) return Status::Internal("ucx: ucp_worker_create failed: " + UcsStatusName(st));
+  worker_.reset(raw_worker);
+
+  ucp_address_t* address = nullptr;
+  size_t address_length = 0;
+  st = ucp_worker_get_address(raw_worker, &address, &address_length);
+  if (st != UCS_OK) {
+    return Status::Internal("ucx: ucp_worker_get_address failed: " + UcsStatusName(st));
+  }
+  UcpWorkerAddress owned_address(raw_worker, address, address_length);
+  endpoint_blob_ = MakeBlob(kEndpointMagic, owned_address.data(), owned_address.size());
+
+  st = ucp_worker_get_efd(raw_worker, &worker_fd_);
+  if (st != UCS_OK) {
+    return Status::Internal("ucx: ucp_worker_get_efd failed: " + UcsStatusName(st));
+  }
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  if (wake_fd_ < 0 || epoll_fd_ < 0) {
+    return Status::Internal(std::string("ucx: cannot create the progress thread's fds: ") +
+                            std::strerror(errno));
+  }
+  for (int fd : {worker_fd_, wake_fd_}) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      return Status::Internal(std::string("ucx: epoll_ctl failed: ") + std::strerror(errno));
+    }
+  }
+  progress_ = std::thread([this] { ProgressLoop(); });
+  progress_id_ = progress_.get_id();
+  return Status::OK();
+}
+
+UcxTransport::~UcxTransport() {
+  if (progress_.joinable()) {
+    {
+      MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    Wake();
+    progress_.join();  // completes every outstanding batch with kCancelled first (Shutdown)
+  }
+  // Teardown order: UCX objects that hang off the worker, the worker, then the mappings; the
+  // context goes when the last allocation made through it does.
+  peer_states_.clear();
+  {
+    MutexLock lock(&mu_);
+    commands_.clear();
+    peers_.clear();
+    local_regions_.clear();
+  }
+  retired_.clear();
+  worker_.reset();
+  orphans_.clear();
+  for (int fd : {wake_fd_, epoll_fd_}) {
+    if (fd >= 0) close(fd);
+  }
+}
+
+spi::TransportCapabilities UcxTransport::capabilities() const {
+  spi::TransportCapabilities caps;
+  caps.moves_bytes = true;
+  caps.needs_reply = false;  // UCX wires both ends up from the initiator's ucp_ep_create
+  caps.supports_cuda_memory = context_->cuda_supported;
+  caps.max_writes_per_batch = 0;
+  caps.max_write_bytes = 0;  // split into ucx.chunk_bytes puts here
+  return caps;
+}
+
+void UcxTransport::Wake() {
+  uint64_t one = 1;
+  // Fails only when the counter would overflow, in which case the thread is awake anyway.
+  ssize_t n = write(wake_fd_, &one, sizeof(one));
+  (void)n;
+}
+
+bool UcxTransport::Enqueue(Command command) {
+  bool wake = false;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return false;
+    commands_.push_back(std::move(command));
+    wake = sleeping_;
+  }
+  if (wake) Wake();
+  return true;
+}
+
+template <typename R>
+R UcxTransport::RunOnProgressThread(const std::function<R()>& fn) {
+  if (OnProgressThread()) return fn();
+  std::promise<R> promise;
+  std::future<R> result = promise.get_future();
+  if (!Enqueue(Command{nullptr, [&] { promise.set_value(fn()); }})) {
+    return R(Status::Cancelled("ucx: the transport is shutting down"));
+  }
+  return result.get();
+}
+
+StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegion& region,
+                                                          spi::Blob* key_blob) {
+  if (region.addr == nullptr || region.length == 0) {
+    return Status::InvalidArgument("ucx: cannot register an empty region");
+  }
+  if (region.kind == MemoryKind::kCuda && !context_->cuda_supported) {
+    return Status::FailedPrecondition(
+        "ucx: cannot register CUDA memory: this UCX reports no CUDA support (ucx_info -d lists "
+        "no cuda_copy/cuda_ipc transport); install a CUDA-enabled UCX");
+  }
+  const auto addr = reinterpret_cast<uintptr_t>(region.addr);
+  if (addr + region.length < addr) return Status::InvalidArgument("ucx: region wraps around");
+
+  // A range inside an allocation made by UCX reuses that mapping (ucx_allocator.h).
+  std::shared_ptr<UcpMemh> memh;
+  {
+    MutexLock lock(&context_->mu);
+    for (const UcxAllocationRecord& a : context_->allocations) {
+      if (addr >= a.addr && addr + region.length <= a.addr + a.length) memh = a.memh;
+    }
+  }
+  using Result = StatusOr<std::pair<std::shared_ptr<UcpMemh>, spi::Blob>>;
+  Result mapped = RunOnProgressThread<Result>([&]() -> Result {
+    ucp_context_h ctx = context_->handle.get();
+    std::shared_ptr<UcpMemh> handle = memh;
+    if (!handle) {
+      ucp_mem_map_params_t params{};
+      params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                          UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+      params.address = const_cast<void*>(region.addr);
+      params.length = region.length;
+      params.memory_type =
+          region.kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+      ucp_mem_h raw = nullptr;
+      ucs_status_t st = ucp_mem_map(ctx, &params, &raw);
+      if (st != UCS_OK) {
+        return Status::Internal("ucx: ucp_mem_map of " + std::to_string(region.length) +
+                                " bytes failed: " + UcsStatusName(st));
+      }
+      handle = std::make_shared<UcpMemh>(ctx, raw);
+    }
+    void* packed = nullptr;
+    size_t packed_size = 0;
+    ucs_status_t st = ucp_rkey_pack(ctx, handle->get(), &packed, &packed_size);
+    if (st != UCS_OK) return Status::Internal("ucx: ucp_rkey_pack failed: " + UcsStatusName(st));
+    UcpRkeyBufferPtr owned(packed);
+    return std::make_pair(std::move(handle), MakeBlob(kKeyMagic, packed, packed_size));
+  });
+  if (!mapped.ok()) return mapped.status();
+  if (key_blob != nullptr) *key_blob = std::move(mapped->second);
+  MutexLock lock(&mu_);
+  local_regions_.push_back(LocalRegionEntry{addr, region.length, std::move(mapped->first)});
+  return static_cast<spi::LocalRegionId>(local_regions_.size() - 1);
+}
+
+Status UcxTransport::DeregisterMemory(spi::LocalRegionId region) {
+  std::shared_ptr<UcpMemh> memh;
+  {
+    MutexLock lock(&mu_);
+    if (region >= local_regions_.size() || !local_regions_[region]) {
+      return Status::NotFound("ucx: local region " + std::to_string(region) + " not registered");
+    }
+    memh = std::move(local_regions_[region]->memh);
+    local_regions_[region].reset();
+  }
+  // Batches accepted before this point may still use the mapping: it retires behind them.
+  return RunOnProgressThread<Status>([&] {
+    retired_.emplace_back(last_seq_, std::move(memh));
+    ReapRetired();
+    return Status::OK();
+  });
+}
+
+StatusOr<spi::TargetEndpoint> UcxTransport::CreateTargetEndpoint() {
+  // Every initiator connects to the same worker address; UCX creates the target's half of each
+  // connection itself, so the id only tracks what the core opened.
+  MutexLock lock(&mu_);
+  spi::TargetId id = next_target_++;
+  targets_.insert(id);
+  return spi::TargetEndpoint{id, endpoint_blob_};
+}
+
+void UcxTransport::CloseTargetEndpoint(spi::TargetId target) {
+  MutexLock lock(&mu_);
+  targets_.erase(target);
+}
+
+StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint) {
+  auto payload = BlobPayload(target_endpoint, kEndpointMagic, "endpoint");
+  if (!payload.ok()) return payload.status();
+  std::vector<uint8_t> address(payload->begin(), payload->end());  // UCX wants it mutable
+
+  auto connected = RunOnProgressThread<StatusOr<spi::PeerId>>([&]() -> StatusOr<spi::PeerId> {
+    auto state = std::make_unique<PeerState>();
+    {
+      MutexLock lock(&mu_);
+      state->id = next_peer_++;
+    }
+    state->transport = this;
+    state->window = InflightWindow(options_.max_inflight_bytes);
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = &UcxTransport::OnEndpointError;
+    params.err_handler.arg = state.get();
+    ucp_ep_h ep = nullptr;
+    ucs_status_t st = ucp_ep_create(worker_.get(), &params, &ep);
+    if (st != UCS_OK) {
+      return Status::Unavailable("ucx: cannot create an endpoint to the peer's worker: " +
+                                 UcsStatusName(st));
+    }
+    state->ep = UcpEp(worker_.get(), ep);
+    spi::PeerId id = state->id;
+    peer_states_.emplace(id, std::move(state));
+    MutexLock lock(&mu_);
+    peers_.emplace(id, PeerEntry{});
+    return id;
+  });
+  if (!connected.ok()) return connected.status();
+  return spi::Connection{*connected, {}};
+}
+
+StatusOr<spi::RemoteRegionId> UcxTransport::ImportRemoteRegion(spi::PeerId peer,
+                                                               const spi::RemoteRegion& region) {
+  auto payload = BlobPayload(region.key, kKeyMagic, "remote key");
+  if (!payload.ok()) return payload.status();
+  if (region.length == 0) return Status::InvalidArgument("ucx: empty remote region");
+  if (region.addr + region.length < region.addr) {
+    return Status::InvalidArgument("ucx: remote region wraps around");
+  }
+  {
+    MutexLock lock(&mu_);
+    auto it = peers_.find(peer);
+    if (it == peers_.end()) return Status::NotFound("ucx: unknown peer " + std::to_string(peer));
+    if (!it->second.failure.ok()) return it->second.failure;
+  }
+  auto unpacked = RunOnProgressThread<StatusOr<ucp_rkey_h>>([&]() -> StatusOr<ucp_rkey_h> {
+    auto it = peer_states_.find(peer);
+    if (it == peer_states_.end()) {
+      return Status::NotFound("ucx: peer " + std::to_string(peer) + " is disconnected");
+    }
+    if (!it->second->failure.ok()) return it->second->failure;
+    ucp_rkey_h rkey = nullptr;
+    ucs_status_t st = ucp_ep_rkey_unpack(it->second->ep.get(), payload->data(), &rkey);
+    if (st != UCS_OK) {
+      return Status::InvalidArgument("ucx: the peer's remote key cannot be unpacked: " +
+                                     UcsStatusName(st));
+    }
+    it->second->rkeys.emplace_back(rkey);
+    return rkey;
+  });
+  if (!unpacked.ok()) return unpacked.status();
+  MutexLock lock(&mu_);
+  auto it = peers_.find(peer);  // the rkey belongs to the peer's state and goes with it
+  if (it == peers_.end()) return Status::NotFound("ucx: peer " + std::to_string(peer) + " left");
+  it->second.regions.push_back(RemoteRegionEntry{region.addr, region.length, *unpacked});
+  return static_cast<spi::RemoteRegionId>(it->second.regions.size() - 1);
+}
+
+Status UcxTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
+                                spi::WriteCallback done) {
+  auto batch = std::make_unique<Batch>();
+  batch->peer_id = peer;
+  batch->done = std::move(done);
+  batch->ops.reserve(ops.size());
+  bool wake = false;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return Status::Cancelled("ucx: the transport is shutting down");
+    auto it = peers_.find(peer);
+    if (it == peers_.end()) {
+      return Status::NotFound("ucx: unknown peer " + std::to_string(peer) +
+                              " (never connected, or disconnected)");
+    }
+    if (!it->second.failure.ok()) return it->second.failure;
+    const std::vector<RemoteRegionEntry>& remote = it->second.regions;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const spi::WriteOp& op = ops[i];
+      if (op.local_region >= local_regions_.size() || !local_regions_[op.local_region]) {
+        return Status::InvalidArgument("ucx: write " + std::to_string(i) +
+                                       " names unregistered local region " +
+                                       std::to_string(op.local_region));
+      }
+      if (op.remote_region >= remote.size()) {
+        return Status::InvalidArgument(
+            "ucx: write " + std::to_string(i) + " names unknown remote region " +
+            std::to_string(op.remote_region) + " of peer " + std::to_string(peer));
+      }
+      const LocalRegionEntry& local = *local_regions_[op.local_region];
+      const RemoteRegionEntry& dst = remote[op.remote_region];
+      if (op.length > local.length || op.local_offset > local.length - op.length) {
+        return Status::OutOfRange(
+            "ucx: write " + std::to_string(i) + " of " + std::to_string(op.length) +
+            " bytes at offset " + std::to_string(op.local_offset) + " leaves local region " +
+            std::to_string(op.local_region) + " of " + std::to_string(local.length) + " bytes");
+      }
+      if (op.length > dst.length || op.remote_offset > dst.length - op.length) {
+        return Status::OutOfRange(
+            "ucx: write " + std::to_string(i) + " of " + std::to_string(op.length) +
+            " bytes at offset " + std::to_string(op.remote_offset) + " leaves remote region " +
+            std::to_string(op.remote_region) + " of " + std::to_string(dst.length) + " bytes");
+      }
+      batch->ops.push_back(
+          ResolvedOp{reinterpret_cast<const uint8_t*>(local.addr) + op.local_offset,
+                     dst.addr + op.remote_offset, op.length, local.memh->get(), dst.rkey});
+    }
+    commands_.push_back(Command{std::move(batch), {}});
+    wake = sleeping_;
+  }
+  if (wake) Wake();
+  return Status::OK();
+}
+
+void UcxTransport::Disconnect(spi::PeerId peer) {
+  {
+    MutexLock lock(&mu_);
+    if (peers_.erase(peer) == 0) return;
+  }
+  std::promise<void> erased;
+  std::future<void> erased_future = erased.get_future();
+  auto start = [this, peer, &erased] {
+    auto it = peer_states_.find(peer);
+    if (it == peer_states_.end()) {
+      erased.set_value();
+      return;
+    }
+    PeerState& state = *it->second;
+    state.disconnecting = true;
+    state.on_erased.push_back(std::move(erased));
+    FailPeer(state, Status::Cancelled("ucx: peer " + std::to_string(peer) + " disconnected"));
+  };
+  if (OnProgressThread()) {  // from a completion callback: cannot wait for ourselves
+    start();
+    return;
+  }
+  if (!Enqueue(Command{nullptr, start})) return;  // shutting down: the destructor cancels all
+  erased_future.wait();
+}
+
+}  // namespace ucx
+
+void RegisterUcxBackend() {
+  internal::RegisterBuiltinTransport(
+      "ucx",
+      [](const spi::TransportOptions& options) -> StatusOr<std::unique_ptr<spi::Transport>> {
+        auto transport = ucx::UcxTransport::Create(options);
+        if (!transport.ok()) return transport.status();
+        return std::unique_ptr<spi::Transport>(std::move(*transport));
+      })
+      .IgnoreError();  // only fails if "ucx" is registered twice, which the call_once prevents
+}
+
+}  // namespace v1
+}  // namespace pdlib

@@ -1,0 +1,214 @@
+// The UCX backend's pure pieces, tested without UCX: chunk splitting, the in-flight window and
+// option parsing (precedence of backend options, the environment and pdlib's defaults).
+#include "backends/ucx/ucx_options.h"
+
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <map>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backends/ucx/put_window.h"
+#include "pdlib/spi/transport.h"
+
+namespace spi = pdlib::spi;
+namespace ucx = pdlib::ucx;
+using pdlib::StatusCode;
+
+TEST_CASE("ucx chunk splitting covers every byte once") {
+  for (uint64_t chunk : {uint64_t{0}, uint64_t{1}, uint64_t{7}, uint64_t{64}, uint64_t{1} << 20}) {
+    for (uint64_t length = 0; length < 300; ++length) {
+      INFO("length " << length << " chunk " << chunk);
+      uint64_t covered = 0, count = 0;
+      while (covered < length) {
+        uint64_t piece = ucx::ChunkLength(length, covered, chunk);
+        REQUIRE(piece > 0);
+        if (chunk != 0) CHECK(piece <= chunk);
+        if (covered + piece < length && chunk != 0)
+          CHECK(piece == chunk);  // only the last is short
+        covered += piece;
+        ++count;
+      }
+      CHECK(covered == length);
+      CHECK(count == ucx::ChunkCount(length, chunk));
+    }
+  }
+  CHECK(ucx::ChunkCount(uint64_t{16} << 20, uint64_t{1} << 20) == 16);
+  CHECK(ucx::ChunkCount((uint64_t{16} << 20) + 1, uint64_t{1} << 20) == 17);
+  CHECK(ucx::ChunkLength(~uint64_t{0}, 0, 0) == ~uint64_t{0});
+}
+
+TEST_CASE("ucx in-flight window bounds the bytes posted and never blocks forever") {
+  ucx::InflightWindow window(100);
+  CHECK(window.CanPost(1000));  // nothing in flight: an oversized chunk still moves, alone
+  window.OnPosted(1000);
+  CHECK_FALSE(window.CanPost(1));
+  window.OnCompleted(1000);
+  CHECK(window.in_flight() == 0);
+  window.OnPosted(60);
+  CHECK(window.CanPost(40));
+  CHECK_FALSE(window.CanPost(41));
+  window.OnPosted(40);
+  CHECK_FALSE(window.CanPost(1));
+  window.OnCompleted(60);
+  CHECK(window.CanPost(60));
+  window.OnCompleted(1000);  // more than in flight: clamps instead of wrapping
+  CHECK(window.in_flight() == 0);
+
+  ucx::InflightWindow unbounded(0);
+  unbounded.OnPosted(~uint64_t{0} / 2);
+  CHECK(unbounded.CanPost(~uint64_t{0} / 2));
+
+  // A random schedule: in flight never exceeds the limit, except one oversized chunk alone.
+  std::mt19937_64 rng(7);
+  ucx::InflightWindow w(1 << 20);
+  std::vector<uint64_t> posted;
+  for (int step = 0; step < 100000; ++step) {
+    uint64_t size = 1 + rng() % (3 << 19);
+    if (rng() % 2 == 0 && w.CanPost(size)) {
+      w.OnPosted(size);
+      posted.push_back(size);
+    } else if (!posted.empty()) {
+      size_t i = rng() % posted.size();
+      w.OnCompleted(posted[i]);
+      posted.erase(posted.begin() + static_cast<ptrdiff_t>(i));
+    }
+    uint64_t sum = std::accumulate(posted.begin(), posted.end(), uint64_t{0});
+    REQUIRE(w.in_flight() == sum);
+    REQUIRE((sum <= w.limit() || posted.size() == 1));
+  }
+}
+
+TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environment") {
+  std::map<std::string, std::string> env;
+  auto lookup = [&env](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+
+  SECTION("defaults apply when the user chose nothing") {
+    auto parsed = ucx::ParseUcxOptions({}, lookup);
+    REQUIRE(parsed.ok());
+    for (const ucx::UcxDefault& d : ucx::UcxDefaults()) {
+      INFO(d.key);
+      CHECK(parsed->ucx_config.at(d.key) == d.value);
+      CHECK(std::string(d.why).size() > 20);  // every default says why
+    }
+    CHECK(parsed->max_inflight_bytes > 0);
+    CHECK(parsed->chunk_bytes > 0);
+    CHECK(parsed->flush == ucx::FlushMode::kEndpoint);
+  }
+
+  SECTION("the environment wins over pdlib's defaults, for related variables too") {
+    env["UCX_TCP_TX_SEG_SIZE"] = "256k";
+    env["UCX_POSIX_ERROR_HANDLING"] = "n";
+    auto parsed = ucx::ParseUcxOptions({}, lookup);
+    REQUIRE(parsed.ok());
+    CHECK(parsed->ucx_config.count("TX_SEG_SIZE") == 0);
+    CHECK(parsed->ucx_config.count("RX_SEG_SIZE") == 0);  // must not undercut the user's TX size
+    CHECK(parsed->ucx_config.count("MM_ERROR_HANDLING") == 0);
+    CHECK(parsed->ucx_config.count("MM_SEG_SIZE") == 1);
+  }
+
+  SECTION("backend options win over everything") {
+    spi::TransportOptions options;
+    options.nic_names = {"mlx5_0:1", "mlx5_1:1"};
+    options.options = {{"ucx.tls", "rc_verbs,sm"},       {"ucx.config.UCX_RX_SEG_SIZE", "1m"},
+                       {"ucx.config.RNDV_THRESH", "8k"}, {"ucx.max_inflight_bytes", "16M"},
+                       {"ucx.chunk_bytes", "256k"},      {"ucx.busy_poll_us", "5"},
+                       {"ucx.stall_timeout_ms", "0"},    {"ucx.flush", "worker"},
+                       {"other.backend.key", "ignored"}};
+    env["UCX_TLS"] = "tcp";
+    auto parsed = ucx::ParseUcxOptions(options, lookup);
+    REQUIRE(parsed.ok());
+    CHECK(parsed->ucx_config.at("TLS") == "rc_verbs,sm");
+    CHECK(parsed->ucx_config.at("NET_DEVICES") == "mlx5_0:1,mlx5_1:1");
+    CHECK(parsed->ucx_config.at("RX_SEG_SIZE") == "1m");
+    CHECK(parsed->ucx_config.count("TX_SEG_SIZE") == 0);
+    CHECK(parsed->ucx_config.at("RNDV_THRESH") == "8k");
+    CHECK(parsed->max_inflight_bytes == uint64_t{16} << 20);
+    CHECK(parsed->chunk_bytes == uint64_t{256} << 10);
+    CHECK(parsed->busy_poll_us == 5);
+    CHECK(parsed->stall_timeout_ms == 0);
+    CHECK(parsed->flush == ucx::FlushMode::kWorker);
+  }
+
+  SECTION("defaults for a transport that UCX_TLS leaves out are not applied") {
+    auto with_tls = [&](const std::string& tls) {
+      spi::TransportOptions options;
+      options.options["ucx.tls"] = tls;
+      auto parsed = ucx::ParseUcxOptions(options, lookup);
+      REQUIRE(parsed.ok());
+      return parsed->ucx_config;
+    };
+    CHECK(with_tls("shm").count("TX_SEG_SIZE") == 0);
+    CHECK(with_tls("shm").count("MM_SEG_SIZE") == 1);
+    CHECK(with_tls("tcp").count("TX_SEG_SIZE") == 1);
+    CHECK(with_tls("tcp").count("MM_ERROR_HANDLING") == 0);
+    CHECK(with_tls("^tcp").count("TX_SEG_SIZE") == 0);
+    CHECK(with_tls("^tcp").count("MM_SEG_SIZE") == 1);
+    CHECK(with_tls("rc_verbs,sm").count("MM_SEG_SIZE") == 1);
+    CHECK(with_tls("all").count("TX_SEG_SIZE") == 1);
+    CHECK(with_tls("tcp").count("KEEPALIVE_INTERVAL") == 1);  // not transport-specific
+    env["UCX_TLS"] = "tcp";
+    auto parsed = ucx::ParseUcxOptions({}, lookup);
+    REQUIRE(parsed.ok());
+    CHECK(parsed->ucx_config.count("MM_SEG_SIZE") == 0);
+  }
+
+  SECTION("shared-memory segments of 64 KiB or more are refused (UCX 1.13 loses data)") {
+    spi::TransportOptions options;
+    options.options["ucx.config.MM_SEG_SIZE"] = "66000";
+    auto parsed = ucx::ParseUcxOptions(options, lookup);
+    REQUIRE_FALSE(parsed.ok());
+    CHECK(std::string(parsed.status().message()).find("MM_SEG_SIZE") != std::string::npos);
+    env["UCX_POSIX_SEG_SIZE"] = "128k";
+    CHECK(ucx::ParseUcxOptions({}, lookup).status().code() == StatusCode::kInvalidArgument);
+    env["UCX_POSIX_SEG_SIZE"] = "65000";
+    CHECK(ucx::ParseUcxOptions({}, lookup).ok());
+  }
+
+  SECTION("ucx.net_devices wins over nic_names") {
+    spi::TransportOptions options;
+    options.nic_names = {"eth0"};
+    options.options = {{"ucx.net_devices", "lo"}};
+    auto parsed = ucx::ParseUcxOptions(options, lookup);
+    REQUIRE(parsed.ok());
+    CHECK(parsed->ucx_config.at("NET_DEVICES") == "lo");
+  }
+
+  SECTION("mistakes are refused with the key in the message") {
+    for (auto [key, value] :
+         std::vector<std::pair<std::string, std::string>>{{"ucx.tsl", "tcp"},
+                                                          {"ucx.chunk_bytes", "12q"},
+                                                          {"ucx.max_inflight_bytes", "-1"},
+                                                          {"ucx.busy_poll_us", "abc"},
+                                                          {"ucx.stall_timeout_ms", "99999999999"},
+                                                          {"ucx.flush", "sometimes"},
+                                                          {"ucx.config.", "x"}}) {
+      spi::TransportOptions options;
+      options.options[key] = value;
+      auto parsed = ucx::ParseUcxOptions(options, lookup);
+      INFO(key << "=" << value);
+      REQUIRE_FALSE(parsed.ok());
+      CHECK(parsed.status().code() == StatusCode::kInvalidArgument);
+      CHECK(std::string(parsed.status().message()).find(key) != std::string::npos);
+    }
+  }
+
+  SECTION("byte sizes") {
+    CHECK(*ucx::ParseByteSize("65536") == 65536);
+    CHECK(*ucx::ParseByteSize("64k") == 65536);
+    CHECK(*ucx::ParseByteSize("64K") == 65536);
+    CHECK(*ucx::ParseByteSize("4M") == uint64_t{4} << 20);
+    CHECK(*ucx::ParseByteSize("1gb") == uint64_t{1} << 30);
+    CHECK_FALSE(ucx::ParseByteSize("").ok());
+    CHECK_FALSE(ucx::ParseByteSize("k").ok());
+    CHECK_FALSE(ucx::ParseByteSize("1t").ok());
+    CHECK_FALSE(ucx::ParseByteSize("1kk").ok());
+    CHECK_FALSE(ucx::ParseByteSize("99999999999999999999").ok());
+    CHECK_FALSE(ucx::ParseByteSize("17179869184g").ok());
+  }
+}

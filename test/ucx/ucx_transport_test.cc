@@ -1,0 +1,406 @@
+// The UCX backend's own tests, beyond the conformance suite every backend passes: byte-exact
+// writes with random layouts over shared memory and tcp, UCX-allocated memory, and the failure
+// paths (a dead peer, Disconnect and destruction with writes in flight), which must end every
+// batch exactly once and never hang. The pure pieces are in ucx_options_test.cc.
+#include <algorithm>
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backends/ucx/ucx_allocator.h"
+#include "pdlib/spi/transport.h"
+
+namespace spi = pdlib::spi;
+namespace ucx = pdlib::ucx;
+using pdlib::Status;
+using pdlib::StatusCode;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Collects completions; Wait returns false on timeout so a lost completion fails, never hangs.
+class Completions {
+ public:
+  spi::WriteCallback Callback() {
+    return [this](Status s) {
+      std::lock_guard lock(mu_);
+      statuses_.push_back(std::move(s));
+      cv_.notify_all();
+    };
+  }
+  bool Wait(size_t n, std::chrono::seconds limit = std::chrono::seconds(60)) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, limit, [&] { return statuses_.size() >= n; });
+  }
+  std::vector<Status> statuses() {
+    std::lock_guard lock(mu_);
+    return statuses_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Status> statuses_;
+};
+
+std::unique_ptr<spi::Transport> MakeUcx(const std::string& tls,
+                                        std::map<std::string, std::string> extra = {}) {
+  spi::TransportOptions options;
+  options.options = std::move(extra);
+  options.options["ucx.tls"] = tls;
+  if (tls == "tcp") options.options["ucx.net_devices"] = "lo";
+  auto transport = spi::CreateTransport("ucx", options);
+  INFO(transport.status().ToString());
+  REQUIRE(transport.ok());
+  return std::move(*transport);
+}
+
+// An initiator connected to a target, with the target's regions imported.
+struct Link {
+  std::unique_ptr<spi::Transport> initiator, target;
+  spi::PeerId peer = 0;
+  spi::TargetId target_id = 0;
+};
+
+Link Connect(std::unique_ptr<spi::Transport> initiator, std::unique_ptr<spi::Transport> target) {
+  Link link{std::move(initiator), std::move(target)};
+  auto ep = link.target->CreateTargetEndpoint();
+  REQUIRE(ep.ok());
+  link.target_id = ep->id;
+  auto conn = link.initiator->Connect(ep->blob);
+  INFO(conn.status().ToString());
+  REQUIRE(conn.ok());
+  link.peer = conn->peer;
+  return link;
+}
+
+// Registers `bytes` at `data` on the target and imports it on the initiator.
+spi::RemoteRegionId ExportRegion(Link& link, uint8_t* data, size_t bytes) {
+  spi::Blob key;
+  auto local = link.target->RegisterMemory({data, bytes}, &key);
+  REQUIRE(local.ok());
+  auto remote =
+      link.initiator->ImportRemoteRegion(link.peer, {reinterpret_cast<uint64_t>(data), bytes, key});
+  INFO(remote.status().ToString());
+  REQUIRE(remote.ok());
+  return *remote;
+}
+
+void FillRandom(std::vector<uint8_t>& v, std::mt19937_64& rng) {
+  for (size_t i = 0; i + 8 <= v.size(); i += 8) {
+    uint64_t x = rng();
+    std::memcpy(v.data() + i, &x, 8);
+  }
+  for (size_t i = v.size() & ~size_t{7}; i < v.size(); ++i) v[i] = static_cast<uint8_t>(rng());
+}
+
+// Index of the first byte where `a` and `b` differ (a.size() when equal), so a failure
+// says where instead of printing megabytes.
+size_t FirstDifference(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  auto [ia, ib] = std::mismatch(a.begin(), a.end(), b.begin(), b.end());
+  return static_cast<size_t>(ia - a.begin());
+}
+
+}  // namespace
+
+TEST_CASE("ucx transports refuse bad options and CUDA memory this UCX cannot map") {
+  spi::TransportOptions bogus;
+  bogus.options["ucx.bogus"] = "1";
+  auto bad = spi::CreateTransport("ucx", bogus);
+  REQUIRE_FALSE(bad.ok());
+  CHECK(bad.status().code() == StatusCode::kInvalidArgument);
+
+  spi::TransportOptions no_tls;
+  no_tls.options["ucx.tls"] = "no_such_transport";
+  auto none = spi::CreateTransport("ucx", no_tls);
+  if (none.ok()) {  // some UCX versions accept the context and fail at endpoint creation
+    auto ep = (*none)->CreateTargetEndpoint();
+    if (ep.ok()) CHECK_FALSE((*none)->Connect(ep->blob).ok());
+  }
+
+  auto t = MakeUcx("shm");
+  if (!t->capabilities().supports_cuda_memory) {
+    std::vector<uint8_t> buffer(4096);
+    spi::Blob key;
+    auto r = t->RegisterMemory({buffer.data(), buffer.size(), pdlib::MemoryKind::kCuda, 0}, &key);
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.status().code() == StatusCode::kFailedPrecondition);
+    auto m = ucx::AllocateWithUcx(*t, 4096, pdlib::MemoryKind::kCuda);
+    CHECK(m.status().code() == StatusCode::kFailedPrecondition);
+  } else {
+    WARN("this UCX supports CUDA memory: exercised only where a GPU is present");
+  }
+}
+
+// Random layouts: several source regions, one destination region per batch in flight, ops of
+// 64 B to 256 KiB, 1 to 4096 per batch, scattered or contiguous, and the whole destination
+// compared with an expected image (so stray writes are caught, not just missing ones).
+TEST_CASE("ucx writes are byte-exact for random layouts over shm and tcp") {
+  struct Config {
+    std::string tls;
+    std::map<std::string, std::string> extra;
+  };
+  const std::vector<Config> configs = {
+      {"shm", {}},
+      {"tcp", {}},
+      // Small chunks and window: every 256 KiB op is split and most of each batch waits.
+      {"shm", {{"ucx.chunk_bytes", "48k"}, {"ucx.max_inflight_bytes", "160k"}}},
+      {"tcp", {{"ucx.chunk_bytes", "48k"}, {"ucx.max_inflight_bytes", "160k"}}},
+      {"shm", {{"ucx.flush", "worker"}}},
+  };
+  constexpr size_t kSources = 3, kSourceBytes = size_t{4} << 20;
+  constexpr size_t kBatches = 8, kDestBytes = size_t{4} << 20;
+  const uint64_t sizes[] = {64, 100, 4096, 32768, 65536 + 3, 262144};
+
+  for (size_t c = 0; c < configs.size(); ++c) {
+    const Config& config = configs[c];
+    std::mt19937_64 rng(1000 + c);
+    INFO("tls " << config.tls << ", config " << c);
+    Link link = Connect(MakeUcx(config.tls, config.extra), MakeUcx(config.tls, config.extra));
+
+    std::vector<std::vector<uint8_t>> src(kSources, std::vector<uint8_t>(kSourceBytes));
+    std::vector<spi::LocalRegionId> src_ids;
+    for (auto& s : src) {
+      FillRandom(s, rng);
+      spi::Blob unused;
+      auto id = link.initiator->RegisterMemory({s.data(), s.size()}, &unused);
+      REQUIRE(id.ok());
+      src_ids.push_back(*id);
+    }
+    std::vector<std::vector<uint8_t>> dst(kBatches, std::vector<uint8_t>(kDestBytes, 0));
+    std::vector<spi::RemoteRegionId> dst_ids;
+    for (auto& d : dst) dst_ids.push_back(ExportRegion(link, d.data(), d.size()));
+
+    for (int round = 0; round < 4; ++round) {
+      std::vector<std::vector<uint8_t>> expected = dst;
+      std::vector<std::vector<spi::WriteOp>> batches(kBatches);
+      for (size_t b = 0; b < kBatches; ++b) {
+        const uint64_t size = sizes[rng() % std::size(sizes)];
+        const uint64_t slots = kDestBytes / size;
+        const uint64_t count = 1 + rng() % std::min<uint64_t>(4096, slots);
+        const bool contiguous = rng() % 2 == 0;
+        std::vector<uint64_t> slot(slots);
+        std::iota(slot.begin(), slot.end(), 0);
+        if (!contiguous) std::shuffle(slot.begin(), slot.end(), rng);
+        const uint64_t first = contiguous ? rng() % (slots - count + 1) : 0;
+        for (uint64_t i = 0; i < count; ++i) {
+          size_t s = rng() % kSources;
+          uint64_t src_offset = rng() % (kSourceBytes - size + 1);
+          uint64_t dst_offset = slot[first + i] * size;
+          batches[b].push_back({src_ids[s], src_offset, dst_ids[b], dst_offset, size});
+          std::memcpy(expected[b].data() + dst_offset, src[s].data() + src_offset, size);
+        }
+      }
+      Completions done;
+      for (auto& ops : batches) {
+        REQUIRE(link.initiator->PostWrites(link.peer, ops, done.Callback()).ok());
+      }
+      REQUIRE(done.Wait(kBatches));
+      for (const Status& s : done.statuses()) CHECK(s.ok());
+      for (size_t b = 0; b < kBatches; ++b) {
+        INFO("round " << round << " batch " << b << ": " << batches[b].size() << " ops of "
+                      << batches[b][0].length << " bytes");
+        CHECK(FirstDifference(dst[b], expected[b]) == kDestBytes);
+      }
+    }
+  }
+}
+
+TEST_CASE("ucx registers UCX-allocated memory through UCX's own mapping") {
+  Link link = Connect(MakeUcx("shm"), MakeUcx("shm"));
+  constexpr size_t kBytes = size_t{1} << 20;
+  auto src_mem = ucx::AllocateWithUcx(*link.initiator, kBytes);
+  auto dst_mem = ucx::AllocateWithUcx(*link.target, kBytes);
+  REQUIRE(src_mem.ok());
+  REQUIRE(dst_mem.ok());
+  REQUIRE((*dst_mem)->size() >= kBytes);
+  auto* src = static_cast<uint8_t*>((*src_mem)->data());
+  auto* dst = static_cast<uint8_t*>((*dst_mem)->data());
+  for (size_t i = 0; i < kBytes; ++i) src[i] = static_cast<uint8_t>(i * 13 + 5);
+  std::memset(dst, 0, kBytes);
+
+  spi::Blob unused;
+  auto src_id = link.initiator->RegisterMemory({src, kBytes}, &unused);
+  REQUIRE(src_id.ok());
+  // A range inside the allocation, not at its start.
+  const size_t half = kBytes / 2;
+  spi::RemoteRegionId remote = ExportRegion(link, dst + half, half);
+  std::vector<spi::WriteOp> ops;
+  for (uint64_t off = 0; off < half; off += 4096) ops.push_back({*src_id, off, remote, off, 4096});
+  Completions done;
+  REQUIRE(link.initiator->PostWrites(link.peer, ops, done.Callback()).ok());
+  REQUIRE(done.Wait(1));
+  CHECK(done.statuses()[0].ok());
+  CHECK(std::memcmp(dst + half, src, half) == 0);
+  CHECK(std::all_of(dst, dst + half, [](uint8_t b) { return b == 0; }));
+
+  auto fake = spi::CreateTransport("fake", {});
+  REQUIRE(fake.ok());
+  CHECK(ucx::AllocateWithUcx(**fake, 4096).status().code() == StatusCode::kInvalidArgument);
+  CHECK(ucx::AllocateWithUcx(*link.initiator, 0).status().code() == StatusCode::kInvalidArgument);
+
+  // Allocations may outlive their transport: the UCP context stays until the last one goes.
+  link.initiator.reset();
+  link.target.reset();
+  std::memset(src, 1, kBytes);
+  src_mem->reset();
+  dst_mem->reset();
+}
+
+TEST_CASE("ucx fails writes to a dead peer within a bound") {
+  for (std::string tls : {"shm", "tcp"}) {
+    INFO("tls " << tls);
+    // Inside one process UCX cannot tell a destroyed worker on shared memory from a slow one
+    // (the peer pid is alive): the stall timeout is what bounds the wait there.
+    Link link = Connect(MakeUcx(tls, {{"ucx.stall_timeout_ms", "1000"}}), MakeUcx(tls));
+    constexpr size_t kBytes = size_t{4} << 20;
+    std::vector<uint8_t> src(kBytes, 7), dst(kBytes, 0);
+    spi::Blob unused;
+    auto src_id = link.initiator->RegisterMemory({src.data(), kBytes}, &unused);
+    REQUIRE(src_id.ok());
+    spi::RemoteRegionId remote = ExportRegion(link, dst.data(), kBytes);
+    {  // the connection works before the peer dies
+      Completions done;
+      spi::WriteOp op{*src_id, 0, remote, 0, 4096};
+      REQUIRE(link.initiator->PostWrites(link.peer, std::span(&op, 1), done.Callback()).ok());
+      REQUIRE(done.Wait(1));
+      REQUIRE(done.statuses()[0].ok());
+    }
+    link.target.reset();
+
+    const auto start = Clock::now();
+    Completions done;
+    size_t posted = 0;
+    Status refused;
+    std::vector<spi::WriteOp> ops;
+    for (uint64_t off = 0; off < kBytes; off += 65536)
+      ops.push_back({*src_id, off, remote, off, 65536});
+    // Keep posting until the transport either refuses (it knows the peer is dead) or a batch
+    // fails; both must happen within the bound.
+    while (Clock::now() - start < std::chrono::seconds(30)) {
+      Status s = link.initiator->PostWrites(link.peer, ops, done.Callback());
+      if (!s.ok()) {
+        refused = s;
+        break;
+      }
+      ++posted;
+      if (done.Wait(posted, std::chrono::seconds(1))) {
+        auto st = done.statuses();
+        if (!st.back().ok()) break;
+      }
+    }
+    REQUIRE(done.Wait(posted, std::chrono::seconds(30)));
+    auto statuses = done.statuses();
+    CHECK(statuses.size() == posted);
+    bool failed = !refused.ok();
+    for (const Status& s : statuses) {
+      if (s.ok()) continue;
+      failed = true;
+      INFO(s.ToString());
+      CHECK((s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kCancelled));
+      CHECK(std::string(s.message()).find("peer") != std::string::npos);
+    }
+    if (!refused.ok()) {
+      INFO(refused.ToString());
+      CHECK(refused.code() == StatusCode::kUnavailable);
+    }
+    CHECK(failed);
+    CHECK(Clock::now() - start < std::chrono::seconds(40));
+  }
+}
+
+TEST_CASE("ucx Disconnect and destruction end every batch in flight exactly once") {
+  for (std::string tls : {"shm", "tcp"}) {
+    for (bool destroy : {false, true}) {
+      INFO("tls " << tls << (destroy ? ", destroy" : ", disconnect"));
+      Link link = Connect(MakeUcx(tls, {{"ucx.max_inflight_bytes", "256k"}}), MakeUcx(tls));
+      constexpr size_t kBytes = size_t{8} << 20;
+      std::vector<uint8_t> src(kBytes, 3), dst(kBytes, 0);
+      spi::Blob unused;
+      auto src_id = link.initiator->RegisterMemory({src.data(), kBytes}, &unused);
+      REQUIRE(src_id.ok());
+      spi::RemoteRegionId remote = ExportRegion(link, dst.data(), kBytes);
+      std::vector<spi::WriteOp> ops;
+      for (uint64_t off = 0; off < kBytes; off += 32768)
+        ops.push_back({*src_id, off, remote, off, 32768});
+
+      Completions done;
+      constexpr size_t kPosted = 16;
+      for (size_t i = 0; i < kPosted; ++i) {
+        REQUIRE(link.initiator->PostWrites(link.peer, ops, done.Callback()).ok());
+      }
+      if (destroy) {
+        link.initiator.reset();
+      } else {
+        link.initiator->Disconnect(link.peer);
+        // Disconnect returns once the peer's batches have all called back.
+        CHECK(done.statuses().size() == kPosted);
+        CHECK_FALSE(link.initiator->PostWrites(link.peer, ops, done.Callback()).ok());
+      }
+      REQUIRE(done.Wait(kPosted, std::chrono::seconds(30)));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      auto statuses = done.statuses();
+      CHECK(statuses.size() == kPosted);
+      for (const Status& s : statuses) {
+        INFO(s.ToString());
+        CHECK((s.ok() || s.code() == StatusCode::kCancelled));
+      }
+    }
+  }
+}
+
+TEST_CASE("ucx completion callbacks may post, register and disconnect") {
+  Link link = Connect(MakeUcx("shm"), MakeUcx("shm"));
+  constexpr size_t kBytes = size_t{1} << 20;
+  std::vector<uint8_t> src(kBytes), dst(kBytes, 0), extra(4096);
+  for (size_t i = 0; i < kBytes; ++i) src[i] = static_cast<uint8_t>(i ^ (i >> 8));
+  spi::Blob unused;
+  auto src_id = link.initiator->RegisterMemory({src.data(), kBytes}, &unused);
+  REQUIRE(src_id.ok());
+  spi::RemoteRegionId remote = ExportRegion(link, dst.data(), kBytes);
+
+  // A chain: each callback posts the next 64 KiB, the last one also registers memory and
+  // disconnects from inside the callback (on the progress thread). Catch2 is not thread-safe, so
+  // the callbacks only record what happened.
+  std::mutex mu;
+  std::condition_variable cv;
+  int finished = 0;
+  std::vector<Status> statuses;  // written by the progress thread only, read after `finished`
+  std::atomic<int> failures{0};
+  std::function<void(uint64_t)> post_from = [&](uint64_t off) {
+    spi::WriteOp op{*src_id, off, remote, off, 65536};
+    Status s = link.initiator->PostWrites(link.peer, std::span(&op, 1), [&, off](Status st) {
+      statuses.push_back(st);
+      if (off + 65536 < kBytes) {
+        post_from(off + 65536);
+        return;
+      }
+      if (!link.initiator->RegisterMemory({extra.data(), extra.size()}, nullptr).ok()) {
+        failures++;
+      }
+      link.initiator->Disconnect(link.peer);
+      std::lock_guard lock(mu);
+      ++finished;
+      cv.notify_all();
+    });
+    if (!s.ok()) failures++;
+  };
+  post_from(0);
+  std::unique_lock lock(mu);
+  REQUIRE(cv.wait_for(lock, std::chrono::seconds(30), [&] { return finished == 1; }));
+  CHECK(failures == 0);
+  CHECK(statuses.size() == kBytes / 65536);
+  CHECK(std::all_of(statuses.begin(), statuses.end(), [](const Status& s) { return s.ok(); }));
+  CHECK(FirstDifference(dst, src) == kBytes);
+}
