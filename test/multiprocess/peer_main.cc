@@ -3,17 +3,38 @@
 // or more of these, tell them which rooms to run and where to stop, and kill them mid-request.
 //
 //   pdlib_test_peer --role prefill|decode [--bootstrap-port N] [--start-bootstrap]
-//       [--listen-port N] [--backend fake] [--layers L] [--item-bytes B] [--pages-per-pool P]
-//       [--pages-per-request K] [--page-size S] [--model-name NAME] [--concurrency C]
+//       [--listen-port N] [--backend fake] [--backend-option KEY=VALUE ...] [--layers L]
+//       [--item-bytes B] [--pages-per-pool P] [--pages-per-request K] [--page-size S]
+//       [--model-name NAME] [--concurrency C]
+//       [--verify [--layout scattered|contiguous] [--chunks N] [--vary-layout]
+//        [--corrupt-kv-room R] [--corrupt-aux-room R]]
 //       [--requests R --rooms-from X [--hold H] [--exit-when-done]]
 //       [--liveness-ms MS] [--connect-timeout-ms MS] [--bootstrap-timeout-ms MS]
 //       [--waiting-timeout-ms MS] [--transfer-timeout-ms MS] [--max-seconds S]
 //
 // Both sides derive everything about a room from its id, so the test only has to send the same
-// RUN line to both. Lines the peer prints (stdout, flushed after each):
+// RUN line to both. --backend-option passes one KVManagerOptions::backend_options entry (e.g.
+// ucx.tls=shm); repeat it for more.
+//
+// --verify (both sides, with the same layout flags): the byte-compare mode (kv_pattern.h). Each
+// side hands out pages of its pools to the rooms in flight, as an engine would, salted by role so
+// that source and destination pages differ (scattered: random free pages; contiguous: a run of
+// consecutive free pages). Prefill fills every page of every K and V buffer with the pattern of
+// (room, buffer, position in the request) just before the Send() of the chunk holding it, and
+// writes the aux slot (bootstrap_room = room, output_ids[0] = AuxOutputId(room)); a request is
+// sent in --chunks chunks of whole pages (the last one holds the rest). Decode, when a room
+// reaches Success, checks every byte of every destination page and the aux slot, and prints
+// "ROOM <id> Success OK" only if all match, else "ROOM <id> Failed BADBYTES <first mismatch>".
+// --vary-layout derives each room's page count (1..--pages-per-request), placement and chunk
+// count (1..--chunks) from its id. --corrupt-kv-room / --corrupt-aux-room (prefill) spoil one KV
+// byte / the aux output id of that room after filling it: negative controls for the check.
+//
+// Lines the peer prints (stdout, flushed after each):
 //   READY role=<prefill|decode> port=<control port, 0 on decode> endpoint=<host:port>
-//   ROOM <id> <KVPoll name> <reason>       once per room, when it is terminal ("OK" on Success);
-//                                          the handle is destroyed right after, as an engine would
+//   ROOM <id> <KVPoll name> <reason>       once per room, when it is terminal ("OK" on Success;
+//                                          with --verify, "Failed BADBYTES <what>" on decode when
+//                                          a Success room's bytes are wrong); the handle is
+//                                          destroyed right after, as an engine would
 //   HELD first=<f> count=<c> held=<h> state=<hold>  every room of the batch sits at its hold
 //                                          point (h of them) or is terminal (c - h)
 //   DONE first=<f> count=<c> ok=<n> failed=<n>      every room of the batch is terminal
@@ -60,6 +81,7 @@
 #include <thread>
 #include <vector>
 
+#include "kv_pattern.h"
 #include "pdlib/pdlib.h"
 
 namespace {
@@ -74,6 +96,13 @@ struct Flags {
   bool start_bootstrap = false;
   uint16_t listen_port = 0;
   std::string backend = "fake";
+  std::map<std::string, std::string> backend_options;
+  bool verify = false;
+  bool scattered = true;  // --layout
+  int64_t chunks = 1;
+  bool vary_layout = false;
+  int64_t corrupt_kv_room = -1;
+  int64_t corrupt_aux_room = -1;
   int64_t layers = 2;
   int64_t item_bytes = 1024;
   int64_t pages_per_pool = 256;
@@ -121,6 +150,9 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
       {"--waiting-timeout-ms", &f->waiting_timeout_ms},
       {"--transfer-timeout-ms", &f->transfer_timeout_ms},
       {"--max-seconds", &f->max_seconds},
+      {"--chunks", &f->chunks},
+      {"--corrupt-kv-room", &f->corrupt_kv_room},
+      {"--corrupt-aux-room", &f->corrupt_aux_room},
   };
   for (int i = 1; i < argc; ++i) {
     std::string_view arg = argv[i];
@@ -130,6 +162,14 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     }
     if (arg == "--exit-when-done") {
       f->exit_when_done = true;
+      continue;
+    }
+    if (arg == "--verify") {
+      f->verify = true;
+      continue;
+    }
+    if (arg == "--vary-layout") {
+      f->vary_layout = true;
       continue;
     }
     std::string_view value;
@@ -163,6 +203,19 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
       (arg == "--bootstrap-port" ? f->bootstrap_port : f->listen_port) = uint16_t(n);
     } else if (arg == "--backend") {
       f->backend = value;
+    } else if (arg == "--backend-option") {
+      const size_t eq = value.find('=');
+      if (eq == std::string_view::npos || eq == 0) {
+        std::fprintf(stderr, "pdlib_test_peer: --backend-option needs KEY=VALUE\n");
+        return false;
+      }
+      f->backend_options[std::string(value.substr(0, eq))] = std::string(value.substr(eq + 1));
+    } else if (arg == "--layout") {
+      if (value != "scattered" && value != "contiguous") {
+        std::fprintf(stderr, "pdlib_test_peer: --layout must be scattered or contiguous\n");
+        return false;
+      }
+      f->scattered = value == "scattered";
     } else if (arg == "--model-name") {
       f->model_name = value;
     } else if (arg == "--hold") {
@@ -177,7 +230,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     return false;
   }
   if (f->pages_per_request < 1 || f->pages_per_request > f->pages_per_pool || f->concurrency < 1 ||
-      f->layers < 1 || f->item_bytes < 1 || f->page_size < 1) {
+      f->layers < 1 || f->item_bytes < 1 || f->page_size < 1 || f->chunks < 1) {
     std::fprintf(stderr, "pdlib_test_peer: sizes must be >= 1 and pages-per-request <= pool\n");
     return false;
   }
@@ -216,6 +269,10 @@ struct Active {
   bool held = false;
   bool partial_sent = false;  // prefill: the non-last chunk is queued
   bool done_sending = false;  // prefill: the last chunk is queued; decode: Init() called
+  // --verify only: this room's shape, its pages (from the side's PagePool), chunks queued.
+  pdlib_test::RoomShape shape;
+  std::vector<int32_t> pages;
+  size_t chunks_sent = 0;
   const pdlib::KVPollable& handle() const {
     return sender ? static_cast<const pdlib::KVPollable&>(*sender) : *receiver;
   }
@@ -231,6 +288,8 @@ class Peer {
     const size_t pool_bytes = size_t(f_.pages_per_pool) * item;
     pools_.resize(2 * layers);
     for (auto& pool : pools_) pool.assign(pool_bytes, 0);
+    page_pool_ = std::make_unique<pdlib_test::PagePool>(
+        size_t(f_.pages_per_pool), f_.mode == pdlib::Mode::kPrefill ? 0x9f11ULL : 0xdec0deULL);
     const size_t slots = pdlib::MetadataBuffers::SlotCountFor(size_t(f_.concurrency));
     auto aux = pdlib::MetadataBuffers::Create(slots, 0, 0);
     if (!aux.ok()) return Fail("MetadataBuffers::Create: " + aux.status().ToString());
@@ -240,6 +299,7 @@ class Peer {
     pdlib::KVManagerOptions o;
     o.mode = f_.mode;
     o.backend = f_.backend;
+    o.backend_options = f_.backend_options;
     o.control_plane = pdlib::ControlPlane::kGrpc;
     o.listen_host = "127.0.0.1";
     o.listen_port = f_.listen_port;
@@ -345,7 +405,7 @@ class Peer {
     for (size_t bi = next_batch_; bi < batches_.size(); ++bi) {
       Batch& b = batches_[bi];
       while (b.started < b.count && active_.size() < size_t(f_.concurrency)) {
-        StartRoom(bi, b.first + b.started);
+        if (!StartRoom(bi, b.first + b.started)) return started;  // no free pages yet
         ++b.started;
         started = true;
       }
@@ -355,10 +415,19 @@ class Peer {
     return started;
   }
 
-  void StartRoom(size_t bi, uint64_t room) {
+  // Creates the handle of `room`. False (nothing done) when --verify finds no free pages for it
+  // right now: the room starts once earlier ones have released theirs.
+  bool StartRoom(size_t bi, uint64_t room) {
     auto a = std::make_unique<Active>();
     a->room = room;
     a->batch = bi;
+    if (f_.verify) {
+      a->shape = pdlib_test::ShapeOf(room, size_t(f_.pages_per_request), f_.scattered,
+                                     size_t(f_.chunks), f_.vary_layout);
+      auto pages = page_pool_->Alloc(room, a->shape.pages, a->shape.scattered);
+      if (!pages) return false;
+      a->pages = std::move(*pages);
+    }
     pdlib::Status s;
     if (f_.mode == pdlib::Mode::kPrefill) {
       auto sender = manager_->CreateSender(room);
@@ -372,16 +441,27 @@ class Peer {
     if (!s.ok()) {
       // No handle: the room is over before it began.
       Emit("ROOM " + std::to_string(room) + " Failed " + s.ToString());
+      page_pool_->Free(a->pages);
       ++batches_[bi].failed;
       FinishBatchIfDone(bi);
-      return;
+      return true;
     }
     a->aux = slots_->Alloc();
     if (a->aux && f_.mode == pdlib::Mode::kPrefill) {
       aux_->bootstrap_room(*a->aux)[0] = room;  // what decode checks (SPEC R4.4)
-      aux_->output_ids(*a->aux)[0] = int32_t(room % 32000);
+      if (!f_.verify) {
+        aux_->output_ids(*a->aux)[0] = int32_t(room % 32000);
+      } else {
+        aux_->output_ids(*a->aux)[0] =
+            pdlib_test::AuxOutputId(room) + (int64_t(room) == f_.corrupt_aux_room ? 1 : 0);
+      }
+    } else if (a->aux && f_.verify) {
+      // Decode: whatever a previous request left in the slot must not pass the check.
+      aux_->bootstrap_room(*a->aux)[0] = ~uint64_t{0};
+      aux_->output_ids(*a->aux)[0] = -1;
     }
     active_.push_back(std::move(a));
+    return true;
   }
 
   // One pass over every handle. Returns true when anything moved.
@@ -413,7 +493,7 @@ class Peer {
     if (a.done_sending || st != pdlib::KVPoll::kWaitingForInput) return false;
     if (batches_[a.batch].hold == Hold::kWaiting) return MarkHeld(a);
     a.done_sending = true;
-    const std::vector<int32_t> pages = Pages(a.room);
+    const std::vector<int32_t> pages = f_.verify ? a.pages : Pages(a.room);
     if (pdlib::Status s = a.receiver->Init(pages, a.aux); !s.ok()) {
       Emit("ERROR room " + std::to_string(a.room) + " Init: " + s.ToString());
       a.receiver->Abort("Init() refused: " + s.ToString());
@@ -422,6 +502,7 @@ class Peer {
   }
 
   bool StepSender(Active& a, pdlib::KVPoll st) {
+    if (f_.verify) return StepVerifySender(a, st);
     const Hold hold = batches_[a.batch].hold;
     if (hold == Hold::kBootstrapping) return MarkHeld(a);
     if (a.done_sending || st < pdlib::KVPoll::kWaitingForInput) return false;
@@ -454,19 +535,92 @@ class Peer {
     return true;
   }
 
+  // --verify prefill: one chunk per call, each chunk's pages filled just before its Send().
+  bool StepVerifySender(Active& a, pdlib::KVPoll st) {
+    const Hold hold = batches_[a.batch].hold;
+    if (hold == Hold::kBootstrapping) return MarkHeld(a);
+    if (a.done_sending || st < pdlib::KVPoll::kWaitingForInput) return false;
+    if (hold == Hold::kWaiting) return MarkHeld(a);
+    auto check = [&](pdlib::Status s, const char* what) {
+      if (s.ok()) return true;
+      Emit("ERROR room " + std::to_string(a.room) + " " + what + ": " + s.ToString());
+      a.sender->Abort(std::string(what) + " refused: " + s.ToString());
+      a.done_sending = true;
+      return false;
+    };
+    const size_t c = a.chunks_sent;
+    const bool last = c + 1 == a.shape.chunks;
+    if (c == 0 && !check(a.sender->Init(a.pages.size(), a.aux), "Init")) return true;
+    if (last && c > 0 && hold == Hold::kTransferring) {
+      return st == pdlib::KVPoll::kTransferring && MarkHeld(a);
+    }
+    size_t first = 0;
+    for (size_t i = 0; i < c; ++i) first += pdlib_test::ChunkPages(a.shape, i);
+    const size_t n = pdlib_test::ChunkPages(a.shape, c);
+    const size_t item = size_t(f_.item_bytes);
+    for (size_t b = 0; b < pools_.size(); ++b) {
+      for (size_t i = first; i < first + n; ++i) {
+        pdlib_test::FillPage(pools_[b].data() + size_t(a.pages[i]) * item, item, a.room,
+                             uint32_t(b), uint32_t(i));
+      }
+    }
+    if (c == 0 && int64_t(a.room) == f_.corrupt_kv_room) {
+      // One byte in the middle of the last buffer's first page.
+      pools_.back()[size_t(a.pages[0]) * item + item / 2] ^= 0x40;
+    }
+    a.chunks_sent = c + 1;
+    a.partial_sent = true;
+    a.done_sending = last;
+    check(a.sender->Send(std::span(a.pages).subspan(first, n), last), "Send");
+    return true;
+  }
+
+  // --verify decode: nullopt when every destination byte and the aux slot of `a` are right,
+  // otherwise what the first wrong one is.
+  std::optional<std::string> VerifyRoom(const Active& a) const {
+    if (!a.aux) return "no-aux-slot";
+    const uint64_t got_room = aux_->bootstrap_room(*a.aux)[0];
+    if (got_room != a.room) return "aux.bootstrap_room=" + std::to_string(got_room);
+    const int32_t got_id = aux_->output_ids(*a.aux)[0];
+    if (got_id != pdlib_test::AuxOutputId(a.room)) {
+      return "aux.output_ids[0]=" + std::to_string(got_id) +
+             ",expected=" + std::to_string(pdlib_test::AuxOutputId(a.room));
+    }
+    const size_t item = size_t(f_.item_bytes);
+    for (size_t b = 0; b < pools_.size(); ++b) {
+      for (size_t i = 0; i < a.pages.size(); ++i) {
+        auto bad = pdlib_test::VerifyPage(pools_[b].data() + size_t(a.pages[i]) * item, item,
+                                          a.room, uint32_t(b), uint32_t(i));
+        if (bad) return *bad + ",page=" + std::to_string(a.pages[i]);
+      }
+    }
+    return std::nullopt;
+  }
+
   void Finish(size_t index, pdlib::KVPoll st) {
     std::unique_ptr<Active> a = std::move(active_[index]);
     active_.erase(active_.begin() + std::ptrdiff_t(index));
     const pdlib::Status reason = a->handle().FailureReason();
-    Emit("ROOM " + std::to_string(a->room) + " " + std::string(pdlib::KVPollName(st)) + " " +
-         (st == pdlib::KVPoll::kSuccess ? std::string("OK") : reason.ToString()));
+    bool ok = st == pdlib::KVPoll::kSuccess;
+    if (ok && f_.verify && f_.mode == pdlib::Mode::kDecode) {
+      if (auto bad = VerifyRoom(*a)) {
+        ok = false;
+        Emit("ROOM " + std::to_string(a->room) + " Failed BADBYTES " + *bad);
+      }
+    }
+    if (ok || st != pdlib::KVPoll::kSuccess) {
+      Emit("ROOM " + std::to_string(a->room) + " " + std::string(pdlib::KVPollName(st)) + " " +
+           (ok ? std::string("OK") : reason.ToString()));
+    }
     Batch& b = batches_[a->batch];
-    ++(st == pdlib::KVPoll::kSuccess ? b.ok : b.failed);
+    ++(ok ? b.ok : b.failed);
     if (a->held) --b.held;
     const size_t bi = a->batch;
     const std::optional<uint32_t> aux = a->aux;
-    a.reset();  // the engine releases the request: handle first, then its slot
+    const std::vector<int32_t> pages = std::move(a->pages);
+    a.reset();  // the engine releases the request: handle first, then its slot and pages
     if (aux) slots_->Free(*aux).IgnoreError();
+    page_pool_->Free(pages);
     FinishBatchIfDone(bi);
   }
 
@@ -561,6 +715,7 @@ class Peer {
   std::vector<std::vector<uint8_t>> pools_;  // one K and one V pool per layer
   std::unique_ptr<pdlib::MetadataBuffers> aux_;
   std::unique_ptr<pdlib::MetadataSlotAllocator> slots_;
+  std::unique_ptr<pdlib_test::PagePool> page_pool_;  // --verify: pages of the rooms in flight
   std::unique_ptr<pdlib::KVManager> manager_;
   std::deque<Batch> batches_;
   size_t next_batch_ = 0;  // first batch with rooms not yet started
