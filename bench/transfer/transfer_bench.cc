@@ -26,10 +26,11 @@
 // `concurrency` in flight. seconds: first measured CreateReceiver() to last Success.
 // req_per_s = requests / seconds. p50_us / p99_us: per request, CreateReceiver() to Success as
 // seen by the driver's poll loop. gbps: KV payload (pages * 2 * layers * item_bytes per request)
-// in gigabits per second. The fake backend moves no bytes, so its gbps is only the rate at which
-// write batches were validated and completed. layout scattered: each request's pages are
-// distinct random pages of the pool (on each side independently, so almost no run coalesces);
-// contiguous: consecutive pages (one write per buffer per request).
+// in gigabits per second; gbytes_per_s: the same in gigabytes per second. The fake backend moves no
+// bytes, so its gbps is only the rate at which write batches were validated and completed. layout
+// scattered: each request's pages are distinct random pages of the pool (on each side
+// independently, so almost no run coalesces); contiguous: consecutive pages (one write per buffer
+// per request).
 //
 // The drivers poll their handles in a tight loop and, after --idle-spins passes without
 // progress, sleep --idle-sleep-us per pass, so that on a small machine they leave the CPU to
@@ -424,14 +425,15 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
                   "\"layers\":%" PRIu64 ",\"item_bytes\":%" PRIu64 ",\"pages\":%" PRIu64
                   ",\"layout\":\"%s\",\"requests\":%" PRIu64 ",\"warmup\":%" PRIu64
                   ",\"concurrency\":%" PRIu64
-                  ",\"seconds\":%.4f,\"gbps\":%.3f,\"req_per_s\":%.0f,\"p50_us\":%.0f,"
+                  ",\"seconds\":%.4f,\"gbps\":%.3f,\"gbytes_per_s\":%.3f,\"req_per_s\":%.0f,"
+                  "\"p50_us\":%.0f,"
                   "\"p99_us\":%.0f,\"p999_us\":%.0f,\"mean_us\":%.1f,\"max_us\":%.0f,"
                   "\"succeeded\":%.0f,\"failed\":%.0f,\"prefill_write_batches\":%.0f,"
                   "\"error\":%s%s%s}",
                   JsonEscape(c.backend).c_str(), JsonEscape(c.Transport()).c_str(), plane.c_str(),
                   c.layers, c.item_bytes, c.pages, std::string(LayoutName(c.layout)).c_str(),
-                  c.requests, c.warmup, c.concurrency, seconds, gbps, req_per_s, Num(d, "p50"),
-                  Num(d, "p99"), Num(d, "p999"), Num(d, "mean"), Num(d, "max"), ok,
+                  c.requests, c.warmup, c.concurrency, seconds, gbps, gbps / 8, req_per_s,
+                  Num(d, "p50"), Num(d, "p99"), Num(d, "p999"), Num(d, "mean"), Num(d, "max"), ok,
                   Num(d, "failed"), Num(p, "batches"), (error || Num(d, "failed") > 0) ? "\"" : "",
                   (error || Num(d, "failed") > 0) ? JsonEscape(why).c_str() : "null",
                   (error || Num(d, "failed") > 0) ? "\"" : "");
