@@ -356,9 +356,11 @@ TEST_CASE("timeouts fail rooms in every waiting state, with the state named") {
 
 TEST_CASE("a room prefill never creates times out on decode and leaves nothing on prefill") {
   FOR_EACH_CONTROL_PLANE();
+  // Long enough that the TransferInfo is seen waiting on prefill even under TSan, short enough
+  // for a quick test; decode's Abort (not prefill's own expiry) clears it.
   Deployment dep([](auto& p, auto& d) {
-    d.transfer_timeout = 200ms;
-    p.bootstrap_timeout = 400ms;
+    d.transfer_timeout = 1500ms;
+    p.bootstrap_timeout = 10000ms;
   });
   auto r = dep.decode->CreateReceiver(dep.addr(), 77);
   REQUIRE(r.ok());
