@@ -152,10 +152,14 @@ Request StructuredRequest(Reader& r, const ModelConfig& c, bool wild) {
   if (!Sane(r, wild)) states = static_cast<int32_t>(r.Range(0, 3));
   for (auto [ranks, src] : {std::pair{c.prefill_tp * c.prefill_pp, true},
                             std::pair{c.decode_tp * c.decode_pp, false}}) {
+    // A request has a metadata slot on every rank of a side or on none (engines allocate one
+    // per request); mixing the two would leave the expected aux bytes undefined. Wild inputs
+    // still try an index one past the end, which the planner must refuse.
+    const bool side_has_aux = !c.aux_item_bytes.empty() && (Sane(r, wild) || r.Bit());
     for (int32_t i = 0; i < ranks; ++i) {
       (src ? q.src_pages : q.dst_pages).push_back(Indices(r, c.kv_pool_pages, pages, wild));
-      int64_t aux = c.aux_item_bytes.empty() ? -1 : r.Range(0, c.aux_slots - 1);
-      if (!Sane(r, wild)) aux = r.Range(-1, c.aux_slots);
+      int64_t aux = side_has_aux ? r.Range(0, c.aux_slots - 1) : -1;
+      if (side_has_aux && !Sane(r, wild)) aux = r.Range(0, c.aux_slots);
       (src ? q.src_aux : q.dst_aux).push_back(aux);
       const int32_t n = Sane(r, wild) ? states : static_cast<int32_t>(r.Range(0, 2));
       (src ? q.src_state : q.dst_state).push_back(Indices(r, c.state_pool, n, wild));
