@@ -11,6 +11,7 @@
 
 #include "pdlib/backends.h"
 #include "pdlib/spi/transport.h"
+#include "test/support/write_completions.h"
 
 namespace spi = pdlib::spi;
 using pdlib::Status;
@@ -18,30 +19,7 @@ using pdlib::StatusCode;
 
 namespace {
 
-// Collects completions; Wait returns false on timeout so a lost completion fails, never hangs.
-class Completions {
- public:
-  spi::WriteCallback Callback() {
-    return [this](Status s) {
-      std::lock_guard lock(mu_);
-      statuses_.push_back(std::move(s));
-      cv_.notify_all();
-    };
-  }
-  bool Wait(size_t n, std::chrono::seconds limit = std::chrono::seconds(10)) {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, limit, [&] { return statuses_.size() >= n; });
-  }
-  std::vector<Status> statuses() {
-    std::lock_guard lock(mu_);
-    return statuses_;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<Status> statuses_;
-};
+using Completions = pdlib::testing::WriteCompletions;
 
 struct Pair {
   std::unique_ptr<spi::Transport> initiator, target;

@@ -19,6 +19,7 @@
 
 #include "backends/ucx/ucx_allocator.h"
 #include "pdlib/spi/transport.h"
+#include "test/support/write_completions.h"
 
 namespace spi = pdlib::spi;
 namespace ucx = pdlib::ucx;
@@ -29,30 +30,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Collects completions; Wait returns false on timeout so a lost completion fails, never hangs.
-class Completions {
- public:
-  spi::WriteCallback Callback() {
-    return [this](Status s) {
-      std::lock_guard lock(mu_);
-      statuses_.push_back(std::move(s));
-      cv_.notify_all();
-    };
-  }
-  bool Wait(size_t n, std::chrono::seconds limit = std::chrono::seconds(60)) {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, limit, [&] { return statuses_.size() >= n; });
-  }
-  std::vector<Status> statuses() {
-    std::lock_guard lock(mu_);
-    return statuses_;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<Status> statuses_;
-};
+using Completions = pdlib::testing::WriteCompletions;
 
 std::unique_ptr<spi::Transport> MakeUcx(const std::string& tls,
                                         std::map<std::string, std::string> extra = {}) {
