@@ -66,16 +66,31 @@ struct KVArgs {
   BufferFamily state;
   StateType state_type = StateType::kNone;
   // For each state buffer, the dimension along which it is split across TP ranks (-1: not
-  // split).
+  // split; every TP rank holds the whole item and one of them sends it). Empty: none is split.
   std::vector<int32_t> state_dim_per_tensor;
+  // Optional, per state buffer, for a split dimension other than 0 or a split that replicates:
+  // state_item_rows[i] is the product of the item's dimensions before the split dimension (1 for
+  // dimension 0), state_split_units[i] the split dimension's extent across all TP ranks of the
+  // model (0: unknown, every byte of a row is a unit). Empty: 1 and 0 for every buffer.
+  std::vector<uint64_t> state_item_rows;
+  std::vector<uint64_t> state_split_units;
+  // Model-wide index of this PP stage's first state buffer (0 for PP size 1): with prefill PP > 1
+  // and decode PP 1, decode's state buffer state_start + i receives stage buffer i.
+  int32_t state_start = 0;
 
-  uint32_t page_size = 1;   // tokens per KV page
-  int32_t kv_head_num = 0;  // KV heads held by this rank (after TP sharding)
+  uint32_t page_size = 1;  // tokens per KV page
+  // KV heads held by this rank (after TP sharding): max(1, fingerprint.num_kv_heads / tp_size).
+  // Needed when prefill and decode TP differ (SPEC R5.4: heads are sliced per page). 0: the KV
+  // pages are opaque to pdlib and moved whole, which requires equal TP on both sides.
+  int32_t kv_head_num = 0;
+  // How a KV page is laid out: kNHD [token][head][dim] or kHND [head][token][dim]. Matters only
+  // when TP differs; both sides must agree.
   KVLayout kv_layout = KVLayout::kHND;
   bool is_mla = false;  // compressed latent KV without a head dimension (SPEC R5.5)
 
   ParallelConfig parallel;
-  // First layer owned by this prefill PP stage (0 for PP size 1).
+  // First model layer owned by this rank's PP stage (0 for PP size 1). Despite the name, decode
+  // ranks with PP > 1 set it too.
   int32_t prefill_start_layer = 0;
 
   int32_t device_id = 0;  // CUDA device when memory_kind is kCuda

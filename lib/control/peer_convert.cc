@@ -60,6 +60,16 @@ void ToProto(const RegisterMsg& in, wire::v1::Register* out) {
   RegionsToProto(in.aux, out->mutable_aux_regions());
   RegionsToProto(in.state, out->mutable_state_regions());
   out->set_state_type(static_cast<wire::v1::StateType>(in.state_type));
+  out->set_kv_head_num(in.kv_head_num);
+  out->set_kv_layout(in.kv_layout == KVLayout::kNHD ? wire::v1::KV_LAYOUT_NHD
+                                                     : wire::v1::KV_LAYOUT_HND);
+  out->set_is_mla(in.is_mla);
+  out->set_start_layer(in.start_layer);
+  out->set_state_start(in.state_start);
+  out->mutable_state_dim_per_tensor()->Add(in.state_dim_per_tensor.begin(),
+                                           in.state_dim_per_tensor.end());
+  out->mutable_state_item_rows()->Add(in.state_item_rows.begin(), in.state_item_rows.end());
+  out->mutable_state_split_units()->Add(in.state_split_units.begin(), in.state_split_units.end());
 }
 
 StatusOr<RegisterMsg> FromProto(const wire::v1::Register& in) {
@@ -77,6 +87,31 @@ StatusOr<RegisterMsg> FromProto(const wire::v1::Register& in) {
     return Status::InvalidArgument(absl::StrFormat("Register: state_type %d", in.state_type()));
   }
   out.state_type = static_cast<StateType>(in.state_type());
+  // Shapes are checked by prefill's planner; here only what would be unsafe to hold.
+  if (!wire::v1::KVLayout_IsValid(in.kv_layout())) {
+    return Status::InvalidArgument(absl::StrFormat("Register: kv_layout %d", in.kv_layout()));
+  }
+  if (in.kv_head_num() < 0 || in.start_layer() < 0 || in.state_start() < 0) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "Register: kv_head_num %d, start_layer %d, state_start %d (none may be negative)",
+        in.kv_head_num(), in.start_layer(), in.state_start()));
+  }
+  for (int n : {in.state_dim_per_tensor_size(), in.state_item_rows_size(),
+                in.state_split_units_size()}) {
+    if (n > kMaxRegions) {
+      return Status::InvalidArgument(
+          absl::StrFormat("Register: %d state shape entries (at most %d)", n, kMaxRegions));
+    }
+  }
+  out.kv_head_num = in.kv_head_num();
+  out.kv_layout = in.kv_layout() == wire::v1::KV_LAYOUT_NHD ? KVLayout::kNHD : KVLayout::kHND;
+  out.is_mla = in.is_mla();
+  out.start_layer = in.start_layer();
+  out.state_start = in.state_start();
+  out.state_dim_per_tensor.assign(in.state_dim_per_tensor().begin(),
+                                  in.state_dim_per_tensor().end());
+  out.state_item_rows.assign(in.state_item_rows().begin(), in.state_item_rows().end());
+  out.state_split_units.assign(in.state_split_units().begin(), in.state_split_units().end());
   return out;
 }
 
@@ -87,6 +122,10 @@ void ToProto(const RegisterAckMsg& in, wire::v1::RegisterAck* out) {
   out->set_transport_reply(in.reply.data(), in.reply.size());
   out->mutable_prefill_rank()->set_tp_rank(in.prefill_tp_rank);
   out->mutable_prefill_rank()->set_pp_rank(in.prefill_pp_rank);
+  out->set_stage_start_layer(in.start_layer);
+  out->set_stage_num_layers(in.num_layers);
+  out->set_stage_state_start(in.state_start);
+  out->set_stage_num_states(in.num_states);
 }
 
 RegisterAckMsg FromProto(const wire::v1::RegisterAck& in) {
@@ -99,6 +138,10 @@ RegisterAckMsg FromProto(const wire::v1::RegisterAck& in) {
   out.reply.assign(in.transport_reply().begin(), in.transport_reply().end());
   out.prefill_tp_rank = in.prefill_rank().tp_rank();
   out.prefill_pp_rank = in.prefill_rank().pp_rank();
+  out.start_layer = in.stage_start_layer();
+  out.num_layers = in.stage_num_layers();
+  out.state_start = in.stage_state_start();
+  out.num_states = in.stage_num_states();
   return out;
 }
 

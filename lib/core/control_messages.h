@@ -36,6 +36,16 @@ struct RegisterMsg {
   spi::Blob endpoint;
   std::vector<RegionDesc> kv, aux, state;
   StateType state_type = StateType::kNone;
+  // What prefill's planner needs beyond the regions (M:N TP, MLA, PP, state splits): the
+  // KVArgs fields of the same names.
+  int32_t kv_head_num = 0;  // 0: opaque pages, equal TP only
+  KVLayout kv_layout = KVLayout::kHND;
+  bool is_mla = false;
+  int32_t start_layer = 0;
+  int32_t state_start = 0;
+  std::vector<int32_t> state_dim_per_tensor;
+  std::vector<uint64_t> state_item_rows;
+  std::vector<uint64_t> state_split_units;
 };
 
 // prefill -> decode, the answer to RegisterMsg.
@@ -44,6 +54,12 @@ struct RegisterAckMsg {
   spi::Blob reply;
   int32_t prefill_tp_rank = 0;
   int32_t prefill_pp_rank = 0;
+  // What this prefill PP stage holds, so decode can check that its stages cover every layer
+  // and state buffer exactly once.
+  int32_t start_layer = 0;
+  int32_t num_layers = 0;
+  int32_t state_start = 0;
+  int32_t num_states = 0;
 };
 
 // decode -> prefill, per request.

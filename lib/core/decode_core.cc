@@ -15,9 +15,10 @@ struct DecodeCore::Room {
   explicit Room(std::shared_ptr<RoomState> s) : state(std::move(s)) {}
   const std::shared_ptr<RoomState> state;
   mutable Mutex mu;
-  std::vector<std::string> keys ABSL_GUARDED_BY(mu);  // prefill ranks that write to this room
+  std::vector<BoundPrefill> prefills ABSL_GUARDED_BY(mu);  // ranks this room talks to
+  size_t expected ABSL_GUARDED_BY(mu) = 0;  // of them, those that write (not dummies)
   std::optional<uint32_t> aux_index ABSL_GUARDED_BY(mu);
-  std::vector<int32_t> statuses_ok ABSL_GUARDED_BY(mu);  // tp ranks that reported success
+  std::vector<planner::RankId> statuses_ok ABSL_GUARDED_BY(mu);  // writers that succeeded
   bool initialized ABSL_GUARDED_BY(mu) = false;
   TransferInfoMsg info ABSL_GUARDED_BY(mu);  // what Init() asked for
 };
@@ -26,6 +27,9 @@ StatusOr<std::shared_ptr<DecodeCore>> DecodeCore::Create(const KVManagerOptions&
                                                          std::unique_ptr<spi::Transport> transport,
                                                          uint64_t session) {
   std::shared_ptr<DecodeCore> core(new DecodeCore(options, std::move(transport), session));
+  auto layout = PlannerLayout(options.args, "decode");
+  if (!layout.ok()) return layout.status();
+  core->layout_ = std::move(*layout);
   auto local = RegisterBuffers(*core->transport_, options.args);
   if (!local.ok()) return local.status();
   core->local_ = std::move(*local);
@@ -104,6 +108,7 @@ Status DecodeCore::EnsureConnected(
   reg.aux = local_.aux.descs;
   reg.state = local_.state.descs;
   reg.state_type = options_.args.state_type;
+  FillRegisterLayout(options_.args, &reg);
   RegisterAckMsg ack = (*link)->Register(reg);
   Status s = ack.status;
   if (s.ok() && transport_->capabilities().needs_reply) {
@@ -114,7 +119,9 @@ Status DecodeCore::EnsureConnected(
     return s.WithPrefix("prefill " + key + " refused the connection");
   }
   MutexLock lock(&mu_);
-  connections_[key] = Connection{std::move(*link), target->id};
+  connections_[key] = Connection{
+      std::move(*link), target->id,
+      {ack.prefill_pp_rank, ack.start_layer, ack.num_layers, ack.state_start, ack.num_states}};
   PDLIB_LOG(kInfo, "decode: connected to prefill %s", key);
   return Status::OK();
 }
@@ -122,6 +129,24 @@ Status DecodeCore::EnsureConnected(
 bool DecodeCore::IsConnected(const std::string& key) const {
   MutexLock lock(&mu_);
   return connections_.contains(key);
+}
+
+Status DecodeCore::CheckStageCoverage(const std::vector<BoundPrefill>& prefills) const {
+  std::vector<planner::StageExtent> stages;
+  {
+    MutexLock lock(&mu_);
+    for (const BoundPrefill& p : prefills) {
+      if (p.target.dummy) continue;
+      auto it = connections_.find(p.key);
+      if (it == connections_.end()) {
+        return Status::Unavailable("connection to prefill " + p.key + " was lost");
+      }
+      bool seen = false;
+      for (const auto& st : stages) seen |= st.pp_rank == it->second.stage.pp_rank;
+      if (!seen) stages.push_back(it->second.stage);
+    }
+  }
+  return planner::CheckStageCoverage(layout_, stages);
 }
 
 KVPoll DecodeCore::RoomPoll(uint64_t room) const {
@@ -143,13 +168,15 @@ StatusOr<std::shared_ptr<RoomState>> DecodeCore::CreateRoom(uint64_t room_id) {
   return state;
 }
 
-void DecodeCore::BindRoom(uint64_t room_id, std::vector<std::string> keys) {
+void DecodeCore::BindRoom(uint64_t room_id, std::vector<BoundPrefill> prefills) {
   auto room = FindRoom(room_id);
   if (!room) return;
   bool initialized = false;
   {
     MutexLock lock(&room->mu);
-    room->keys = std::move(keys);
+    room->expected = 0;
+    for (const auto& p : prefills) room->expected += p.target.dummy ? 0 : 1;
+    room->prefills = std::move(prefills);
     initialized = room->initialized;
   }
   // Init() came first: its TransferInfo goes out now; otherwise the engine may call Init().
@@ -161,20 +188,20 @@ void DecodeCore::BindRoom(uint64_t room_id, std::vector<std::string> keys) {
 }
 
 void DecodeCore::SendTransferInfo(const std::shared_ptr<Room>& room) {
-  std::vector<std::shared_ptr<PrefillLink>> links;
+  std::vector<std::pair<std::shared_ptr<PrefillLink>, PrefillTarget>> links;
   std::string lost;
   TransferInfoMsg info;
   {
     MutexLock lock(&room->mu);
     info = room->info;
     MutexLock conn_lock(&mu_);
-    for (const auto& key : room->keys) {
-      auto it = connections_.find(key);
+    for (const auto& p : room->prefills) {
+      auto it = connections_.find(p.key);
       if (it == connections_.end()) {
-        lost = key;
+        lost = p.key;
         break;
       }
-      links.push_back(it->second.link);
+      links.emplace_back(it->second.link, p.target);
     }
   }
   if (!lost.empty()) {
@@ -184,7 +211,20 @@ void DecodeCore::SendTransferInfo(const std::shared_ptr<Room>& room) {
                     false);
   }
   room->state->Advance(KVPoll::kTransferring);
-  for (auto& link : links) link->SendTransferInfo(info);
+  // A dummy carries nothing but the room (R5.5); every real one the whole request, and how
+  // many decode ranks that prefill rank hears from.
+  TransferInfoMsg dummy;
+  dummy.room = info.room;
+  dummy.session = info.session;
+  dummy.is_dummy = true;
+  for (auto& [link, target] : links) {
+    if (target.dummy) {
+      link->SendTransferInfo(dummy);
+    } else {
+      info.required_dst_info_num = target.required_dst_info_num;
+      link->SendTransferInfo(info);
+    }
+  }
 }
 
 void DecodeCore::FailRoomWith(uint64_t room_id, Status reason) {
@@ -228,7 +268,7 @@ Status DecodeCore::InitRoom(uint64_t room_id, std::span<const int32_t> pages,
     room->info.aux_index = aux;
     room->info.dst_state_indices.assign(state_indices.begin(), state_indices.end());
     room->info.required_dst_info_num = 1;
-    bound = !room->keys.empty();
+    bound = !room->prefills.empty();
   }
   // Not bound yet (still bootstrapping): BindRoom sends it.
   if (bound) SendTransferInfo(room);
@@ -251,11 +291,16 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
   {
     MutexLock lock(&room->mu);
     if (!room->initialized) return;  // a success before Init() is a confused peer: ignore
-    for (int32_t r : room->statuses_ok) {
-      if (r == msg.prefill_tp_rank) return;  // duplicate
+    const planner::RankId from{msg.prefill_tp_rank, msg.prefill_pp_rank};
+    // Only the ranks that write count (R5.4); a dummy's success says nothing about our bytes.
+    bool writer = false;
+    for (const auto& p : room->prefills) writer |= !p.target.dummy && p.target.rank == from;
+    if (!writer) return;
+    for (const planner::RankId& r : room->statuses_ok) {
+      if (r == from) return;  // duplicate
     }
-    room->statuses_ok.push_back(msg.prefill_tp_rank);
-    complete = room->statuses_ok.size() >= room->keys.size();
+    room->statuses_ok.push_back(from);
+    complete = room->statuses_ok.size() >= room->expected;
   }
   if (!complete) return;
   if (Status s = CheckAuxRoom(*room); !s.ok()) return FailRoom(room, s, true);
@@ -295,8 +340,8 @@ void DecodeCore::FailRoom(const std::shared_ptr<Room>& room, Status reason, bool
   {
     MutexLock lock(&room->mu);
     MutexLock conn_lock(&mu_);
-    for (const auto& key : room->keys) {
-      auto it = connections_.find(key);
+    for (const auto& p : room->prefills) {
+      auto it = connections_.find(p.key);
       if (it != connections_.end()) links.push_back(it->second.link);
     }
   }
@@ -347,7 +392,7 @@ void DecodeCore::OnPrefillGone(const std::string& key, const Status& reason) {
     bool bound = false;
     {
       MutexLock lock(&room->mu);
-      for (const auto& k : room->keys) bound |= k == key;
+      for (const auto& p : room->prefills) bound |= p.key == key;
     }
     if (bound) {
       FailRoom(room,

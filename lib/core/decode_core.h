@@ -20,9 +20,16 @@
 #include "lib/core/control_messages.h"
 #include "lib/core/manager_common.h"
 #include "lib/core/room_table.h"
+#include "lib/core/transfer_layout.h"
 
 namespace pdlib {
 inline namespace v1 {
+
+// A prefill rank a room is bound to: its connection key and its part in the room.
+struct BoundPrefill {
+  std::string key;
+  PrefillTarget target;
+};
 
 class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<DecodeCore> {
  public:
@@ -34,6 +41,8 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
 
   uint64_t session() const { return session_; }
   const KVManagerOptions& options() const { return options_; }
+  // This rank as the planner sees it.
+  const planner::SideLayout& layout() const { return layout_; }
 
   // Connects to the prefill rank named `key` unless already connected. `make_link` opens the
   // control link (called without locks held).
@@ -41,14 +50,17 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
                          const std::function<StatusOr<std::shared_ptr<PrefillLink>>()>& make_link);
 
   bool IsConnected(const std::string& key) const;
+  // Every decode layer and state buffer comes from exactly one prefill stage among the
+  // connected ranks `prefills` (SPEC R5.6). Call once all of them are connected.
+  Status CheckStageCoverage(const std::vector<BoundPrefill>& prefills) const;
   // kFailed for a room that is not live.
   KVPoll RoomPoll(uint64_t room) const;
 
   // Engine side (KVReceiver).
   StatusOr<std::shared_ptr<RoomState>> CreateRoom(uint64_t room);
-  // Binds `room` to the prefill ranks `keys` (already connected) and moves it to
+  // Binds `room` to the prefill ranks `prefills` (already connected) and moves it to
   // WaitingForInput.
-  void BindRoom(uint64_t room, std::vector<std::string> keys);
+  void BindRoom(uint64_t room, std::vector<BoundPrefill> prefills);
   void FailRoomWith(uint64_t room, Status reason);
   Status InitRoom(uint64_t room, std::span<const int32_t> pages, std::optional<uint32_t> aux,
                   std::span<const int32_t> state_indices);
@@ -68,6 +80,7 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   struct Connection {
     std::shared_ptr<PrefillLink> link;
     spi::TargetId target = 0;
+    planner::StageExtent stage;  // what that prefill rank's PP stage holds
   };
 
   DecodeCore(const KVManagerOptions& options, std::unique_ptr<spi::Transport> transport,
@@ -81,6 +94,7 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
 
   const KVManagerOptions options_;
   const uint64_t session_;
+  planner::SideLayout layout_;
   std::unique_ptr<spi::Transport> transport_;
   RegisteredBuffers local_;
   int32_t aux_room_buffer_ = -1;  // aux buffer holding bootstrap_room; -1: no check

@@ -167,9 +167,9 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     if (!state.ok()) return state.status();
     auto handle = std::make_unique<CoreReceiver>(core_, *state);
     Pending p{room, bootstrap, dp};
-    // Fast path: the prefill rank is known and connected; no thread hop.
-    if (std::string key = CachedConnectedKey(p); !key.empty()) {
-      core_->BindRoom(room, {key});
+    // Fast path: the prefill ranks are known and connected; no thread hop.
+    if (auto prefills = CachedConnected(p); !prefills.empty()) {
+      core_->BindRoom(room, std::move(prefills));
     } else {
       {
         MutexLock lock(&mu_);
@@ -192,7 +192,8 @@ class GrpcDecodeManager final : public DecodeManagerBase {
   // What one bootstrap server told us; used only while the rank's connection is alive.
   struct Deployment {
     control::ParallelInfo info;
-    absl::flat_hash_map<int32_t, std::string> key_by_dp;  // dp rank -> "host:port" of our tp
+    // dp rank -> the prefill ranks of that DP group this decode rank talks to
+    absl::flat_hash_map<int32_t, std::vector<BoundPrefill>> by_dp;
   };
 
   GrpcDecodeManager(const KVManagerOptions& o, std::shared_ptr<DecodeCore> core)
@@ -202,18 +203,22 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     return control::JoinHostPort(b.host, b.port);
   }
 
-  std::string CachedConnectedKey(const Pending& p) {
-    std::string key;
+  // The cached prefill ranks for `p` when every one of them is still connected, else empty.
+  std::vector<BoundPrefill> CachedConnected(const Pending& p) {
+    std::vector<BoundPrefill> prefills;
     {
       MutexLock lock(&mu_);
       auto it = deployments_.find(AddrKey(p.bootstrap));
-      if (it == deployments_.end()) return "";
+      if (it == deployments_.end()) return {};
       int32_t dp = p.dp.value_or(static_cast<int32_t>(p.room % it->second.info.dp_size));
-      auto k = it->second.key_by_dp.find(dp);
-      if (k == it->second.key_by_dp.end()) return "";
-      key = k->second;
+      auto k = it->second.by_dp.find(dp);
+      if (k == it->second.by_dp.end()) return {};
+      prefills = k->second;
     }
-    return core_->IsConnected(key) ? key : "";
+    for (const auto& b : prefills) {
+      if (!core_->IsConnected(b.key)) return {};
+    }
+    return prefills;
   }
 
   // Resolves and connects pending rooms one at a time. A lookup that may succeed later (no
@@ -253,7 +258,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
       if (p.first_try == Clock::time_point{}) p.first_try = now;
       auto key = Resolve(p);
       if (key.ok()) {
-        core_->BindRoom(p.room, {*key});
+        core_->BindRoom(p.room, std::move(*key));
         continue;
       }
       {
@@ -279,9 +284,10 @@ class GrpcDecodeManager final : public DecodeManagerBase {
 
   KVPoll RoomPoll(uint64_t room) const { return core_->RoomPoll(room); }
 
-  // Finds the prefill rank for `p`, connecting to it if needed. Runs on the bootstrap thread.
-  StatusOr<std::string> Resolve(const Pending& p) {
-    if (std::string key = CachedConnectedKey(p); !key.empty()) return key;
+  // Finds the prefill ranks for `p` (the planner says which), connecting to each if needed.
+  // Runs on the bootstrap thread.
+  StatusOr<std::vector<BoundPrefill>> Resolve(const Pending& p) {
+    if (auto prefills = CachedConnected(p); !prefills.empty()) return prefills;
     const std::string addr = AddrKey(p.bootstrap);
     BootstrapClient* client = nullptr;
     {
@@ -307,38 +313,40 @@ class GrpcDecodeManager final : public DecodeManagerBase {
           absl::StrFormat("page size mismatch: prefill (bootstrap %s) uses %d, decode uses %d",
                           addr, info->page_size, mine.page_size));
     }
-    if (info->tp_size != mine.parallel.tp_size || info->pp_size != 1 ||
-        mine.parallel.pp_size != 1) {
-      return Status::Unimplemented(absl::StrFormat(
-          "prefill tp %d pp %d -> decode tp %d pp %d: only equal TP and PP 1 are supported yet",
-          info->tp_size, info->pp_size, mine.parallel.tp_size, mine.parallel.pp_size));
-    }
+    auto targets =
+        PrefillTargetsFor(core_->layout(), mine.kv_head_num, info->tp_size, info->pp_size);
+    if (!targets.ok()) return targets.status();
     int32_t dp = p.dp.value_or(static_cast<int32_t>(p.room % info->dp_size));
     if (dp < 0 || dp >= info->dp_size) {
       return Status::InvalidArgument(
           absl::StrFormat("prefill dp rank %d out of range [0, %d)", dp, info->dp_size));
     }
-    auto rank = client->GetRankAddress({dp, mine.parallel.tp_rank, 0});
-    if (!rank.ok()) return rank.status();
-    const std::string key = control::JoinHostPort(rank->host, rank->port);
-    control::PeerClientOptions pco;
-    pco.host = rank->host;
-    pco.port = rank->port;
-    pco.key = key;
-    pco.liveness_timeout = options_.liveness_timeout;
-    pco.connect_timeout = options_.connect_timeout;
-    std::weak_ptr<DecodeHandler> handler = core_;
-    Status s = core_->EnsureConnected(key, [&]() -> StatusOr<std::shared_ptr<PrefillLink>> {
-      auto link = control::PeerClient::Open(pco, handler);
-      if (!link.ok()) return link.status();
-      return std::shared_ptr<PrefillLink>(std::move(*link));
-    });
-    if (!s.ok()) return s;
+    std::vector<BoundPrefill> prefills;
+    for (const PrefillTarget& t : *targets) {
+      auto rank = client->GetRankAddress({dp, t.rank.tp_rank, t.rank.pp_rank});
+      if (!rank.ok()) return rank.status();
+      const std::string key = control::JoinHostPort(rank->host, rank->port);
+      control::PeerClientOptions pco;
+      pco.host = rank->host;
+      pco.port = rank->port;
+      pco.key = key;
+      pco.liveness_timeout = options_.liveness_timeout;
+      pco.connect_timeout = options_.connect_timeout;
+      std::weak_ptr<DecodeHandler> handler = core_;
+      Status s = core_->EnsureConnected(key, [&]() -> StatusOr<std::shared_ptr<PrefillLink>> {
+        auto link = control::PeerClient::Open(pco, handler);
+        if (!link.ok()) return link.status();
+        return std::shared_ptr<PrefillLink>(std::move(*link));
+      });
+      if (!s.ok()) return s;
+      prefills.push_back({key, t});
+    }
+    if (Status s = core_->CheckStageCoverage(prefills); !s.ok()) return s;
     MutexLock lock(&mu_);
     Deployment& d = deployments_[addr];
     d.info = *info;
-    d.key_by_dp[dp] = key;
-    return key;
+    d.by_dp[dp] = prefills;
+    return prefills;
   }
 
   const KVManagerOptions options_;

@@ -71,8 +71,16 @@ class LocalHub {
     }
   }
 
-  StatusOr<PrefillEntry> FindPrefill(const BootstrapAddress& b, uint64_t room,
-                                     std::optional<int32_t> dp_override, const KVArgs& mine) {
+  // The prefill ranks decode rank `decode` talks to for `room` (the planner decides which),
+  // with their entries.
+  struct Found {
+    BoundPrefill bound;
+    std::weak_ptr<PrefillCore> core;
+  };
+  StatusOr<std::vector<Found>> FindPrefills(const BootstrapAddress& b, uint64_t room,
+                                            std::optional<int32_t> dp_override,
+                                            const DecodeCore& decode) {
+    const KVArgs& mine = decode.options().args;
     MutexLock lock(&mu_);
     std::string bootstrap = absl::StrFormat("%s:%d", b.host, b.port);
     auto it = prefills_.find(bootstrap);
@@ -85,25 +93,31 @@ class LocalHub {
           absl::StrFormat("page size mismatch: prefill (bootstrap %s) uses %d, decode uses %d",
                           bootstrap, any.page_size, mine.page_size));
     }
-    if (any.parallel.tp_size != mine.parallel.tp_size || any.parallel.pp_size != 1 ||
-        mine.parallel.pp_size != 1) {
-      return Status::Unimplemented(absl::StrFormat(
-          "prefill tp %d pp %d -> decode tp %d pp %d: only equal TP and PP 1 are supported yet",
-          any.parallel.tp_size, any.parallel.pp_size, mine.parallel.tp_size,
-          mine.parallel.pp_size));
-    }
+    auto targets = PrefillTargetsFor(decode.layout(), mine.kv_head_num, any.parallel.tp_size,
+                                     any.parallel.pp_size);
+    if (!targets.ok()) return targets.status();
     int32_t dp = dp_override.value_or(static_cast<int32_t>(room % any.parallel.dp_size));
     if (dp < 0 || dp >= any.parallel.dp_size) {
       return Status::InvalidArgument(
           absl::StrFormat("prefill dp rank %d out of range [0, %d)", dp, any.parallel.dp_size));
     }
-    for (const auto& r : it->second) {
-      if (r.parallel.dp_rank == dp && r.parallel.tp_rank == mine.parallel.tp_rank) return r;
+    std::vector<Found> out;
+    for (const PrefillTarget& t : *targets) {
+      const PrefillEntry* entry = nullptr;
+      for (const auto& r : it->second) {
+        if (r.parallel.dp_rank == dp && r.parallel.tp_rank == t.rank.tp_rank &&
+            r.parallel.pp_rank == t.rank.pp_rank) {
+          entry = &r;
+        }
+      }
+      if (!entry) {
+        return Status::Unavailable(
+            absl::StrFormat("bootstrap %s: prefill rank dp %d tp %d pp %d is not registered",
+                            bootstrap, dp, t.rank.tp_rank, t.rank.pp_rank));
+      }
+      out.push_back({{entry->key, t}, entry->core});
     }
-    return Status::Unavailable(
-        absl::StrFormat("bootstrap %s: prefill rank dp %d tp %d is not "
-                        "registered",
-                        bootstrap, dp, mine.parallel.tp_rank));
+    return out;
   }
 
   uint64_t NewSession() {
@@ -216,18 +230,24 @@ class LocalDecodeManager final : public DecodeManagerBase {
     auto state = core_->CreateRoom(room);
     if (!state.ok()) return state.status();
     auto handle = std::make_unique<CoreReceiver>(core_, *state);
-    // Bootstrap: resolve the prefill rank, connect once per rank (cached), bind the room.
-    auto entry = LocalHub::Get().FindPrefill(bootstrap, room, dp, core_->options().args);
-    Status s = entry.status();
+    // Bootstrap: resolve the prefill ranks, connect once per rank (cached), bind the room.
+    auto found = LocalHub::Get().FindPrefills(bootstrap, room, dp, *core_);
+    Status s = found.status();
+    std::vector<BoundPrefill> bound;
     if (s.ok()) {
-      std::weak_ptr<PrefillCore> prefill = entry->core;
-      std::weak_ptr<DecodeCore> self = core_;
-      s = core_->EnsureConnected(entry->key, [&]() -> StatusOr<std::shared_ptr<PrefillLink>> {
-        return std::shared_ptr<PrefillLink>(std::make_shared<LocalPrefillLink>(prefill, self));
-      });
+      for (const auto& f : *found) {
+        std::weak_ptr<PrefillCore> prefill = f.core;
+        std::weak_ptr<DecodeCore> self = core_;
+        s = core_->EnsureConnected(f.bound.key, [&]() -> StatusOr<std::shared_ptr<PrefillLink>> {
+          return std::shared_ptr<PrefillLink>(std::make_shared<LocalPrefillLink>(prefill, self));
+        });
+        if (!s.ok()) break;
+        bound.push_back(f.bound);
+      }
     }
+    if (s.ok()) s = core_->CheckStageCoverage(bound);
     if (s.ok()) {
-      core_->BindRoom(room, {entry->key});
+      core_->BindRoom(room, std::move(bound));
     } else {
       core_->FailRoomWith(room, s.WithPrefix(absl::StrFormat("room %d: bootstrap", room)));
     }

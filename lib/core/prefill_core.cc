@@ -4,8 +4,8 @@
 
 #include "absl/strings/str_format.h"
 #include "lib/base/log_internal.h"
+#include "lib/core/transfer_layout.h"
 #include "lib/core/validate.h"
-#include "pdlib/page_index.h"
 
 namespace pdlib {
 inline namespace v1 {
@@ -15,6 +15,8 @@ struct PrefillCore::Peer {
   uint64_t session = 0;
   spi::PeerId peer = 0;
   RegisterMsg reg;
+  planner::PairPlan plan;  // what this prefill rank writes to that decode rank
+  uint32_t required_dst_info_num = 1;  // TransferInfos per room, when the plan is active
   std::vector<spi::RemoteRegionId> kv, aux, state;
   std::shared_ptr<DecodeLink> link;
 };
@@ -40,6 +42,9 @@ struct PrefillCore::Room {
 StatusOr<std::shared_ptr<PrefillCore>> PrefillCore::Create(
     const KVManagerOptions& options, std::unique_ptr<spi::Transport> transport) {
   std::shared_ptr<PrefillCore> core(new PrefillCore(options, std::move(transport)));
+  auto layout = PlannerLayout(options.args, "prefill");
+  if (!layout.ok()) return layout.status();
+  core->layout_ = std::move(*layout);
   auto local = RegisterBuffers(*core->transport_, options.args);
   if (!local.ok()) return local.status();
   core->local_ = std::move(*local);
@@ -127,27 +132,22 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
         a.num_layers, a.num_kv_heads, a.head_dim, a.dtype_bytes, a.layout_version, a.model_name,
         b.num_layers, b.num_kv_heads, b.head_dim, b.dtype_bytes, b.layout_version, b.model_name)));
   }
-  // The 1:1 layout: the same buffers with the same item sizes on both sides.
-  auto same_shape = [&](const std::vector<RegionDesc>& theirs, const BufferFamily& ours,
-                        const char* what) -> Status {
-    if (theirs.size() != ours.size()) {
-      return Status::FailedPrecondition(absl::StrFormat(
-          "%s buffer count mismatch: decode %d, prefill %d", what, theirs.size(), ours.size()));
-    }
-    for (size_t i = 0; i < theirs.size(); ++i) {
-      if (theirs[i].item_len != ours.item_lens[i] || theirs[i].item_len == 0 ||
-          theirs[i].item_len > theirs[i].length) {
-        return Status::FailedPrecondition(
-            absl::StrFormat("%s buffer %d item size mismatch: decode %d bytes (of %d), prefill %d",
-                            what, i, theirs[i].item_len, theirs[i].length, ours.item_lens[i]));
-      }
-    }
-    return Status::OK();
-  };
-  for (auto [theirs, ours, what] :
-       {std::tuple{&msg.kv, &mine.kv, "kv"}, std::tuple{&msg.aux, &mine.aux, "aux"},
-        std::tuple{&msg.state, &mine.state, "state"}}) {
-    if (Status s = same_shape(*theirs, *ours, what); !s.ok()) return refuse(std::move(s));
+  if (Status st = CheckOpaqueCompatible(mine.kv_head_num, mine.parallel.tp_size, msg.kv_head_num,
+                                        msg.parallel.tp_size, mine.is_mla);
+      !st.ok()) {
+    return refuse(std::move(st));
+  }
+  // The planner checks the rest of both shapes (heads, layouts, layers, aux, state, PP) and
+  // decides what this rank writes to that one.
+  auto theirs = PlannerLayout(msg);
+  if (!theirs.ok()) return refuse(theirs.status());
+  auto plan = planner::MakePairPlan(layout_, *theirs);
+  if (!plan.ok()) return refuse(plan.status());
+  uint32_t required = 1;
+  if (plan->active) {
+    auto n = planner::RequiredDstInfoNum(plan->topology, plan->prefill);
+    if (!n.ok()) return refuse(n.status());
+    required = *n;
   }
 
   auto conn = transport_->Connect(msg.endpoint);
@@ -156,6 +156,8 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
   peer->session = msg.session;
   peer->peer = conn->peer;
   peer->reg = msg;
+  peer->plan = std::move(*plan);
+  peer->required_dst_info_num = required;
   peer->link = std::move(link);
   for (auto [descs, ids] : {std::pair{&msg.kv, &peer->kv}, std::pair{&msg.aux, &peer->aux},
                             std::pair{&msg.state, &peer->state}}) {
@@ -181,8 +183,10 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
   }
   if (old) transport_->Disconnect(old->peer);
   ack.reply = std::move(conn->reply);
-  PDLIB_LOG(kInfo, "prefill: registered decode session %d (tp %d/%d)", msg.session,
-            msg.parallel.tp_rank, msg.parallel.tp_size);
+  FillAckExtent(layout_, &ack);
+  PDLIB_LOG(kInfo, "prefill: registered decode session %d (tp %d/%d pp %d/%d)%s", msg.session,
+            msg.parallel.tp_rank, msg.parallel.tp_size, msg.parallel.pp_rank, msg.parallel.pp_size,
+            peer->plan.active ? "" : ", dummy transfers only");
   return ack;
 }
 
@@ -251,10 +255,17 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
       !s.ok()) {
     return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
   }
-  if (msg.required_dst_info_num == 0 || msg.required_dst_info_num > 64) {
+  // The planner decided at Register who writes to whom: a TransferInfo must agree with it.
+  if (msg.is_dummy == peer->plan.active) {
+    return reject(Status::InvalidArgument(absl::StrFormat(
+        "room %d: %s TransferInfo, but this prefill rank %s that decode rank", msg.room,
+        msg.is_dummy ? "a dummy" : "a real", peer->plan.active ? "writes to" : "writes nothing to")));
+  }
+  const uint32_t want = msg.is_dummy ? 1 : peer->required_dst_info_num;
+  if (msg.required_dst_info_num != want) {
     return reject(Status::InvalidArgument(
-        absl::StrFormat("room %d: required_dst_info_num %d out of range [1, 64]", msg.room,
-                        msg.required_dst_info_num)));
+        absl::StrFormat("room %d: required_dst_info_num %d, but this prefill rank expects %d",
+                        msg.room, msg.required_dst_info_num, want)));
   }
   bool ready = false, duplicate = false;
   {
@@ -394,14 +405,18 @@ Status PrefillCore::Send(uint64_t room_id, std::span<const int32_t> pages, bool 
       return Status::FailedPrecondition(
           absl::StrFormat("room %d: Send() after the last chunk", room_id));
     }
-    size_t dst_count = room->infos.front().dst_kv_pages.size();
+    // A dummy room (this rank writes to nobody, R5.5) takes any chunk and writes nothing.
+    const TransferInfoMsg* real = nullptr;
     for (const auto& info : room->infos) {
-      if (info.dst_kv_pages.size() != dst_count) {
+      if (info.is_dummy) continue;
+      if (real && info.dst_kv_pages.size() != real->dst_kv_pages.size()) {
         return Status::FailedPrecondition(
             absl::StrFormat("room %d: decode ranks disagree on the page count", room_id));
       }
+      if (!real) real = &info;
     }
     size_t total = room->pages_queued + pages.size();
+    size_t dst_count = real ? real->dst_kv_pages.size() : total;
     if (total > dst_count || (last && total != dst_count)) {
       return Status::OutOfRange(
           absl::StrFormat("room %d: %s chunk brings the pages sent to %d but decode expects %d",
@@ -411,11 +426,11 @@ Status PrefillCore::Send(uint64_t room_id, std::span<const int32_t> pages, bool 
       return Status::OutOfRange(absl::StrFormat("room %d: %d pages sent, Init() announced %d",
                                                 room_id, total, *room->num_kv_pages));
     }
-    if (last && !state_indices.empty() &&
-        state_indices.size() != room->infos.front().dst_state_indices.size()) {
+    if (real && last && !state_indices.empty() &&
+        state_indices.size() != real->dst_state_indices.size()) {
       return Status::InvalidArgument(absl::StrFormat("room %d: %d state indices for %d on decode",
                                                      room_id, state_indices.size(),
-                                                     room->infos.front().dst_state_indices.size()));
+                                                     real->dst_state_indices.size()));
     }
     chunk.dst_offset = room->pages_queued;
     room->pages_queued = total;
@@ -455,49 +470,67 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
         Status::Internal(absl::StrFormat("room %d: injected failure (probability %g)",
                                          room->state->room(), injector_.prob())));
   }
-  std::vector<std::pair<std::shared_ptr<Peer>, std::vector<int32_t>>> targets;
+  // The decode ranks this rank writes to, with the slice of their pages this chunk covers.
+  struct Target {
+    std::shared_ptr<Peer> peer;
+    std::vector<int32_t> dst;
+  };
+  std::vector<Target> targets;
   {
     MutexLock lock(&room->mu);
     for (size_t i = 0; i < room->infos.size(); ++i) {
+      if (room->infos[i].is_dummy || !room->peers[i]->plan.active) continue;
       const auto& dst = room->infos[i].dst_kv_pages;
-      targets.emplace_back(room->peers[i], std::vector<int32_t>(dst.begin() + chunk.dst_offset,
-                                                                dst.begin() + chunk.dst_offset +
-                                                                    chunk.src_pages.size()));
+      targets.push_back({room->peers[i], std::vector<int32_t>(dst.begin() + chunk.dst_offset,
+                                                              dst.begin() + chunk.dst_offset +
+                                                                  chunk.src_pages.size())});
     }
-  }
-  // One batch per decode rank; every layer's writes of the chunk go in it (SPEC R5.3).
-  std::vector<PageRun> runs;
-  {
-    MutexLock lock(&room->mu);
+    // One batch per decode rank; every layer's writes of the chunk go in it (SPEC R5.3).
     room->outstanding += static_cast<int>(targets.size()) - 1;
   }
   if (targets.empty()) return OnBatchDone(room, 0, 0, Status::OK());
-  for (auto& [peer, dst] : targets) {
-    Status s = CoalescePageRuns(chunk.src_pages, dst, &runs);
-    std::vector<spi::WriteOp> ops;
-    uint64_t bytes = 0;
-    if (s.ok()) {
-      ops.reserve(runs.size() * local_.kv.ids.size());
-      for (size_t layer = 0; layer < local_.kv.ids.size(); ++layer) {
-        uint64_t item = options_.args.kv.item_lens[layer];
-        for (const PageRun& run : runs) {
-          ops.push_back({local_.kv.ids[layer], uint64_t(run.src_start) * item, peer->kv[layer],
-                         uint64_t(run.dst_start) * item, uint64_t(run.count) * item});
-          bytes += uint64_t(run.count) * item;
-        }
-      }
-    }
-    if (ops.empty() || !s.ok()) {
-      OnBatchDone(room, 0, 0, s);
+  thread_local planner::PlanOutput plan;
+  for (Target& t : targets) {
+    plan.writes.clear();
+    plan.bytes = 0;
+    Status s = planner::PlanKvWrites(t.peer->plan, {chunk.src_pages, t.dst, chunk.last, -1}, &plan);
+    if (!s.ok()) {
+      OnBatchDone(room, 0, 0, s.WithPrefix(absl::StrFormat("room %d", room->state->room())));
       continue;
     }
-    uint64_t pages = chunk.src_pages.size();
+    std::vector<spi::WriteOp> ops = ToWriteOps(*t.peer, plan.writes);
+    if (ops.empty()) {  // nothing of this chunk lands on that rank (e.g. an empty chunk)
+      OnBatchDone(room, 0, 0, Status::OK());
+      continue;
+    }
+    const uint64_t bytes = plan.bytes, pages = chunk.src_pages.size();
     auto self = shared_from_this();
-    s = transport_->PostWrites(peer->peer, ops, [self, room, bytes, pages](Status st) {
+    s = transport_->PostWrites(t.peer->peer, ops, [self, room, bytes, pages](Status st) {
       self->OnBatchDone(room, bytes, pages, std::move(st));
     });
     if (!s.ok()) OnBatchDone(room, 0, 0, s.WithPrefix("posting KV writes"));
   }
+}
+
+std::vector<spi::WriteOp> PrefillCore::ToWriteOps(const Peer& peer,
+                                                  std::span<const planner::PlannedWrite> writes) {
+  std::vector<spi::WriteOp> ops;
+  ops.reserve(writes.size());
+  for (const planner::PlannedWrite& w : writes) {
+    const RegisteredFamily* mine = &local_.kv;
+    const std::vector<spi::RemoteRegionId>* theirs = &peer.kv;
+    if (w.kind == planner::RegionKind::kAux) {
+      mine = &local_.aux;
+      theirs = &peer.aux;
+    } else if (w.kind == planner::RegionKind::kState) {
+      mine = &local_.state;
+      theirs = &peer.state;
+    }
+    // The plan's buffer indices come from layouts validated against these very lists.
+    ops.push_back({mine->ids[w.local_buffer], w.local_offset, (*theirs)[w.remote_buffer],
+                   w.remote_offset, w.length});
+  }
+  return ops;
 }
 
 void PrefillCore::OnBatchDone(const std::shared_ptr<Room>& room, uint64_t bytes, uint64_t pages,
@@ -525,28 +558,32 @@ void PrefillCore::OnBatchDone(const std::shared_ptr<Room>& room, uint64_t bytes,
 void PrefillCore::Finalize(const std::shared_ptr<Room>& room) {
   if (room->state->Poll() == KVPoll::kFailed) return;
   std::vector<std::pair<std::shared_ptr<Peer>, std::vector<spi::WriteOp>>> batches;
+  Status planned;
   {
+    thread_local planner::PlanOutput plan;
     MutexLock lock(&room->mu);
-    for (size_t i = 0; i < room->infos.size(); ++i) {
+    for (size_t i = 0; i < room->infos.size() && planned.ok(); ++i) {
       const TransferInfoMsg& info = room->infos[i];
       const Peer& peer = *room->peers[i];
-      std::vector<spi::WriteOp> ops;
+      if (info.is_dummy || !peer.plan.active) continue;
+      planner::TailInput tail;
       if (room->aux_index && info.aux_index) {
-        for (size_t j = 0; j < local_.aux.ids.size(); ++j) {
-          uint64_t item = options_.args.aux.item_lens[j];
-          ops.push_back({local_.aux.ids[j], *room->aux_index * item, peer.aux[j],
-                         *info.aux_index * item, item});
-        }
+        tail.src_aux = *room->aux_index;
+        tail.dst_aux = *info.aux_index;
       }
-      for (size_t k = 0; k < local_.state.ids.size(); ++k) {
-        uint64_t item = options_.args.state.item_lens[k];
-        for (size_t n = 0; n < room->state_src.size() && n < info.dst_state_indices.size(); ++n) {
-          ops.push_back({local_.state.ids[k], uint64_t(room->state_src[n]) * item, peer.state[k],
-                         uint64_t(info.dst_state_indices[n]) * item, item});
-        }
+      if (!room->state_src.empty()) {
+        tail.src_state = room->state_src;
+        tail.dst_state = info.dst_state_indices;
       }
-      batches.emplace_back(room->peers[i], std::move(ops));
+      tail.request_pages = static_cast<int64_t>(info.dst_kv_pages.size());
+      plan.writes.clear();
+      plan.bytes = 0;
+      planned = planner::PlanTailWrites(peer.plan, tail, &plan);
+      if (planned.ok()) batches.emplace_back(room->peers[i], ToWriteOps(peer, plan.writes));
     }
+  }
+  if (!planned.ok()) {
+    return FailRoom(room, planned.WithPrefix(absl::StrFormat("room %d", room->state->room())));
   }
   auto remaining = std::make_shared<std::atomic<int>>(static_cast<int>(batches.size()));
   auto self = shared_from_this();

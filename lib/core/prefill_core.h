@@ -22,6 +22,7 @@
 #include "lib/core/control_messages.h"
 #include "lib/core/manager_common.h"
 #include "lib/core/room_table.h"
+#include "lib/planner/planner.h"
 
 namespace pdlib {
 inline namespace v1 {
@@ -69,6 +70,9 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   void WorkerLoop();
   bool WorkReady() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); }
   void ProcessChunk(const Chunk& chunk);
+  // Maps planned writes (buffer indices) onto this rank's and `peer`'s transport regions.
+  std::vector<spi::WriteOp> ToWriteOps(const Peer& peer,
+                                       std::span<const planner::PlannedWrite> writes);
   void OnBatchDone(const std::shared_ptr<Room>& room, uint64_t bytes, uint64_t pages, Status s);
   void Finalize(const std::shared_ptr<Room>& room);
   void FailRoom(const std::shared_ptr<Room>& room, Status reason);
@@ -78,6 +82,7 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
 
   const KVManagerOptions options_;
   std::unique_ptr<spi::Transport> transport_;
+  planner::SideLayout layout_;  // this rank, as the planner sees it
   RegisteredBuffers local_;
   FailureInjector injector_;
   RoomTable rooms_;

@@ -332,13 +332,23 @@ StatusOr<SideLayout> SideLayoutFromKVArgs(const KVArgs& args) {
         absl::StrFormat("state_dim_per_tensor has %d entries for %d state buffers",
                         args.state_dim_per_tensor.size(), args.state.lens.size()));
   }
+  for (auto [n, name] : {std::pair{args.state_item_rows.size(), "state_item_rows"},
+                         std::pair{args.state_split_units.size(), "state_split_units"}}) {
+    if (n != 0 && n != args.state.lens.size()) {
+      return Status::InvalidArgument(absl::StrFormat("%s has %d entries for %d state buffers",
+                                                     name, n, args.state.lens.size()));
+    }
+  }
   for (size_t i = 0; i < args.state.lens.size(); ++i) {
     StateBufferDesc s;
     s.item_bytes = args.state.item_lens[i];
     s.buffer_bytes = args.state.lens[i];
     s.split_dim = args.state_dim_per_tensor.empty() ? -1 : args.state_dim_per_tensor[i];
+    if (!args.state_item_rows.empty()) s.rows = args.state_item_rows[i];
+    if (!args.state_split_units.empty()) s.split_units = args.state_split_units[i];
     l.state.push_back(s);
   }
+  l.state_start = args.state_start;
   return l;
 }
 

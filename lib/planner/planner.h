@@ -123,8 +123,7 @@ struct SideLayout {
 // Fills a SideLayout from a rank's KVArgs: parallel sizes and ranks, fingerprint layers (PP 1
 // without a fingerprint: the local layers) and heads, kv_head_num, page size, layout, MLA,
 // buffers (lens and item_lens), prefill_start_layer as start_layer, state_dim_per_tensor as
-// split_dim (rows 1, split_units 0) and state_start 0. Set state_start and the state rows/units
-// afterwards where the model needs them.
+// split_dim, state_item_rows / state_split_units (when given; else 1 and 0) and state_start.
 StatusOr<SideLayout> SideLayoutFromKVArgs(const KVArgs& args);
 
 // Checks one side on its own; `side` ("prefill", "decode") names it in messages.

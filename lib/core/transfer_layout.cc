@@ -1,0 +1,137 @@
+#include "lib/core/transfer_layout.h"
+
+#include "absl/strings/str_format.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace {
+
+// Opaque KV (see the header): one whole-page head per TP rank.
+void MakeOpaque(planner::SideLayout* l) {
+  if (l->is_mla) return;
+  l->total_kv_heads = l->tp_size;
+  l->kv_heads = 1;
+  l->page_size = 1;
+  l->layout = KVLayout::kHND;
+}
+
+bool IsOpaque(int32_t kv_head_num, bool is_mla) { return kv_head_num == 0 && !is_mla; }
+
+}  // namespace
+
+StatusOr<planner::SideLayout> PlannerLayout(const KVArgs& args, const char* side) {
+  auto l = planner::SideLayoutFromKVArgs(args);
+  if (!l.ok()) return l.status().WithPrefix(side);
+  if (IsOpaque(args.kv_head_num, args.is_mla)) MakeOpaque(&*l);
+  if (Status s = planner::ValidateSideLayout(*l, side); !s.ok()) return s;
+  return l;
+}
+
+StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg) {
+  planner::SideLayout l;
+  l.tp_size = msg.parallel.tp_size;
+  l.tp_rank = msg.parallel.tp_rank;
+  l.pp_size = msg.parallel.pp_size;
+  l.pp_rank = msg.parallel.pp_rank;
+  l.total_layers = msg.fingerprint.num_layers;
+  l.start_layer = msg.start_layer;
+  l.total_kv_heads = msg.fingerprint.num_kv_heads;
+  l.kv_heads = msg.kv_head_num;
+  l.page_size = msg.page_size;
+  l.layout = msg.kv_layout;
+  l.is_mla = msg.is_mla;
+  for (const RegionDesc& d : msg.kv) l.kv.push_back({d.item_len, d.length});
+  for (const RegionDesc& d : msg.aux) l.aux.push_back({d.item_len, d.length});
+  if (l.total_layers == 0 && l.pp_size == 1) l.total_layers = l.num_layers();
+  l.state_type = msg.state_type;
+  l.state_start = msg.state_start;
+  for (auto [n, name] :
+       {std::pair{msg.state_dim_per_tensor.size(), "state_dim_per_tensor"},
+        std::pair{msg.state_item_rows.size(), "state_item_rows"},
+        std::pair{msg.state_split_units.size(), "state_split_units"}}) {
+    if (n != 0 && n != msg.state.size()) {
+      return Status::InvalidArgument(absl::StrFormat(
+          "decode Register: %s has %d entries for %d state buffers", name, n, msg.state.size()));
+    }
+  }
+  for (size_t i = 0; i < msg.state.size(); ++i) {
+    planner::StateBufferDesc s;
+    s.item_bytes = msg.state[i].item_len;
+    s.buffer_bytes = msg.state[i].length;
+    if (!msg.state_dim_per_tensor.empty()) s.split_dim = msg.state_dim_per_tensor[i];
+    if (!msg.state_item_rows.empty()) s.rows = msg.state_item_rows[i];
+    if (!msg.state_split_units.empty()) s.split_units = msg.state_split_units[i];
+    l.state.push_back(s);
+  }
+  if (IsOpaque(msg.kv_head_num, msg.is_mla)) MakeOpaque(&l);
+  if (Status s = planner::ValidateSideLayout(l, "decode"); !s.ok()) return s;
+  return l;
+}
+
+void FillRegisterLayout(const KVArgs& args, RegisterMsg* msg) {
+  msg->kv_head_num = args.kv_head_num;
+  msg->kv_layout = args.kv_layout;
+  msg->is_mla = args.is_mla;
+  msg->start_layer = args.prefill_start_layer;
+  msg->state_start = args.state_start;
+  msg->state_dim_per_tensor = args.state_dim_per_tensor;
+  msg->state_item_rows = args.state_item_rows;
+  msg->state_split_units = args.state_split_units;
+}
+
+void FillAckExtent(const planner::SideLayout& prefill, RegisterAckMsg* ack) {
+  planner::StageExtent e = planner::ExtentOf(prefill);
+  ack->start_layer = e.start_layer;
+  ack->num_layers = e.num_layers;
+  ack->state_start = e.state_start;
+  ack->num_states = e.num_states;
+}
+
+Status CheckOpaqueCompatible(int32_t prefill_kv_head_num, int32_t prefill_tp,
+                             int32_t decode_kv_head_num, int32_t decode_tp, bool is_mla) {
+  if (is_mla) return Status::OK();
+  const bool p = IsOpaque(prefill_kv_head_num, false), d = IsOpaque(decode_kv_head_num, false);
+  if (p != d) {
+    return Status::FailedPrecondition(absl::StrFormat(
+        "kv_head_num is %d on prefill and %d on decode: set it on both sides or on neither "
+        "(0: opaque pages, equal TP only)",
+        prefill_kv_head_num, decode_kv_head_num));
+  }
+  if (p && prefill_tp != decode_tp) {
+    return Status::FailedPrecondition(absl::StrFormat(
+        "prefill TP %d -> decode TP %d needs kv_head_num (and kv_layout) in both sides' KVArgs: "
+        "without it pages are opaque and move whole between equal TP ranks only",
+        prefill_tp, decode_tp));
+  }
+  return Status::OK();
+}
+
+StatusOr<std::vector<PrefillTarget>> PrefillTargetsFor(const planner::SideLayout& decode,
+                                                       int32_t decode_kv_head_num,
+                                                       int32_t prefill_tp_size,
+                                                       int32_t prefill_pp_size) {
+  if (IsOpaque(decode_kv_head_num, decode.is_mla) && prefill_tp_size != decode.tp_size) {
+    // The prefill side is opaque too or refuses at Register; say what to set.
+    if (Status s = CheckOpaqueCompatible(0, prefill_tp_size, 0, decode.tp_size, false); !s.ok()) {
+      return s;
+    }
+  }
+  auto topology = planner::MakeTopology(decode, prefill_tp_size, prefill_pp_size);
+  if (!topology.ok()) return topology.status();
+  const planner::RankId me{decode.tp_rank, decode.pp_rank};
+  auto expected = planner::ExpectedPrefillRanks(*topology, me);
+  if (!expected.ok()) return expected.status();
+  auto dummies = planner::DummyPrefillRanks(*topology, me);
+  if (!dummies.ok()) return dummies.status();
+  std::vector<PrefillTarget> out;
+  for (const planner::RankId& r : *expected) {
+    auto n = planner::RequiredDstInfoNum(*topology, r);
+    if (!n.ok()) return n.status();
+    out.push_back({r, false, *n});
+  }
+  for (const planner::RankId& r : *dummies) out.push_back({r, true, 1});
+  return out;
+}
+
+}  // namespace v1
+}  // namespace pdlib

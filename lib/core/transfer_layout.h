@@ -1,0 +1,57 @@
+// The glue between the protocol cores and the planner (lib/planner): each side's planner view
+// of its own KVArgs and of the peer's Register message, and which prefill ranks a decode rank
+// talks to. Pure functions.
+//
+// Opaque KV: a rank whose KVArgs leave kv_head_num at 0 (and is not MLA) hands pdlib pages it
+// does not look inside. The planner then sees one "head" per TP rank covering the whole page and
+// a page size of 1, so pages move whole, 1:1 between equal TP ranks; different TP sizes need
+// kv_head_num on both sides and are refused otherwise.
+#ifndef PDLIB_LIB_CORE_TRANSFER_LAYOUT_H_
+#define PDLIB_LIB_CORE_TRANSFER_LAYOUT_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "lib/core/control_messages.h"
+#include "lib/planner/planner.h"
+#include "pdlib/kv_args.h"
+#include "pdlib/status.h"
+
+namespace pdlib {
+inline namespace v1 {
+
+// This rank's layout as the planner sees it, validated; `side` names it in errors.
+StatusOr<planner::SideLayout> PlannerLayout(const KVArgs& args, const char* side);
+
+// The decode rank's layout as prefill learns it from its Register message, validated.
+StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg);
+
+// Fills the layout fields of a Register message from decode's KVArgs.
+void FillRegisterLayout(const KVArgs& args, RegisterMsg* msg);
+
+// Fills a RegisterAck's stage extent from prefill's layout.
+void FillAckExtent(const planner::SideLayout& prefill, RegisterAckMsg* ack);
+
+// Checks that both sides agree on opaque KV: opaque pages need equal TP sizes.
+Status CheckOpaqueCompatible(int32_t prefill_kv_head_num, int32_t prefill_tp,
+                             int32_t decode_kv_head_num, int32_t decode_tp, bool is_mla);
+
+// One prefill rank a decode rank sends TransferInfos to.
+struct PrefillTarget {
+  planner::RankId rank;
+  bool dummy = false;  // writes nothing; decode does not wait for its status (R5.5)
+  uint32_t required_dst_info_num = 1;
+};
+
+// Every prefill rank (of one DP group) that decode rank `decode` talks to for each room: the
+// expected senders, then the dummies it owns. Fails with a clear error for a pairing the
+// planner rejects (PP mismatch, TP sizes that do not divide, opaque KV with different TP).
+StatusOr<std::vector<PrefillTarget>> PrefillTargetsFor(const planner::SideLayout& decode,
+                                                       int32_t decode_kv_head_num,
+                                                       int32_t prefill_tp_size,
+                                                       int32_t prefill_pp_size);
+
+}  // namespace v1
+}  // namespace pdlib
+
+#endif  // PDLIB_LIB_CORE_TRANSFER_LAYOUT_H_
