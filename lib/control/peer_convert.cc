@@ -62,7 +62,7 @@ void ToProto(const RegisterMsg& in, wire::v1::Register* out) {
   out->set_state_type(static_cast<wire::v1::StateType>(in.state_type));
   out->set_kv_head_num(in.kv_head_num);
   out->set_kv_layout(in.kv_layout == KVLayout::kNHD ? wire::v1::KV_LAYOUT_NHD
-                                                     : wire::v1::KV_LAYOUT_HND);
+                                                    : wire::v1::KV_LAYOUT_HND);
   out->set_is_mla(in.is_mla);
   out->set_start_layer(in.start_layer);
   out->set_state_start(in.state_start);
@@ -96,8 +96,8 @@ StatusOr<RegisterMsg> FromProto(const wire::v1::Register& in) {
         "Register: kv_head_num %d, start_layer %d, state_start %d (none may be negative)",
         in.kv_head_num(), in.start_layer(), in.state_start()));
   }
-  for (int n : {in.state_dim_per_tensor_size(), in.state_item_rows_size(),
-                in.state_split_units_size()}) {
+  for (int n :
+       {in.state_dim_per_tensor_size(), in.state_item_rows_size(), in.state_split_units_size()}) {
     if (n > kMaxRegions) {
       return Status::InvalidArgument(
           absl::StrFormat("Register: %d state shape entries (at most %d)", n, kMaxRegions));

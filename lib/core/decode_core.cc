@@ -120,7 +120,8 @@ Status DecodeCore::EnsureConnected(
   }
   MutexLock lock(&mu_);
   connections_[key] = Connection{
-      std::move(*link), target->id,
+      std::move(*link),
+      target->id,
       {ack.prefill_pp_rank, ack.start_layer, ack.num_layers, ack.state_start, ack.num_states}};
   PDLIB_LOG(kInfo, "decode: connected to prefill %s", key);
   return Status::OK();

@@ -15,7 +15,7 @@ struct PrefillCore::Peer {
   uint64_t session = 0;
   spi::PeerId peer = 0;
   RegisterMsg reg;
-  planner::PairPlan plan;  // what this prefill rank writes to that decode rank
+  planner::PairPlan plan;              // what this prefill rank writes to that decode rank
   uint32_t required_dst_info_num = 1;  // TransferInfos per room, when the plan is active
   std::vector<spi::RemoteRegionId> kv, aux, state;
   std::shared_ptr<DecodeLink> link;
@@ -132,8 +132,8 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
         a.num_layers, a.num_kv_heads, a.head_dim, a.dtype_bytes, a.layout_version, a.model_name,
         b.num_layers, b.num_kv_heads, b.head_dim, b.dtype_bytes, b.layout_version, b.model_name)));
   }
-  if (Status st = CheckOpaqueCompatible(mine.kv_head_num, mine.parallel.tp_size, msg.kv_head_num,
-                                        msg.parallel.tp_size, mine.is_mla);
+  if (Status st = CheckOpaqueCompatible(mine.kv_head_num, mine.parallel.tp_size, mine.is_mla,
+                                        msg.kv_head_num, msg.parallel.tp_size, msg.is_mla);
       !st.ok()) {
     return refuse(std::move(st));
   }
@@ -257,9 +257,10 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
   }
   // The planner decided at Register who writes to whom: a TransferInfo must agree with it.
   if (msg.is_dummy == peer->plan.active) {
-    return reject(Status::InvalidArgument(absl::StrFormat(
-        "room %d: %s TransferInfo, but this prefill rank %s that decode rank", msg.room,
-        msg.is_dummy ? "a dummy" : "a real", peer->plan.active ? "writes to" : "writes nothing to")));
+    return reject(Status::InvalidArgument(
+        absl::StrFormat("room %d: %s TransferInfo, but this prefill rank %s that decode rank",
+                        msg.room, msg.is_dummy ? "a dummy" : "a real",
+                        peer->plan.active ? "writes to" : "writes nothing to")));
   }
   const uint32_t want = msg.is_dummy ? 1 : peer->required_dst_info_num;
   if (msg.required_dst_info_num != want) {
@@ -485,8 +486,9 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
                                                               dst.begin() + chunk.dst_offset +
                                                                   chunk.src_pages.size())});
     }
-    // One batch per decode rank; every layer's writes of the chunk go in it (SPEC R5.3).
-    room->outstanding += static_cast<int>(targets.size()) - 1;
+    // One batch per decode rank; every layer's writes of the chunk go in it (SPEC R5.3). The
+    // chunk was counted once when queued; each batch ends with one OnBatchDone.
+    if (!targets.empty()) room->outstanding += static_cast<int>(targets.size()) - 1;
   }
   if (targets.empty()) return OnBatchDone(room, 0, 0, Status::OK());
   thread_local planner::PlanOutput plan;
@@ -585,7 +587,9 @@ void PrefillCore::Finalize(const std::shared_ptr<Room>& room) {
   if (!planned.ok()) {
     return FailRoom(room, planned.WithPrefix(absl::StrFormat("room %d", room->state->room())));
   }
-  auto remaining = std::make_shared<std::atomic<int>>(static_cast<int>(batches.size()));
+  // A dummy room (no batch) still ends through one_done, once.
+  auto remaining =
+      std::make_shared<std::atomic<int>>(std::max(1, static_cast<int>(batches.size())));
   auto self = shared_from_this();
   auto one_done = [self, room, remaining](Status s) {
     if (!s.ok()) self->FailRoom(room, s.WithPrefix("writing aux/state"));

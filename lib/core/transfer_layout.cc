@@ -6,13 +6,18 @@ namespace pdlib {
 inline namespace v1 {
 namespace {
 
-// Opaque KV (see the header): one whole-page head per TP rank.
-void MakeOpaque(planner::SideLayout* l) {
-  if (l->is_mla) return;
-  l->total_kv_heads = l->tp_size;
-  l->kv_heads = 1;
-  l->page_size = 1;
-  l->layout = KVLayout::kHND;
+// Opaque KV (see the header): the planner treats each buffer like an MLA layer, one unit per
+// page that every TP rank holds, so equal TP ranks pair 1:1 and pages move whole.
+Status MakeOpaque(planner::SideLayout* l, const char* side) {
+  if (l->pp_size > 1) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "%s: pipeline parallelism (pp_size %d) needs kv_head_num (or is_mla) in KVArgs", side,
+        l->pp_size));
+  }
+  l->is_mla = true;
+  l->total_layers = static_cast<int32_t>(l->kv.size());
+  l->start_layer = 0;
+  return Status::OK();
 }
 
 bool IsOpaque(int32_t kv_head_num, bool is_mla) { return kv_head_num == 0 && !is_mla; }
@@ -22,7 +27,9 @@ bool IsOpaque(int32_t kv_head_num, bool is_mla) { return kv_head_num == 0 && !is
 StatusOr<planner::SideLayout> PlannerLayout(const KVArgs& args, const char* side) {
   auto l = planner::SideLayoutFromKVArgs(args);
   if (!l.ok()) return l.status().WithPrefix(side);
-  if (IsOpaque(args.kv_head_num, args.is_mla)) MakeOpaque(&*l);
+  if (IsOpaque(args.kv_head_num, args.is_mla)) {
+    if (Status s = MakeOpaque(&*l, side); !s.ok()) return s;
+  }
   if (Status s = planner::ValidateSideLayout(*l, side); !s.ok()) return s;
   return l;
 }
@@ -45,10 +52,9 @@ StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg) {
   if (l.total_layers == 0 && l.pp_size == 1) l.total_layers = l.num_layers();
   l.state_type = msg.state_type;
   l.state_start = msg.state_start;
-  for (auto [n, name] :
-       {std::pair{msg.state_dim_per_tensor.size(), "state_dim_per_tensor"},
-        std::pair{msg.state_item_rows.size(), "state_item_rows"},
-        std::pair{msg.state_split_units.size(), "state_split_units"}}) {
+  for (auto [n, name] : {std::pair{msg.state_dim_per_tensor.size(), "state_dim_per_tensor"},
+                         std::pair{msg.state_item_rows.size(), "state_item_rows"},
+                         std::pair{msg.state_split_units.size(), "state_split_units"}}) {
     if (n != 0 && n != msg.state.size()) {
       return Status::InvalidArgument(absl::StrFormat(
           "decode Register: %s has %d entries for %d state buffers", name, n, msg.state.size()));
@@ -63,7 +69,9 @@ StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg) {
     if (!msg.state_split_units.empty()) s.split_units = msg.state_split_units[i];
     l.state.push_back(s);
   }
-  if (IsOpaque(msg.kv_head_num, msg.is_mla)) MakeOpaque(&l);
+  if (IsOpaque(msg.kv_head_num, msg.is_mla)) {
+    if (Status s = MakeOpaque(&l, "decode"); !s.ok()) return s;
+  }
   if (Status s = planner::ValidateSideLayout(l, "decode"); !s.ok()) return s;
   return l;
 }
@@ -87,9 +95,14 @@ void FillAckExtent(const planner::SideLayout& prefill, RegisterAckMsg* ack) {
   ack->num_states = e.num_states;
 }
 
-Status CheckOpaqueCompatible(int32_t prefill_kv_head_num, int32_t prefill_tp,
-                             int32_t decode_kv_head_num, int32_t decode_tp, bool is_mla) {
-  if (is_mla) return Status::OK();
+Status CheckOpaqueCompatible(int32_t prefill_kv_head_num, int32_t prefill_tp, bool prefill_mla,
+                             int32_t decode_kv_head_num, int32_t decode_tp, bool decode_mla) {
+  if (prefill_mla != decode_mla) {
+    return Status::FailedPrecondition(absl::StrFormat("MLA mismatch: prefill %s, decode %s",
+                                                      prefill_mla ? "MLA" : "not MLA",
+                                                      decode_mla ? "MLA" : "not MLA"));
+  }
+  if (prefill_mla) return Status::OK();
   const bool p = IsOpaque(prefill_kv_head_num, false), d = IsOpaque(decode_kv_head_num, false);
   if (p != d) {
     return Status::FailedPrecondition(absl::StrFormat(
@@ -112,7 +125,8 @@ StatusOr<std::vector<PrefillTarget>> PrefillTargetsFor(const planner::SideLayout
                                                        int32_t prefill_pp_size) {
   if (IsOpaque(decode_kv_head_num, decode.is_mla) && prefill_tp_size != decode.tp_size) {
     // The prefill side is opaque too or refuses at Register; say what to set.
-    if (Status s = CheckOpaqueCompatible(0, prefill_tp_size, 0, decode.tp_size, false); !s.ok()) {
+    if (Status s = CheckOpaqueCompatible(0, prefill_tp_size, false, 0, decode.tp_size, false);
+        !s.ok()) {
       return s;
     }
   }

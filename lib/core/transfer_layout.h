@@ -3,9 +3,9 @@
 // talks to. Pure functions.
 //
 // Opaque KV: a rank whose KVArgs leave kv_head_num at 0 (and is not MLA) hands pdlib pages it
-// does not look inside. The planner then sees one "head" per TP rank covering the whole page and
-// a page size of 1, so pages move whole, 1:1 between equal TP ranks; different TP sizes need
-// kv_head_num on both sides and are refused otherwise.
+// does not look inside, in any number of buffers. The planner then sees each buffer as an MLA
+// layer (one unit per page, held by every TP rank), so pages move whole, 1:1 between equal TP
+// ranks. Different TP sizes and pipeline stages need kv_head_num on both sides.
 #ifndef PDLIB_LIB_CORE_TRANSFER_LAYOUT_H_
 #define PDLIB_LIB_CORE_TRANSFER_LAYOUT_H_
 
@@ -32,9 +32,9 @@ void FillRegisterLayout(const KVArgs& args, RegisterMsg* msg);
 // Fills a RegisterAck's stage extent from prefill's layout.
 void FillAckExtent(const planner::SideLayout& prefill, RegisterAckMsg* ack);
 
-// Checks that both sides agree on opaque KV: opaque pages need equal TP sizes.
-Status CheckOpaqueCompatible(int32_t prefill_kv_head_num, int32_t prefill_tp,
-                             int32_t decode_kv_head_num, int32_t decode_tp, bool is_mla);
+// Checks that both sides agree on MLA and on opaque KV, which needs equal TP sizes.
+Status CheckOpaqueCompatible(int32_t prefill_kv_head_num, int32_t prefill_tp, bool prefill_mla,
+                             int32_t decode_kv_head_num, int32_t decode_tp, bool decode_mla);
 
 // One prefill rank a decode rank sends TransferInfos to.
 struct PrefillTarget {

@@ -1,0 +1,112 @@
+// End-to-end planner tests over UCX (shared memory): a prefill process and a decode process, each
+// with all the ranks of its side as threads (pdlib_planner_peer), move patterned KV, aux and
+// state through the gRPC control plane and real one-sided writes; decode checks every byte
+// against the model-wide pattern (e2e_scenario.h). Test names carry `tp`, `pipeline` and `state`
+// so that `ctest -R tp` (and -R pipeline, -R state) select them.
+#include <catch2/catch.hpp>
+#include <string>
+#include <vector>
+
+#include "pdlib/backends.h"
+#include "test/multiprocess/peer_harness.h"
+#include "test/planner/e2e_scenario.h"
+
+namespace {
+
+using pdlib_test::PeerProcess;
+using pdlib_test::Scene;
+
+bool HaveUcx() {
+  for (const auto& b : pdlib::BuiltinBackends()) {
+    if (b == "ucx") return true;
+  }
+  return false;
+}
+
+// Runs scenario `name`; with `corrupt_room`, prefill spoils one byte of that room and decode must
+// report exactly that room (on the ranks that own the byte) as bad.
+void RunScenario(const std::string& name, int64_t corrupt_room = -1) {
+  if (!HaveUcx()) {
+    WARN("SKIP: this build has no ucx backend (PDLIB_WITH_UCX=OFF or libucx-dev missing)");
+    return;
+  }
+  auto s = pdlib_e2e::FindScenario(name);
+  REQUIRE(s);
+  const std::string port = std::to_string(pdlib_test::UnusedLocalPort());
+  const std::vector<std::string> common = {"--scenario", name,  "--bootstrap-port", port,
+                                           "--backend",  "ucx", "--backend-option", "ucx.tls=shm"};
+  Scene scene;
+  auto args = [&](const char* role) {
+    std::vector<std::string> a = {"--role", role};
+    a.insert(a.end(), common.begin(), common.end());
+    return a;
+  };
+  auto pargs = args("prefill");
+  if (corrupt_room >= 0) {
+    pargs.push_back("--corrupt-room");
+    pargs.push_back(std::to_string(corrupt_room));
+  }
+  PeerProcess& prefill = scene.Start("prefill", pargs, PDLIB_PLANNER_PEER_BINARY);
+  SCENE_REQUIRE(scene, prefill.started());
+  SCENE_REQUIRE(scene, !prefill.WaitReady().empty());
+  PeerProcess& decode = scene.Start("decode", args("decode"), PDLIB_PLANNER_PEER_BINARY);
+  SCENE_REQUIRE(scene, decode.started());
+  const int ranks = s->decode.tp * s->decode.pp;
+  auto done = decode.Expect("DONE", std::chrono::milliseconds(90000));
+  SCENE_REQUIRE(scene, done.has_value());
+  const auto fields = pdlib_test::ParseCounters(*done);
+  if (corrupt_room >= 0) {
+    const auto& rooms = decode.rooms();
+    auto bad = rooms.find(static_cast<uint64_t>(corrupt_room));
+    SCENE_REQUIRE(scene, bad != rooms.end());
+    SCENE_CHECK(scene, bad->second.state == "Failed");
+    SCENE_CHECK(scene, bad->second.reason.find("bad-byte kv") != std::string::npos);
+    SCENE_CHECK(scene, fields.at("failed") >= 1);
+    SCENE_CHECK(scene,
+                fields.at("ok") + fields.at("failed") == static_cast<uint64_t>(s->rooms * ranks));
+    decode.Send("QUIT");
+    prefill.Send("QUIT");
+    SCENE_CHECK(scene, decode.Wait(std::chrono::milliseconds(20000)) == 1);
+    return;
+  }
+  SCENE_CHECK(scene, fields.at("ok") == static_cast<uint64_t>(s->rooms * ranks));
+  SCENE_CHECK(scene, fields.at("failed") == 0);
+  // Every prefill rank, dummies included, ends its rooms in Success while decode is still up.
+  auto pdone = prefill.Expect("DONE", std::chrono::milliseconds(30000));
+  SCENE_REQUIRE(scene, pdone.has_value());
+  SCENE_CHECK(scene, pdlib_test::ParseCounters(*pdone).at("failed") == 0);
+  decode.Send("QUIT");
+  SCENE_CHECK(scene, decode.Wait(std::chrono::milliseconds(20000)) == 0);
+  prefill.Send("QUIT");
+  SCENE_CHECK(scene, prefill.Wait(std::chrono::milliseconds(20000)) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("planner e2e tp 2P1D HND: two prefill ranks' head slices fill one decode rank's pages") {
+  RunScenario("tp_2p1d_hnd");
+}
+TEST_CASE("planner e2e tp 2P1D NHD: per-token head slices from two prefill ranks interleave") {
+  RunScenario("tp_2p1d_nhd");
+}
+TEST_CASE("planner e2e tp 1P2D NHD: one prefill rank splits its heads over two decode ranks") {
+  RunScenario("tp_1p2d_nhd");
+}
+TEST_CASE("planner e2e tp 4P2D GQA: replicated heads are sent once, by one replica") {
+  RunScenario("tp_4p2d_gqa");
+}
+TEST_CASE("planner e2e tp MLA 2P2D: each decode rank gets the latent from one prefill rank") {
+  RunScenario("mla_2p2d");
+}
+TEST_CASE("planner e2e tp MLA 4P2D: idle prefill ranks get dummy transfers and still finish") {
+  RunScenario("mla_4p2d");
+}
+TEST_CASE("planner e2e pipeline PP2 -> PP1: decode receives each stage's layers and state") {
+  RunScenario("pipeline_pp2");
+}
+TEST_CASE("planner e2e state mamba 2P1D: split and replicated state slots arrive intact") {
+  RunScenario("state_mamba_2p1d");
+}
+TEST_CASE("planner e2e negative control: one spoiled prefill byte fails its room on decode") {
+  RunScenario("tp_2p1d_nhd", 1002);
+}

@@ -1,0 +1,342 @@
+// pdlib_planner_peer: one side (prefill or decode) of an end-to-end planner scenario
+// (e2e_scenario.h), with every rank of that side as a thread of this process, each with its own
+// KVManager over the gRPC control plane and a real backend (ucx by default).
+//
+//   pdlib_planner_peer --role prefill|decode --scenario NAME --bootstrap-port P
+//                      [--backend ucx] [--backend-option k=v]... [--first-room R]
+//                      [--corrupt-room R]   (prefill: flip one KV byte of room R)
+//
+// Prefill: rank (tp 0, pp 0) runs the bootstrap server. Every rank fills its pools with the
+// scenario's pattern for each room before sending it in `chunks` chunks, then prints
+// `READY ...` (after start-up) and `DONE ok=<n> failed=<n>`.
+// Decode: every rank receives each room, checks every byte of its pages, aux slot and state
+// slots, prints `ROOM <room> <Success|Failed> tp=<r> pp=<r> <reason>`, then `DONE ...`.
+// Both then wait for `QUIT` on stdin and exit 0 when every room of every rank succeeded (decode:
+// arrived intact), 1 otherwise.
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "pdlib/kv_manager.h"
+#include "pdlib/metadata_buffers.h"
+#include "test/planner/e2e_scenario.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+using pdlib_e2e::RankShape;
+using pdlib_e2e::Scenario;
+
+std::mutex out_mu;
+void Emit(const std::string& line) {
+  std::lock_guard<std::mutex> lock(out_mu);
+  std::cout << line << std::endl;
+}
+
+struct Flags {
+  std::string role, scenario, backend = "ucx";
+  std::map<std::string, std::string> backend_options;
+  uint16_t bootstrap_port = 0;
+  uint64_t first_room = 1000;
+  int64_t corrupt_room = -1;  // prefill: spoil one KV byte of this room (negative control)
+};
+
+// One rank: its pools, aux slots and manager.
+class Rank {
+ public:
+  Rank(const Scenario& s, const Flags& f, bool decode, int32_t tp, int32_t pp)
+      : s_(s), f_(f), decode_(decode) {
+    const pdlib_e2e::SideShape& side = decode ? s.decode : s.prefill;
+    shape_ = pdlib_e2e::ShapeOf(s, side, tp, pp);
+  }
+
+  pdlib::Status Start() {
+    pdlib::KVManagerOptions o;
+    o.mode = decode_ ? pdlib::Mode::kDecode : pdlib::Mode::kPrefill;
+    o.backend = f_.backend;
+    o.backend_options = f_.backend_options;
+    o.bootstrap_port = f_.bootstrap_port;
+    o.start_bootstrap_server = !decode_ && shape_.tp_rank == 0 && shape_.pp_rank == 0;
+    o.liveness_timeout = 2000ms;
+    o.connect_timeout = 10000ms;
+    o.transfer_timeout = 20000ms;
+    pdlib::KVArgs& a = o.args;
+    a.page_size = s_.page_size;
+    a.kv_head_num = s_.mla ? 1 : shape_.num_heads;
+    a.kv_layout = s_.layout;
+    a.is_mla = s_.mla;
+    a.parallel = {shape_.tp_size, shape_.tp_rank, 1, 0, shape_.pp_size, shape_.pp_rank};
+    a.prefill_start_layer = shape_.start_layer;
+    a.fingerprint = {s_.layers, s_.mla ? 1 : s_.heads, static_cast<int32_t>(s_.head_bytes), 1, 1,
+                     "e2e"};
+    const uint64_t item = pdlib_e2e::KvItemBytes(s_, shape_);
+    const int buffers = s_.mla ? shape_.num_layers : 2 * shape_.num_layers;
+    kv_.resize(static_cast<size_t>(buffers));
+    for (auto& b : kv_) {
+      b.assign(item * static_cast<uint64_t>(s_.pool_pages), 0);
+      a.kv.ptrs.push_back(reinterpret_cast<uint64_t>(b.data()));
+      a.kv.lens.push_back(b.size());
+      a.kv.item_lens.push_back(item);
+    }
+    auto aux = pdlib::MetadataBuffers::Create(static_cast<size_t>(s_.rooms), 0, 0);
+    if (!aux.ok()) return aux.status();
+    aux_ = std::move(*aux);
+    a.aux = aux_->Describe();
+    // Every stage of a hybrid model says so, also one that holds no state buffer itself.
+    if (pdlib_e2e::StatesTotal(s_) > 0) a.state_type = pdlib::StateType::kMamba;
+    if (shape_.num_states > 0) {
+      a.state_start = shape_.state_start;
+      for (int32_t i = 0; i < shape_.num_states; ++i) {
+        const int32_t g = shape_.state_start + i;
+        const uint64_t sitem = pdlib_e2e::StateItemBytes(s_, shape_, g);
+        state_.emplace_back(sitem * static_cast<uint64_t>(s_.rooms), 0);
+        a.state.ptrs.push_back(reinterpret_cast<uint64_t>(state_.back().data()));
+        a.state.lens.push_back(state_.back().size());
+        a.state.item_lens.push_back(sitem);
+        const bool split = pdlib_e2e::StateIsSplit(s_, g);
+        a.state_dim_per_tensor.push_back(split ? 0 : -1);
+        a.state_item_rows.push_back(1);
+        a.state_split_units.push_back(split ? s_.state_units : 0);
+      }
+    }
+    auto m = pdlib::KVManager::Create(o);
+    if (!m.ok()) return m.status();
+    manager_ = std::move(*m);
+    return pdlib::Status::OK();
+  }
+
+  // Runs every room; returns how many succeeded (decode: arrived intact).
+  int Run() {
+    int ok = 0;
+    for (int32_t i = 0; i < s_.rooms; ++i) {
+      const uint64_t room = f_.first_room + static_cast<uint64_t>(i);
+      std::string why = decode_ ? Receive(room) : SendRoom(room);
+      if (why.empty()) ++ok;
+      if (decode_) {
+        Emit("ROOM " + std::to_string(room) + (why.empty() ? " Success" : " Failed") +
+             " tp=" + std::to_string(shape_.tp_rank) + " pp=" + std::to_string(shape_.pp_rank) +
+             " " + (why.empty() ? "OK" : why));
+      } else if (!why.empty()) {
+        Emit("PREFILL-FAIL room=" + std::to_string(room) + " tp=" + std::to_string(shape_.tp_rank) +
+             " pp=" + std::to_string(shape_.pp_rank) + " " + why);
+      }
+    }
+    return ok;
+  }
+
+  void Stop() { manager_.reset(); }
+
+ private:
+  template <typename Handle>
+  static pdlib::KVPoll WaitFor(const Handle& h, pdlib::KVPoll at_least,
+                               std::chrono::milliseconds timeout) {
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (true) {
+      pdlib::KVPoll p = h.Poll();
+      if (p >= at_least || p == pdlib::KVPoll::kFailed) return p;
+      if (std::chrono::steady_clock::now() > deadline) return p;
+      std::this_thread::sleep_for(200us);
+    }
+  }
+
+  uint32_t AuxSlot(uint64_t room) const { return static_cast<uint32_t>(room % s_.rooms); }
+  int64_t AuxWord(uint64_t room) const { return static_cast<int64_t>(room * 31 + 7); }
+
+  std::string SendRoom(uint64_t room) {
+    const auto pages = pdlib_e2e::RequestPages(s_, room, false);
+    // Fill this rank's share of the model for the request.
+    for (size_t b = 0; b < kv_.size(); ++b) {
+      const int32_t layer = shape_.start_layer + static_cast<int32_t>(b % shape_.num_layers);
+      const int kv = s_.mla ? 0 : static_cast<int>(b / static_cast<size_t>(shape_.num_layers));
+      const uint64_t item = pdlib_e2e::KvItemBytes(s_, shape_);
+      for (size_t p = 0; p < pages.size(); ++p) {
+        uint8_t* page = kv_[b].data() + static_cast<uint64_t>(pages[p]) * item;
+        for (uint64_t off = 0; off < item; ++off) {
+          page[off] = pdlib_e2e::KvByte(s_, shape_, room, layer, kv, static_cast<int64_t>(p), off);
+        }
+      }
+    }
+    if (static_cast<int64_t>(room) == f_.corrupt_room) {
+      kv_.back()[static_cast<uint64_t>(pages.back()) * pdlib_e2e::KvItemBytes(s_, shape_)] ^= 1;
+    }
+    const int32_t slot = pdlib_e2e::RequestStateSlot(s_, room, false);
+    for (int32_t i = 0; i < shape_.num_states; ++i) {
+      const int32_t g = shape_.state_start + i;
+      const uint64_t sitem = pdlib_e2e::StateItemBytes(s_, shape_, g);
+      uint8_t* p = state_[static_cast<size_t>(i)].data() + static_cast<uint64_t>(slot) * sitem;
+      for (uint64_t off = 0; off < sitem; ++off) {
+        p[off] = pdlib_e2e::StateByte(s_, shape_, room, g, off);
+      }
+    }
+    const uint32_t aux = AuxSlot(room);
+    aux_->bootstrap_room(aux)[0] = room;
+    aux_->output_ids(aux)[0] = static_cast<int32_t>(AuxWord(room));
+
+    auto sender = manager_->CreateSender(room);
+    if (!sender.ok()) return "CreateSender: " + sender.status().ToString();
+    auto& h = **sender;
+    if (WaitFor(h, pdlib::KVPoll::kWaitingForInput, 20s) != pdlib::KVPoll::kWaitingForInput) {
+      return "waiting for TransferInfo: " + h.FailureReason().ToString();
+    }
+    if (auto st = h.Init(pages.size(), aux); !st.ok()) return "Init: " + st.ToString();
+    const size_t per_chunk =
+        (pages.size() + static_cast<size_t>(s_.chunks) - 1) / static_cast<size_t>(s_.chunks);
+    std::vector<int32_t> state_idx;
+    if (shape_.num_states > 0) state_idx.push_back(slot);
+    for (size_t at = 0; at < pages.size(); at += per_chunk) {
+      const size_t n = std::min(per_chunk, pages.size() - at);
+      const bool last = at + n == pages.size();
+      auto st = h.Send(std::span<const int32_t>(pages).subspan(at, n), last,
+                       last ? std::span<const int32_t>(state_idx) : std::span<const int32_t>());
+      if (!st.ok()) return "Send: " + st.ToString();
+    }
+    if (WaitFor(h, pdlib::KVPoll::kSuccess, 20s) != pdlib::KVPoll::kSuccess) {
+      return "transfer: " + h.FailureReason().ToString();
+    }
+    return "";
+  }
+
+  std::string Receive(uint64_t room) {
+    const auto pages = pdlib_e2e::RequestPages(s_, room, true);
+    const int32_t slot = pdlib_e2e::RequestStateSlot(s_, room, true);
+    const uint32_t aux = AuxSlot(room);
+    // Spoil what is about to arrive, so stale bytes from an earlier room cannot pass.
+    for (auto& b : kv_) std::memset(b.data(), 0xA5, b.size());
+    for (auto& b : state_) std::memset(b.data(), 0xA5, b.size());
+    aux_->bootstrap_room(aux)[0] = ~uint64_t{0};
+    aux_->output_ids(aux)[0] = -1;
+
+    auto receiver = manager_->CreateReceiver({"127.0.0.1", f_.bootstrap_port}, room);
+    if (!receiver.ok()) return "CreateReceiver: " + receiver.status().ToString();
+    auto& h = **receiver;
+    std::vector<int32_t> state_idx;
+    if (shape_.num_states > 0) state_idx.push_back(slot);
+    if (WaitFor(h, pdlib::KVPoll::kWaitingForInput, 20s) == pdlib::KVPoll::kFailed) {
+      return "bootstrap: " + h.FailureReason().ToString();
+    }
+    if (auto st = h.Init(pages, aux, state_idx); !st.ok()) return "Init: " + st.ToString();
+    if (WaitFor(h, pdlib::KVPoll::kSuccess, 20s) != pdlib::KVPoll::kSuccess) {
+      return "transfer: " + h.FailureReason().ToString();
+    }
+    // Every byte of every page, layer and K/V this rank owns.
+    const uint64_t item = pdlib_e2e::KvItemBytes(s_, shape_);
+    for (size_t b = 0; b < kv_.size(); ++b) {
+      const int32_t layer = shape_.start_layer + static_cast<int32_t>(b % shape_.num_layers);
+      const int kv = s_.mla ? 0 : static_cast<int>(b / static_cast<size_t>(shape_.num_layers));
+      for (size_t p = 0; p < pages.size(); ++p) {
+        const uint8_t* page = kv_[b].data() + static_cast<uint64_t>(pages[p]) * item;
+        for (uint64_t off = 0; off < item; ++off) {
+          uint8_t want =
+              pdlib_e2e::KvByte(s_, shape_, room, layer, kv, static_cast<int64_t>(p), off);
+          if (page[off] != want) {
+            return "bad-byte kv layer=" + std::to_string(layer) + " kv=" + std::to_string(kv) +
+                   " page=" + std::to_string(p) + " offset=" + std::to_string(off) +
+                   " got=" + std::to_string(page[off]) + " want=" + std::to_string(want);
+          }
+        }
+      }
+    }
+    for (int32_t i = 0; i < shape_.num_states; ++i) {
+      const int32_t g = shape_.state_start + i;
+      const uint64_t sitem = pdlib_e2e::StateItemBytes(s_, shape_, g);
+      const uint8_t* p =
+          state_[static_cast<size_t>(i)].data() + static_cast<uint64_t>(slot) * sitem;
+      for (uint64_t off = 0; off < sitem; ++off) {
+        if (p[off] != pdlib_e2e::StateByte(s_, shape_, room, g, off)) {
+          return "bad-byte state=" + std::to_string(g) + " offset=" + std::to_string(off);
+        }
+      }
+    }
+    if (aux_->output_ids(aux)[0] != AuxWord(room)) {
+      return "bad aux output id " + std::to_string(aux_->output_ids(aux)[0]);
+    }
+    return "";
+  }
+
+  const Scenario s_;
+  const Flags f_;
+  const bool decode_;
+  RankShape shape_;
+  std::vector<std::vector<uint8_t>> kv_;
+  std::vector<std::vector<uint8_t>> state_;
+  std::unique_ptr<pdlib::MetadataBuffers> aux_;
+  std::unique_ptr<pdlib::KVManager> manager_;
+};
+
+int Usage(const std::string& why) {
+  std::cerr << "pdlib_planner_peer: " << why
+            << "\nusage: pdlib_planner_peer --role prefill|decode --scenario NAME "
+               "--bootstrap-port P [--backend B] [--backend-option k=v]... [--first-room R] "
+               "[--corrupt-room R]\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (i + 1 >= argc) return Usage("missing value for " + arg);
+    std::string v = argv[++i];
+    if (arg == "--role") {
+      f.role = v;
+    } else if (arg == "--scenario") {
+      f.scenario = v;
+    } else if (arg == "--backend") {
+      f.backend = v;
+    } else if (arg == "--backend-option") {
+      size_t eq = v.find('=');
+      if (eq == std::string::npos) return Usage("--backend-option wants key=value");
+      f.backend_options[v.substr(0, eq)] = v.substr(eq + 1);
+    } else if (arg == "--bootstrap-port") {
+      f.bootstrap_port = static_cast<uint16_t>(std::stoi(v));
+    } else if (arg == "--corrupt-room") {
+      f.corrupt_room = std::stoll(v);
+    } else if (arg == "--first-room") {
+      f.first_room = std::stoull(v);
+    } else {
+      return Usage("unknown flag " + arg);
+    }
+  }
+  if (f.role != "prefill" && f.role != "decode") return Usage("--role prefill|decode");
+  if (f.bootstrap_port == 0) return Usage("--bootstrap-port is required");
+  auto scenario = pdlib_e2e::FindScenario(f.scenario);
+  if (!scenario) return Usage("unknown scenario '" + f.scenario + "'");
+  const bool decode = f.role == "decode";
+  const pdlib_e2e::SideShape side = decode ? scenario->decode : scenario->prefill;
+
+  // The rank that runs the bootstrap server starts first.
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (int32_t pp = 0; pp < side.pp; ++pp) {
+    for (int32_t tp = 0; tp < side.tp; ++tp) {
+      ranks.push_back(std::make_unique<Rank>(*scenario, f, decode, tp, pp));
+      if (auto s = ranks.back()->Start(); !s.ok()) {
+        Emit("ERROR starting rank tp " + std::to_string(tp) + " pp " + std::to_string(pp) + ": " +
+             s.ToString());
+        return 1;
+      }
+    }
+  }
+  Emit("READY role=" + f.role + " ranks=" + std::to_string(ranks.size()));
+  std::atomic<int> ok{0};
+  std::vector<std::thread> threads;
+  for (auto& r : ranks) threads.emplace_back([&, rank = r.get()] { ok += rank->Run(); });
+  for (auto& t : threads) t.join();
+  const int total = scenario->rooms * static_cast<int>(ranks.size());
+  Emit("DONE ok=" + std::to_string(ok.load()) + " failed=" + std::to_string(total - ok.load()));
+  // Keep every connection up until the test says so: prefill ranks that write nothing (dummies)
+  // finish after decode already has every byte.
+  std::string line;
+  while (std::getline(std::cin, line) && line != "QUIT") {
+  }
+  for (auto& r : ranks) r->Stop();
+  return ok.load() == total ? 0 : 1;
+}
