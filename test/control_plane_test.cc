@@ -443,6 +443,59 @@ TEST_CASE("failure injection fails transfers with a reason") {
   CHECK(dep.prefill->metrics().transfer_failed_reqs == 1);
 }
 
+TEST_CASE("failure injection by stage: each stage fails the request on both sides, named") {
+  FOR_EACH_CONTROL_PLANE();
+  const std::string stage = GENERATE(as<std::string>{}, "bootstrap", "register", "transfer_info",
+                                     "chunk", "aux", "state", "status");
+  INFO("stage " << stage);
+  std::vector<uint8_t> pstate(8 * 64), dstate(8 * 64);
+  auto with_state = [](pdlib::KVManagerOptions& o, std::vector<uint8_t>& buf) {
+    o.args.state_type = pdlib::StateType::kMamba;
+    o.args.state = {{reinterpret_cast<uint64_t>(buf.data())}, {buf.size()}, {64}};
+  };
+  Deployment dep([&](auto& p, auto& d) {
+    for (auto* o : {&p, &d}) {
+      o->failure_injection_prob = 1.0;
+      o->failure_injection_stages = stage;
+    }
+    with_state(p, pstate);
+    with_state(d, dstate);
+  });
+  auto s = dep.prefill->CreateSender(7);
+  auto r = dep.decode->CreateReceiver(dep.addr(), 7);
+  REQUIRE((s.ok() && r.ok()));
+  std::vector<int32_t> pages = {1, 2}, state = {3};
+  // Init may already see the failure (bootstrap, register); the outcome is what counts.
+  (*r)->Init(pages, 5, state).IgnoreError();
+  if (WaitFor([&] { return (*s)->Poll() == KVPoll::kWaitingForInput; }, 2000ms)) {
+    REQUIRE((*s)->Init(pages.size(), 5).ok());
+    (*s)->Send(pages, true, state).IgnoreError();
+  }
+  REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
+  CHECK_THAT(std::string((*r)->FailureReason().message()),
+             Catch::Contains("injected failure at stage " + stage));
+  // Prefill hears of it too (register: its sender was never bound and times out instead, which
+  // the short bootstrap_timeout of this test would take too long to show).
+  if (stage != "register") {
+    REQUIRE(WaitFor([&] { return (*s)->Poll() == KVPoll::kFailed; }));
+    CHECK_THAT(std::string((*s)->FailureReason().message()),
+               Catch::Contains("injected failure at stage " + stage));
+  }
+  s->reset();
+  r->reset();
+  CHECK(WaitFor([&] { return dep.prefill->metrics().live_rooms == 0; }));
+  CHECK(dep.decode->metrics().live_rooms == 0);
+}
+
+TEST_CASE("failure injection stages: an unknown stage is refused with its name") {
+  Pools pools;
+  auto o = Options(pdlib::Mode::kPrefill, 1, pools);
+  o.failure_injection_stages = "chunk, sendnothing";
+  auto m = pdlib::KVManager::Create(o);
+  REQUIRE_FALSE(m.ok());
+  CHECK_THAT(std::string(m.status().message()), Catch::Contains("'sendnothing'"));
+}
+
 TEST_CASE("invalid options name the field") {
   Pools pools;
   auto o = Options(pdlib::Mode::kPrefill, 1, pools);

@@ -149,6 +149,16 @@ struct KVManagerOptions {
   // Probability in [0, 1] that a transfer is failed on purpose, to exercise failure paths
   // (SPEC R7.3). Negative: read PDLIB_TEST_FAILURE_PROB from the environment (unset: 0).
   double failure_injection_prob = -1.0;
+  // Where injected failures strike, comma-separated (each stage rolls the dice on its own):
+  //   bootstrap      decode, when a request is bound to its prefill ranks
+  //   register       prefill refuses a decode connection
+  //   transfer_info  prefill rejects a request's TransferInfo
+  //   chunk          prefill fails a chunk instead of writing it
+  //   aux, state     prefill fails the aux / state writes after the last chunk
+  //   status         prefill fails a request whose bytes are written instead of reporting it
+  // Empty: read PDLIB_TEST_FAILURE_STAGES from the environment; unset or empty there: "chunk".
+  // "all" names every stage. An unknown name is an error naming it.
+  std::string failure_injection_stages;
 };
 
 }  // namespace v1

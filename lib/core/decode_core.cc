@@ -53,7 +53,10 @@ StatusOr<std::shared_ptr<DecodeCore>> DecodeCore::Create(const KVManagerOptions&
 
 DecodeCore::DecodeCore(const KVManagerOptions& options, std::unique_ptr<spi::Transport> transport,
                        uint64_t session)
-    : options_(options), session_(session), transport_(std::move(transport)) {}
+    : options_(options),
+      session_(session),
+      transport_(std::move(transport)),
+      injector_(ResolveFailureInjectionProb(options), ResolveFailureStages(options)) {}
 
 DecodeCore::~DecodeCore() { Shutdown(); }
 
@@ -172,6 +175,7 @@ StatusOr<std::shared_ptr<RoomState>> DecodeCore::CreateRoom(uint64_t room_id) {
 void DecodeCore::BindRoom(uint64_t room_id, std::vector<BoundPrefill> prefills) {
   auto room = FindRoom(room_id);
   if (!room) return;
+  const bool inject = injector_.Roll(FailureStage::kBootstrap);
   bool initialized = false;
   {
     MutexLock lock(&room->mu);
@@ -180,6 +184,8 @@ void DecodeCore::BindRoom(uint64_t room_id, std::vector<BoundPrefill> prefills) 
     room->prefills = std::move(prefills);
     initialized = room->initialized;
   }
+  // Bound, so the prefill ranks hear of the failure too.
+  if (inject) return FailRoom(room, injector_.Injected(FailureStage::kBootstrap, room_id), true);
   // Init() came first: its TransferInfo goes out now; otherwise the engine may call Init().
   if (initialized) {
     SendTransferInfo(room);

@@ -97,6 +97,7 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   planner::SideLayout layout_;
   std::unique_ptr<spi::Transport> transport_;
   RegisteredBuffers local_;
+  FailureInjector injector_;
   int32_t aux_room_buffer_ = -1;  // aux buffer holding bootstrap_room; -1: no check
   RoomTable rooms_;
   MetricCounters counters_;

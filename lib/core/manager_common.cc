@@ -2,9 +2,12 @@
 
 #include <cstdlib>
 #include <string>
+#include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "lib/base/log_internal.h"
 
 namespace pdlib {
@@ -67,8 +70,74 @@ double ResolveFailureInjectionProb(const KVManagerOptions& options) {
   return p;
 }
 
-bool FailureInjector::Roll() {
-  if (prob_ <= 0) return false;
+namespace {
+constexpr std::pair<FailureStage, const char*> kStageNames[] = {
+    {FailureStage::kBootstrap, "bootstrap"},
+    {FailureStage::kRegister, "register"},
+    {FailureStage::kTransferInfo, "transfer_info"},
+    {FailureStage::kChunk, "chunk"},
+    {FailureStage::kAux, "aux"},
+    {FailureStage::kState, "state"},
+    {FailureStage::kStatus, "status"},
+};
+}  // namespace
+
+const char* FailureStageName(FailureStage stage) {
+  for (auto [s, name] : kStageNames) {
+    if (s == stage) return name;
+  }
+  return "unknown";
+}
+
+StatusOr<uint32_t> ParseFailureStages(std::string_view stages) {
+  uint32_t mask = 0;
+  for (absl::string_view part : absl::StrSplit(absl::string_view(stages.data(), stages.size()), ',',
+                                               absl::SkipWhitespace())) {
+    part = absl::StripAsciiWhitespace(part);
+    if (part == "all") {
+      for (auto [s, name] : kStageNames) mask |= static_cast<uint32_t>(s);
+      continue;
+    }
+    bool found = false;
+    for (auto [s, name] : kStageNames) {
+      if (part == name) {
+        mask |= static_cast<uint32_t>(s);
+        found = true;
+      }
+    }
+    if (!found) {
+      return Status::InvalidArgument(absl::StrFormat(
+          "failure injection stage '%s' is not one of bootstrap, register, transfer_info, chunk, "
+          "aux, state, status, all",
+          part));
+    }
+  }
+  return mask;
+}
+
+uint32_t ResolveFailureStages(const KVManagerOptions& options) {
+  std::string_view stages = options.failure_injection_stages;
+  if (stages.empty()) {
+    const char* env = std::getenv("PDLIB_TEST_FAILURE_STAGES");
+    stages = env != nullptr ? env : "";
+  }
+  if (stages.empty()) return static_cast<uint32_t>(FailureStage::kChunk);
+  auto mask = ParseFailureStages(stages);
+  if (!mask.ok()) {
+    // Options were validated at Create; only the environment can be wrong here.
+    PDLIB_LOG(kWarning, "ignoring PDLIB_TEST_FAILURE_STAGES: %s", mask.status().ToString());
+    return static_cast<uint32_t>(FailureStage::kChunk);
+  }
+  return *mask;
+}
+
+Status FailureInjector::Injected(FailureStage stage, uint64_t room) const {
+  return Status::Internal(absl::StrFormat("room %d: injected failure at stage %s (probability %g)",
+                                          room, FailureStageName(stage), prob_));
+}
+
+bool FailureInjector::Roll(FailureStage stage) {
+  if (prob_ <= 0 || (stages_ & static_cast<uint32_t>(stage)) == 0) return false;
   MutexLock lock(&mu_);
   return std::uniform_real_distribution<double>(0, 1)(rng_) < prob_;
 }

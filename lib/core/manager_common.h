@@ -9,6 +9,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -39,15 +40,35 @@ void DeregisterBuffers(spi::Transport& transport, const RegisteredBuffers& buffe
 double ResolveFailureInjectionProb(const KVManagerOptions& options);
 
 // Thread-safe coin for failure injection.
+// The stages failure injection can strike (KVManagerOptions::failure_injection_stages).
+enum class FailureStage : uint32_t {
+  kBootstrap = 1u << 0,
+  kRegister = 1u << 1,
+  kTransferInfo = 1u << 2,
+  kChunk = 1u << 3,
+  kAux = 1u << 4,
+  kState = 1u << 5,
+  kStatus = 1u << 6,
+};
+const char* FailureStageName(FailureStage stage);
+// Parses a comma-separated stage list ("all": every stage); kInvalidArgument names a bad entry.
+StatusOr<uint32_t> ParseFailureStages(std::string_view stages);
+// The stage mask from options, or from PDLIB_TEST_FAILURE_STAGES when the option is empty.
+uint32_t ResolveFailureStages(const KVManagerOptions& options);
+
 class FailureInjector {
  public:
-  explicit FailureInjector(double prob) : prob_(prob) {}
-  bool enabled() const { return prob_ > 0; }
+  FailureInjector(double prob, uint32_t stages) : prob_(prob), stages_(stages) {}
+  bool enabled() const { return prob_ > 0 && stages_ != 0; }
   double prob() const { return prob_; }
-  bool Roll();
+  // True when a failure should be injected at `stage`.
+  bool Roll(FailureStage stage);
+  // The Status an injected failure at `stage` reports, naming the room and the stage.
+  Status Injected(FailureStage stage, uint64_t room) const;
 
  private:
   double prob_;
+  uint32_t stages_;
   Mutex mu_;
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_){std::random_device{}()};
 };

@@ -62,7 +62,7 @@ StatusOr<std::shared_ptr<PrefillCore>> PrefillCore::Create(
 PrefillCore::PrefillCore(const KVManagerOptions& options, std::unique_ptr<spi::Transport> transport)
     : options_(options),
       transport_(std::move(transport)),
-      injector_(ResolveFailureInjectionProb(options)) {}
+      injector_(ResolveFailureInjectionProb(options), ResolveFailureStages(options)) {}
 
 PrefillCore::~PrefillCore() { Shutdown(); }
 
@@ -76,6 +76,7 @@ void PrefillCore::Shutdown() {
     queue_.clear();
     peers_.clear();
     early_infos_.clear();
+    early_aborts_.clear();
   }
   work_cv_.SignalAll();
   reaper_.reset();
@@ -150,6 +151,11 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
     required = *n;
   }
 
+  if (injector_.Roll(FailureStage::kRegister)) {
+    return refuse(Status::Internal(
+        absl::StrFormat("decode session %d: injected failure at stage register (probability %g)",
+                        msg.session, injector_.prob())));
+  }
   auto conn = transport_->Connect(msg.endpoint);
   if (!conn.ok()) return refuse(conn.status().WithPrefix("connecting to decode's endpoint"));
   auto peer = std::make_shared<Peer>();
@@ -268,6 +274,9 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
         absl::StrFormat("room %d: required_dst_info_num %d, but this prefill rank expects %d",
                         msg.room, msg.required_dst_info_num, want)));
   }
+  if (injector_.Roll(FailureStage::kTransferInfo)) {
+    return reject(injector_.Injected(FailureStage::kTransferInfo, msg.room));
+  }
   bool ready = false, duplicate = false;
   {
     MutexLock lock(&room->mu);
@@ -294,17 +303,20 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
 }
 
 void PrefillCore::OnAbort(uint64_t room_id, uint64_t session, const std::string& reason) {
+  constexpr size_t kMaxEarlyAborts = 1 << 16;
+  Status why = Status::Aborted(absl::StrFormat("room %d aborted by decode: %s", room_id, reason));
   std::shared_ptr<Room> room;
   {
     MutexLock lock(&mu_);
     early_infos_.erase(room_id);
     auto it = room_data_.find(room_id);
-    if (it != room_data_.end()) room = it->second;
+    if (it != room_data_.end()) {
+      room = it->second;
+    } else if (peers_.contains(session) && early_aborts_.size() < kMaxEarlyAborts) {
+      early_aborts_[room_id] = {absl::Now(), why};
+    }
   }
-  if (room) {
-    FailRoom(room,
-             Status::Aborted(absl::StrFormat("room %d aborted by decode: %s", room_id, reason)));
-  }
+  if (room) FailRoom(room, std::move(why));
 }
 
 void PrefillCore::OnDecodeGone(uint64_t session, const DecodeLink* link, const Status& reason) {
@@ -346,6 +358,7 @@ StatusOr<std::shared_ptr<RoomState>> PrefillCore::CreateRoom(uint64_t room_id) {
   counters_.Add(counters_.requests);
   auto room = std::make_shared<Room>(*state);
   std::vector<TransferInfoMsg> early;
+  std::optional<Status> aborted;
   {
     MutexLock lock(&mu_);
     if (stopping_) {
@@ -358,8 +371,16 @@ StatusOr<std::shared_ptr<RoomState>> PrefillCore::CreateRoom(uint64_t room_id) {
       early = std::move(it->second.infos);
       early_infos_.erase(it);
     }
+    if (auto a = early_aborts_.find(room_id); a != early_aborts_.end()) {
+      aborted = std::move(a->second.reason);
+      early_aborts_.erase(a);
+    }
   }
   PDLIB_LOG(kDebug, "prefill: room %d created", room_id);
+  if (aborted) {
+    FailRoom(room, std::move(*aborted));
+    return state;
+  }
   for (const auto& info : early) OnTransferInfo(info);
   return state;
 }
@@ -465,11 +486,8 @@ void PrefillCore::WorkerLoop() {
 void PrefillCore::ProcessChunk(const Chunk& chunk) {
   const auto& room = chunk.room;
   if (IsTerminal(room->state->Poll())) return OnBatchDone(room, 0, 0, Status::OK());
-  if (injector_.Roll()) {
-    return OnBatchDone(
-        room, 0, 0,
-        Status::Internal(absl::StrFormat("room %d: injected failure (probability %g)",
-                                         room->state->room(), injector_.prob())));
+  if (injector_.Roll(FailureStage::kChunk)) {
+    return OnBatchDone(room, 0, 0, injector_.Injected(FailureStage::kChunk, room->state->room()));
   }
   // The decode ranks this rank writes to, with the slice of their pages this chunk covers.
   struct Target {
@@ -559,6 +577,20 @@ void PrefillCore::OnBatchDone(const std::shared_ptr<Room>& room, uint64_t bytes,
 // Every KV write of the room is complete: write aux, then state, then report.
 void PrefillCore::Finalize(const std::shared_ptr<Room>& room) {
   if (room->state->Poll() == KVPoll::kFailed) return;
+  {
+    bool has_aux, has_state;
+    {
+      MutexLock lock(&room->mu);
+      has_aux = room->aux_index.has_value();
+      has_state = !room->state_src.empty();
+    }
+    for (auto [stage, has] :
+         {std::pair{FailureStage::kAux, has_aux}, std::pair{FailureStage::kState, has_state}}) {
+      if (has && injector_.Roll(stage)) {
+        return FailRoom(room, injector_.Injected(stage, room->state->room()));
+      }
+    }
+  }
   std::vector<std::pair<std::shared_ptr<Peer>, std::vector<spi::WriteOp>>> batches;
   Status planned;
   {
@@ -595,6 +627,10 @@ void PrefillCore::Finalize(const std::shared_ptr<Room>& room) {
     if (!s.ok()) self->FailRoom(room, s.WithPrefix("writing aux/state"));
     // acq_rel: the last finisher sees every other finisher's failure before reporting.
     if (remaining->fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    if (self->injector_.Roll(FailureStage::kStatus)) {
+      return self->FailRoom(room,
+                            self->injector_.Injected(FailureStage::kStatus, room->state->room()));
+    }
     if (room->state->Advance(KVPoll::kSuccess)) {
       self->counters_.CountSuccess(*room->state);
       PDLIB_LOG(kInfo, "prefill: room %d transferred", room->state->room());
@@ -667,6 +703,9 @@ void PrefillCore::CheckTimeouts() {
     absl::erase_if(early_infos_, [&](const auto& entry) {
       return now - entry.second.arrived > absl::FromChrono(options_.bootstrap_timeout);
     });
+    absl::erase_if(early_aborts_, [&](const auto& entry) {
+      return now - entry.second.arrived > absl::FromChrono(options_.bootstrap_timeout);
+    });
   }
   for (auto& room : rooms) {
     if (Status s = CheckRoomDeadline(*room->state, options_, now); !s.ok()) FailRoom(room, s);
@@ -675,7 +714,7 @@ void PrefillCore::CheckTimeouts() {
 
 size_t PrefillCore::early_info_count() const {
   MutexLock lock(&mu_);
-  return early_infos_.size();
+  return early_infos_.size() + early_aborts_.size();
 }
 
 KVManagerMetrics PrefillCore::metrics() const {

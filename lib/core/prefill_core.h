@@ -99,6 +99,13 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
     std::vector<TransferInfoMsg> infos;
   };
   absl::flat_hash_map<uint64_t, EarlyInfos> early_infos_ ABSL_GUARDED_BY(mu_);
+  // Rooms a connected decode aborted before the engine created their sender: CreateSender fails
+  // them at once instead of letting them wait for bootstrap_timeout. Same bounds and expiry.
+  struct EarlyAbort {
+    absl::Time arrived;
+    Status reason;
+  };
+  absl::flat_hash_map<uint64_t, EarlyAbort> early_aborts_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<Peer>> peers_ ABSL_GUARDED_BY(mu_);
   std::deque<Chunk> queue_ ABSL_GUARDED_BY(mu_);
   CondVar work_cv_;  // signalled when queue_ grows or stopping_ is set

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_format.h"
+#include "lib/core/manager_common.h"
 
 namespace pdlib {
 inline namespace v1 {
@@ -92,6 +93,11 @@ Status ValidateOptions(const KVManagerOptions& options) {
   if (options.transfer_workers < 1 || options.transfer_workers > 64) {
     return Status::InvalidArgument(
         absl::StrFormat("transfer_workers %d must be in [1, 64]", options.transfer_workers));
+  }
+  if (!options.failure_injection_stages.empty()) {
+    if (auto stages = ParseFailureStages(options.failure_injection_stages); !stages.ok()) {
+      return stages.status();
+    }
   }
   if (options.failure_injection_prob > 1.0) {
     return Status::InvalidArgument(absl::StrFormat(
