@@ -511,3 +511,92 @@ TEST_CASE("invalid options name the field") {
   CHECK(std::string(pdlib::KVManager::Create(o).status().message()).find("tp_rank 2") !=
         std::string::npos);
 }
+
+namespace {
+
+// Runs one 1P1D request; returns the decode side's outcome (OK or its failure reason).
+pdlib::Status OneTransfer(Deployment& dep, uint64_t room) {
+  auto s = dep.prefill->CreateSender(room);
+  auto r = dep.decode->CreateReceiver(dep.addr(), room);
+  REQUIRE((s.ok() && r.ok()));
+  std::vector<int32_t> pages = {1, 2};
+  (*r)->Init(pages, std::nullopt).IgnoreError();
+  if (WaitFor([&] { return (*s)->Poll() == KVPoll::kWaitingForInput; }, 3000ms)) {
+    REQUIRE((*s)->Send(pages, true).ok());
+  }
+  REQUIRE(WaitFor([&] { return pdlib::IsTerminal((*r)->Poll()); }, 8000ms));
+  return (*r)->FailureReason();
+}
+
+}  // namespace
+
+TEST_CASE("auth: a decode with a wrong or missing shared secret is refused, the right one works") {
+  g_plane = pdlib::ControlPlane::kGrpc;
+  const std::string decode_secret = GENERATE(as<std::string>{}, "", "not-the-secret");
+  INFO("decode secret '" << decode_secret << "'");
+  {
+    Deployment dep([&](auto& p, auto& d) {
+      p.auth_secret = "s3cret";
+      d.auth_secret = decode_secret;
+      d.connect_timeout = 500ms;
+    });
+    pdlib::Status st = OneTransfer(dep, 1);
+    CHECK(st.code() == StatusCode::kUnauthenticated);
+    CHECK_THAT(std::string(st.message()),
+               Catch::Contains(decode_secret.empty() ? "no shared secret" : "wrong shared secret"));
+    CHECK(dep.prefill->metrics().connections == 0);
+  }
+  Deployment ok([&](auto& p, auto& d) { p.auth_secret = d.auth_secret = "s3cret"; });
+  CHECK(OneTransfer(ok, 2).ok());
+}
+
+TEST_CASE("tls: prefill and decode talk over TLS; a plaintext decode cannot") {
+  g_plane = pdlib::ControlPlane::kGrpc;
+  // A throwaway CA and a server certificate for 127.0.0.1, made with the openssl tool.
+  char dir_template[] = "/tmp/pdlib-tls-XXXXXX";
+  REQUIRE(mkdtemp(dir_template) != nullptr);
+  const std::string dir = dir_template;
+  const std::string cmd =
+      "cd " + dir +
+      " && openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1"
+      " -subj /CN=pdlib-test-ca >/dev/null 2>&1"
+      " && openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr"
+      " -subj /CN=127.0.0.1 >/dev/null 2>&1"
+      " && printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > ext.cnf"
+      " && openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial"
+      " -out server.pem -days 1 -extfile ext.cnf >/dev/null 2>&1";
+  if (std::system(cmd.c_str()) != 0) {
+    WARN("SKIP: the openssl tool could not make test certificates");
+    return;
+  }
+  auto tls = [&](pdlib::KVManagerOptions& o) {
+    o.tls_cert_file = dir + "/server.pem";
+    o.tls_key_file = dir + "/server.key";
+    o.tls_ca_file = dir + "/ca.pem";
+  };
+  {
+    Deployment dep([&](auto& p, auto& d) {
+      tls(p);
+      d.tls_ca_file = dir + "/ca.pem";  // decode verifies prefill's certificate
+      p.auth_secret = d.auth_secret = "s3cret";
+    });
+    CHECK(OneTransfer(dep, 1).ok());
+  }
+  {
+    Deployment dep([&](auto& p, auto& d) {
+      tls(p);
+      d.connect_timeout = 500ms;  // plaintext decode
+    });
+    pdlib::Status st = OneTransfer(dep, 2);
+    CHECK_FALSE(st.ok());
+  }
+  Pools pools;
+  auto o = Options(pdlib::Mode::kPrefill, 1, pools);
+  o.tls_cert_file = dir + "/server.pem";
+  CHECK_THAT(std::string(pdlib::KVManager::Create(o).status().message()),
+             Catch::Contains("tls_key_file"));
+  o.tls_key_file = dir + "/missing.key";
+  CHECK_THAT(std::string(pdlib::KVManager::Create(o).status().message()),
+             Catch::Contains("cannot be read"));
+  std::system(("rm -rf " + dir).c_str());
+}

@@ -1,6 +1,7 @@
 // pdlib-bootstrap: a standalone bootstrap server for one prefill deployment (SPEC R6.1).
 //
-//   pdlib-bootstrap [--host H] [--port N] [--verbose]
+//   pdlib-bootstrap [--host H] [--port N] [--auth-secret-file F] [--tls-cert F --tls-key F
+//                   [--tls-ca F]] [--verbose]
 //
 // Prints "pdlib-bootstrap listening on HOST:PORT" once it serves (with --port 0, PORT is the
 // port it picked), and exits 0 after SIGINT or SIGTERM once in-flight calls are done.
@@ -19,13 +20,18 @@
 namespace {
 
 constexpr char kUsage[] =
-    "usage: pdlib-bootstrap [--host HOST] [--port PORT] [--verbose]\n"
+    "usage: pdlib-bootstrap [--host HOST] [--port PORT] [--auth-secret-file FILE]\n"
+    "                       [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--verbose]\n"
     "\n"
     "Serves the pdlib bootstrap service for one prefill deployment: prefill ranks register\n"
     "where they listen, decode ranks look them up. Health: grpc.health.v1.Health/Check.\n"
     "\n"
     "  --host HOST   address to bind (default 0.0.0.0)\n"
     "  --port PORT   port to listen on, 0 picks a free one (default 8998)\n"
+    "  --auth-secret-file FILE  require the shared secret in FILE (trailing newline ignored)\n"
+    "                from every caller: the KVManagerOptions::auth_secret of the deployment\n"
+    "  --tls-cert FILE, --tls-key FILE  serve TLS with this PEM certificate and key\n"
+    "  --tls-ca FILE  also require client certificates signed by these PEM roots\n"
     "  --verbose     log registrations (same as PDLIB_LOG_LEVEL=info)\n"
     "  --help        print this help\n"
     "\n"
@@ -36,6 +42,7 @@ struct Args {
   int port = pdlib::control::kDefaultBootstrapPort;
   bool verbose = false;
   bool help = false;
+  std::string secret_file, tls_cert, tls_key, tls_ca;
 };
 
 bool ParsePort(std::string_view text, int* port) {
@@ -87,6 +94,14 @@ bool ParseArgs(int argc, char** argv, Args* args) {
                      static_cast<int>(value.size()), value.data());
         return false;
       }
+    } else if (arg == "--auth-secret-file" || arg == "--tls-cert" || arg == "--tls-key" ||
+               arg == "--tls-ca") {
+      if (!take_value()) return false;
+      std::string* to = arg == "--auth-secret-file" ? &args->secret_file
+                        : arg == "--tls-cert"       ? &args->tls_cert
+                        : arg == "--tls-key"        ? &args->tls_key
+                                                    : &args->tls_ca;
+      *to = std::string(value);
     } else {
       std::fprintf(stderr, "pdlib-bootstrap: unknown argument '%s'\n%s", argv[i], kUsage);
       return false;
@@ -121,6 +136,32 @@ int main(int argc, char** argv) {
   pdlib::control::BootstrapServerOptions options;
   options.host = args.host;
   options.port = args.port;
+  options.security.tls_cert_file = args.tls_cert;
+  options.security.tls_key_file = args.tls_key;
+  options.security.tls_ca_file = args.tls_ca;
+  if (!args.secret_file.empty()) {
+    std::FILE* f = std::fopen(args.secret_file.c_str(), "rb");
+    if (f == nullptr) {
+      std::fprintf(stderr, "pdlib-bootstrap: --auth-secret-file '%s': %s\n",
+                   args.secret_file.c_str(), std::strerror(errno));
+      return 2;
+    }
+    char buf[4096];
+    size_t n = std::fread(buf, 1, sizeof(buf), f);
+    std::fclose(f);
+    std::string secret(buf, n);
+    while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r')) secret.pop_back();
+    if (secret.empty()) {
+      std::fprintf(stderr, "pdlib-bootstrap: --auth-secret-file '%s' is empty\n",
+                   args.secret_file.c_str());
+      return 2;
+    }
+    options.security.shared_secret = std::move(secret);
+  }
+  if (auto s = pdlib::control::ValidateSecurity(options.security); !s.ok()) {
+    std::fprintf(stderr, "pdlib-bootstrap: %s\n", s.ToString().c_str());
+    return 2;
+  }
   auto server = pdlib::control::BootstrapServer::Start(options);
   if (!server.ok()) {
     std::fprintf(stderr, "pdlib-bootstrap: %s\n", server.status().ToString().c_str());

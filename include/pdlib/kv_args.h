@@ -143,6 +143,18 @@ struct KVManagerOptions {
   std::chrono::milliseconds waiting_timeout{300000};
   std::chrono::milliseconds transfer_timeout{60000};
 
+  // Control-plane security (gRPC control plane). auth_secret: when set, every control-plane call
+  // carries it and every pdlib server (peer, bootstrap) refuses calls without it
+  // (UNAUTHENTICATED); all managers and pdlib-bootstrap of a deployment share it. Without TLS it
+  // travels in clear: it keeps out stray peers, not eavesdroppers.
+  std::string auth_secret;
+  // TLS (PEM files): servers present tls_cert_file/tls_key_file; clients verify the server with
+  // tls_ca_file (prefill is a client of its bootstrap server too, so it needs all three). A
+  // client with a certificate presents it and a server with tls_ca_file verifies it. All empty:
+  // plaintext.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_ca_file;
   // Threads that turn queued chunks into write batches (prefill).
   int32_t transfer_workers = 2;
 

@@ -81,6 +81,7 @@ struct BootstrapClient::Rep {
   Status Attempt(const char* method, milliseconds timeout, Rpc&& rpc) ABSL_LOCKS_EXCLUDED(mu) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + timeout);
+    AttachSecret(options.security, &context);
     {
       MutexLock lock(&mu);
       if (cancelled) return CancelledStatus(method);
@@ -146,7 +147,9 @@ StatusOr<std::unique_ptr<BootstrapClient>> BootstrapClient::Create(
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
               static_cast<int>(std::min<int64_t>(options.max_backoff.count(), 120000)));
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  rep->channel = grpc::CreateCustomChannel(rep->address, grpc::InsecureChannelCredentials(), args);
+  auto creds = MakeChannelCredentials(options.security);
+  if (!creds.ok()) return creds.status().WithPrefix("bootstrap client");
+  rep->channel = grpc::CreateCustomChannel(rep->address, *creds, args);
   rep->stub = pb::Bootstrap::NewStub(rep->channel);
   rep->health_stub = health_pb::Health::NewStub(rep->channel);
   return std::unique_ptr<BootstrapClient>(new BootstrapClient(std::move(rep)));

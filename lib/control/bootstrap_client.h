@@ -19,6 +19,7 @@
 #include <string_view>
 
 #include "lib/control/bootstrap_types.h"
+#include "lib/control/security.h"
 #include "pdlib/status.h"
 
 namespace pdlib {
@@ -37,6 +38,7 @@ struct BootstrapClientOptions {
   std::chrono::milliseconds initial_backoff{50};
   std::chrono::milliseconds max_backoff{2000};
   double backoff_multiplier = 2.0;
+  ControlSecurity security;  // shared secret and TLS (security.h)
 };
 
 class BootstrapClient {

@@ -29,7 +29,8 @@ namespace pb = ::pdlib::wire::v1;
 // Callback-API handlers: each answers inline from the table, so no reactor outlives its call.
 class BootstrapService final : public pb::Bootstrap::CallbackService {
  public:
-  explicit BootstrapService(BootstrapTable* table) : table_(table) {}
+  BootstrapService(BootstrapTable* table, const ControlSecurity* security)
+      : table_(table), security_(security) {}
 
   grpc::ServerUnaryReactor* RegisterRank(grpc::CallbackServerContext* ctx,
                                          const pb::RegisterRankRequest* request,
@@ -83,7 +84,8 @@ class BootstrapService final : public pb::Bootstrap::CallbackService {
   template <typename Handler>
   grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx, Handler&& handler) {
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-    grpc::Status status = ToGrpcStatus(handler());
+    grpc::Status status = CheckSecret(*security_, *ctx);
+    if (status.ok()) status = ToGrpcStatus(handler());
     // Pairs with the acquire after Server::Wait(): the handler's reads of this service happen
     // before its destruction (ordered by gRPC, invisibly to TSan).
     PdlibTsanRelease(this);
@@ -92,6 +94,7 @@ class BootstrapService final : public pb::Bootstrap::CallbackService {
   }
 
   BootstrapTable* const table_;
+  const ControlSecurity* const security_;
 };
 
 Status ValidateOptions(const BootstrapServerOptions& options) {
@@ -110,7 +113,8 @@ Status ValidateOptions(const BootstrapServerOptions& options) {
 }  // namespace
 
 struct BootstrapServer::Rep {
-  explicit Rep(const BootstrapServerOptions& opts) : options(opts), service(&table) {}
+  explicit Rep(const BootstrapServerOptions& opts)
+      : options(opts), service(&table, &options.security) {}
 
   const BootstrapServerOptions options;
   int32_t port = 0;
@@ -139,7 +143,9 @@ StatusOr<std::unique_ptr<BootstrapServer>> BootstrapServer::Start(
   // Without this gRPC sets SO_REUSEPORT, and a second server on a taken port would start and
   // silently share (or steal) the first one's connections.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(requested, grpc::InsecureServerCredentials(), &rep->port);
+  auto creds = MakeServerCredentials(options.security);
+  if (!creds.ok()) return creds.status().WithPrefix("bootstrap server");
+  builder.AddListeningPort(requested, *creds, &rep->port);
   builder.RegisterService(&rep->service);
   rep->server = builder.BuildAndStart();
   if (rep->server == nullptr || rep->port == 0) {

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "lib/control/bootstrap_types.h"
+#include "lib/control/security.h"
 #include "pdlib/status.h"
 
 namespace pdlib {
@@ -32,6 +33,7 @@ struct BootstrapServerOptions {
   // up to this long for connected clients to close their connections (an idle client in another
   // process may not read the GOAWAY at once), so Shutdown often takes about this long.
   std::chrono::milliseconds shutdown_grace{250};
+  ControlSecurity security;  // shared secret and TLS (security.h)
 };
 
 class BootstrapServer {

@@ -65,6 +65,7 @@ class ClientStream final
 
   void Start(std::shared_ptr<ClientStream> self) {
     self_ = std::move(self);
+    AttachSecret(state_->options.security, &ctx_);
     state_->stub->async()->Connect(&ctx_, this);
     StartRead(&in_);
     AddHold();  // writes are started from engine threads, outside reactions
@@ -230,8 +231,10 @@ StatusOr<std::shared_ptr<PeerClient>> PeerClient::Open(const PeerClientOptions& 
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, half);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  state->channel = grpc::CreateCustomChannel(JoinHostPort(options.host, options.port),
-                                             grpc::InsecureChannelCredentials(), args);
+  auto creds = MakeChannelCredentials(options.security);
+  if (!creds.ok()) return creds.status().WithPrefix("connecting to prefill " + options.key);
+  state->channel =
+      grpc::CreateCustomChannel(JoinHostPort(options.host, options.port), *creds, args);
   state->stub = wire::v1::Peer::NewStub(state->channel);
   auto stream = std::make_shared<ClientStream>(state);
   {

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 
+#include "lib/control/security.h"
 #include "lib/core/control_messages.h"
 #include "pdlib/status.h"
 
@@ -25,6 +26,7 @@ struct PeerClientOptions {
   std::string key;  // how the handler names this prefill rank
   std::chrono::milliseconds liveness_timeout{5000};
   std::chrono::milliseconds connect_timeout{5000};  // bounds Register()
+  ControlSecurity security;                         // shared secret and TLS (security.h)
 };
 
 class PeerClient : public PrefillLink {

@@ -243,17 +243,30 @@ void StreamWriter::Detach() {
   pending_.clear();
 }
 
+// Ends a stream whose peer failed authentication before anything reaches the handler.
+class RejectedStream final
+    : public grpc::ServerBidiReactor<DecodeToPrefillFrame, PrefillToDecodeFrame> {
+ public:
+  explicit RejectedStream(grpc::Status status) { Finish(std::move(status)); }
+  void OnDone() override { delete this; }
+};
+
 class PeerServiceImpl final : public wire::v1::Peer::CallbackService {
  public:
-  explicit PeerServiceImpl(std::shared_ptr<PrefillHandler> handler)
-      : handler_(std::move(handler)) {}
+  PeerServiceImpl(std::shared_ptr<PrefillHandler> handler, ControlSecurity security)
+      : handler_(std::move(handler)), security_(std::move(security)) {}
   grpc::ServerBidiReactor<DecodeToPrefillFrame, PrefillToDecodeFrame>* Connect(
       grpc::CallbackServerContext* ctx) override {
+    if (grpc::Status auth = CheckSecret(security_, *ctx); !auth.ok()) {
+      PDLIB_LOG(kWarning, "peer %s: refused: %s", ctx->peer(), auth.error_message());
+      return new RejectedStream(std::move(auth));
+    }
     return new PeerStream(handler_, ctx->peer());
   }
 
  private:
   std::shared_ptr<PrefillHandler> handler_;
+  const ControlSecurity security_;
 };
 
 }  // namespace
@@ -274,11 +287,13 @@ StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(const PeerServerOptions&
   }
   KeepCallbackQueueAlive();
   auto rep = std::make_unique<Rep>();
-  rep->service = std::make_unique<PeerServiceImpl>(std::move(handler));
+  auto creds = MakeServerCredentials(options.security);
+  if (!creds.ok()) return creds.status().WithPrefix("peer server");
+  rep->service = std::make_unique<PeerServiceImpl>(std::move(handler), options.security);
   const int half = static_cast<int>(options.liveness_timeout.count() / 2);
   grpc::ServerBuilder builder;
   std::string address = JoinHostPort(options.host, options.port);
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &rep->port);
+  builder.AddListeningPort(address, *creds, &rep->port);
   builder.RegisterService(rep->service.get());
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Keepalive: a silent decode is dropped after about liveness_timeout; decode pings as often.

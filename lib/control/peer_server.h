@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 
+#include "lib/control/security.h"
 #include "lib/core/control_messages.h"
 #include "pdlib/status.h"
 
@@ -24,6 +25,7 @@ struct PeerServerOptions {
   int32_t port = 0;  // 0 picks a free port
   // Keepalive pings every liveness_timeout / 2; a peer silent for liveness_timeout is dropped.
   std::chrono::milliseconds liveness_timeout{5000};
+  ControlSecurity security;  // shared secret and TLS (security.h)
 };
 
 class PeerServer {

@@ -22,6 +22,10 @@ namespace {
 using control::BootstrapClient;
 using control::BootstrapClientOptions;
 
+control::ControlSecurity Security(const KVManagerOptions& o) {
+  return {o.auth_secret, o.tls_cert_file, o.tls_key_file, o.tls_ca_file};
+}
+
 // ---------------------------------------------------------------------------------------------
 // Prefill
 // ---------------------------------------------------------------------------------------------
@@ -38,6 +42,7 @@ class GrpcPrefillManager final : public PrefillManagerBase {
       control::BootstrapServerOptions bo;
       bo.host = o.bootstrap_host;
       bo.port = o.bootstrap_port;
+      bo.security = Security(o);
       auto server = control::BootstrapServer::Start(bo);
       if (!server.ok()) return server.status().WithPrefix("starting the bootstrap server");
       m->bootstrap_server_ = std::move(*server);
@@ -46,6 +51,7 @@ class GrpcPrefillManager final : public PrefillManagerBase {
     po.host = o.listen_host;
     po.port = o.listen_port;
     po.liveness_timeout = o.liveness_timeout;
+    po.security = Security(o);
     auto server = control::PeerServer::Start(po, m->core_);
     if (!server.ok()) return server.status();
     m->peer_server_ = std::move(*server);
@@ -53,6 +59,7 @@ class GrpcPrefillManager final : public PrefillManagerBase {
 
     BootstrapClientOptions bco;
     bco.register_deadline = std::chrono::hours(24 * 365);  // keep trying until shut down
+    bco.security = Security(o);
     auto client = BootstrapClient::Create(o.bootstrap_host, o.bootstrap_port, bco);
     if (!client.ok()) return client.status().WithPrefix("bootstrap address");
     m->bootstrap_ = std::move(*client);
@@ -69,6 +76,7 @@ class GrpcPrefillManager final : public PrefillManagerBase {
     BootstrapClientOptions once;
     once.rpc_timeout = std::chrono::milliseconds(1000);
     once.register_max_attempts = 1;
+    once.security = Security(o);
     if (auto quick = BootstrapClient::Create(o.bootstrap_host, o.bootstrap_port, once);
         quick.ok()) {
       if (auto r = (*quick)->RegisterRank(reg); r.ok()) {
@@ -100,6 +108,7 @@ class GrpcPrefillManager final : public PrefillManagerBase {
     // Withdraw this rank's address so decode stops choosing it (best effort, bounded).
     if (bootstrap_ && peer_server_) {
       BootstrapClientOptions quick;
+      quick.security = Security(core_->options());
       quick.rpc_timeout = std::chrono::milliseconds(500);
       if (auto c = BootstrapClient::Create(core_->options().bootstrap_host,
                                            core_->options().bootstrap_port, quick);
@@ -296,6 +305,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
       if (!c) {
         BootstrapClientOptions bco;
         bco.rpc_timeout = options_.connect_timeout;
+        bco.security = Security(options_);
         auto created = BootstrapClient::Create(p.bootstrap.host, p.bootstrap.port, bco);
         if (!created.ok()) {
           clients_.erase(addr);
@@ -332,6 +342,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
       pco.key = key;
       pco.liveness_timeout = options_.liveness_timeout;
       pco.connect_timeout = options_.connect_timeout;
+      pco.security = Security(options_);
       std::weak_ptr<DecodeHandler> handler = core_;
       Status s = core_->EnsureConnected(key, [&]() -> StatusOr<std::shared_ptr<PrefillLink>> {
         auto link = control::PeerClient::Open(pco, handler);

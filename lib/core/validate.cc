@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_format.h"
+#include "lib/control/security.h"
 #include "lib/core/manager_common.h"
 
 namespace pdlib {
@@ -93,6 +94,11 @@ Status ValidateOptions(const KVManagerOptions& options) {
   if (options.transfer_workers < 1 || options.transfer_workers > 64) {
     return Status::InvalidArgument(
         absl::StrFormat("transfer_workers %d must be in [1, 64]", options.transfer_workers));
+  }
+  if (Status s = control::ValidateSecurity(
+          {options.auth_secret, options.tls_cert_file, options.tls_key_file, options.tls_ca_file});
+      !s.ok()) {
+    return s;
   }
   if (!options.failure_injection_stages.empty()) {
     if (auto stages = ParseFailureStages(options.failure_injection_stages); !stages.ok()) {
