@@ -1,0 +1,494 @@
+#include "examples/scheduler/decode_scheduler.h"
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "pdlib/page_index.h"
+
+namespace pdlib::sched {
+
+struct DecodeScheduler::Req {
+  Request request;
+  std::unique_ptr<KVReceiver> receiver;
+  bool bootstrapped = false;  // the receiver reached WaitingForInput (on every TP rank)
+  int32_t req_slot = -1;
+  std::optional<uint32_t> aux_slot;
+  int32_t state_slot = -1;
+  std::vector<int32_t> output_ids;  // [0] is the first token, from prefill
+  int64_t kv_tokens = 0;            // tokens whose KV is in the cache (or in `offloaded`)
+  int64_t prealloc_tokens = 0;      // tokens pre-allocated for the transfer
+  int64_t init_us = 0;
+  HostKV offloaded;  // while retracted
+
+  int64_t prompt_len() const { return static_cast<int64_t>(request.prompt.size()); }
+  // Tokens held: the prompt and every output so far.
+  int64_t held_tokens() const { return prompt_len() + static_cast<int64_t>(output_ids.size()); }
+};
+
+StatusOr<std::unique_ptr<DecodeScheduler>> DecodeScheduler::Create(
+    const DecodeSchedulerOptions& options, const DecodeDeps& deps) {
+  if (deps.pages == nullptr || deps.metadata == nullptr || deps.receivers == nullptr ||
+      deps.model == nullptr) {
+    return Status::InvalidArgument(
+        "decode scheduler: pages, metadata, receivers and model must all be set");
+  }
+  if (options.max_running_requests < 1 || options.pre_alloc_size < 0 ||
+      options.max_context_len < 1 || options.reserved_decode_tokens < 0 ||
+      options.clip_max_new_tokens < 1 || options.polling_interval < 1 ||
+      options.num_state_slots < 0 || options.vocab_size < 0) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "decode scheduler: max_running_requests %d, max_context_len %d, clip_max_new_tokens %d "
+        "and polling_interval %d must be >= 1; pre_alloc_size %d, reserved_decode_tokens %d, "
+        "num_state_slots %d and vocab_size %d must be >= 0",
+        options.max_running_requests, options.max_context_len, options.clip_max_new_tokens,
+        options.polling_interval, options.pre_alloc_size, options.reserved_decode_tokens,
+        options.num_state_slots, options.vocab_size));
+  }
+  if (deps.pages->page_size() < 1) {
+    return Status::InvalidArgument(
+        absl::StrFormat("decode scheduler: page_size %d must be >= 1", deps.pages->page_size()));
+  }
+  if (deps.metadata->num_slots() < 1) {
+    return Status::InvalidArgument("decode scheduler: the metadata buffers have no slots");
+  }
+  return std::unique_ptr<DecodeScheduler>(new DecodeScheduler(options, deps));
+}
+
+DecodeScheduler::DecodeScheduler(const DecodeSchedulerOptions& options, const DecodeDeps& deps)
+    : options_(options),
+      deps_(deps),
+      page_size_(deps.pages->page_size()),
+      req_slots_(options.max_running_requests, options.pre_alloc_size, options.max_context_len,
+                 page_size_),
+      aux_slots_(deps.metadata->num_slots()),
+      state_slots_(options.num_state_slots, "state slot") {}
+
+DecodeScheduler::~DecodeScheduler() = default;
+
+int64_t DecodeScheduler::Now() const {
+  if (options_.now_us) return options_.now_us();
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void DecodeScheduler::Check(Status s) {
+  if (!s.ok() && internal_error_.ok()) internal_error_ = s.WithPrefix("decode scheduler");
+}
+
+Status DecodeScheduler::AddRequest(const Request& request) {
+  Status s = [&]() -> Status {
+    const int64_t len = static_cast<int64_t>(request.prompt.size());
+    if (len == 0)
+      return Status::InvalidArgument(absl::StrFormat("room %d: empty prompt", request.room));
+    if (request.max_new_tokens < 1) {
+      return Status::InvalidArgument(absl::StrFormat("room %d: max_new_tokens %d must be >= 1",
+                                                     request.room, request.max_new_tokens));
+    }
+    const int64_t total = len + request.max_new_tokens;
+    if (total > options_.max_context_len) {
+      return Status::InvalidArgument(absl::StrFormat(
+          "room %d: prompt of %d tokens + max_new_tokens %d exceeds max_context_len %d",
+          request.room, len, request.max_new_tokens, options_.max_context_len));
+    }
+    if (total > deps_.pages->capacity_tokens()) {
+      return Status::ResourceExhausted(absl::StrFormat(
+          "room %d: prompt of %d tokens + max_new_tokens %d needs %d tokens, but the KV cache "
+          "holds only %d pages of %d tokens (%d tokens)",
+          request.room, len, request.max_new_tokens, total, deps_.pages->num_pages(), page_size_,
+          deps_.pages->capacity_tokens()));
+    }
+    if (live_rooms_.count(request.room) > 0) {
+      return Status::AlreadyExists(absl::StrFormat("room %d is already live", request.room));
+    }
+    return Status::OK();
+  }();
+  if (!s.ok()) {
+    ++counters_.rejected_reqs;
+    return s;
+  }
+  auto receiver =
+      deps_.receivers->CreateReceiver(request.bootstrap, request.room, request.prefill_dp_rank);
+  if (!receiver.ok()) {
+    ++counters_.rejected_reqs;
+    return receiver.status().WithPrefix(absl::StrFormat("room %d: CreateReceiver", request.room));
+  }
+  auto r = std::make_unique<Req>();
+  r->request = request;
+  r->receiver = std::move(*receiver);
+  live_rooms_.insert(request.room);
+  prealloc_.push_back(std::move(r));
+  ++counters_.requests_total;
+  return Status::OK();
+}
+
+Status DecodeScheduler::Step() {
+  if (steps_++ % static_cast<uint64_t>(options_.polling_interval) == 0) {
+    if (Status s = PollQueues(); !s.ok()) return s;
+  }
+  ResumeRetracted();
+  PreallocNew();
+  MergeWaiting();
+  RunDecodeBatch();
+  Status s = std::move(internal_error_);
+  internal_error_ = Status::OK();
+  return s;
+}
+
+std::vector<FinishedRequest> DecodeScheduler::TakeFinished() {
+  std::vector<FinishedRequest> out;
+  out.swap(finished_);
+  return out;
+}
+
+Status DecodeScheduler::FailureOf(const Req& r) const {
+  Status why = r.receiver->FailureReason();
+  if (!why.ok()) return why;
+  return Status::Aborted(
+      absl::StrFormat("room %d: the transfer failed on another TP rank", r.request.room));
+}
+
+Status DecodeScheduler::PollQueues() {
+  std::vector<const KVPollable*> handles;
+  for (const auto* q : {&prealloc_, &transfer_}) {
+    for (const auto& r : *q) handles.push_back(r->receiver.get());
+  }
+  if (handles.empty()) return Status::OK();
+  auto polls = PollAndAllReduce(handles, options_.group);
+  if (!polls.ok()) return polls.status().WithPrefix("decode scheduler: PollAndAllReduce");
+  const size_t np = prealloc_.size();
+
+  std::deque<std::unique_ptr<Req>> still;
+  for (size_t k = 0; k < transfer_.size(); ++k) {
+    auto& r = transfer_[k];
+    const KVPoll p = (*polls)[np + k];
+    if (p == KVPoll::kSuccess) {
+      if (Status s = CommitTransfer(*r); !s.ok()) {
+        Finish(std::move(r), std::move(s), FailStage::kTransfer);
+      } else {
+        waiting_.push_back(std::move(r));
+      }
+    } else if (p == KVPoll::kFailed) {
+      Status why = FailureOf(*r);
+      Finish(std::move(r), std::move(why), FailStage::kTransfer);
+    } else {
+      still.push_back(std::move(r));
+    }
+  }
+  transfer_.swap(still);
+
+  still.clear();
+  for (size_t k = 0; k < np; ++k) {
+    auto& r = prealloc_[k];
+    const KVPoll p = (*polls)[k];
+    if (p == KVPoll::kFailed) {
+      Status why = FailureOf(*r);
+      Finish(std::move(r), std::move(why), FailStage::kBootstrap);
+      continue;
+    }
+    if (p >= KVPoll::kWaitingForInput) r->bootstrapped = true;
+    still.push_back(std::move(r));
+  }
+  prealloc_.swap(still);
+  return Status::OK();
+}
+
+AllocatableTokensInput DecodeScheduler::FormulaInput(bool count_retracted) const {
+  AllocatableTokensInput in;
+  in.available_tokens = deps_.pages->available_tokens();
+  in.reserved_decode_tokens = options_.reserved_decode_tokens;
+  in.num_running = static_cast<int64_t>(running_.size());
+  in.num_transfer = static_cast<int64_t>(transfer_.size());
+  in.num_waiting = static_cast<int64_t>(waiting_.size());
+  if (!count_retracted) return in;  // resuming: the retracted requests are what is being sized
+  for (const auto& r : running_) {
+    const int64_t need =
+        r->prompt_len() + std::min(r->request.max_new_tokens, options_.clip_max_new_tokens);
+    in.max_single_request_need = std::max(in.max_single_request_need, need);
+    in.retractable_tokens += r->held_tokens();
+  }
+  for (const auto& r : retracted_) {
+    in.retracted_need += r->held_tokens() + options_.reserved_decode_tokens;
+  }
+  return in;
+}
+
+int64_t DecodeScheduler::AllocatableTokens() const {
+  return sched::AllocatableTokens(FormulaInput(/*count_retracted=*/true));
+}
+
+bool DecodeScheduler::Allocate(Req& r, int64_t kv_tokens) {
+  const int32_t pages = static_cast<int32_t>(
+      PageCount(static_cast<uint64_t>(kv_tokens), static_cast<uint32_t>(page_size_)));
+  if (req_slots_.available() < 1 || deps_.pages->free_pages() < pages ||
+      (options_.num_state_slots > 0 && state_slots_.available() < 1)) {
+    return false;
+  }
+  r.req_slot = *req_slots_.Alloc();
+  if (!deps_.pages->Alloc(pages, r.request.room, &req_slots_.page_table(r.req_slot))) {
+    Check(Status::Internal("page allocation failed with enough free pages"));
+  }
+  if (options_.num_state_slots > 0) r.state_slot = *state_slots_.Alloc();
+  return true;
+}
+
+void DecodeScheduler::ResumeRetracted() {
+  if (retracted_.empty()) return;
+  int64_t allocatable = sched::AllocatableTokens(FormulaInput(/*count_retracted=*/false));
+  std::deque<std::unique_ptr<Req>> resumed;
+  while (!retracted_.empty()) {
+    Req& r = *retracted_.front();
+    const int64_t required = r.held_tokens() + options_.reserved_decode_tokens;
+    if (required > allocatable || !Allocate(r, r.kv_tokens)) break;
+    allocatable -= required;
+    std::unique_ptr<Req> owned = std::move(retracted_.front());
+    retracted_.pop_front();
+    Status s = deps_.model->RestoreKV(owned->offloaded, req_slots_.page_table(owned->req_slot),
+                                      owned->state_slot);
+    owned->offloaded = HostKV{};
+    if (!s.ok()) {
+      Finish(std::move(owned), s.WithPrefix("restoring retracted KV"), FailStage::kTransfer);
+      continue;
+    }
+    ++counters_.resumed_reqs;
+    resumed.push_back(std::move(owned));
+  }
+  // Resumed requests go ahead of newly transferred ones.
+  for (auto it = resumed.rbegin(); it != resumed.rend(); ++it) waiting_.push_front(std::move(*it));
+}
+
+void DecodeScheduler::PreallocNew() {
+  // While a retracted request waits, new requests get no memory: it resumes first.
+  if (!retracted_.empty() || prealloc_.empty()) return;
+  int64_t allocatable = AllocatableTokens();
+  int64_t retractable = 0;
+  for (const auto& r : running_) retractable += r->held_tokens();
+  std::deque<std::unique_ptr<Req>> still;
+  bool blocked = false;  // first-come first-served: once one cannot fit, later ones wait too
+  for (auto& r : prealloc_) {
+    if (blocked || !r->bootstrapped) {
+      still.push_back(std::move(r));
+      continue;
+    }
+    const std::optional<int64_t> charge =
+        PreallocCharge(allocatable, r->prompt_len(),
+                       std::min(r->request.max_new_tokens, options_.clip_max_new_tokens),
+                       options_.reserved_decode_tokens, retractable);
+    if (!charge || aux_slots_.available() < 1 || !Allocate(*r, r->prompt_len())) {
+      blocked = true;
+      still.push_back(std::move(r));
+      continue;
+    }
+    allocatable -= *charge;
+    r->aux_slot = aux_slots_.Alloc();
+    r->prealloc_tokens = r->prompt_len();
+    std::vector<int32_t> state;
+    if (r->state_slot >= 0) state.push_back(r->state_slot);
+    if (Status s = r->receiver->Init(req_slots_.page_table(r->req_slot), r->aux_slot, state);
+        !s.ok()) {
+      Finish(std::move(r), s.WithPrefix("KVReceiver::Init"), FailStage::kBootstrap);
+      continue;
+    }
+    r->init_us = Now();
+    transfer_.push_back(std::move(r));
+  }
+  prealloc_.swap(still);
+}
+
+Status DecodeScheduler::CommitTransfer(Req& r) {
+  const uint32_t slot = *r.aux_slot;
+  // SPEC R4.4: the slot must carry this request's room, or the bytes belong to someone else.
+  const uint64_t got = deps_.metadata->bootstrap_room(slot)[0];
+  if (got != r.request.room) {
+    return Status::DataLoss(absl::StrFormat(
+        "room %d: metadata slot %d carries bootstrap_room %d instead", r.request.room, slot, got));
+  }
+  const int32_t first = deps_.metadata->output_ids(slot)[0];
+  if (first < 0 || (options_.vocab_size > 0 && first >= options_.vocab_size)) {
+    return Status::DataLoss(absl::StrFormat(
+        "room %d: first token %d from prefill (metadata slot %d) is outside [0, %d)",
+        r.request.room, first, slot, options_.vocab_size > 0 ? options_.vocab_size : INT32_MAX));
+  }
+  r.output_ids = {first};
+  r.kv_tokens = r.prompt_len();
+  Check(aux_slots_.Free(slot));
+  r.aux_slot.reset();
+  const size_t pages = req_slots_.page_table(r.req_slot).size();
+  counters_.transferred_pages += pages;
+  counters_.transferred_bytes += pages * options_.kv_bytes_per_page;
+  counters_.transfer_latency_us_sum +=
+      static_cast<uint64_t>(std::max<int64_t>(0, Now() - r.init_us));
+  ++counters_.transfer_latency_count;
+  r.prealloc_tokens = 0;
+  return Status::OK();
+}
+
+bool DecodeScheduler::Done(const Req& r) const {
+  if (static_cast<int64_t>(r.output_ids.size()) >= r.request.max_new_tokens) return true;
+  return options_.eos_token_id >= 0 && !r.output_ids.empty() &&
+         r.output_ids.back() == options_.eos_token_id;
+}
+
+void DecodeScheduler::MergeWaiting() {
+  // The prebuilt batch: requests whose KV is in place join the running batch without a
+  // forward pass; one that already has all its tokens (max_new_tokens 1, or EOS first) ends here.
+  std::deque<std::unique_ptr<Req>> still;
+  for (auto& r : waiting_) {
+    if (Done(*r)) {
+      Finish(std::move(r), Status::OK(), FailStage::kTransfer);
+    } else if (running_.size() < static_cast<size_t>(options_.max_running_requests)) {
+      running_.push_back(std::move(r));
+    } else {
+      still.push_back(std::move(r));
+    }
+  }
+  waiting_.swap(still);
+}
+
+bool DecodeScheduler::Retract(size_t index) {
+  Req& r = *running_[index];
+  auto kv = deps_.model->OffloadKV(req_slots_.page_table(r.req_slot), r.kv_tokens, r.state_slot);
+  if (!kv.ok()) return false;
+  r.offloaded = std::move(*kv);
+  Release(r);
+  retracted_.push_back(std::move(running_[index]));
+  running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
+  ++counters_.retracted_reqs;
+  return true;
+}
+
+void DecodeScheduler::RunDecodeBatch() {
+  if (running_.empty()) return;
+  // This step writes each request's last token at position kv_tokens.
+  auto needs_page = [&](const Req& r) {
+    return PageCount(static_cast<uint64_t>(r.kv_tokens + 1), static_cast<uint32_t>(page_size_)) >
+           req_slots_.page_table(r.req_slot).size();
+  };
+  auto pages_needed = [&] {
+    int32_t n = 0;
+    for (const auto& r : running_) n += needs_page(*r) ? 1 : 0;
+    return n;
+  };
+  while (pages_needed() > deps_.pages->free_pages() && running_.size() > 1) {
+    std::vector<RetractCandidate> candidates;
+    for (const auto& r : running_) {
+      candidates.push_back({static_cast<int64_t>(r->output_ids.size()), r->prompt_len()});
+    }
+    if (!Retract(*PickRetractVictim(candidates))) break;
+  }
+  std::vector<std::unique_ptr<Req>> batch;
+  for (auto& r : running_) {
+    if (needs_page(*r) &&
+        !deps_.pages->Alloc(1, r->request.room, &req_slots_.page_table(r->req_slot))) {
+      Finish(std::move(r),
+             Status::ResourceExhausted(absl::StrFormat(
+                 "room %d: no free KV page for token %d and nothing left to retract (%d pages "
+                 "free)",
+                 r->request.room, r->kv_tokens, deps_.pages->free_pages())),
+             FailStage::kTransfer);
+      continue;
+    }
+    batch.push_back(std::move(r));
+  }
+  running_.clear();
+  if (batch.empty()) return;
+
+  std::vector<ForwardChunk> chunks;
+  for (const auto& r : batch) {
+    chunks.push_back({.room = r->request.room,
+                      .tokens = std::span(r->output_ids).last(1),
+                      .start_pos = static_cast<int32_t>(r->kv_tokens),
+                      .page_table = req_slots_.page_table(r->req_slot),
+                      .state_slot = r->state_slot});
+  }
+  std::vector<ForwardOutput> results;
+  Status forward = deps_.model->Forward(chunks, &results);
+  if (forward.ok() && results.size() != chunks.size()) {
+    forward = Status::Internal(
+        absl::StrFormat("model returned %d results for %d chunks", results.size(), chunks.size()));
+  }
+  ++counters_.forward_passes;
+  for (size_t k = 0; k < batch.size(); ++k) {
+    auto& r = batch[k];
+    if (!forward.ok()) {
+      Finish(std::move(r), forward.WithPrefix("decode forward"), FailStage::kTransfer);
+      continue;
+    }
+    ++counters_.forward_tokens;
+    r->kv_tokens += 1;
+    r->output_ids.push_back(results[k].token);
+    if (Done(*r)) {
+      Finish(std::move(r), Status::OK(), FailStage::kTransfer);
+    } else {
+      running_.push_back(std::move(r));
+    }
+  }
+}
+
+void DecodeScheduler::Release(Req& r) {
+  if (r.req_slot >= 0) {
+    Check(deps_.pages->Free(req_slots_.page_table(r.req_slot), r.request.room));
+    Check(req_slots_.Free(r.req_slot));
+    r.req_slot = -1;
+  }
+  if (r.aux_slot) Check(aux_slots_.Free(*r.aux_slot));
+  r.aux_slot.reset();
+  if (r.state_slot >= 0) Check(state_slots_.Free(r.state_slot));
+  r.state_slot = -1;
+}
+
+void DecodeScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage stage) {
+  if (!status.ok() && !IsTerminal(r->receiver->Poll())) r->receiver->Abort(status.ToString());
+  Release(*r);
+  FinishedRequest f{.room = r->request.room, .status = std::move(status), .output_ids = {}};
+  if (f.status.ok()) {
+    ++counters_.finished_reqs;
+    f.output_ids = std::move(r->output_ids);
+  } else if (stage == FailStage::kBootstrap) {
+    ++counters_.bootstrap_failed_reqs;
+  } else {
+    ++counters_.transfer_failed_reqs;
+  }
+  live_rooms_.erase(r->request.room);
+  finished_.push_back(std::move(f));
+}
+
+bool DecodeScheduler::idle() const {
+  return prealloc_.empty() && transfer_.empty() && waiting_.empty() && running_.empty() &&
+         retracted_.empty();
+}
+
+std::vector<uint64_t> DecodeScheduler::running_rooms() const {
+  std::vector<uint64_t> out;
+  for (const auto& r : running_) out.push_back(r->request.room);
+  return out;
+}
+
+std::vector<uint64_t> DecodeScheduler::retracted_rooms() const {
+  std::vector<uint64_t> out;
+  for (const auto& r : retracted_) out.push_back(r->request.room);
+  return out;
+}
+
+std::vector<uint64_t> DecodeScheduler::waiting_rooms() const {
+  std::vector<uint64_t> out;
+  for (const auto& r : waiting_) out.push_back(r->request.room);
+  return out;
+}
+
+SchedulerMetrics DecodeScheduler::metrics() const {
+  SchedulerMetrics m = counters_;
+  m.prealloc_queue_size = prealloc_.size();
+  m.transfer_queue_size = transfer_.size();
+  m.waiting_queue_size = waiting_.size();
+  m.running_requests = running_.size();
+  m.retracted_queue_size = retracted_.size();
+  for (const auto& r : transfer_) m.prealloc_tokens += static_cast<uint64_t>(r->prealloc_tokens);
+  m.total_tokens = static_cast<uint64_t>(deps_.pages->capacity_tokens());
+  m.free_tokens = static_cast<uint64_t>(deps_.pages->available_tokens());
+  return m;
+}
+
+}  // namespace pdlib::sched

@@ -1,0 +1,148 @@
+// DecodeScheduler: the decode side's event loop (SPEC R9.2, R9.3), as SGLang's disaggregated
+// decode runs it, over pdlib receivers.
+//
+//   AddRequest -> prealloc queue: a KVReceiver per request; once it is connected
+//                 (WaitingForInput) and the allocatable-token formula allows, pages, a request
+//                 slot, a metadata slot (and a state slot) are pre-allocated and handed to
+//                 KVReceiver::Init
+//              -> transfer queue: polled until the KV and the metadata slot arrived; the slot's
+//                 bootstrap_room is checked and the first token read
+//              -> waiting queue:  a prebuilt batch, no prefill forward: the request joins the
+//                 running batch with its received KV and first token
+//              -> running batch:  continuous batching, one token per request per step
+//
+// Under memory pressure a running request is retracted: its KV goes to host memory
+// (ModelRunner::OffloadKV) and its pages are freed. Retracted requests are resumed before any new
+// request is pre-allocated, and join the running batch ahead of newly transferred ones.
+//
+// Host loop: as for PrefillScheduler (prefill_scheduler.h): AddRequest, Step, TakeFinished.
+// The prealloc and transfer queues are polled every `polling_interval` steps (one
+// PollAndAllReduce over both), to spare the collective when decode steps are short.
+//
+// Owned by the host; every dependency must outlive it. Not thread-safe: one thread calls every
+// method.
+#ifndef PDLIB_EXAMPLES_SCHEDULER_DECODE_SCHEDULER_H_
+#define PDLIB_EXAMPLES_SCHEDULER_DECODE_SCHEDULER_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "examples/scheduler/decode_memory.h"
+#include "examples/scheduler/engine.h"
+#include "examples/scheduler/metrics.h"
+#include "examples/scheduler/pools.h"
+#include "pdlib/metadata_buffers.h"
+#include "pdlib/poll_reduce.h"
+
+namespace pdlib::sched {
+
+struct DecodeSchedulerOptions {
+  // Requests in the running batch at most.
+  int32_t max_running_requests = 16;
+  // Request slots beyond max_running_requests for requests being pre-allocated, transferred or
+  // waiting (DecodeReqToTokenPool).
+  int32_t pre_alloc_size = 16;
+  // Longest prompt + max_new_tokens accepted.
+  int32_t max_context_len = 4096;
+  // Tokens kept free per admitted request for its coming decode steps (SGLang's
+  // num_reserved_decode_tokens).
+  int32_t reserved_decode_tokens = 64;
+  // max_new_tokens is clipped to this in the worst-case estimate (CLIP_MAX_NEW_TOKENS).
+  int32_t clip_max_new_tokens = 4096;
+  // Poll the prealloc and transfer queues every this many steps (>= 1).
+  int32_t polling_interval = 1;
+  // Hybrid models: recurrent-state slots; 0 without state.
+  int32_t num_state_slots = 0;
+  // When > 0, a first token from prefill outside [0, vocab_size) fails the request.
+  int32_t vocab_size = 0;
+  // Generation stops after this token; -1 for none.
+  int32_t eos_token_id = -1;
+  // Bytes of one page over every KV buffer, for transferred_bytes.
+  uint64_t kv_bytes_per_page = 0;
+  ProcessGroup* group = nullptr;    // TP group; null for a single rank
+  std::function<int64_t()> now_us;  // latency clock; null means std::chrono::steady_clock
+};
+
+struct DecodeDeps {
+  PageAllocator* pages = nullptr;
+  MetadataBuffers* metadata = nullptr;  // registered with pdlib as KVArgs::aux
+  ReceiverFactory* receivers = nullptr;
+  ModelRunner* model = nullptr;
+};
+
+class DecodeScheduler {
+ public:
+  static StatusOr<std::unique_ptr<DecodeScheduler>> Create(const DecodeSchedulerOptions& options,
+                                                           const DecodeDeps& deps);
+  ~DecodeScheduler();
+  DecodeScheduler(const DecodeScheduler&) = delete;
+  DecodeScheduler& operator=(const DecodeScheduler&) = delete;
+
+  // Validates the request and creates its receiver. Refused, with the numbers: an empty prompt,
+  // max_new_tokens < 1, prompt + max_new_tokens beyond max_context_len or the whole KV cache,
+  // a room already live.
+  Status AddRequest(const Request& request);
+  // One loop iteration: (every polling_interval steps) poll, resume retracted requests,
+  // pre-allocate, collect finished transfers; merge the waiting queue into the running batch;
+  // run one decode step (retracting first if pages are short).
+  Status Step();
+  std::vector<FinishedRequest> TakeFinished();
+
+  // The allocatable-token formula on the current queues (SPEC R9.3), retracted needs included.
+  int64_t AllocatableTokens() const;
+
+  SchedulerMetrics metrics() const;
+  bool idle() const;
+  size_t prealloc_queue_size() const { return prealloc_.size(); }
+  size_t transfer_queue_size() const { return transfer_.size(); }
+  size_t waiting_queue_size() const { return waiting_.size(); }
+  size_t running_size() const { return running_.size(); }
+  size_t retracted_queue_size() const { return retracted_.size(); }
+  // Rooms in the running batch / retracted queue, in order (tests and debugging).
+  std::vector<uint64_t> running_rooms() const;
+  std::vector<uint64_t> retracted_rooms() const;
+  std::vector<uint64_t> waiting_rooms() const;
+
+ private:
+  struct Req;
+  enum class FailStage { kBootstrap, kTransfer };
+
+  DecodeScheduler(const DecodeSchedulerOptions& options, const DecodeDeps& deps);
+  Status PollQueues();
+  void ResumeRetracted();
+  void PreallocNew();
+  bool Allocate(Req& r, int64_t kv_tokens);
+  Status CommitTransfer(Req& r);
+  void MergeWaiting();
+  void RunDecodeBatch();
+  bool Retract(size_t index);
+  bool Done(const Req& r) const;
+  AllocatableTokensInput FormulaInput(bool count_retracted) const;
+  void Finish(std::unique_ptr<Req> r, Status status, FailStage stage);
+  void Release(Req& r);
+  void Check(Status s);
+  Status FailureOf(const Req& r) const;
+  int64_t Now() const;
+
+  DecodeSchedulerOptions options_;
+  DecodeDeps deps_;
+  int32_t page_size_;
+  DecodeReqToTokenPool req_slots_;
+  MetadataSlotAllocator aux_slots_;
+  IndexAllocator state_slots_;
+  std::deque<std::unique_ptr<Req>> prealloc_, transfer_, waiting_, retracted_;
+  std::vector<std::unique_ptr<Req>> running_;
+  uint64_t steps_ = 0;
+  std::set<uint64_t> live_rooms_;
+  std::vector<FinishedRequest> finished_;
+  SchedulerMetrics counters_;
+  Status internal_error_;
+};
+
+}  // namespace pdlib::sched
+
+#endif  // PDLIB_EXAMPLES_SCHEDULER_DECODE_SCHEDULER_H_

@@ -1,0 +1,36 @@
+// KernelsModelRunner: the scheduler's ModelRunner over a pdlib::kernels::Model (kernels/), so a
+// host that serves the example model only wires the two together.
+//
+// OffloadKV copies the request's pages of every attention layer (K then V) and its recurrent
+// state of every recurrent layer to host memory; RestoreKV writes them into new pages and a new
+// state slot. Not thread-safe, like the Model it wraps (which must outlive it).
+#ifndef PDLIB_EXAMPLES_SCHEDULER_KERNELS_RUNNER_H_
+#define PDLIB_EXAMPLES_SCHEDULER_KERNELS_RUNNER_H_
+
+#include "examples/scheduler/engine.h"
+#include "pdlib_kernels/model.h"
+
+namespace pdlib::sched {
+
+class KernelsModelRunner final : public ModelRunner {
+ public:
+  explicit KernelsModelRunner(kernels::Model* model, int32_t top_k = 5)
+      : model_(model), top_k_(top_k) {}
+
+  Status Forward(std::span<const ForwardChunk> batch, std::vector<ForwardOutput>* results) override;
+  StatusOr<HostKV> OffloadKV(std::span<const int32_t> page_table, int64_t num_tokens,
+                             int32_t state_slot) override;
+  Status RestoreKV(const HostKV& kv, std::span<const int32_t> page_table,
+                   int32_t state_slot) override;
+
+  // Bytes of one page over every K and V pool (SchedulerOptions::kv_bytes_per_page).
+  uint64_t kv_bytes_per_page() const;
+
+ private:
+  kernels::Model* model_;
+  int32_t top_k_;
+};
+
+}  // namespace pdlib::sched
+
+#endif  // PDLIB_EXAMPLES_SCHEDULER_KERNELS_RUNNER_H_

@@ -1,0 +1,125 @@
+// PrefillScheduler: the prefill side's event loop (SPEC R9.1), as SGLang's disaggregated prefill
+// runs it, over pdlib senders.
+//
+//   AddRequest -> bootstrap queue: a KVSender per request; waits for decode's TransferInfo
+//              -> waiting queue:   a metadata slot; prefilled in chunks under a token budget
+//                                  (chunked prefill), forward with max_new_tokens = 1
+//              -> inflight queue:  KV sent chunk by chunk (whole pages until the last chunk),
+//                                  then the first token in the metadata slot; polled until the
+//                                  transfer ends, then pages and slots are freed
+//
+// A host loop:
+//
+//   auto sched = PrefillScheduler::Create(options, {&pages, metadata, &transport, &runner});
+//   while (serving) {
+//     for (Request& r : NewRequestsFromRouter()) Report(r.room, sched->AddRequest(r));
+//     if (Status s = sched->Step(); !s.ok()) Die(s);   // only host-level faults end up here
+//     for (FinishedRequest& f : sched->TakeFinished()) Reply(f);
+//   }
+//
+// Step() polls every sender once through one PollAndAllReduce, so every TP rank that runs the
+// same scheduler on the same requests makes the same decisions. Pages are allocated for the whole
+// prompt when its first chunk is scheduled, so a started request never waits for memory.
+//
+// Owned by the host; every dependency must outlive it. Not thread-safe: one thread (the host's
+// scheduler loop) calls every method.
+#ifndef PDLIB_EXAMPLES_SCHEDULER_PREFILL_SCHEDULER_H_
+#define PDLIB_EXAMPLES_SCHEDULER_PREFILL_SCHEDULER_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "examples/scheduler/engine.h"
+#include "examples/scheduler/metrics.h"
+#include "examples/scheduler/pools.h"
+#include "pdlib/metadata_buffers.h"
+#include "pdlib/poll_reduce.h"
+
+namespace pdlib::sched {
+
+struct PrefillSchedulerOptions {
+  // Request slots: requests holding pages (being prefilled or in flight).
+  int32_t max_running_requests = 16;
+  // Token budget of one forward pass; longer prompts are prefilled in chunks.
+  int32_t chunked_prefill_size = 512;
+  // Longest prompt accepted.
+  int32_t max_context_len = 4096;
+  // Hybrid models: recurrent-state slots (one per request holding pages); 0 without state.
+  int32_t num_state_slots = 0;
+  // Bytes of one page over every KV buffer (all layers, K and V), for transferred_bytes.
+  uint64_t kv_bytes_per_page = 0;
+  // The TP group whose ranks must agree on every request's state; null for a single rank.
+  ProcessGroup* group = nullptr;
+  // Microsecond clock for latency metrics; null means std::chrono::steady_clock.
+  std::function<int64_t()> now_us;
+};
+
+struct PrefillDeps {
+  PageAllocator* pages = nullptr;       // the model's KV pages
+  MetadataBuffers* metadata = nullptr;  // registered with pdlib as KVArgs::aux
+  SenderFactory* senders = nullptr;
+  ModelRunner* model = nullptr;
+};
+
+class PrefillScheduler {
+ public:
+  // kInvalidArgument for a missing dependency or an option out of range (named).
+  static StatusOr<std::unique_ptr<PrefillScheduler>> Create(const PrefillSchedulerOptions& options,
+                                                            const PrefillDeps& deps);
+  ~PrefillScheduler();
+  PrefillScheduler(const PrefillScheduler&) = delete;
+  PrefillScheduler& operator=(const PrefillScheduler&) = delete;
+
+  // Validates the request and creates its sender. Refused, with the numbers: an empty prompt,
+  // one longer than max_context_len or than the whole KV cache, a room already live.
+  Status AddRequest(const Request& request);
+  // One loop iteration: poll, admit bootstrapped requests, run one (chunked) prefill batch,
+  // send its KV, release finished transfers. Request failures become FinishedRequests; only
+  // a failed collective or a broken invariant is returned.
+  Status Step();
+  std::vector<FinishedRequest> TakeFinished();
+
+  SchedulerMetrics metrics() const;
+  bool idle() const { return bootstrap_.empty() && waiting_.empty() && inflight_.empty(); }
+  size_t bootstrap_queue_size() const { return bootstrap_.size(); }
+  size_t waiting_queue_size() const { return waiting_.size(); }
+  size_t inflight_queue_size() const { return inflight_.size(); }
+
+ private:
+  struct Req;
+  enum class FailStage { kBootstrap, kTransfer };
+
+  PrefillScheduler(const PrefillSchedulerOptions& options, const PrefillDeps& deps);
+  void ProcessInflight(std::span<const KVPoll> polls);
+  void ProcessWaiting(std::span<const KVPoll> polls);
+  void ProcessBootstrap(std::span<const KVPoll> polls);
+  void RunPrefillBatch();
+  bool StartRequest(Req& r);
+  Status SendChunk(Req& r, const ForwardOutput* last);
+  void WriteMetadata(uint32_t slot, uint64_t room, const ForwardOutput& out);
+  void Finish(std::unique_ptr<Req> r, Status status, FailStage stage);
+  void Release(Req& r);
+  void Check(Status s);
+  Status FailureOf(const Req& r) const;
+  int64_t Now() const;
+
+  PrefillSchedulerOptions options_;
+  PrefillDeps deps_;
+  int32_t page_size_;
+  ReqToTokenPool req_slots_;
+  MetadataSlotAllocator aux_slots_;
+  IndexAllocator state_slots_;
+  std::deque<std::unique_ptr<Req>> bootstrap_, waiting_, inflight_;
+  std::set<uint64_t> live_rooms_;
+  std::vector<FinishedRequest> finished_;
+  SchedulerMetrics counters_;
+  Status internal_error_;
+};
+
+}  // namespace pdlib::sched
+
+#endif  // PDLIB_EXAMPLES_SCHEDULER_PREFILL_SCHEDULER_H_

@@ -1,0 +1,284 @@
+// PrefillScheduler: bootstrap -> waiting (chunked prefill under a token budget) -> inflight,
+// what is sent per chunk, the metadata slot, freeing on success and failure, rejection of
+// requests longer than the KV cache, KV events, TP agreement through PollAndAllReduce.
+#include <catch2/catch.hpp>
+#include <map>
+#include <thread>
+
+#include "examples/scheduler/prefill_scheduler.h"
+#include "scheduler_fakes.h"
+
+namespace pdlib::sched {
+namespace {
+
+using testing::FakeModel;
+using testing::FakeTransport;
+using testing::NextToken;
+
+struct PrefillRig {
+  explicit PrefillRig(PrefillSchedulerOptions o, int32_t num_pages = 32, int32_t page_size = 4)
+      : pages(num_pages, page_size, &events), model(num_pages, page_size) {
+    metadata = std::move(*MetadataBuffers::Create(
+        MetadataBuffers::SlotCountFor(static_cast<size_t>(o.max_running_requests)), 0, 0));
+    auto s = PrefillScheduler::Create(o, {&pages, metadata.get(), &transport, &model});
+    REQUIRE(s.ok());
+    sched = std::move(*s);
+  }
+
+  void Add(uint64_t room, int32_t prompt_len, bool connect = true) {
+    Request r;
+    r.room = room;
+    for (int32_t i = 0; i < prompt_len; ++i)
+      r.prompt.push_back(static_cast<int32_t>((room + 3 * i) % 50));
+    REQUIRE(sched->AddRequest(r).ok());
+    requests[room] = r;
+    if (connect) transport[room].state = KVPoll::kWaitingForInput;
+  }
+
+  void Step() {
+    REQUIRE(sched->Step().ok());
+    for (FinishedRequest& f : sched->TakeFinished()) finished[f.room] = std::move(f);
+  }
+
+  KVEventPublisher events{4096};
+  PageAllocator pages;
+  FakeModel model;
+  FakeTransport transport;
+  std::unique_ptr<MetadataBuffers> metadata;
+  std::unique_ptr<PrefillScheduler> sched;
+  std::map<uint64_t, Request> requests;
+  std::map<uint64_t, FinishedRequest> finished;
+};
+
+std::vector<KVEvent> AllEvents(KVEventPublisher& p) {
+  auto sub = p.Subscribe(0, [](const KVEvent&) {});
+  p.Unsubscribe(sub.id);
+  return sub.replay;
+}
+
+}  // namespace
+
+TEST_CASE("scheduler: prefill chunks under the token budget and sends whole pages until the last") {
+  PrefillSchedulerOptions o;
+  o.chunked_prefill_size = 8;
+  o.kv_bytes_per_page = 100;
+  PrefillRig rig(o, /*num_pages=*/32, /*page_size=*/4);
+  rig.Add(1, 10);
+  rig.Add(2, 5);
+  rig.Add(3, 4, /*connect=*/false);  // decode has not sent its TransferInfo yet
+  rig.Step();
+  // Bootstrapped requests got a metadata slot and announced their page counts.
+  CHECK(rig.transport[1].init_num_pages == 3);
+  CHECK(rig.transport[2].init_num_pages == 2);
+  CHECK(rig.transport[1].aux != rig.transport[2].aux);
+  CHECK_FALSE(rig.transport[3].init_called);
+  CHECK(rig.sched->bootstrap_queue_size() == 1);
+  // First forward: 8 of room 1's 10 tokens (the budget); two whole pages sent, not last.
+  REQUIRE(rig.model.batches.size() == 1);
+  REQUIRE(rig.model.batches[0].size() == 1);
+  CHECK(rig.model.batches[0][0].start_pos == 0);
+  CHECK(rig.model.batches[0][0].tokens == 8);
+  REQUIRE(rig.transport[1].sends.size() == 1);
+  CHECK(rig.transport[1].sends[0].pages == std::vector<int32_t>{0, 1});
+  CHECK_FALSE(rig.transport[1].sends[0].last);
+
+  rig.Step();
+  // Second forward: room 1's last 2 tokens and all of room 2 (7 of 8 budget tokens).
+  REQUIRE(rig.model.batches.size() == 2);
+  REQUIRE(rig.model.batches[1].size() == 2);
+  CHECK(rig.model.batches[1][0].room == 1);
+  CHECK(rig.model.batches[1][0].start_pos == 8);
+  CHECK(rig.model.batches[1][0].tokens == 2);
+  CHECK(rig.model.batches[1][1].room == 2);
+  CHECK(rig.model.batches[1][1].tokens == 5);
+  REQUIRE(rig.transport[1].sends.size() == 2);
+  CHECK(rig.transport[1].sends[1].pages == std::vector<int32_t>{2});  // the partial last page
+  CHECK(rig.transport[1].sends[1].last);
+  REQUIRE(rig.transport[2].sends.size() == 1);
+  CHECK(rig.transport[2].sends[0].pages == std::vector<int32_t>{3, 4});
+  CHECK(rig.transport[2].sends[0].last);
+  CHECK(rig.sched->inflight_queue_size() == 2);
+
+  // The metadata slot carries the first token, its logprobs and the room (SPEC R4.1, R4.4).
+  const uint32_t slot = *rig.transport[1].aux;
+  const int32_t first = NextToken(rig.requests[1].prompt, rig.model.vocab());
+  CHECK(rig.metadata->output_ids(slot)[0] == first);
+  CHECK(rig.metadata->output_token_logprobs_val(slot)[0] == -0.5f);
+  CHECK(rig.metadata->output_top_logprobs_idx(slot)[1] == (first + 1) % rig.model.vocab());
+  CHECK(rig.metadata->output_top_logprobs_val(slot)[1] == -1.5f);
+  CHECK(rig.metadata->bootstrap_room(slot)[0] == 1u);
+
+  // Transfers end: success frees the pages and the slot; failure too, with the reason.
+  CHECK(rig.pages.free_pages() == 32 - 5);
+  rig.transport[1].state = KVPoll::kSuccess;
+  rig.transport[2].Fail("decode rank 0 went away");
+  rig.Step();
+  REQUIRE(rig.finished.size() == 2);
+  CHECK(rig.finished[1].status.ok());
+  CHECK(rig.finished[1].output_ids == std::vector<int32_t>{first});
+  CHECK(rig.finished[2].status.message() == "decode rank 0 went away");
+  CHECK(rig.pages.free_pages() == 32);
+  SchedulerMetrics m = rig.sched->metrics();
+  CHECK(m.finished_reqs == 1);
+  CHECK(m.transfer_failed_reqs == 1);
+  CHECK(m.transferred_pages == 5);
+  CHECK(m.transferred_bytes == 500);
+  CHECK(m.forward_passes == 2);
+  CHECK(m.forward_tokens == 15);
+  CHECK(m.bootstrap_queue_size == 1);
+  CHECK(m.inflight_queue_size == 0);
+  CHECK(m.transfer_latency_count == 1);
+
+  // KV events: pages stored per request on its first chunk, removed when its transfer ended.
+  std::vector<KVEvent> ev = AllEvents(rig.events);
+  REQUIRE(ev.size() == 4);
+  CHECK(ev[0].type == KVEventType::kBlockStored);
+  CHECK(ev[0].room == 1u);
+  CHECK(ev[0].pages == std::vector<int32_t>{0, 1, 2});
+  CHECK(ev[1].room == 2u);
+  CHECK(ev[1].pages == std::vector<int32_t>{3, 4});
+  CHECK(ev[2].type == KVEventType::kBlockRemoved);
+  CHECK(ev[3].type == KVEventType::kBlockRemoved);
+  CHECK(ev[3].seq == 4u);
+  CHECK(ev[0].page_size == 4);
+}
+
+TEST_CASE("scheduler: prefill rejects a request longer than the KV capacity, with the numbers") {
+  PrefillSchedulerOptions o;
+  PrefillRig rig(o, /*num_pages=*/4, /*page_size=*/4);
+  Request r;
+  r.room = 9;
+  r.prompt.assign(17, 1);
+  Status s = rig.sched->AddRequest(r);
+  CHECK(s.code() == StatusCode::kResourceExhausted);
+  CHECK(s.message() ==
+        "room 9: prompt of 17 tokens needs 5 pages of 4 tokens, but the KV cache holds only 4 "
+        "pages (16 tokens)");
+  CHECK(rig.transport.handles.empty());  // no sender was created
+  r.prompt.assign(16, 1);
+  CHECK(rig.sched->AddRequest(r).ok());
+  CHECK(rig.sched->AddRequest(r).code() == StatusCode::kAlreadyExists);
+  CHECK(rig.sched->metrics().rejected_reqs == 2);
+}
+
+TEST_CASE("scheduler: prefill waits for pages in arrival order and frees them after transfer") {
+  PrefillSchedulerOptions o;
+  o.chunked_prefill_size = 64;
+  PrefillRig rig(o, /*num_pages=*/4, /*page_size=*/4);
+  rig.Add(1, 12);  // 3 pages
+  rig.Add(2, 8);   // 2 pages: must wait for room 1's
+  rig.Add(3, 4);   // 1 page would fit, but arrival order holds
+  rig.Step();
+  CHECK(rig.transport[1].sends.size() == 1);
+  CHECK(rig.transport[2].sends.empty());
+  CHECK(rig.transport[3].sends.empty());
+  rig.Step();
+  CHECK(rig.transport[2].sends.empty());
+  rig.transport[1].state = KVPoll::kSuccess;
+  rig.Step();
+  CHECK(rig.finished.count(1) == 1);
+  CHECK(rig.transport[2].sends.size() == 1);
+  CHECK(rig.transport[3].sends.size() == 1);
+  CHECK(rig.pages.free_pages() == 1);
+}
+
+TEST_CASE("scheduler: prefill bootstrap failures are counted and hold nothing") {
+  PrefillSchedulerOptions o;
+  PrefillRig rig(o);
+  rig.Add(1, 6, /*connect=*/false);
+  rig.transport[1].Fail("no TransferInfo from decode within 30000 ms");
+  rig.Step();
+  REQUIRE(rig.finished.count(1) == 1);
+  CHECK(rig.finished[1].status.message() == "no TransferInfo from decode within 30000 ms");
+  CHECK(rig.sched->metrics().bootstrap_failed_reqs == 1);
+  CHECK(rig.sched->idle());
+  CHECK(rig.pages.free_pages() == 32);
+  CHECK(rig.transport.handles.at(1)->destroyed);
+  // The room may be used again once finished.
+  rig.Add(1, 6);
+  rig.Step();
+  CHECK(rig.transport[1].sends.size() == 1);
+}
+
+TEST_CASE("scheduler: prefill sends the state slot with the last chunk (hybrid models)") {
+  PrefillSchedulerOptions o;
+  o.num_state_slots = 2;
+  o.chunked_prefill_size = 4;
+  PrefillRig rig(o);
+  rig.Add(1, 6);
+  rig.Add(2, 3);
+  for (int i = 0; i < 3; ++i) rig.Step();
+  REQUIRE(rig.transport[1].sends.size() == 2);
+  CHECK(rig.transport[1].sends[0].state.empty());
+  CHECK(rig.transport[1].sends[1].state == std::vector<int32_t>{0});
+  REQUIRE(rig.transport[2].sends.size() == 1);
+  CHECK(rig.transport[2].sends[0].state == std::vector<int32_t>{1});
+}
+
+TEST_CASE("scheduler: prefill TP ranks agree through PollAndAllReduce") {
+  // Two ranks, each with its own scheduler and senders, step in lockstep. Room 2's sender fails
+  // on rank 1 only: both ranks fail it; room 1 succeeds on both.
+  auto group = InProcessGroup::Create(2);
+  std::vector<std::unique_ptr<PrefillRig>> rigs;
+  for (int r = 0; r < 2; ++r) {
+    PrefillSchedulerOptions o;
+    o.group = group[static_cast<size_t>(r)].get();
+    rigs.push_back(std::make_unique<PrefillRig>(o));
+    rigs.back()->Add(1, 6);
+    rigs.back()->Add(2, 6);
+  }
+  auto step_all = [&] {
+    Status results[2];
+    std::thread t0([&] { results[0] = rigs[0]->sched->Step(); });
+    std::thread t1([&] { results[1] = rigs[1]->sched->Step(); });
+    t0.join();
+    t1.join();
+    REQUIRE(results[0].ok());
+    REQUIRE(results[1].ok());
+    for (auto& rig : rigs) {
+      for (FinishedRequest& f : rig->sched->TakeFinished()) rig->finished[f.room] = std::move(f);
+    }
+  };
+  step_all();
+  for (auto& rig : rigs) CHECK(rig->sched->inflight_queue_size() == 2);
+  rigs[0]->transport[1].state = KVPoll::kSuccess;
+  rigs[1]->transport[1].state = KVPoll::kTransferring;  // rank 1 not done yet
+  rigs[1]->transport[2].Fail("rank 1: decode peer gone");
+  rigs[0]->transport[2].state = KVPoll::kSuccess;
+  step_all();
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    CHECK(rigs[r]->finished.count(1) == 0);  // MIN(Success, Transferring) = Transferring
+    REQUIRE(rigs[r]->finished.count(2) == 1);
+    CHECK_FALSE(rigs[r]->finished[2].status.ok());
+  }
+  CHECK(rigs[1]->finished[2].status.message() == "rank 1: decode peer gone");
+  CHECK(rigs[0]->finished[2].status.message() == "room 2: the transfer failed on another TP rank");
+  rigs[1]->transport[1].state = KVPoll::kSuccess;
+  step_all();
+  for (auto& rig : rigs) {
+    REQUIRE(rig->finished.count(1) == 1);
+    CHECK(rig->finished[1].status.ok());
+    CHECK(rig->pages.free_pages() == 32);
+  }
+}
+
+TEST_CASE("scheduler: prefill metrics render as Prometheus text") {
+  PrefillSchedulerOptions o;
+  PrefillRig rig(o);
+  rig.Add(1, 6, /*connect=*/false);
+  rig.Add(2, 6);
+  rig.Step();
+  const std::string text =
+      RenderPrometheus(rig.sched->metrics(), {{"role", "prefill"}, {"tp_rank", "0"}});
+  CHECK(text.find("pdlib_scheduler_bootstrap_queue_size{role=\"prefill\",tp_rank=\"0\"} 1\n") !=
+        std::string::npos);
+  CHECK(text.find("pdlib_scheduler_inflight_queue_size{role=\"prefill\",tp_rank=\"0\"} 1\n") !=
+        std::string::npos);
+  CHECK(text.find("pdlib_scheduler_free_tokens{role=\"prefill\",tp_rank=\"0\"} 120\n") !=
+        std::string::npos);
+  CHECK(text.find("# TYPE pdlib_scheduler_transfer_failed_reqs_total counter\n") !=
+        std::string::npos);
+}
+
+}  // namespace pdlib::sched
