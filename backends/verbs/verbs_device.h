@@ -1,0 +1,77 @@
+// Opening RDMA devices and setting up RC queue pairs on them: the verbs calls that do not belong
+// to the data path. Device selection follows verbs.devices (or nic_names), else the first device
+// with an active port; the GID index follows verbs.gid_index, else the first RoCE v2 entry with an
+// IPv4-mapped address. Each device gets its own protection domain, completion channel and CQ.
+//
+// Threads: a Device is immutable after OpenDevices except through the verbs calls on its handles,
+// which libibverbs makes thread-safe; the transport's progress thread is the only one that polls
+// its CQ and posts to its QPs.
+#ifndef PDLIB_BACKENDS_VERBS_VERBS_DEVICE_H_
+#define PDLIB_BACKENDS_VERBS_VERBS_DEVICE_H_
+
+#include <infiniband/verbs.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backends/verbs/verbs_handles.h"
+#include "backends/verbs/verbs_options.h"
+#include "backends/verbs/verbs_wire.h"
+#include "backends/verbs/verbs_wr.h"
+#include "pdlib/spi/transport.h"
+#include "pdlib/status.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace verbs {
+
+struct Device {
+  std::string name;  // "rxe0"
+  uint8_t port = 1;
+  int32_t gid_index = 0;
+  std::array<uint8_t, 16> gid{};
+  uint16_t lid = 0;
+  bool global = false;  // RoCE: packets carry a GRH, peers are addressed by GID
+  ibv_mtu active_mtu = IBV_MTU_1024;
+  WrLimits limits;
+  uint32_t sq_depth = 0;  // verbs.sq_depth clamped to the device's max_qp_wr
+  uint32_t cq_depth = 0;  // the CQ's real size
+  // Teardown runs bottom-up: the CQ, then its channel, the PD, and the context last.
+  ContextPtr context;
+  PdPtr pd;
+  CompChannelPtr channel;
+  CqPtr cq;
+
+  std::string label() const { return name + ":" + std::to_string(port); }
+};
+
+// Opens the devices `options` selects; errors say what exists when nothing fits.
+StatusOr<std::vector<std::unique_ptr<Device>>> OpenDevices(const VerbsOptions& options);
+
+// Names of the RDMA devices present, for messages ("none" when there are none).
+std::string ListDeviceNames();
+
+// An RC QP on `device` (send queue of device.sq_depth), moved to INIT with remote write access.
+StatusOr<QpPtr> CreateRcQp(Device& device);
+// How a peer reaches `qp`, with `psn` as the first sequence number it will send.
+QpAddress LocalAddress(const Device& device, const ibv_qp& qp, uint32_t psn);
+// INIT -> RTR -> RTS towards `remote`, starting at `local_psn`. Errors name the step.
+Status ConnectRcQp(ibv_qp* qp, const Device& device, const QpAddress& remote, uint32_t local_psn,
+                   const VerbsOptions& options);
+
+// Registers `region` on `device` for local reads and remote writes. Host memory uses
+// ibv_reg_mr; CUDA memory uses ibv_reg_dmabuf_mr when pdlib is built with CUDA, else (or when
+// the dma-buf export fails) ibv_reg_mr through a peer-memory driver (nvidia_peermem).
+StatusOr<MrPtr> RegisterRegion(Device& device, const spi::MemoryRegion& region);
+// Whether CUDA memory can be registered at all (dma-buf support compiled in, or nvidia_peermem
+// loaded).
+bool CudaRegistrationPossible();
+
+}  // namespace verbs
+}  // namespace v1
+}  // namespace pdlib
+
+#endif  // PDLIB_BACKENDS_VERBS_VERBS_DEVICE_H_

@@ -1,0 +1,439 @@
+// The verbs transport's progress thread: the only thread that posts to the initiator QPs and
+// polls the CQs. It accepts batches, posts their work requests in chains within each send queue
+// and CQ, turns completions into batch completions, fails a peer on an error completion, drains
+// and destroys failed QPs, and sleeps on the completion channels (and the wake fd) when idle.
+#include <sys/epoll.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "backends/verbs/verbs_transport.h"
+#include "lib/base/log_internal.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace verbs {
+namespace {
+
+constexpr int kPollBatch = 64;   // completions per ibv_poll_cq
+constexpr int kPollRounds = 16;  // ibv_poll_cq calls per CQ before looking at commands again
+// A failed QP is destroyed once every request on it has completed (flushed) or after this long.
+constexpr auto kDrainGrace = std::chrono::seconds(2);
+constexpr auto kAsyncCheckPeriod = std::chrono::milliseconds(100);
+constexpr int kIdleSleepMs = 100;  // backstop; completions and commands wake the thread at once
+
+// wr_id: the pair's uid above kSeqBits, the request's sequence number on its QP below.
+constexpr int kSeqBits = 40;
+constexpr uint64_t kSeqMask = (uint64_t{1} << kSeqBits) - 1;
+uint64_t WrId(uint32_t uid, uint64_t seq) { return (uint64_t{uid} << kSeqBits) | (seq & kSeqMask); }
+
+}  // namespace
+
+void VerbsTransport::ProgressLoop() {
+  Clock::time_point spin_until{};
+  const auto busy_poll = std::chrono::microseconds(options_.busy_poll_us);
+  while (true) {
+    now_ = Clock::now();
+    if (DrainCommands()) break;
+    bool worked = PostReady();
+    worked |= PollCqs();
+    worked |= ReapPeers(now_);
+    if (!completed_.empty() || !erased_signals_.empty()) {
+      worked = true;
+      RunCompletions();
+    }
+    if (now_ >= next_async_check_) {
+      HandleAsyncEvents();
+      next_async_check_ = now_ + kAsyncCheckPeriod;
+    }
+    if (worked) {
+      spin_until = now_ + busy_poll;
+    } else if (now_ >= spin_until) {
+      Sleep();
+    }
+  }
+  Shutdown();
+}
+
+bool VerbsTransport::DrainCommands() {
+  std::deque<Command> commands;
+  bool stop = false;
+  {
+    MutexLock lock(&mu_);
+    commands.swap(commands_);
+    stop = stopping_;
+  }
+  for (Command& command : commands) {
+    if (command.batch) {
+      AcceptBatch(std::move(command.batch));
+    } else {
+      command.fn();
+    }
+  }
+  if (!commands.empty()) RunCompletions();
+  return stop;
+}
+
+void VerbsTransport::AcceptBatch(std::unique_ptr<Batch> owned) {
+  owned->seq = ++last_seq_;
+  auto it = peer_states_.find(owned->peer_id);
+  if (it == peer_states_.end()) {  // disconnected after the batch was validated
+    owned->status =
+        Status::Cancelled("verbs: peer " + std::to_string(owned->peer_id) + " was disconnected");
+    completed_.push_back(std::move(owned));
+    return;
+  }
+  PeerState& peer = *it->second;
+  if (!peer.failure.ok()) {
+    owned->status = peer.failure;
+    completed_.push_back(std::move(owned));
+    return;
+  }
+  peer.batches.push_back(std::move(owned));
+  Batch& batch = *peer.batches.back();
+  batch.self = std::prev(peer.batches.end());
+  for (size_t k = 0; k < batch.plans.size() && k < peer.pairs.size(); ++k) {
+    if (batch.plans[k].wrs.empty()) continue;
+    ++batch.pending;
+    peer.pairs[k]->to_post.push_back(&batch);
+  }
+  ReleaseRef(batch, peer);  // the acceptance reference: completes an empty batch at once
+}
+
+bool VerbsTransport::PostReady() {
+  bool posted = false;
+  for (auto& [id, peer] : peer_states_) {
+    if (!peer->failure.ok()) continue;
+    for (auto& pair : peer->pairs) {
+      if (pair->to_post.empty()) continue;
+      posted |= PostPair(*peer, *pair);
+      if (!peer->failure.ok()) break;
+    }
+  }
+  return posted;
+}
+
+// Posts as many queued requests of `pair` as its send queue, its device's CQ and the chain length
+// allow, in one ibv_post_send per chain.
+bool VerbsTransport::PostPair(PeerState& peer, PairState& pair) {
+  const Device& device = *devices_[pair.device];
+  uint64_t& device_outstanding = device_outstanding_[pair.device];
+  bool posted_any = false;
+  while (!pair.to_post.empty()) {
+    const uint64_t cq_room =
+        device.cq_depth > device_outstanding ? device.cq_depth - device_outstanding : 0;
+    const uint32_t room = static_cast<uint32_t>(
+        std::min<uint64_t>({pair.budget.room(), cq_room, options_.max_chain}));
+    if (room == 0) break;
+    // Take up to `room` requests from the queued batches, in order.
+    struct Take {
+      Batch* batch;
+      size_t first;
+      size_t count;
+    };
+    std::vector<Take> takes;
+    size_t total = 0, total_sges = 0, left_after = 0;
+    const size_t pair_index = pair.index;
+    for (Batch* batch : pair.to_post) {
+      const WrPlan& plan = batch->plans[pair_index];
+      const size_t remaining = plan.wrs.size() - batch->next_wr[pair_index];
+      if (total == room) {
+        left_after += remaining;
+        break;
+      }
+      const size_t n = std::min<size_t>(remaining, room - total);
+      takes.push_back({batch, batch->next_wr[pair_index], n});
+      for (size_t i = 0; i < n; ++i) total_sges += plan.wrs[batch->next_wr[pair_index] + i].num_sge;
+      total += n;
+      left_after += remaining - n;
+    }
+    wr_scratch_.assign(total, ibv_send_wr{});
+    sge_scratch_.resize(total_sges);
+    size_t w = 0, g = 0;
+    for (const Take& take : takes) {
+      const WrPlan& plan = take.batch->plans[pair_index];
+      for (size_t i = take.first; i < take.first + take.count; ++i, ++w) {
+        const PlannedWr& p = plan.wrs[i];
+        const bool last_of_batch = i + 1 == plan.wrs.size();
+        // The chain's last request is signalled when the poster stops for room with requests
+        // left: its completion is what frees that room.
+        const bool last_before_wait = w + 1 == total && left_after > 0;
+        const SendQueueBudget::Posted posted = pair.budget.Post(last_of_batch || last_before_wait);
+        ibv_send_wr& wr = wr_scratch_[w];
+        wr.wr_id = WrId(pair.uid, posted.seq);
+        wr.next = w + 1 < total ? &wr_scratch_[w + 1] : nullptr;
+        wr.sg_list = &sge_scratch_[g];
+        wr.num_sge = static_cast<int>(p.num_sge);
+        wr.opcode = IBV_WR_RDMA_WRITE;
+        wr.send_flags = posted.signalled ? IBV_SEND_SIGNALED : 0;
+        wr.wr.rdma.remote_addr = p.remote_addr;
+        wr.wr.rdma.rkey = p.rkey;
+        for (uint32_t s = 0; s < p.num_sge; ++s, ++g) {
+          const Sge& sge = plan.sges[p.first_sge + s];
+          sge_scratch_[g] = ibv_sge{sge.addr, sge.length, sge.lkey};
+        }
+        if (last_of_batch) pair.batch_ends.emplace_back(posted.seq, take.batch);
+      }
+    }
+    device_outstanding += total;
+    ibv_send_wr* bad = nullptr;
+    if (int rc = ibv_post_send(pair.qp.get(), wr_scratch_.data(), &bad); rc != 0) {
+      FailPeer(peer, Status::Unavailable("verbs: ibv_post_send of " + std::to_string(total) +
+                                         " requests on QP " + std::to_string(pair.qp->qp_num) +
+                                         " (" + device.label() + ") to peer " +
+                                         std::to_string(peer.id) + " failed: " + ErrnoText(rc)));
+      return true;
+    }
+    posted_any = true;
+    for (const Take& take : takes) {
+      take.batch->next_wr[pair_index] += take.count;
+    }
+    while (!pair.to_post.empty()) {
+      Batch* front = pair.to_post.front();
+      if (front->next_wr[pair_index] < front->plans[pair_index].wrs.size()) break;
+      pair.to_post.pop_front();
+    }
+  }
+  return posted_any;
+}
+
+bool VerbsTransport::PollCqs() {
+  bool any = false;
+  ibv_wc wcs[kPollBatch];
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    for (int round = 0; round < kPollRounds; ++round) {
+      const int n = ibv_poll_cq(devices_[d]->cq.get(), kPollBatch, wcs);
+      if (n < 0) {
+        PDLIB_LOG(kError, "verbs: ibv_poll_cq on %s failed (%d)", devices_[d]->label(), n);
+        break;
+      }
+      for (int i = 0; i < n; ++i) HandleCompletion(wcs[i]);
+      any |= n > 0;
+      if (n < kPollBatch) break;
+    }
+  }
+  return any;
+}
+
+void VerbsTransport::HandleCompletion(const ibv_wc& wc) {
+  const uint32_t uid = static_cast<uint32_t>(wc.wr_id >> kSeqBits);
+  const uint64_t seq = wc.wr_id & kSeqMask;
+  auto owner = pair_owner_.find(uid);
+  if (owner == pair_owner_.end()) return;  // a QP already destroyed
+  auto peer_it = peer_states_.find(owner->second.first);
+  if (peer_it == peer_states_.end()) return;
+  PeerState& peer = *peer_it->second;
+  PairState& pair = *peer.pairs[owner->second.second];
+  // RC completes a QP's requests in order: this one retires every earlier one too.
+  device_outstanding_[pair.device] -= pair.budget.Retire(seq);
+  if (wc.status == IBV_WC_SUCCESS) {
+    while (!pair.batch_ends.empty() && pair.batch_ends.front().first <= seq) {
+      Batch* batch = pair.batch_ends.front().second;
+      pair.batch_ends.pop_front();
+      ReleaseRef(*batch, peer);
+    }
+    return;
+  }
+  if (!peer.failure.ok()) return;  // the flush of a QP already failed
+  const Device& device = *devices_[pair.device];
+  FailPeer(peer,
+           Status::Unavailable("verbs: RDMA write to peer " + std::to_string(peer.id) + " over " +
+                               device.label() + " (QP " + std::to_string(wc.qp_num) +
+                               ") failed: work completion status " + std::to_string(wc.status) +
+                               " '" + ibv_wc_status_str(wc.status) + "' (vendor error " +
+                               std::to_string(wc.vendor_err) + ")"));
+}
+
+void VerbsTransport::ReleaseRef(Batch& batch, PeerState& peer) {
+  if (--batch.pending != 0) return;
+  std::unique_ptr<Batch> owned = std::move(*batch.self);
+  peer.batches.erase(batch.self);
+  completed_.push_back(std::move(owned));
+}
+
+void VerbsTransport::ErrorQp(PairState& pair) {
+  if (pair.errored || !pair.qp) return;
+  pair.errored = true;
+  // In the error state the QP stops and completes (flushes) every outstanding request.
+  ibv_qp_attr attr{};
+  attr.qp_state = IBV_QPS_ERR;
+  if (int rc = ibv_modify_qp(pair.qp.get(), &attr, IBV_QP_STATE); rc != 0) {
+    PDLIB_LOG(kWarning, "verbs: moving QP %d to the error state failed: %s", pair.qp->qp_num,
+              ErrnoText(rc));
+  }
+}
+
+void VerbsTransport::FailPeer(PeerState& peer, const Status& status) {
+  if (!peer.failure.ok()) return;
+  peer.failure = status;
+  peer.drain_deadline = now_ + kDrainGrace;
+  if (status.code() != StatusCode::kCancelled) {
+    PDLIB_LOG(kWarning, "verbs: peer %d failed, %d batches outstanding: %s", peer.id,
+              static_cast<int>(peer.batches.size()), status.ToString());
+  }
+  {
+    MutexLock lock(&mu_);
+    auto it = peers_.find(peer.id);
+    if (it != peers_.end()) it->second.failure = status;  // refuse new batches up front
+  }
+  for (auto& pair : peer.pairs) {
+    ErrorQp(*pair);
+    pair->to_post.clear();
+    pair->batch_ends.clear();
+  }
+  for (auto& batch : peer.batches) {
+    if (batch->status.ok()) batch->status = status;
+    completed_.push_back(std::move(batch));
+  }
+  peer.batches.clear();
+}
+
+bool VerbsTransport::ReapPeers(Clock::time_point now) {
+  bool changed = false;
+  for (auto it = peer_states_.begin(); it != peer_states_.end();) {
+    PeerState& peer = *it->second;
+    if (peer.failure.ok()) {
+      ++it;
+      continue;
+    }
+    bool live = false;
+    for (auto& pair : peer.pairs) {
+      if (!pair->qp) continue;
+      if (pair->budget.outstanding() > 0 && now < peer.drain_deadline) {
+        live = true;
+        continue;
+      }
+      if (pair->budget.outstanding() > 0) {
+        PDLIB_LOG(kWarning, "verbs: QP %d still had %d requests outstanding %d ms after failing",
+                  pair->qp->qp_num, static_cast<int>(pair->budget.outstanding()),
+                  static_cast<int>(
+                      std::chrono::duration_cast<std::chrono::milliseconds>(kDrainGrace).count()));
+      }
+      device_outstanding_[pair->device] -= pair->budget.outstanding();
+      pair_owner_.erase(pair->uid);
+      pair->qp.reset();
+      changed = true;
+    }
+    if (!live && peer.disconnecting) {
+      it = peer_states_.erase(it);
+      changed = true;
+      continue;
+    }
+    ++it;
+  }
+  return changed;
+}
+
+void VerbsTransport::HandleAsyncEvents() {
+  for (const auto& device : devices_) {
+    ibv_async_event event{};
+    while (ibv_get_async_event(device->context.get(), &event) == 0) {
+      const char* what = ibv_event_type_str(event.event_type);
+      switch (event.event_type) {
+        case IBV_EVENT_QP_FATAL:
+        case IBV_EVENT_QP_REQ_ERR:
+        case IBV_EVENT_QP_ACCESS_ERR: {
+          bool found = false;
+          for (auto& [id, peer] : peer_states_) {
+            for (auto& pair : peer->pairs) {
+              if (pair->qp && pair->qp.get() == event.element.qp) {
+                found = true;
+                FailPeer(*peer, Status::Unavailable(
+                                    "verbs: QP " + std::to_string(event.element.qp->qp_num) +
+                                    " to peer " + std::to_string(id) + " on " + device->label() +
+                                    " failed: asynchronous event '" + what + "'"));
+              }
+            }
+          }
+          if (!found) {
+            PDLIB_LOG(kInfo, "verbs: %s on target QP %d (%s)", what, event.element.qp->qp_num,
+                      device->label());
+          }
+          break;
+        }
+        case IBV_EVENT_DEVICE_FATAL:
+          for (auto& [id, peer] : peer_states_) {
+            FailPeer(*peer, Status::Unavailable("verbs: device " + device->label() +
+                                                " reported a fatal error"));
+          }
+          break;
+        default: PDLIB_LOG(kInfo, "verbs: asynchronous event on %s: %s", device->label(), what);
+      }
+      ibv_ack_async_event(&event);
+    }
+  }
+}
+
+void VerbsTransport::RunCompletions() {
+  while (!completed_.empty() || !erased_signals_.empty()) {
+    std::vector<std::unique_ptr<Batch>> done;
+    done.swap(completed_);
+    for (auto& batch : done) {
+      spi::WriteCallback callback = std::move(batch->done);
+      Status status = std::move(batch->status);
+      batch.reset();  // drops its MR references before the callback may deregister memory
+      if (callback) callback(std::move(status));
+    }
+    std::vector<std::promise<void>> signals;
+    signals.swap(erased_signals_);
+    for (auto& signal : signals) signal.set_value();
+  }
+}
+
+void VerbsTransport::Sleep() {
+  // Arm every CQ, then poll once more: a completion that arrived before arming raised no event.
+  for (const auto& device : devices_) ibv_req_notify_cq(device->cq.get(), 0);
+  if (PollCqs()) return;
+  bool draining = false;
+  for (auto& [id, peer] : peer_states_) {
+    for (auto& pair : peer->pairs) draining |= !peer->failure.ok() && pair->qp != nullptr;
+  }
+  {
+    MutexLock lock(&mu_);
+    if (stopping_ || !commands_.empty()) return;
+    sleeping_ = true;  // from here on, Enqueue writes the wake fd
+  }
+  epoll_event events[1 + 2 * kMaxDevices];
+  const int n = epoll_wait(epoll_fd_, events, static_cast<int>(std::size(events)),
+                           draining ? 10 : kIdleSleepMs);
+  {
+    MutexLock lock(&mu_);
+    sleeping_ = false;
+  }
+  uint64_t drained = 0;
+  ssize_t r = read(wake_fd_, &drained, sizeof(drained));  // non-blocking: EAGAIN when not woken
+  (void)r;
+  for (const auto& device : devices_) {
+    ibv_cq* cq = nullptr;
+    void* context = nullptr;
+    while (ibv_get_cq_event(device->channel.get(), &cq, &context) == 0) {
+      ibv_ack_cq_events(cq, 1);
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    for (const auto& device : devices_) {
+      if (events[i].data.fd == device->context->async_fd) next_async_check_ = Clock::time_point{};
+    }
+  }
+}
+
+void VerbsTransport::Shutdown() {
+  // Every command queued before stopping_ was set has run; fail and drain everything.
+  for (auto& [id, peer] : peer_states_) {
+    peer->disconnecting = true;
+    FailPeer(*peer, Status::Cancelled("verbs: the transport is being destroyed"));
+  }
+  RunCompletions();
+  while (!peer_states_.empty()) {
+    now_ = Clock::now();
+    const bool polled = PollCqs();
+    ReapPeers(now_);
+    RunCompletions();
+    if (!polled) usleep(1000);
+  }
+  RunCompletions();
+}
+
+}  // namespace verbs
+}  // namespace v1
+}  // namespace pdlib

@@ -1,0 +1,418 @@
+// The verbs transport's API side: setup, blobs, validation, work-request planning and hand-over
+// to the progress thread (whose side lives in verbs_progress.cc).
+#include "backends/verbs/verbs_transport.h"
+
+#include <fcntl.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "backends/verbs/verbs_wire.h"
+#include "lib/base/log_internal.h"
+#include "lib/registry/builtin_registration.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace verbs {
+
+VerbsTransport::VerbsTransport(VerbsOptions options, std::vector<std::unique_ptr<Device>> devices)
+    : options_(std::move(options)),
+      devices_(std::move(devices)),
+      psn_rng_(std::random_device{}()),
+      device_outstanding_(devices_.size(), 0) {
+  local_regions_.emplace_back();  // region ids start at 1
+}
+
+StatusOr<std::unique_ptr<VerbsTransport>> VerbsTransport::Create(
+    const spi::TransportOptions& options) {
+  auto parsed = ParseVerbsOptions(options);
+  if (!parsed.ok()) return parsed.status();
+  auto devices = OpenDevices(*parsed);
+  if (!devices.ok()) return devices.status();
+  for (const auto& d : *devices) {
+    PDLIB_LOG(kInfo,
+              "verbs: using %s (%s, GID index %d, MTU %d, max_sge %d, max message %d bytes, send "
+              "queue %d, CQ %d)",
+              d->label(), d->global ? "RoCE" : "InfiniBand", d->gid_index,
+              128 << static_cast<int>(d->active_mtu), d->limits.max_sge,
+              d->limits.max_message_bytes, d->sq_depth, d->cq_depth);
+  }
+  std::unique_ptr<VerbsTransport> transport(
+      new VerbsTransport(std::move(*parsed), std::move(*devices)));
+  if (Status s = transport->Init(); !s.ok()) return s;
+  return transport;
+}
+
+Status VerbsTransport::Init() {
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  if (wake_fd_ < 0 || epoll_fd_ < 0) {
+    return Status::Internal("verbs: cannot create the progress thread's fds: " + ErrnoText(errno));
+  }
+  std::vector<int> fds = {wake_fd_};
+  for (const auto& d : devices_) {
+    fds.push_back(d->channel->fd);
+    // Asynchronous events (QP fatal errors, port changes) are read without blocking too.
+    const int async_fd = d->context->async_fd;
+    const int flags = fcntl(async_fd, F_GETFL);
+    if (flags < 0 || fcntl(async_fd, F_SETFL, flags | O_NONBLOCK) != 0) {
+      return Status::Internal("verbs: cannot make the async event fd non-blocking: " +
+                              ErrnoText(errno));
+    }
+    fds.push_back(async_fd);
+  }
+  for (int fd : fds) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      return Status::Internal("verbs: epoll_ctl failed: " + ErrnoText(errno));
+    }
+  }
+  MutexLock lock(&mu_);  // published to the progress thread through mu_ (see OnProgressThread)
+  progress_ = std::thread([this] { ProgressLoop(); });
+  progress_id_ = progress_.get_id();
+  return Status::OK();
+}
+
+VerbsTransport::~VerbsTransport() {
+  if (progress_.joinable()) {
+    {
+      MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    Wake();
+    progress_.join();  // completes every outstanding batch with kCancelled first (Shutdown)
+  }
+  // QPs before MRs, both before the devices' CQs, PDs and contexts (members, destroyed last).
+  peer_states_.clear();
+  {
+    MutexLock lock(&targets_mu_);
+    targets_.clear();
+  }
+  {
+    MutexLock lock(&mu_);
+    commands_.clear();
+    peers_.clear();
+    local_regions_.clear();
+  }
+  completed_.clear();
+  for (int fd : {wake_fd_, epoll_fd_}) {
+    if (fd >= 0) close(fd);
+  }
+}
+
+spi::TransportCapabilities VerbsTransport::capabilities() const {
+  spi::TransportCapabilities caps;
+  caps.moves_bytes = true;
+  caps.needs_reply = true;  // RC QPs are connected from both ends
+  caps.supports_cuda_memory = CudaRegistrationPossible();
+  caps.max_writes_per_batch = 0;
+  caps.max_write_bytes = 0;  // split into messages of at most max_msg_sz here
+  return caps;
+}
+
+std::vector<std::string> VerbsTransport::device_labels() const {
+  std::vector<std::string> labels;
+  for (const auto& d : devices_) labels.push_back(d->label());
+  return labels;
+}
+
+uint32_t VerbsTransport::RandomPsn() {
+  MutexLock lock(&mu_);
+  return static_cast<uint32_t>(psn_rng_()) & 0xffffff;
+}
+
+void VerbsTransport::Wake() {
+  uint64_t one = 1;
+  // Fails only when the counter would overflow, in which case the thread is awake anyway.
+  ssize_t n = write(wake_fd_, &one, sizeof(one));
+  (void)n;
+}
+
+bool VerbsTransport::Enqueue(Command command) {
+  bool wake = false;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return false;
+    commands_.push_back(std::move(command));
+    wake = sleeping_;
+  }
+  if (wake) Wake();
+  return true;
+}
+
+StatusOr<spi::LocalRegionId> VerbsTransport::RegisterMemory(const spi::MemoryRegion& region,
+                                                            spi::Blob* key_blob) {
+  if (region.addr == nullptr || region.length == 0) {
+    return Status::InvalidArgument("verbs: cannot register an empty region");
+  }
+  const auto addr = reinterpret_cast<uint64_t>(region.addr);
+  if (addr + region.length < addr) return Status::InvalidArgument("verbs: region wraps around");
+  auto mrs = std::make_shared<RegionMrs>();
+  LocalRegion entry{addr, region.length, {}, mrs};
+  std::vector<uint32_t> rkeys;
+  for (const auto& device : devices_) {
+    auto mr = RegisterRegion(*device, region);
+    if (!mr.ok()) return mr.status();
+    entry.lkeys.push_back((*mr)->lkey);
+    rkeys.push_back((*mr)->rkey);
+    mrs->mrs.push_back(std::move(*mr));
+  }
+  if (key_blob != nullptr) *key_blob = EncodeKeys(rkeys);
+  MutexLock lock(&mu_);
+  local_regions_.push_back(std::move(entry));
+  return static_cast<spi::LocalRegionId>(local_regions_.size() - 1);
+}
+
+Status VerbsTransport::DeregisterMemory(spi::LocalRegionId region) {
+  std::shared_ptr<RegionMrs> mrs;
+  {
+    MutexLock lock(&mu_);
+    if (region >= local_regions_.size() || !local_regions_[region]) {
+      return Status::NotFound("verbs: local region " + std::to_string(region) + " not registered");
+    }
+    mrs = std::move(local_regions_[region]->mrs);
+    local_regions_[region].reset();
+  }
+  // The MRs are deregistered here unless a batch still holds them; then with its last reference.
+  return Status::OK();
+}
+
+StatusOr<spi::TargetEndpoint> VerbsTransport::CreateTargetEndpoint() {
+  TargetEntry entry;
+  std::vector<QpAddress> addresses;
+  for (const auto& device : devices_) {
+    auto qp = CreateRcQp(*device);
+    if (!qp.ok()) return qp.status();
+    const uint32_t psn = RandomPsn();
+    addresses.push_back(LocalAddress(*device, **qp, psn));
+    entry.qps.push_back(std::move(*qp));
+    entry.psns.push_back(psn);
+  }
+  MutexLock lock(&targets_mu_);
+  const spi::TargetId id = next_target_++;
+  targets_.emplace(id, std::move(entry));
+  return spi::TargetEndpoint{id, EncodeQpAddresses(kEndpointMagic, addresses)};
+}
+
+Status VerbsTransport::CompleteTargetEndpoint(spi::TargetId target, const spi::Blob& reply) {
+  auto remote = DecodeQpAddresses(reply, kReplyMagic, "reply");
+  if (!remote.ok()) return remote.status();
+  MutexLock lock(&targets_mu_);
+  auto it = targets_.find(target);
+  if (it == targets_.end()) {
+    return Status::NotFound("verbs: unknown target endpoint " + std::to_string(target));
+  }
+  TargetEntry& entry = it->second;
+  if (entry.connected) {
+    return Status::FailedPrecondition("verbs: target endpoint " + std::to_string(target) +
+                                      " is already connected");
+  }
+  if (remote->size() != entry.qps.size()) {
+    return Status::InvalidArgument("verbs: reply blob has " + std::to_string(remote->size()) +
+                                   " QPs for the " + std::to_string(entry.qps.size()) +
+                                   " of target endpoint " + std::to_string(target));
+  }
+  for (size_t i = 0; i < entry.qps.size(); ++i) {
+    Status s = ConnectRcQp(entry.qps[i].get(), *devices_[i], (*remote)[i], entry.psns[i], options_);
+    if (!s.ok()) return s.WithPrefix("target endpoint " + std::to_string(target));
+  }
+  entry.connected = true;
+  return Status::OK();
+}
+
+void VerbsTransport::CloseTargetEndpoint(spi::TargetId target) {
+  TargetEntry closed;
+  {
+    MutexLock lock(&targets_mu_);
+    auto it = targets_.find(target);
+    if (it == targets_.end()) return;
+    closed = std::move(it->second);
+    targets_.erase(it);
+  }
+  // The QPs are destroyed here, outside the lock; a target QP never has requests of its own.
+}
+
+StatusOr<spi::Connection> VerbsTransport::Connect(const spi::Blob& target_endpoint) {
+  auto remote = DecodeQpAddresses(target_endpoint, kEndpointMagic, "endpoint");
+  if (!remote.ok()) return remote.status();
+  auto state = std::make_unique<PeerState>();
+  PeerEntry entry;
+  std::vector<QpAddress> reply;
+  for (size_t k = 0; k < remote->size(); ++k) {
+    const size_t d = k % devices_.size();
+    Device& device = *devices_[d];
+    auto qp = CreateRcQp(device);
+    if (!qp.ok()) return qp.status();
+    const uint32_t psn = RandomPsn();
+    if (Status s = ConnectRcQp(qp->get(), device, (*remote)[k], psn, options_); !s.ok()) {
+      return s.WithPrefix("connecting to the peer's QP " + std::to_string(k));
+    }
+    reply.push_back(LocalAddress(device, **qp, psn));
+    auto pair = std::make_unique<PairState>();
+    pair->index = k;
+    pair->device = d;
+    pair->qp = std::move(*qp);
+    pair->budget = SendQueueBudget(device.sq_depth, options_.signal_every);
+    state->pairs.push_back(std::move(pair));
+    entry.pair_device.push_back(d);
+  }
+  spi::PeerId id = 0;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return Status::Cancelled("verbs: the transport is shutting down");
+    id = next_peer_++;
+    state->id = id;
+    peers_.emplace(id, std::move(entry));
+    // Under mu_, so the peer reaches the progress thread before any batch posted to it.
+    auto shared = std::shared_ptr<PeerState>(std::move(state));
+    commands_.push_back(Command{nullptr, [this, shared] {
+                                  for (auto& pair : shared->pairs) {
+                                    pair->uid = next_pair_uid_++;
+                                  }
+                                  for (size_t k = 0; k < shared->pairs.size(); ++k) {
+                                    pair_owner_[shared->pairs[k]->uid] = {shared->id, k};
+                                  }
+                                  const spi::PeerId peer_id = shared->id;
+                                  auto owned = std::make_unique<PeerState>(std::move(*shared));
+                                  peer_states_.emplace(peer_id, std::move(owned));
+                                }});
+    if (sleeping_) Wake();
+  }
+  return spi::Connection{id, EncodeQpAddresses(kReplyMagic, reply)};
+}
+
+StatusOr<spi::RemoteRegionId> VerbsTransport::ImportRemoteRegion(spi::PeerId peer,
+                                                                 const spi::RemoteRegion& region) {
+  auto rkeys = DecodeKeys(region.key);
+  if (!rkeys.ok()) return rkeys.status();
+  if (region.length == 0) return Status::InvalidArgument("verbs: empty remote region");
+  if (region.addr + region.length < region.addr) {
+    return Status::InvalidArgument("verbs: remote region wraps around");
+  }
+  MutexLock lock(&mu_);
+  auto it = peers_.find(peer);
+  if (it == peers_.end()) return Status::NotFound("verbs: unknown peer " + std::to_string(peer));
+  if (rkeys->size() != it->second.pair_device.size()) {
+    return Status::InvalidArgument("verbs: key blob has " + std::to_string(rkeys->size()) +
+                                   " rkeys but peer " + std::to_string(peer) + " has " +
+                                   std::to_string(it->second.pair_device.size()) + " devices");
+  }
+  it->second.regions.push_back(RemoteRegionEntry{region.addr, region.length, std::move(*rkeys)});
+  return static_cast<spi::RemoteRegionId>(it->second.regions.size() - 1);
+}
+
+Status VerbsTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
+                                  spi::WriteCallback done) {
+  auto batch = std::make_unique<Batch>();
+  batch->peer_id = peer;
+  batch->done = std::move(done);
+  std::vector<std::vector<WriteSegment>> segments;
+  std::vector<size_t> pair_device;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return Status::Cancelled("verbs: the transport is shutting down");
+    auto it = peers_.find(peer);
+    if (it == peers_.end()) {
+      return Status::NotFound("verbs: unknown peer " + std::to_string(peer) +
+                              " (never connected, or disconnected)");
+    }
+    const PeerEntry& entry = it->second;
+    if (!entry.failure.ok()) return entry.failure;
+    pair_device = entry.pair_device;
+    segments.resize(pair_device.size());
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const spi::WriteOp& op = ops[i];
+      if (op.local_region >= local_regions_.size() || !local_regions_[op.local_region]) {
+        return Status::InvalidArgument("verbs: write " + std::to_string(i) +
+                                       " names unregistered local region " +
+                                       std::to_string(op.local_region));
+      }
+      if (op.remote_region >= entry.regions.size()) {
+        return Status::InvalidArgument(
+            "verbs: write " + std::to_string(i) + " names unknown remote region " +
+            std::to_string(op.remote_region) + " of peer " + std::to_string(peer));
+      }
+      const LocalRegion& local = *local_regions_[op.local_region];
+      const RemoteRegionEntry& dst = entry.regions[op.remote_region];
+      if (op.length > local.length || op.local_offset > local.length - op.length) {
+        return Status::OutOfRange(
+            "verbs: write " + std::to_string(i) + " of " + std::to_string(op.length) +
+            " bytes at offset " + std::to_string(op.local_offset) + " leaves local region " +
+            std::to_string(op.local_region) + " of " + std::to_string(local.length) + " bytes");
+      }
+      if (op.length > dst.length || op.remote_offset > dst.length - op.length) {
+        return Status::OutOfRange(
+            "verbs: write " + std::to_string(i) + " of " + std::to_string(op.length) +
+            " bytes at offset " + std::to_string(op.remote_offset) + " leaves remote region " +
+            std::to_string(op.remote_region) + " of " + std::to_string(dst.length) + " bytes");
+      }
+      if (op.length == 0) continue;
+      // Layers spread over the pairs (devices) by local region.
+      const size_t k = op.local_region % pair_device.size();
+      segments[k].push_back({local.addr + op.local_offset, local.lkeys[pair_device[k]],
+                             dst.addr + op.remote_offset, dst.rkeys[k], op.length});
+      if (std::find(batch->regions.begin(), batch->regions.end(), local.mrs) ==
+          batch->regions.end()) {
+        batch->regions.push_back(local.mrs);
+      }
+    }
+  }
+  // Planning needs no lock: the batch holds its MRs and the keys were copied.
+  batch->plans.resize(segments.size());
+  batch->next_wr.assign(segments.size(), 0);
+  for (size_t k = 0; k < segments.size(); ++k) {
+    PlanWrites(segments[k], devices_[pair_device[k]]->limits, &batch->plans[k]);
+  }
+  if (!Enqueue(Command{std::move(batch), {}})) {
+    return Status::Cancelled("verbs: the transport is shutting down");
+  }
+  return Status::OK();
+}
+
+void VerbsTransport::Disconnect(spi::PeerId peer) {
+  {
+    MutexLock lock(&mu_);
+    if (peers_.erase(peer) == 0) return;
+  }
+  // On the progress thread: fails the peer's batches (their callbacks run at the loop's next
+  // safe point) and signals `erased` once they have run.
+  auto begin = [this, peer](std::promise<void>* erased) {
+    auto it = peer_states_.find(peer);
+    if (it != peer_states_.end()) {
+      it->second->disconnecting = true;
+      FailPeer(*it->second,
+               Status::Cancelled("verbs: peer " + std::to_string(peer) + " disconnected"));
+    }
+    if (erased != nullptr) erased_signals_.push_back(std::move(*erased));
+  };
+  if (OnProgressThread()) {  // from a completion callback: cannot wait for ourselves
+    begin(nullptr);
+    return;
+  }
+  std::promise<void> erased;
+  std::future<void> erased_future = erased.get_future();
+  if (!Enqueue(Command{nullptr, [&] { begin(&erased); }})) return;  // the destructor cancels all
+  erased_future.wait();
+}
+
+}  // namespace verbs
+
+void RegisterVerbsBackend() {
+  internal::RegisterBuiltinTransport(
+      "verbs",
+      [](const spi::TransportOptions& options) -> StatusOr<std::unique_ptr<spi::Transport>> {
+        auto transport = verbs::VerbsTransport::Create(options);
+        if (!transport.ok()) return transport.status();
+        return std::unique_ptr<spi::Transport>(std::move(*transport));
+      })
+      .IgnoreError();  // only fails if "verbs" is registered twice, which the call_once prevents
+}
+
+}  // namespace v1
+}  // namespace pdlib

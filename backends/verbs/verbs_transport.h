@@ -1,0 +1,234 @@
+// The verbs backend: the transport SPI (include/pdlib/spi/transport.h) directly on libibverbs,
+// RDMA WRITE over RC queue pairs, for engines that want RDMA without UCX.
+//
+// Devices (verbs_device.h): one or more, each with its PD, completion channel and CQ. Every
+// registered region gets an MR on each device; its key blob carries the rkey per device.
+//
+// Connections: the target (decode) creates one RC QP per device of its own in
+// CreateTargetEndpoint and ships their addresses in the endpoint blob; the initiator (prefill)
+// creates one QP per target QP (pair k on its device k mod #devices), connects them at once and
+// returns their addresses in the reply blob, with which CompleteTargetEndpoint connects the
+// target's ends (RC QPs are connected from both ends). Writes from local region r go over pair
+// r mod #pairs: the layers are spread over the devices.
+//
+// Data path: PostWrites validates every op, resolves it to addresses and keys, and plans its
+// work requests (verbs_wr.h: SGE lists within max_sge, messages within max_msg_sz) on the
+// calling thread; the progress thread posts them in chains, within each QP's send-queue depth
+// and each CQ's capacity, signalling selectively (the last request of a batch always), polls the
+// CQs 64 completions at a time, and sleeps on the completion channels when idle, re-polling after
+// arming so that no completion is missed. A batch completes (OK) when the signalled last request
+// of each of its QPs completes: RC completes a QP's requests in order, and a completed RDMA WRITE
+// is in the target's memory.
+//
+// Failures: a work completion with an error (peer gone: retries exhausted; bad key; ...) fails
+// every outstanding batch of that peer with kUnavailable naming the completion status (e.g.
+// "transport retry counter exceeded"); the peer's QPs are moved to the error state, drained and
+// destroyed, and new batches to it are refused with the same reason. New connections (the core
+// reconnects when the peer registers again) get new QPs.
+//
+// Threads: every public method may be called from any thread, also from a completion callback
+// (Disconnect there does not wait). One progress thread per transport is the only one that posts
+// to the initiator QPs and polls the CQs; callbacks run on it, never under a pdlib lock.
+#ifndef PDLIB_BACKENDS_VERBS_VERBS_TRANSPORT_H_
+#define PDLIB_BACKENDS_VERBS_VERBS_TRANSPORT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <list>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "backends/verbs/verbs_device.h"
+#include "backends/verbs/verbs_options.h"
+#include "backends/verbs/verbs_wr.h"
+#include "lib/base/mutex.h"
+#include "pdlib/spi/transport.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace verbs {
+
+// Owned by whoever created it (the KVManager); see the file comment for threads.
+class VerbsTransport final : public spi::Transport {
+ public:
+  static StatusOr<std::unique_ptr<VerbsTransport>> Create(const spi::TransportOptions& options);
+  ~VerbsTransport() override;
+  VerbsTransport(const VerbsTransport&) = delete;
+  VerbsTransport& operator=(const VerbsTransport&) = delete;
+
+  std::string_view name() const override { return "verbs"; }
+  spi::TransportCapabilities capabilities() const override;
+
+  StatusOr<spi::LocalRegionId> RegisterMemory(const spi::MemoryRegion& region,
+                                              spi::Blob* key_blob) override;
+  Status DeregisterMemory(spi::LocalRegionId region) override;
+  StatusOr<spi::TargetEndpoint> CreateTargetEndpoint() override;
+  Status CompleteTargetEndpoint(spi::TargetId target, const spi::Blob& reply) override;
+  void CloseTargetEndpoint(spi::TargetId target) override;
+  StatusOr<spi::Connection> Connect(const spi::Blob& target_endpoint) override;
+  StatusOr<spi::RemoteRegionId> ImportRemoteRegion(spi::PeerId peer,
+                                                   const spi::RemoteRegion& region) override;
+  Status PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
+                    spi::WriteCallback done) override;
+  void Disconnect(spi::PeerId peer) override;
+
+  // "rxe0:1" per device in use, for logs and tests.
+  std::vector<std::string> device_labels() const;
+  // The limits writes are planned with on device `index`.
+  WrLimits limits(size_t index) const { return devices_[index]->limits; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct PeerState;
+
+  // A registered region's MRs, one per device. Batches hold a reference, so an MR outlives
+  // every request that uses it even when the region is deregistered meanwhile.
+  struct RegionMrs {
+    std::vector<MrPtr> mrs;
+  };
+  struct LocalRegion {
+    uint64_t addr = 0;
+    uint64_t length = 0;
+    std::vector<uint32_t> lkeys;  // by device
+    std::shared_ptr<RegionMrs> mrs;
+  };
+  struct RemoteRegionEntry {
+    uint64_t addr = 0;
+    uint64_t length = 0;
+    std::vector<uint32_t> rkeys;  // by pair (= by the target's device)
+  };
+  // A connection, as PostWrites validates it.
+  struct PeerEntry {
+    std::vector<size_t> pair_device;  // local device of each pair
+    std::vector<RemoteRegionEntry> regions;
+    Status failure;  // non-OK once a QP failed: new batches are refused with it
+  };
+  // The target's half of one connection.
+  struct TargetEntry {
+    std::vector<QpPtr> qps;  // one per device, in device order
+    std::vector<uint32_t> psns;
+    bool connected = false;
+  };
+
+  // One PostWrites call. Owned by its peer's `batches` list from acceptance to completion.
+  struct Batch {
+    uint64_t seq = 0;
+    spi::PeerId peer_id = 0;
+    spi::WriteCallback done;
+    std::vector<WrPlan> plans;    // by pair
+    std::vector<size_t> next_wr;  // posting cursor, by pair
+    uint32_t pending = 1;         // pairs with unfinished requests, plus one while accepted
+    Status status;                // the first error
+    std::vector<std::shared_ptr<RegionMrs>> regions;  // keeps the MRs used alive
+    std::list<std::unique_ptr<Batch>>::iterator self;
+  };
+
+  // One RC QP of a peer, as the progress thread drives it.
+  struct PairState {
+    uint32_t uid = 0;  // in the upper bits of every wr_id (see WrId)
+    size_t index = 0;  // in the peer's pairs (and the batches' plans)
+    size_t device = 0;
+    QpPtr qp;
+    SendQueueBudget budget{1, 1};
+    std::deque<Batch*> to_post;                          // batches with requests left to post here
+    std::deque<std::pair<uint64_t, Batch*>> batch_ends;  // (seq of a batch's last request, batch)
+    bool errored = false;  // moved to the error state: drained, then destroyed
+  };
+  struct PeerState {
+    spi::PeerId id = 0;
+    std::vector<std::unique_ptr<PairState>> pairs;
+    std::list<std::unique_ptr<Batch>> batches;  // outstanding, oldest first
+    Status failure;
+    bool disconnecting = false;
+    Clock::time_point drain_deadline;
+    std::vector<std::promise<void>> on_erased;
+  };
+
+  // What the progress thread is handed: a batch, or a function to run there.
+  struct Command {
+    std::unique_ptr<Batch> batch;
+    std::function<void()> fn;
+  };
+
+  VerbsTransport(VerbsOptions options, std::vector<std::unique_ptr<Device>> devices);
+  Status Init();
+  uint32_t RandomPsn();
+
+  bool Enqueue(Command command);
+  void Wake();
+  bool OnProgressThread() const { return std::this_thread::get_id() == progress_id_; }
+
+  // Progress thread (verbs_progress.cc).
+  void ProgressLoop();
+  bool DrainCommands();
+  void AcceptBatch(std::unique_ptr<Batch> batch);
+  bool PostReady();
+  bool PostPair(PeerState& peer, PairState& pair);
+  bool PollCqs();
+  void HandleCompletion(const ibv_wc& wc);
+  void ReleaseRef(Batch& batch, PeerState& peer);
+  void FailPeer(PeerState& peer, const Status& status);
+  void ErrorQp(PairState& pair);
+  bool ReapPeers(Clock::time_point now);
+  void HandleAsyncEvents();
+  void RunCompletions();
+  void Sleep();
+  void Shutdown();
+
+  const VerbsOptions options_;
+  const std::vector<std::unique_ptr<Device>> devices_;
+  int wake_fd_ = -1;   // eventfd, owned
+  int epoll_fd_ = -1;  // owned
+
+  // Shared with API threads.
+  Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool sleeping_ ABSL_GUARDED_BY(mu_) = false;  // the progress thread is (about to be) in epoll
+  std::deque<Command> commands_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::optional<LocalRegion>> local_regions_ ABSL_GUARDED_BY(mu_);  // by id
+  std::unordered_map<spi::PeerId, PeerEntry> peers_ ABSL_GUARDED_BY(mu_);
+  spi::PeerId next_peer_ ABSL_GUARDED_BY(mu_) = 1;
+  std::mt19937 psn_rng_ ABSL_GUARDED_BY(mu_);
+
+  // Target endpoints: QP setup is slow (system calls), so it has its own lock.
+  Mutex targets_mu_;
+  std::unordered_map<spi::TargetId, TargetEntry> targets_ ABSL_GUARDED_BY(targets_mu_);
+  spi::TargetId next_target_ ABSL_GUARDED_BY(targets_mu_) = 1;
+
+  // Progress thread only.
+  std::unordered_map<spi::PeerId, std::unique_ptr<PeerState>> peer_states_;
+  // Pair uid -> its peer and index there; a uid leaves before its QP is destroyed, so a stale
+  // completion finds nothing.
+  std::unordered_map<uint32_t, std::pair<spi::PeerId, size_t>> pair_owner_;
+  std::vector<ibv_send_wr> wr_scratch_;  // the chain being posted
+  std::vector<ibv_sge> sge_scratch_;
+  uint32_t next_pair_uid_ = 1;
+  uint64_t last_seq_ = 0;
+  std::vector<uint64_t> device_outstanding_;        // requests posted and not retired, by device
+  std::vector<std::unique_ptr<Batch>> completed_;   // callbacks to run at the loop's safe point
+  std::vector<std::promise<void>> erased_signals_;  // Disconnect waiters, after the callbacks
+  Clock::time_point now_;
+  Clock::time_point next_async_check_;
+
+  std::thread progress_;
+  std::thread::id progress_id_;
+};
+
+}  // namespace verbs
+
+// Adds "verbs" to the backend registry (called from the generated RegisterBuiltinBackends()).
+void RegisterVerbsBackend();
+
+}  // namespace v1
+}  // namespace pdlib
+
+#endif  // PDLIB_BACKENDS_VERBS_VERBS_TRANSPORT_H_

@@ -1,0 +1,112 @@
+// How the verbs backend turns a batch of writes into RDMA WRITE work requests, and how it paces
+// them on a QP's send queue. Pure arithmetic on addresses and keys: no verbs call, no thread, so
+// the limits, the chaining and the signalling cadence are unit-tested on any host.
+//
+// Work requests: an RDMA WRITE lands in one contiguous remote range but may gather its source
+// from up to max_sge local pieces, and carries at most max_message_bytes. PlanWrites merges
+// consecutive writes whose remote ranges follow each other (same rkey) into one request, joins
+// local pieces that follow each other into one SGE, starts a new request when the SGE list or
+// the message is full, and splits a write longer than a message.
+//
+// Send queue: each request takes a slot of its QP's send queue until a completion retires it.
+// Only signalled requests produce a completion (on success), and RC completes a QP's requests in
+// order, so one signalled completion retires every request posted before it. SendQueueBudget
+// signals every signal_every-th request, any request that fills the queue, and any request the
+// poster names (the last of each batch, whose completion is the batch's, and the last before the
+// poster stops to wait for room), so that whoever waits always has a completion coming.
+#ifndef PDLIB_BACKENDS_VERBS_VERBS_WR_H_
+#define PDLIB_BACKENDS_VERBS_VERBS_WR_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "pdlib/status.h"
+
+namespace pdlib {
+inline namespace v1 {
+namespace verbs {
+
+// One write, resolved to what the NIC sees: local address and lkey, remote address and rkey.
+struct WriteSegment {
+  uint64_t local_addr = 0;
+  uint32_t lkey = 0;
+  uint64_t remote_addr = 0;
+  uint32_t rkey = 0;
+  uint64_t length = 0;
+};
+
+struct WrLimits {
+  uint32_t max_sge = 1;
+  uint64_t max_message_bytes = 1;  // at most 2^32 - 1: an SGE's length is 32 bits
+};
+
+// An scatter-gather entry as ibv_sge has it.
+struct Sge {
+  uint64_t addr = 0;
+  uint32_t length = 0;
+  uint32_t lkey = 0;
+  friend bool operator==(const Sge&, const Sge&) = default;
+};
+
+// One RDMA WRITE: sges[first_sge, first_sge + num_sge) of the plan, to remote_addr.
+struct PlannedWr {
+  uint64_t remote_addr = 0;
+  uint32_t rkey = 0;
+  uint64_t length = 0;
+  uint32_t first_sge = 0;
+  uint32_t num_sge = 0;
+};
+
+struct WrPlan {
+  std::vector<Sge> sges;
+  std::vector<PlannedWr> wrs;
+};
+
+// The limits to plan with: the device's, lowered by the options where they ask (0: keep).
+// Errors when a device reports a limit that makes writes impossible.
+StatusOr<WrLimits> EffectiveLimits(uint32_t device_max_sge, uint64_t device_max_message,
+                                   uint32_t option_max_sge, uint64_t option_max_message);
+
+// Appends the requests for `writes` (in order; empty ones are skipped) to *plan. Requests already
+// in *plan are never extended, so plans of separate calls stay separate.
+void PlanWrites(std::span<const WriteSegment> writes, const WrLimits& limits, WrPlan* plan);
+
+// Send-queue slots of one QP and which requests are signalled. Owned by the progress thread.
+class SendQueueBudget {
+ public:
+  // depth >= 1; signal_every is clamped to [1, depth].
+  SendQueueBudget(uint32_t depth, uint32_t signal_every);
+
+  struct Posted {
+    uint64_t seq;  // 1, 2, ...: the request's number on this QP
+    bool signalled;
+  };
+
+  // Slots free now.
+  uint32_t room() const { return depth_ - static_cast<uint32_t>(posted_ - retired_); }
+  // Records one request about to be posted (room() must be > 0); `must_signal` forces a
+  // completion for it.
+  Posted Post(bool must_signal);
+  // A completion for request `seq` arrived: it and every earlier request are retired. Returns the
+  // slots freed (0 for a stale or repeated sequence number).
+  uint32_t Retire(uint64_t seq);
+
+  uint64_t last_posted() const { return posted_; }
+  uint64_t outstanding() const { return posted_ - retired_; }
+  uint32_t depth() const { return depth_; }
+  uint32_t signal_every() const { return signal_every_; }
+
+ private:
+  uint32_t depth_;
+  uint32_t signal_every_;
+  uint64_t posted_ = 0;
+  uint64_t retired_ = 0;
+  uint32_t since_signal_ = 0;  // unsignalled requests posted since the last signalled one
+};
+
+}  // namespace verbs
+}  // namespace v1
+}  // namespace pdlib
+
+#endif  // PDLIB_BACKENDS_VERBS_VERBS_WR_H_
