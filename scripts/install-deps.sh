@@ -12,6 +12,11 @@ PACKAGES=(
   libucx-dev ucx-utils
   libibverbs-dev rdma-core ibverbs-utils
   catch2 libbenchmark-dev
+  # The Soft-RoCE VM tests (test/rxe/): qemu boots Debian's stock kernel, whose rdma_rxe module
+  # gives a real verbs device; busybox-static and cpio make its initramfs, kmod and iproute2
+  # (the rdma tool) set the device up, perftest and ibverbs-providers run on it.
+  qemu-system-x86 linux-image-amd64 busybox-static cpio kmod iproute2
+  ibverbs-providers perftest
 )
 
 missing=()

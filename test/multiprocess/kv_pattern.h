@@ -76,6 +76,10 @@ inline std::optional<std::string> VerifyPage(const uint8_t* src, size_t len, uin
   return std::nullopt;
 }
 
+// The pattern of state slot n of state buffer s is that of "buffer" kStatePatternBase + s at
+// position n: far from any KV buffer index, so a state slot never matches a KV page's pattern.
+inline constexpr uint32_t kStatePatternBase = 1u << 30;
+
 // The aux slot's output_ids[0] of `room` (its bootstrap_room field holds the room itself).
 inline int32_t AuxOutputId(uint64_t room) { return int32_t(Mix64(room ^ 0xa0c5ULL) % 32000); }
 

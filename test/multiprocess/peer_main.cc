@@ -4,10 +4,11 @@
 //
 //   pdlib_test_peer --role prefill|decode [--bootstrap-port N] [--start-bootstrap]
 //       [--listen-port N] [--backend fake] [--backend-option KEY=VALUE ...] [--layers L]
-//       [--item-bytes B] [--pages-per-pool P] [--pages-per-request K] [--page-size S]
-//       [--model-name NAME] [--concurrency C]
-//       [--verify [--layout scattered|contiguous] [--chunks N] [--vary-layout]
-//        [--corrupt-kv-room R] [--corrupt-aux-room R]]
+//       [--item-bytes B] [--v-item-bytes B] [--pages-per-pool P] [--pages-per-request K]
+//       [--page-size S] [--model-name NAME] [--concurrency C]
+//       [--verify [--layout scattered|contiguous] [--chunks N] [--vary-layout] [--layout-seed S]
+//        [--state-buffers N [--state-item-bytes B] [--state-slots M] [--state-per-request K]]
+//        [--corrupt-kv-room R] [--corrupt-aux-room R] [--corrupt-state-room R]]
 //       [--requests R --rooms-from X [--hold H] [--exit-when-done]]
 //       [--liveness-ms MS] [--connect-timeout-ms MS] [--bootstrap-timeout-ms MS]
 //       [--waiting-timeout-ms MS] [--transfer-timeout-ms MS] [--max-seconds S]
@@ -26,8 +27,17 @@
 // reaches Success, checks every byte of every destination page and the aux slot, and prints
 // "ROOM <id> Success OK" only if all match, else "ROOM <id> Failed BADBYTES <first mismatch>".
 // --vary-layout derives each room's page count (1..--pages-per-request), placement and chunk
-// count (1..--chunks) from its id. --corrupt-kv-room / --corrupt-aux-room (prefill) spoil one KV
-// byte / the aux output id of that room after filling it: negative controls for the check.
+// count (1..--chunks) from its id; --layout-seed S (non-zero) mixes S into that and into the page
+// placement, so that one seed is one random layout that both sides (given the same S) agree on.
+// --v-item-bytes gives the V buffers (the second half of the KV buffers) their own item size.
+// --state-buffers N registers N state buffers (KVArgs::state, state_type mamba for one slot per
+// request, swa for more) of --state-slots slots of --state-item-bytes each; every room takes
+// --state-per-request slots on each side (placed differently on each), prefill fills them with
+// the pattern of (room, kStatePatternBase + state buffer, slot position) and sends them with the
+// last chunk, and decode checks them with the KV pages and the aux slot. A room never takes more
+// slots than it has pages (an SWA window lies inside its request).
+// --corrupt-kv-room / --corrupt-aux-room / --corrupt-state-room (prefill) spoil one KV byte / the
+// aux output id / one state byte of that room after filling it: negative controls for the check.
 //
 // Lines the peer prints (stdout, flushed after each):
 //   READY role=<prefill|decode> port=<control port, 0 on decode> endpoint=<host:port>
@@ -103,8 +113,15 @@ struct Flags {
   bool vary_layout = false;
   int64_t corrupt_kv_room = -1;
   int64_t corrupt_aux_room = -1;
+  int64_t corrupt_state_room = -1;
+  int64_t layout_seed = 0;
+  int64_t state_buffers = 0;
+  int64_t state_item_bytes = 512;
+  int64_t state_slots = 64;
+  int64_t state_per_request = 1;
   int64_t layers = 2;
   int64_t item_bytes = 1024;
+  int64_t v_item_bytes = -1;  // -1: --item-bytes
   int64_t pages_per_pool = 256;
   int64_t pages_per_request = 4;
   int64_t page_size = 16;
@@ -138,6 +155,13 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   const std::map<std::string_view, int64_t*> ints = {
       {"--layers", &f->layers},
       {"--item-bytes", &f->item_bytes},
+      {"--v-item-bytes", &f->v_item_bytes},
+      {"--layout-seed", &f->layout_seed},
+      {"--state-buffers", &f->state_buffers},
+      {"--state-item-bytes", &f->state_item_bytes},
+      {"--state-slots", &f->state_slots},
+      {"--state-per-request", &f->state_per_request},
+      {"--corrupt-state-room", &f->corrupt_state_room},
       {"--pages-per-pool", &f->pages_per_pool},
       {"--pages-per-request", &f->pages_per_request},
       {"--page-size", &f->page_size},
@@ -234,6 +258,21 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     std::fprintf(stderr, "pdlib_test_peer: sizes must be >= 1 and pages-per-request <= pool\n");
     return false;
   }
+  if (f->v_item_bytes < 0) f->v_item_bytes = f->item_bytes;
+  if (f->v_item_bytes < 1) {
+    std::fprintf(stderr, "pdlib_test_peer: --v-item-bytes must be >= 1\n");
+    return false;
+  }
+  if (f->state_buffers > 0 && (!f->verify || f->state_item_bytes < 1 || f->state_per_request < 1 ||
+                               f->state_per_request > f->state_slots)) {
+    std::fprintf(stderr,
+                 "pdlib_test_peer: --state-buffers %lld needs --verify, --state-item-bytes >= 1 "
+                 "and 1 <= --state-per-request %lld <= --state-slots %lld\n",
+                 static_cast<long long>(f->state_buffers),
+                 static_cast<long long>(f->state_per_request),
+                 static_cast<long long>(f->state_slots));
+    return false;
+  }
   return true;
 }
 
@@ -272,6 +311,7 @@ struct Active {
   // --verify only: this room's shape, its pages (from the side's PagePool), chunks queued.
   pdlib_test::RoomShape shape;
   std::vector<int32_t> pages;
+  std::vector<int32_t> state_slots;  // --state-buffers: this room's slots in every state buffer
   size_t chunks_sent = 0;
   const pdlib::KVPollable& handle() const {
     return sender ? static_cast<const pdlib::KVPollable&>(*sender) : *receiver;
@@ -284,12 +324,21 @@ class Peer {
 
   // Builds the pools and the manager. Prints ERROR and returns false on failure.
   bool Start() {
-    const size_t layers = size_t(f_.layers), item = size_t(f_.item_bytes);
-    const size_t pool_bytes = size_t(f_.pages_per_pool) * item;
+    const size_t layers = size_t(f_.layers);
     pools_.resize(2 * layers);
-    for (auto& pool : pools_) pool.assign(pool_bytes, 0);
-    page_pool_ = std::make_unique<pdlib_test::PagePool>(
-        size_t(f_.pages_per_pool), f_.mode == pdlib::Mode::kPrefill ? 0x9f11ULL : 0xdec0deULL);
+    for (size_t b = 0; b < pools_.size(); ++b) {
+      pools_[b].assign(size_t(f_.pages_per_pool) * ItemBytes(b), 0);
+    }
+    state_pools_.resize(size_t(f_.state_buffers));
+    for (auto& pool : state_pools_) {
+      pool.assign(size_t(f_.state_slots) * size_t(f_.state_item_bytes), 0);
+    }
+    // Salted by role (source and destination places differ) and by --layout-seed.
+    const uint64_t salt = (f_.mode == pdlib::Mode::kPrefill ? 0x9f11ULL : 0xdec0deULL) ^
+                          (f_.layout_seed != 0 ? pdlib_test::Mix64(uint64_t(f_.layout_seed)) : 0);
+    page_pool_ = std::make_unique<pdlib_test::PagePool>(size_t(f_.pages_per_pool), salt);
+    state_pool_ =
+        std::make_unique<pdlib_test::PagePool>(size_t(f_.state_slots), pdlib_test::Mix64(salt));
     const size_t slots = pdlib::MetadataBuffers::SlotCountFor(size_t(f_.concurrency));
     auto aux = pdlib::MetadataBuffers::Create(slots, 0, 0);
     if (!aux.ok()) return Fail("MetadataBuffers::Create: " + aux.status().ToString());
@@ -311,10 +360,19 @@ class Peer {
     o.bootstrap_timeout = milliseconds(f_.bootstrap_timeout_ms);
     o.waiting_timeout = milliseconds(f_.waiting_timeout_ms);
     o.transfer_timeout = milliseconds(f_.transfer_timeout_ms);
-    for (auto& pool : pools_) {
-      o.args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(pool.data()));
-      o.args.kv.lens.push_back(pool.size());
-      o.args.kv.item_lens.push_back(item);
+    for (size_t b = 0; b < pools_.size(); ++b) {
+      o.args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(pools_[b].data()));
+      o.args.kv.lens.push_back(pools_[b].size());
+      o.args.kv.item_lens.push_back(ItemBytes(b));
+    }
+    for (auto& pool : state_pools_) {
+      o.args.state.ptrs.push_back(reinterpret_cast<uint64_t>(pool.data()));
+      o.args.state.lens.push_back(pool.size());
+      o.args.state.item_lens.push_back(uint64_t(f_.state_item_bytes));
+    }
+    if (!state_pools_.empty()) {
+      o.args.state_type =
+          f_.state_per_request == 1 ? pdlib::StateType::kMamba : pdlib::StateType::kSwa;
     }
     o.args.aux = aux_->Describe();
     o.args.page_size = uint32_t(f_.page_size);
@@ -364,6 +422,11 @@ class Peer {
   }
 
  private:
+  // Item (page) size of KV buffer `b`: K buffers first, then V buffers (--v-item-bytes).
+  size_t ItemBytes(size_t b) const {
+    return size_t(b < size_t(f_.layers) ? f_.item_bytes : f_.v_item_bytes);
+  }
+
   bool Fail(const std::string& message) {
     Emit("ERROR " + message);
     return false;
@@ -422,11 +485,25 @@ class Peer {
     a->room = room;
     a->batch = bi;
     if (f_.verify) {
-      a->shape = pdlib_test::ShapeOf(room, size_t(f_.pages_per_request), f_.scattered,
+      const uint64_t shape_key =
+          f_.layout_seed != 0
+              ? pdlib_test::Mix64(room ^ pdlib_test::Mix64(uint64_t(f_.layout_seed)))
+              : room;
+      a->shape = pdlib_test::ShapeOf(shape_key, size_t(f_.pages_per_request), f_.scattered,
                                      size_t(f_.chunks), f_.vary_layout);
       auto pages = page_pool_->Alloc(room, a->shape.pages, a->shape.scattered);
       if (!pages) return false;
       a->pages = std::move(*pages);
+      if (!state_pools_.empty()) {
+        // SWA's window lies inside the request: at most one slot per page (the planner checks).
+        const size_t count = std::min(size_t(f_.state_per_request), a->shape.pages);
+        auto slots = state_pool_->Alloc(room, count, true);
+        if (!slots) {
+          page_pool_->Free(a->pages);
+          return false;
+        }
+        a->state_slots = std::move(*slots);
+      }
     }
     pdlib::Status s;
     if (f_.mode == pdlib::Mode::kPrefill) {
@@ -442,6 +519,7 @@ class Peer {
       // No handle: the room is over before it began.
       Emit("ROOM " + std::to_string(room) + " Failed " + s.ToString());
       page_pool_->Free(a->pages);
+      state_pool_->Free(a->state_slots);
       ++batches_[bi].failed;
       FinishBatchIfDone(bi);
       return true;
@@ -494,7 +572,7 @@ class Peer {
     if (batches_[a.batch].hold == Hold::kWaiting) return MarkHeld(a);
     a.done_sending = true;
     const std::vector<int32_t> pages = f_.verify ? a.pages : Pages(a.room);
-    if (pdlib::Status s = a.receiver->Init(pages, a.aux); !s.ok()) {
+    if (pdlib::Status s = a.receiver->Init(pages, a.aux, a.state_slots); !s.ok()) {
       Emit("ERROR room " + std::to_string(a.room) + " Init: " + s.ToString());
       a.receiver->Abort("Init() refused: " + s.ToString());
     }
@@ -557,8 +635,8 @@ class Peer {
     size_t first = 0;
     for (size_t i = 0; i < c; ++i) first += pdlib_test::ChunkPages(a.shape, i);
     const size_t n = pdlib_test::ChunkPages(a.shape, c);
-    const size_t item = size_t(f_.item_bytes);
     for (size_t b = 0; b < pools_.size(); ++b) {
+      const size_t item = ItemBytes(b);
       for (size_t i = first; i < first + n; ++i) {
         pdlib_test::FillPage(pools_[b].data() + size_t(a.pages[i]) * item, item, a.room,
                              uint32_t(b), uint32_t(i));
@@ -566,13 +644,34 @@ class Peer {
     }
     if (c == 0 && int64_t(a.room) == f_.corrupt_kv_room) {
       // One byte in the middle of the last buffer's first page.
+      const size_t item = ItemBytes(pools_.size() - 1);
       pools_.back()[size_t(a.pages[0]) * item + item / 2] ^= 0x40;
     }
+    if (last) FillState(a);
     a.chunks_sent = c + 1;
     a.partial_sent = true;
     a.done_sending = last;
-    check(a.sender->Send(std::span(a.pages).subspan(first, n), last), "Send");
+    // The state slots travel with the last chunk (after the aux slot, SPEC R5.2).
+    check(
+        a.sender->Send(std::span(a.pages).subspan(first, n), last,
+                       last ? std::span<const int32_t>(a.state_slots) : std::span<const int32_t>()),
+        "Send");
     return true;
+  }
+
+  // --verify prefill: the pattern into every state slot of `a`, just before the last Send().
+  void FillState(const Active& a) {
+    const size_t item = size_t(f_.state_item_bytes);
+    for (size_t s = 0; s < state_pools_.size(); ++s) {
+      for (size_t n = 0; n < a.state_slots.size(); ++n) {
+        pdlib_test::FillPage(state_pools_[s].data() + size_t(a.state_slots[n]) * item, item, a.room,
+                             pdlib_test::kStatePatternBase + uint32_t(s), uint32_t(n));
+      }
+    }
+    if (int64_t(a.room) == f_.corrupt_state_room && !state_pools_.empty()) {
+      // One byte at the end of the last state buffer's first slot.
+      state_pools_.back()[size_t(a.state_slots[0]) * item + item - 1] ^= 0x20;
+    }
   }
 
   // --verify decode: nullopt when every destination byte and the aux slot of `a` are right,
@@ -586,12 +685,25 @@ class Peer {
       return "aux.output_ids[0]=" + std::to_string(got_id) +
              ",expected=" + std::to_string(pdlib_test::AuxOutputId(a.room));
     }
-    const size_t item = size_t(f_.item_bytes);
     for (size_t b = 0; b < pools_.size(); ++b) {
+      const size_t item = ItemBytes(b);
       for (size_t i = 0; i < a.pages.size(); ++i) {
         auto bad = pdlib_test::VerifyPage(pools_[b].data() + size_t(a.pages[i]) * item, item,
                                           a.room, uint32_t(b), uint32_t(i));
         if (bad) return *bad + ",page=" + std::to_string(a.pages[i]);
+      }
+    }
+    const size_t state_item = size_t(f_.state_item_bytes);
+    for (size_t s = 0; s < state_pools_.size(); ++s) {
+      for (size_t n = 0; n < a.state_slots.size(); ++n) {
+        const uint8_t* slot = state_pools_[s].data() + size_t(a.state_slots[n]) * state_item;
+        auto bad = pdlib_test::VerifyPage(slot, state_item, a.room,
+                                          pdlib_test::kStatePatternBase + uint32_t(s), uint32_t(n));
+        if (bad) {  // "offset=...,expected=...,got=..." from VerifyPage, with the state's names
+          return "state_buffer=" + std::to_string(s) + ",slot_pos=" + std::to_string(n) +
+                 ",slot=" + std::to_string(a.state_slots[n]) + "," +
+                 bad->substr(bad->find("offset="));
+        }
       }
     }
     return std::nullopt;
@@ -618,9 +730,11 @@ class Peer {
     const size_t bi = a->batch;
     const std::optional<uint32_t> aux = a->aux;
     const std::vector<int32_t> pages = std::move(a->pages);
+    const std::vector<int32_t> state_slots = std::move(a->state_slots);
     a.reset();  // the engine releases the request: handle first, then its slot and pages
     if (aux) slots_->Free(*aux).IgnoreError();
     page_pool_->Free(pages);
+    state_pool_->Free(state_slots);
     FinishBatchIfDone(bi);
   }
 
@@ -712,10 +826,12 @@ class Peer {
   }
 
   const Flags f_;
-  std::vector<std::vector<uint8_t>> pools_;  // one K and one V pool per layer
+  std::vector<std::vector<uint8_t>> pools_;        // one K and one V pool per layer
+  std::vector<std::vector<uint8_t>> state_pools_;  // --state-buffers
   std::unique_ptr<pdlib::MetadataBuffers> aux_;
   std::unique_ptr<pdlib::MetadataSlotAllocator> slots_;
-  std::unique_ptr<pdlib_test::PagePool> page_pool_;  // --verify: pages of the rooms in flight
+  std::unique_ptr<pdlib_test::PagePool> page_pool_;   // --verify: pages of the rooms in flight
+  std::unique_ptr<pdlib_test::PagePool> state_pool_;  // --verify: state slots of those rooms
   std::unique_ptr<pdlib::KVManager> manager_;
   std::deque<Batch> batches_;
   size_t next_batch_ = 0;  // first batch with rooms not yet started
