@@ -17,6 +17,8 @@ PACKAGES=(
   # (the rdma tool) set the device up, perftest and ibverbs-providers run on it.
   qemu-system-x86 linux-image-amd64 busybox-static cpio kmod iproute2
   ibverbs-providers perftest
+  # valgrind_* tests (memcheck over two processes); openssl makes the TLS test's certificates.
+  valgrind openssl
 )
 
 missing=()
