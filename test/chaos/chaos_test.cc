@@ -1,0 +1,136 @@
+// Short chaos runs: pdlib-chaos (tools/chaos) kills and freezes real prefill and decode
+// processes while requests run, over the fake backend and over UCX shm, and must report no hung
+// room, no Success with wrong bytes and nothing left held at the end. The negative controls
+// spoil bytes on purpose and require the run to catch them.
+//
+// Each run prints its summary and, on failure, the PROBLEM lines and where the processes' logs
+// were kept (stderr, shown by ctest --output-on-failure).
+#include <sys/wait.h>
+
+#include <catch2/catch.hpp>
+#include <charconv>
+#include <cstdio>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+struct RunResult {
+  int exit_code = -1;
+  std::string json;  // stdout: the one-line JSON report
+};
+
+RunResult RunChaos(const std::vector<std::string>& args) {
+  std::string command = "'" PDLIB_CHAOS_BINARY "' --json";
+  for (const auto& a : args) command += " '" + a + "'";
+  INFO("running " << command);
+  RunResult result;
+  FILE* out = ::popen(command.c_str(), "r");
+  REQUIRE(out != nullptr);
+  std::string text;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), out)) > 0;) text.append(buf, n);
+  const int status = ::pclose(out);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  // With --json, stdout is the report alone (the summary goes to stderr).
+  if (text.starts_with("{\"requests\":")) result.json = text;
+  return result;
+}
+
+// A top-level integer field of the report (top-level fields come before "topologies").
+int64_t Field(const std::string& json, std::string_view name) {
+  const std::string key = "\"" + std::string(name) + "\":";
+  const size_t at = json.find(key);
+  if (at == std::string::npos || at > json.find("\"topologies\"")) return -1;
+  int64_t v = -1;
+  const char* b = json.data() + at + key.size();
+  std::from_chars(b, json.data() + json.size(), v);
+  return v;
+}
+
+#if defined(PDLIB_CHAOS_SANITIZED)
+// Sanitizer builds start processes and run gRPC several times slower: fewer requests, the same
+// number of faults.
+constexpr const char* kRequests = "100";
+#else
+constexpr const char* kRequests = "150";
+#endif
+
+// Every figure that must be zero is zero, and the chaos did happen.
+void CheckClean(const RunResult& r) {
+  INFO(r.json);
+  REQUIRE_FALSE(r.json.empty());
+  CHECK(r.exit_code == 0);
+  CHECK(Field(r.json, "faults") >= 3);
+  CHECK(Field(r.json, "hung") == 0);
+  CHECK(Field(r.json, "bad_bytes") == 0);
+  CHECK(Field(r.json, "leaked") == 0);
+  CHECK(Field(r.json, "stale_writes") == 0);
+  CHECK(Field(r.json, "crashes") == 0);
+  CHECK(Field(r.json, "unclean_exits") == 0);
+  CHECK(Field(r.json, "probes_failed") == 0);
+  CHECK(Field(r.json, "succeeded") > 0);
+  CHECK(Field(r.json, "succeeded") + Field(r.json, "failed") == Field(r.json, "requests"));
+  // A restarted process serves new requests.
+  if (Field(r.json, "restarts") > 0) CHECK(Field(r.json, "succeeded_after_restart") > 0);
+}
+
+}  // namespace
+
+TEST_CASE("fake backend: 1P1D and 2P2D under kill -9 and SIGSTOP, no hang and no leak") {
+  const RunResult r = RunChaos({"--backend", "fake", "--requests", kRequests, "--fault-interval-ms",
+                                "400", "--seed", "11", "--min-faults", "3"});
+  CheckClean(r);
+}
+
+#if defined(PDLIB_CHAOS_HAVE_UCX)
+// Kills only: with SIGSTOP faults over UCX, a prefill that was frozen while decode timed its room
+// out still writes the room's next chunk into the pages decode has already given back
+// (stale_writes > 0, a known bug: `pdlib-chaos --topology 1p1d --fault-kinds stop --seed 1`).
+// Add "stop" here once it is fixed; freezes are covered over the fake backend meanwhile.
+TEST_CASE("ucx shm: 1P1D and 2P2D under kill -9, every Success byte-checked") {
+  const RunResult r = RunChaos({"--backend", "ucx", "--backend-option", "ucx.tls=shm", "--requests",
+                                kRequests, "--fault-interval-ms", "400", "--fault-kinds", "kill",
+                                "--seed", "12", "--min-faults", "3"});
+  CheckClean(r);
+  INFO(r.json);
+  CHECK(r.json.find("\"bytes_checked\":true") != std::string::npos);
+  CHECK(Field(r.json, "verified_requests") == Field(r.json, "succeeded"));
+  CHECK(Field(r.json, "verified_bytes") > 0);
+}
+
+TEST_CASE("ucx shm negative control: a spoiled KV byte is reported as bad_bytes") {
+  const RunResult r = RunChaos({"--backend", "ucx", "--backend-option", "ucx.tls=shm", "--topology",
+                                "1p1d", "--fault-kinds", "none", "--requests", "40", "--rate", "0",
+                                "--prefill-ms", "0", "--corrupt-kv-one-in", "4"});
+  INFO(r.json);
+  REQUIRE_FALSE(r.json.empty());
+  CHECK(r.exit_code == 1);
+  CHECK(Field(r.json, "bad_bytes") >= 1);
+  CHECK(Field(r.json, "hung") == 0);
+  CHECK(Field(r.json, "leaked") == 0);
+}
+
+TEST_CASE("ucx shm negative control: a spoiled aux value is reported as bad_bytes") {
+  const RunResult r = RunChaos({"--backend", "ucx", "--backend-option", "ucx.tls=shm", "--topology",
+                                "1p1d", "--fault-kinds", "none", "--requests", "40", "--rate", "0",
+                                "--prefill-ms", "0", "--corrupt-aux-one-in", "4"});
+  INFO(r.json);
+  REQUIRE_FALSE(r.json.empty());
+  CHECK(r.exit_code == 1);
+  CHECK(Field(r.json, "bad_bytes") >= 1);
+}
+TEST_CASE("ucx shm negative control: a write into a page decode took back is a stale write") {
+  const RunResult r = RunChaos({"--backend", "ucx", "--backend-option", "ucx.tls=shm", "--topology",
+                                "1p1d", "--fault-kinds", "none", "--requests", "40", "--rate", "0",
+                                "--prefill-ms", "0", "--corrupt-free-one-in", "4"});
+  INFO(r.json);
+  REQUIRE_FALSE(r.json.empty());
+  CHECK(r.exit_code == 1);
+  CHECK(Field(r.json, "stale_writes") >= 1);
+  CHECK(Field(r.json, "bad_bytes") == 0);
+}
+#else
+TEST_CASE("ucx shm chaos runs") { WARN("skipped: pdlib was built without the ucx backend"); }
+#endif

@@ -1,0 +1,77 @@
+// The prefill and decode processes of pdlib-chaos: one KVManager each, driven by the chaos
+// driver over a line protocol on stdin/stdout, as an engine would drive it (pages and metadata
+// slots handed out per request and freed when the request is over).
+//
+// Commands (stdin, one per line):
+//   START <room>   create the room's sender (prefill) or receiver (decode) and run it to the end
+//   METRICS        print one METRICS line
+//   QUIT           destroy every handle, then the manager; print BYE; exit 0
+// Lines printed (stdout, flushed each):
+//   READY port=<control port, 0 on decode>
+//   ROOM <room> Success OK bytes=<n>    decode: n bytes of KV and aux checked (0 unverified)
+//   ROOM <room> Success OK              prefill
+//   ROOM <room> Failed <reason>         the handle's FailureReason(), or why it was refused
+//   ROOM <room> BadBytes <first wrong>  decode: Success, but the bytes are not the request's
+//   STALE page=<p> buffer=<b> offset=<o> buffers=<n> ... | STALE aux_slot=<s> field=<f> ...
+//                                       decode: a page or metadata slot that the engine had
+//                                       taken back (the request was over) was written to; found
+//                                       when it is handed out again and at every METRICS
+//   METRICS live_rooms=<n> connections=<n> ... (KVManagerMetrics, and what the peer holds)
+//   ERROR <message>
+//   BYE
+// End of stdin counts as QUIT. The process dies with its parent (PR_SET_PDEATHSIG) and exits
+// with status 3 after max_seconds, so a lost driver never leaves it behind.
+#ifndef PDLIB_TOOLS_CHAOS_CHAOS_PEER_H_
+#define PDLIB_TOOLS_CHAOS_CHAOS_PEER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "pdlib/types.h"
+
+namespace pdlib_chaos {
+
+struct PeerConfig {
+  pdlib::Mode mode = pdlib::Mode::kPrefill;
+  uint16_t bootstrap_port = 0;
+  int32_t dp_size = 1;  // prefill: the deployment's DP size and this rank's DP rank
+  int32_t dp_rank = 0;
+  std::string backend = "ucx";
+  std::map<std::string, std::string> backend_options;
+  bool verify = true;  // decode: check every byte of every Success (needs a byte-moving backend)
+  // Negative controls of the byte check (prefill): spoil one KV byte / one aux value of about
+  // one room in N (chosen by a hash of the room id); 0: never.
+  uint64_t corrupt_kv_one_in = 0;
+  uint64_t corrupt_aux_one_in = 0;
+  // Negative control of the free-memory canary (decode): after about one room in N is over, one
+  // byte of a page it gave back is overwritten, as a stale write would.
+  uint64_t corrupt_free_one_in = 0;
+  size_t concurrency = 16;  // rooms in flight at most (sizes the page pool and the slots)
+  size_t layers = 2;        // each with a K and a V buffer
+  size_t item_bytes = 4096;
+  size_t max_pages = 8;
+  size_t max_chunks = 3;
+  // Prefill: the forward pass each request waits for before its chunks go, uniform in
+  // [0, 2 x prefill_ms] per request (spread over its chunks), so that faults find rooms in
+  // every state.
+  int64_t prefill_ms = 100;
+  int64_t liveness_ms = 1000;
+  int64_t connect_ms = 2000;
+  int64_t bootstrap_ms = 3000;
+  int64_t waiting_ms = 3000;
+  int64_t transfer_ms = 3000;
+  int64_t max_seconds = 900;
+};
+
+// The command line that makes a child process run `config` (parsed back by pdlib-chaos's main).
+std::vector<std::string> PeerArgs(const PeerConfig& config);
+
+// Runs the process until QUIT, end of stdin or max_seconds. Returns its exit status.
+int RunPeer(const PeerConfig& config);
+
+}  // namespace pdlib_chaos
+
+#endif  // PDLIB_TOOLS_CHAOS_CHAOS_PEER_H_

@@ -1,0 +1,69 @@
+// The figures of a pdlib-chaos run (one Tally per topology, and their sum), rendered as one JSON
+// object or a human summary. Pure data and formatting; no I/O.
+#ifndef PDLIB_TOOLS_CHAOS_CHAOS_REPORT_H_
+#define PDLIB_TOOLS_CHAOS_CHAOS_REPORT_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace pdlib_chaos {
+
+struct Tally {
+  uint64_t requests = 0;   // requests started (probes excluded)
+  uint64_t succeeded = 0;  // decode reached Success with the right bytes, prefill did not fail
+  uint64_t failed = 0;     // everything else, by cause in failure_reasons
+  // Rooms not terminal on a live side within hang_bound_ms of their start or of the last fault
+  // event (kill, freeze, thaw, restart) of their prefill or decode process.
+  uint64_t hung = 0;
+  uint64_t bad_bytes = 0;  // decode Success with bytes that are not the request's
+  // Writes into decode pages or metadata slots after their request was over (the engine had
+  // taken them back): found by a canary the decode process keeps in its free memory.
+  uint64_t stale_writes = 0;
+  // Rooms, handles, metadata slots, pages and connections still held by the processes at the
+  // end, once everything was quiesced (see leaked_by_kind).
+  uint64_t leaked = 0;
+  uint64_t faults = 0;  // SIGKILLs and SIGSTOPs sent (faults_by_kind)
+  uint64_t restarts = 0;
+  uint64_t succeeded_after_restart = 0;  // succeeded on a restarted prefill or decode process
+  uint64_t crashes = 0;                  // children that died without being killed by the driver
+  uint64_t unclean_exits = 0;            // children that did not exit 0 within the bound after QUIT
+  uint64_t restart_failures = 0;  // restarted children not READY in time (killed, started again)
+  uint64_t probes = 0;            // one request per (prefill, decode) pair after the faults
+  uint64_t probes_failed = 0;
+  uint64_t verified_requests = 0;  // Success requests whose bytes decode checked
+  uint64_t verified_bytes = 0;
+  uint64_t harness_errors = 0;  // ERROR lines from the peers (API calls refused)
+  // The slowest room hit by a fault: from the first kill, freeze or crash of its prefill or
+  // decode process during its life to the moment both sides were terminal.
+  int64_t max_fault_to_terminal_ms = 0;
+  int64_t hang_bound_ms = 0;
+  double seconds = 0;
+  std::map<std::string, uint64_t> failure_reasons;  // status code name or what happened
+  std::map<std::string, uint64_t> faults_by_kind;   // "kill_prefill", "stop_decode", ...
+  std::map<std::string, uint64_t> leaked_by_kind;   // "rooms", "handles", "connections", ...
+  std::vector<std::string> problems;                // one line per hung room, crash, leak...
+
+  void Add(const Tally& other);
+  // True when nothing the run must never see happened.
+  bool Clean() const;
+};
+
+struct Report {
+  std::string backend;
+  std::string transport;  // ucx.tls / UCX_TLS, or the backend name
+  bool bytes_checked = false;
+  uint64_t seed = 0;
+  Tally total;
+  std::map<std::string, Tally> by_topology;  // "1p1d", "2p2d"
+};
+
+// One JSON object on one line.
+std::string RenderJson(const Report& report);
+// A few lines for people.
+std::string RenderSummary(const Report& report);
+
+}  // namespace pdlib_chaos
+
+#endif  // PDLIB_TOOLS_CHAOS_CHAOS_REPORT_H_
