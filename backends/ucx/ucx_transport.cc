@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "lib/base/kv_pool_allocators.h"
 #include "lib/base/log_internal.h"
 #include "lib/base/tsan.h"
 #include "lib/registry/builtin_registration.h"
@@ -56,13 +57,6 @@ StatusOr<std::span<const uint8_t>> BlobPayload(const spi::Blob& blob, uint32_t m
   return std::span<const uint8_t>(blob.data() + kBlobHeader, blob.size() - kBlobHeader);
 }
 
-bool IsPdlibDefault(const std::string& name) {
-  for (const UcxDefault& d : UcxDefaults()) {
-    if (name == d.key) return true;
-  }
-  return false;
-}
-
 }  // namespace
 
 UcxTransport::UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context)
@@ -85,46 +79,9 @@ StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const spi::Transpor
   }
 #endif
 
-  ucp_config_t* raw_config = nullptr;
-  ucs_status_t st = ucp_config_read(nullptr, nullptr, &raw_config);
-  if (st != UCS_OK) {
-    return Status::FailedPrecondition("ucx: ucp_config_read failed: " + UcsStatusName(st) +
-                                      "; check the UCX_* environment variables");
-  }
-  UcpConfigPtr config(raw_config);
-  for (const auto& [name, value] : parsed->ucx_config) {
-    st = ucp_config_modify(config.get(), name.c_str(), value.c_str());
-    if (st == UCS_OK) continue;
-    if (IsPdlibDefault(name)) {  // e.g. a transport this UCX build lacks: not the user's error
-      PDLIB_LOG(kWarning, "ucx: default UCX_%s=%s not applied: %s", name, value, UcsStatusName(st));
-      continue;
-    }
-    return Status::InvalidArgument("ucx: UCX setting " + name + "='" + value +
-                                   "' rejected: " + UcsStatusName(st));
-  }
-
-  auto context = std::make_shared<UcxContext>();
-  ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_REQUEST_SIZE |
-                      UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
-  params.request_size = sizeof(RequestContext);
-  params.mt_workers_shared = 1;
-  params.name = "pdlib";
-  ucp_context_h raw_context = nullptr;
-  st = ucp_init(&params, config.get(), &raw_context);
-  if (st != UCS_OK) {
-    return Status::FailedPrecondition("ucx: ucp_init failed: " + UcsStatusName(st) +
-                                      " (UCX_TLS / UCX_NET_DEVICES select no usable transport?)");
-  }
-  context->handle.reset(raw_context);
-  ucp_context_attr_t attr{};
-  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
-  if (ucp_context_query(raw_context, &attr) == UCS_OK) {
-    context->cuda_supported = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
-  }
-
-  std::unique_ptr<UcxTransport> transport(new UcxTransport(std::move(*parsed), context));
+  auto context = AcquireUcxContext(*parsed);
+  if (!context.ok()) return context.status();
+  std::unique_ptr<UcxTransport> transport(new UcxTransport(std::move(*parsed), *context));
   Status init = transport->Init();
   if (!init.ok()) return init;
   return transport;
@@ -250,13 +207,14 @@ StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegio
   const auto addr = reinterpret_cast<uintptr_t>(region.addr);
   if (addr + region.length < addr) return Status::InvalidArgument("ucx: region wraps around");
 
-  // A range inside an allocation made by UCX reuses that mapping (ucx_allocator.h).
-  std::shared_ptr<UcpMemh> memh;
-  {
-    MutexLock lock(&context_->mu);
-    for (const UcxAllocationRecord& a : context_->allocations) {
-      if (addr >= a.addr && addr + region.length <= a.addr + a.length) memh = a.memh;
-    }
+  // A range inside a KV pool that UCX allocated reuses that mapping (ucx_context.h).
+  std::shared_ptr<UcpMemh> memh = context_->FindAllocation(addr, region.length);
+  if (!memh && InForeignUcxPool(*context_, addr, region.length)) {
+    PDLIB_LOG(kWarning,
+              "ucx: registering %d bytes at %p inside a KV pool allocated with other backend "
+              "options than this transport's: UCX maps it again, and shared-memory puts into it "
+              "are emulated (pass the manager's backend_options to AllocateKVPool)",
+              region.length, region.addr);
   }
   using Result = StatusOr<std::pair<std::shared_ptr<UcpMemh>, spi::Blob>>;
   Result mapped = RunOnProgressThread<Result>([&]() -> Result {
@@ -489,6 +447,7 @@ void RegisterUcxBackend() {
         return std::unique_ptr<spi::Transport>(std::move(*transport));
       })
       .IgnoreError();  // only fails if "ucx" is registered twice, which the call_once prevents
+  internal::RegisterKVPoolAllocator("ucx", &ucx::AllocateUcxPoolFor);
 }
 
 }  // namespace v1

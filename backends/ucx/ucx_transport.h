@@ -1,8 +1,10 @@
 // The UCX backend: the transport SPI (include/pdlib/spi/transport.h) on UCP one-sided puts.
 //
-// One UCP context and one worker per transport. One progress thread per transport is the only
-// thread that calls UCX with the worker, its endpoints, rkeys and memory handles: API calls from
-// other threads hand work over through a command queue and wake the thread with an eventfd.
+// One worker per transport, in a UCP context shared with the KV pools and the other transports
+// of the process that have the same UCX configuration (ucx_context.h). One progress thread per
+// transport is the only thread that calls UCX with the worker, its endpoints, rkeys and memory
+// handles: API calls from other threads hand work over through a command queue and wake the
+// thread with an eventfd.
 // The thread loops: run commands -> post puts (paced per endpoint by a window, put_window.h)
 // -> ucp_worker_progress -> run completion callbacks -> busy-poll a little -> ucp_worker_arm ->
 // epoll on the worker's fd and the wake fd.
@@ -50,6 +52,7 @@
 #include <vector>
 
 #include "backends/ucx/put_window.h"
+#include "backends/ucx/ucx_context.h"
 #include "backends/ucx/ucx_handles.h"
 #include "backends/ucx/ucx_options.h"
 #include "lib/base/mutex.h"
@@ -58,26 +61,6 @@
 namespace pdlib {
 inline namespace v1 {
 namespace ucx {
-
-// Memory that UCX allocated (ucp_mem_map with UCP_MEM_MAP_ALLOCATE).
-struct UcxAllocationRecord {
-  uintptr_t addr = 0;
-  uint64_t length = 0;
-  MemoryKind kind = MemoryKind::kHost;
-  std::shared_ptr<UcpMemh> memh;
-};
-
-// A UCP context, shared by the transport that created it and by the allocations made through it
-// (ucx_allocator.h), which may outlive the transport. Created with mt_workers_shared, which makes
-// UCX lock context-level calls (ucp_mem_map/unmap, ucp_rkey_pack), so that an allocation may be
-// made or released on an engine thread while the progress thread works.
-struct UcxContext {
-  UcpContextPtr handle;  // first: destroyed last, after every mapping below
-  bool cuda_supported = false;
-  Mutex mu;
-  // Live allocations; RegisterMemory reuses their mapping for ranges inside them.
-  std::vector<UcxAllocationRecord> allocations ABSL_GUARDED_BY(mu);
-};
 
 // Owned by whoever created it (the KVManager); see the file comment for threads.
 class UcxTransport final : public spi::Transport {
@@ -102,7 +85,7 @@ class UcxTransport final : public spi::Transport {
                     spi::WriteCallback done) override;
   void Disconnect(spi::PeerId peer) override;
 
-  // The context, for allocations (ucx_allocator.h) that RegisterMemory then recognises.
+  // The context this transport shares with KV pools and transports configured alike.
   const std::shared_ptr<UcxContext>& context() const { return context_; }
 
  private:
@@ -143,6 +126,7 @@ class UcxTransport final : public spi::Transport {
     Batch* batch;
     uint64_t bytes;  // counted in the peer's window; 0 for a flush
   };
+  static_assert(sizeof(RequestContext) <= kRequestContextBytes);
 
   enum class CloseState { kOpen, kFlushing, kClosing, kClosed };
 

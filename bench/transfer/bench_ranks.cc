@@ -1,119 +1,68 @@
 #include "bench/transfer/bench_ranks.h"
 
 #include <sched.h>
-#include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cinttypes>
+#include <cstdio>
 #include <memory>
 #include <optional>
-#include <random>
 #include <span>
 #include <thread>
-#include <unordered_set>
+
+#include "bench/transfer/bench_layout.h"
 
 namespace pdlib_bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Page lists are precomputed for this many requests and reused in a ring, so the timed loop
-// does no random number generation and memory stays small for long runs.
-constexpr uint64_t kPageRing = 4096;
-
-// The KV buffers of one rank: 2 * layers anonymous mappings. MAP_NORESERVE: the fake backend
-// never touches them, so only a real transport makes the kernel back them with memory.
-class Pools {
- public:
-  bool Allocate(uint64_t count, uint64_t bytes) {
-    for (uint64_t i = 0; i < count; ++i) {
-      void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (p == MAP_FAILED) return false;
-      maps_.push_back({p, bytes});
-    }
-    return true;
-  }
-  ~Pools() {
-    for (auto [p, n] : maps_) ::munmap(p, n);
-  }
-  const std::vector<std::pair<void*, uint64_t>>& maps() const { return maps_; }
-
- private:
-  std::vector<std::pair<void*, uint64_t>> maps_;
-};
-
-// Page indices of request i: `pages` of them, at ring[(i % slots) * pages].
-class PageRing {
- public:
-  PageRing(const BenchConfig& c, uint64_t seed) : pages_(c.pages) {
-    const uint64_t pool = c.PoolPages();
-    slots_ = std::min<uint64_t>(kPageRing, c.warmup + c.requests);
-    ring_.reserve(slots_ * pages_);
-    std::mt19937_64 rng(seed);
-    std::vector<int32_t> all;
-    for (uint64_t s = 0; s < slots_; ++s) {
-      if (c.layout == Layout::kContiguous) {
-        const uint64_t start = (s % std::max<uint64_t>(1, pool / pages_)) * pages_;
-        for (uint64_t k = 0; k < pages_; ++k) ring_.push_back(int32_t(start + k));
-      } else if (pages_ * 4 <= pool) {
-        // Distinct random pages in random order: almost nothing coalesces.
-        std::unordered_set<int32_t> seen;
-        while (seen.size() < pages_) {
-          const auto p = int32_t(rng() % pool);
-          if (seen.insert(p).second) ring_.push_back(p);
-        }
-      } else {
-        if (all.empty()) {
-          for (uint64_t p = 0; p < pool; ++p) all.push_back(int32_t(p));
-        }
-        std::shuffle(all.begin(), all.end(), rng);
-        ring_.insert(ring_.end(), all.begin(), all.begin() + std::ptrdiff_t(pages_));
-      }
-    }
-  }
-  std::span<const int32_t> For(uint64_t i) const {
-    return std::span(ring_).subspan((i % slots_) * pages_, pages_);
-  }
-
- private:
-  uint64_t pages_;
-  uint64_t slots_ = 1;
-  std::vector<int32_t> ring_;
-};
-
 // What a driver loop does when a pass over its handles changed nothing: yield a few times (the
-// next event is usually microseconds away), then sleep briefly so that on a small machine the
-// drivers leave the CPU to pdlib's own threads.
+// next event is usually microseconds away), then sleep, each sleep twice as long as the one
+// before up to a cap, so that on a small machine an idle driver leaves the CPU to pdlib's own
+// threads (a driver waking every 20 us during a 10 ms transfer costs a core's worth of context
+// switches) while a busy one still reacts within microseconds.
 class Idler {
  public:
-  explicit Idler(const BenchConfig& c) : spins_(c.idle_spins), sleep_(c.idle_sleep_us) {
+  explicit Idler(const BenchConfig& c)
+      : spins_(c.idle_spins),
+        first_sleep_(c.idle_sleep_us),
+        max_sleep_(std::max(c.idle_sleep_us, c.idle_sleep_max_us)) {
     ::prctl(PR_SET_TIMERSLACK, 1000UL);  // 1 us: short sleeps stay short
   }
-  void Progress() { idle_ = 0; }
+  void Progress() {
+    idle_ = 0;
+    sleep_ = first_sleep_;
+  }
   void Idle() {
     if (++idle_ <= spins_) {
       sched_yield();
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(sleep_));
+      sleep_ = std::min(max_sleep_, sleep_ * 2);
     }
   }
 
  private:
-  uint64_t spins_, sleep_, idle_ = 0;
+  uint64_t spins_, first_sleep_, max_sleep_, idle_ = 0;
+  uint64_t sleep_ = first_sleep_;
 };
 
 // The buffers and the manager of one rank.
 struct Rank {
-  Pools pools;
+  BenchPool pool;
   std::unique_ptr<pdlib::MetadataBuffers> aux;
   std::unique_ptr<pdlib::MetadataSlotAllocator> slots;
   std::unique_ptr<pdlib::KVManager> manager;
 
   std::string Create(const BenchConfig& c, pdlib::Mode mode, bool start_bootstrap) {
-    const uint64_t bytes = c.PoolPages() * c.item_bytes;
-    if (!pools.Allocate(2 * c.layers, bytes)) return "mmap of the KV pools failed";
+    const BenchPool::Fill fill = c.backend == "fake"             ? BenchPool::Fill::kLazy
+                                 : mode == pdlib::Mode::kPrefill ? BenchPool::Fill::kPattern
+                                                                 : BenchPool::Fill::kZero;
+    if (std::string e = pool.Allocate(c, fill); !e.empty()) return e;
     const size_t nslots = pdlib::MetadataBuffers::SlotCountFor(c.concurrency);
     auto buffers = pdlib::MetadataBuffers::Create(nslots, 0, 0);
     if (!buffers.ok()) return buffers.status().ToString();
@@ -128,9 +77,9 @@ struct Rank {
     o.bootstrap_port = c.bootstrap_port;
     o.start_bootstrap_server = start_bootstrap;
     o.transfer_workers = c.transfer_workers;
-    for (auto [p, n] : pools.maps()) {
-      o.args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(p));
-      o.args.kv.lens.push_back(n);
+    for (uint64_t b = 0; b < pool.buffers(); ++b) {
+      o.args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(pool.buffer(b)));
+      o.args.kv.lens.push_back(pool.buffer_bytes());
       o.args.kv.item_lens.push_back(c.item_bytes);
     }
     o.args.aux = aux->Describe();
@@ -214,12 +163,34 @@ void DrivePrefill(const BenchConfig& c, Rank& rank, const PageRing& pages, uint6
 
 // Drives requests [begin, end) through the decode rank's receivers; with `latencies`, records
 // each request's time from CreateReceiver() to Success.
+// With --verify: "" when every page of request `index` holds the source page prefill sent.
+std::string VerifyRequest(const BenchConfig& c, const Rank& rank, const PageRing& dst_pages,
+                          const PageRing& src_pages, uint64_t index) {
+  const auto dst = dst_pages.For(index), src = src_pages.For(index);
+  for (uint64_t b = 0; b < rank.pool.buffers(); ++b) {
+    for (size_t i = 0; i < dst.size(); ++i) {
+      const uint8_t* got = rank.pool.buffer(b) + uint64_t(dst[i]) * c.item_bytes;
+      const uint64_t want = b * rank.pool.buffer_bytes() + uint64_t(src[i]) * c.item_bytes;
+      if (!HoldsPattern(got, c.item_bytes, want)) {
+        return "verify: request " + std::to_string(index) + ", buffer " + std::to_string(b) +
+               ": decode page " + std::to_string(dst[i]) + " does not hold prefill page " +
+               std::to_string(src[i]);
+      }
+    }
+  }
+  return "";
+}
+
 void DriveDecode(const BenchConfig& c, Rank& rank, const PageRing& pages, uint64_t begin,
                  uint64_t end, RankResult* result, std::vector<uint32_t>* latencies) {
+  std::optional<PageRing> src_pages;
+  if (c.verify) src_pages.emplace(c, PrefillPageSeed(c));
   std::vector<InFlight<pdlib::KVReceiver>> active;
   active.reserve(c.concurrency);
   Idler idler(c);
   const pdlib::BootstrapAddress bootstrap{"127.0.0.1", c.bootstrap_port};
+  const auto started = Clock::now();
+  auto next_progress = started + std::chrono::duration<double>(c.progress_every_s);
   uint64_t next = begin;
   while (next < end || !active.empty()) {
     bool progressed = false;
@@ -238,11 +209,27 @@ void DriveDecode(const BenchConfig& c, Rank& rank, const PageRing& pages, uint64
       auto& f = active[i];
       const pdlib::KVPoll st = f.handle->Poll();
       if (pdlib::IsTerminal(st)) {
-        if (st == pdlib::KVPoll::kSuccess) {
+        const auto now = Clock::now();
+        if (c.progress_every_s > 0 && now >= next_progress) {
+          next_progress = now + std::chrono::duration<double>(c.progress_every_s);
+          const double s = std::chrono::duration<double>(now - started).count();
+          const uint64_t done = result->succeeded + result->failed;
+          std::fprintf(stderr,
+                       "pdlib-transfer-bench: %s %" PRIu64 "/%" PRIu64
+                       " requests after %.1f s (%.2f GB/s)\n",
+                       latencies ? "measured" : "warm-up", done, end - begin, s,
+                       double(done) * double(c.BytesPerRequest()) / s / 1e9);
+        }
+        std::string wrong_bytes;
+        if (st == pdlib::KVPoll::kSuccess && src_pages) {
+          wrong_bytes = VerifyRequest(c, rank, pages, *src_pages, f.index);
+        }
+        if (!wrong_bytes.empty()) {
+          if (result->failed++ == 0) result->first_failure = wrong_bytes;
+        } else if (st == pdlib::KVPoll::kSuccess) {
           ++result->succeeded;
           if (latencies) {
-            const auto us =
-                std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - f.start);
+            const auto us = std::chrono::duration_cast<std::chrono::microseconds>(now - f.start);
             latencies->push_back(uint32_t(std::min<int64_t>(us.count(), UINT32_MAX)));
           }
         } else {
@@ -272,6 +259,14 @@ void DriveDecode(const BenchConfig& c, Rank& rank, const PageRing& pages, uint64
   }
 }
 
+// User + system CPU seconds of this process so far, every thread included.
+double ProcessCpuSeconds() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  auto s = [](const timeval& t) { return double(t.tv_sec) + double(t.tv_usec) / 1e6; };
+  return s(u.ru_utime) + s(u.ru_stime);
+}
+
 // Returns once a receiver can connect to the prefill rank (its registration with the bootstrap
 // server may lag behind its READY). The probe rooms lie below every request's room.
 std::string WaitForPrefill(const BenchConfig& c, Rank& rank) {
@@ -295,7 +290,7 @@ std::string WaitForPrefill(const BenchConfig& c, Rank& rank) {
 
 uint64_t BenchConfig::PoolPages() const {
   if (pool_pages != 0) return std::max(pool_pages, pages);
-  return std::clamp<uint64_t>(concurrency * pages, std::max<uint64_t>(256, pages), 1 << 20);
+  return std::max<uint64_t>(pages, pool_bytes / (2 * layers * item_bytes));
 }
 
 uint64_t BenchConfig::FirstRoom() const {
@@ -318,7 +313,8 @@ RankResult RunPrefillRank(const BenchConfig& config, bool start_bootstrap,
   Rank rank;
   result.error = rank.Create(config, pdlib::Mode::kPrefill, start_bootstrap);
   if (!result.error.empty()) return result;
-  const PageRing pages(config, config.seed * 2 + 1);
+  result.pool_allocator = rank.pool.allocator();
+  const PageRing pages(config, PrefillPageSeed(config));
   on_ready(rank.manager->endpoint());
   DrivePrefill(config, rank, pages, 0, config.warmup + config.requests, &result);
   result.metrics = rank.manager->metrics();
@@ -331,16 +327,19 @@ RankResult RunDecodeRank(const BenchConfig& config, const std::function<void()>&
   Rank rank;
   result.error = rank.Create(config, pdlib::Mode::kDecode, false);
   if (!result.error.empty()) return result;
-  const PageRing pages(config, config.seed * 2 + 2);
+  result.pool_allocator = rank.pool.allocator();
+  const PageRing pages(config, DecodePageSeed(config));
   if (result.error = WaitForPrefill(config, rank); !result.error.empty()) return result;
   on_ready();
   RankResult warm;
   DriveDecode(config, rank, pages, 0, config.warmup, &warm, nullptr);
   result.latencies_us.reserve(config.requests);
+  const double cpu_start = ProcessCpuSeconds();
   const auto start = Clock::now();
   DriveDecode(config, rank, pages, config.warmup, config.warmup + config.requests, &result,
               &result.latencies_us);
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  result.cpu_seconds = ProcessCpuSeconds() - cpu_start;
   if (warm.failed > 0 && result.first_failure.empty()) {
     result.first_failure = "warm-up: " + warm.first_failure;
   }

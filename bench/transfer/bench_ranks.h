@@ -22,6 +22,8 @@
 namespace pdlib_bench {
 
 enum class Layout { kScattered, kContiguous };
+// How the KV pools are allocated: pdlib::AllocateKVPool(backend) or plain malloc.
+enum class PoolAlloc { kBackend, kMalloc };
 
 struct BenchConfig {
   std::string backend = "fake";
@@ -31,17 +33,27 @@ struct BenchConfig {
   uint64_t concurrency = 256;
   uint64_t layers = 4;  // model layers; each has a K and a V buffer
   uint64_t item_bytes = 4096;
-  uint64_t pages = 4;       // KV pages per request
-  uint64_t pool_pages = 0;  // pages per buffer; 0: enough for every request in flight
+  uint64_t pages = 4;                       // KV pages per request
+  uint64_t pool_bytes = uint64_t{1} << 30;  // per side, every K and V buffer together
+  uint64_t pool_pages = 0;                  // pages per buffer; 0: as many as pool_bytes holds
+  PoolAlloc pool_alloc = PoolAlloc::kBackend;
   Layout layout = Layout::kScattered;
   uint64_t seed = 1;
   uint16_t bootstrap_port = 8998;
   int32_t transfer_workers = 2;
   // Idle passes over the handles that yield the CPU before the driver starts sleeping.
   uint64_t idle_spins = 64;
-  uint64_t idle_sleep_us = 20;
+  uint64_t idle_sleep_us = 20;        // first sleep; each further idle pass sleeps twice as long
+  uint64_t idle_sleep_max_us = 1000;  // up to this
   pdlib::ControlPlane control_plane = pdlib::ControlPlane::kGrpc;
+  // Decode compares every page of every request, at its Success, with what prefill's pool held
+  // (needs concurrency 1: requests in flight together may write the same page).
+  bool verify = false;
+  // Decode prints a progress line on stderr every this many seconds once a run is past it
+  // (0: never).
+  double progress_every_s = 5;
 
+  // Pages per K or V buffer: pool_pages, else what pool_bytes holds; never fewer than `pages`.
   uint64_t PoolPages() const;
   uint64_t BytesPerRequest() const { return pages * 2 * layers * item_bytes; }
   uint64_t FirstRoom() const;  // room of request 0 (warm-up included)
@@ -54,9 +66,11 @@ struct RankResult {
   uint64_t succeeded = 0;
   uint64_t failed = 0;
   std::string first_failure;
-  double seconds = 0;                  // decode: first measured request to last completion
+  double seconds = 0;      // decode: first measured request to last completion
+  double cpu_seconds = 0;  // decode: CPU time of the whole process (all threads) over `seconds`
   std::vector<uint32_t> latencies_us;  // decode: CreateReceiver() to Success, measured requests
   pdlib::KVManagerMetrics metrics;     // of the rank's manager, at the end
+  std::string pool_allocator;          // who allocated the KV pool (BenchPool::allocator())
 };
 
 // Runs the prefill rank: creates its manager (serving the bootstrap server when

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <string_view>
 #include <thread>
 
 extern char** environ;
@@ -19,6 +20,34 @@ extern char** environ;
 namespace pdlib_bench {
 
 ChildProcess::ChildProcess(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {"pdlib-transfer-bench"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  Start("/proc/self/exe", false, argv, environ, false);
+}
+
+ChildProcess::ChildProcess(const std::string& program, const std::vector<std::string>& args,
+                           const std::vector<std::string>& env) {
+  std::vector<std::string> argv = {program};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::vector<std::string> merged;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    const std::string_view name = entry.substr(0, entry.find('='));
+    const bool overridden = std::any_of(env.begin(), env.end(), [&](const std::string& o) {
+      return o.size() > name.size() && o.compare(0, name.size(), name) == 0 &&
+             o[name.size()] == '=';
+    });
+    if (!overridden) merged.emplace_back(entry);
+  }
+  merged.insert(merged.end(), env.begin(), env.end());
+  std::vector<char*> envp;
+  for (auto& e : merged) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  Start(program.c_str(), true, argv, envp.data(), true);
+}
+
+void ChildProcess::Start(const char* path, bool search_path, const std::vector<std::string>& argv,
+                         char* const* envp, bool merge_stderr) {
   int in[2], out[2];
   if (::pipe2(in, O_CLOEXEC) != 0) return;
   if (::pipe2(out, O_CLOEXEC) != 0) {
@@ -30,15 +59,15 @@ ChildProcess::ChildProcess(const std::vector<std::string>& args) {
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, in[0], STDIN_FILENO);
   posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
-  std::vector<std::string> argv_s = {"pdlib-transfer-bench"};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& s : argv_s) argv.push_back(s.data());
-  argv.push_back(nullptr);
+  if (merge_stderr) posix_spawn_file_actions_adddup2(&actions, out[1], STDERR_FILENO);
+  std::vector<std::string> args = argv;
+  std::vector<char*> raw;
+  for (auto& s : args) raw.push_back(s.data());
+  raw.push_back(nullptr);
   pid_t pid = -1;
-  if (posix_spawn(&pid, "/proc/self/exe", &actions, nullptr, argv.data(), environ) == 0) {
-    pid_ = pid;
-  }
+  const int rc = search_path ? posix_spawnp(&pid, path, &actions, nullptr, raw.data(), envp)
+                             : posix_spawn(&pid, path, &actions, nullptr, raw.data(), envp);
+  if (rc == 0) pid_ = pid;
   posix_spawn_file_actions_destroy(&actions);
   ::close(in[0]);
   ::close(out[1]);

@@ -1,5 +1,6 @@
 // ChildProcess: this binary started again with other flags (the bench's prefill and decode
-// ranks), talked to over its stdin and stdout; and UnusedLocalPort for their bootstrap server.
+// ranks), or another program (ucx_perftest), talked to over its stdin and stdout; and
+// UnusedLocalPort for their bootstrap server.
 //
 // Ownership: the destructor kills (SIGKILL) and reaps a child that is still running.
 // Threads: one thread per object.
@@ -23,6 +24,10 @@ class ChildProcess {
 
   // Starts /proc/self/exe with `args`; check started().
   explicit ChildProcess(const std::vector<std::string>& args);
+  // Starts `program`, looked up on PATH, with `args` and this process's environment plus `env`
+  // ("NAME=value", overriding); its stderr goes where its stdout goes. Check started().
+  ChildProcess(const std::string& program, const std::vector<std::string>& args,
+               const std::vector<std::string>& env);
   ~ChildProcess();
   ChildProcess(const ChildProcess&) = delete;
   ChildProcess& operator=(const ChildProcess&) = delete;
@@ -36,6 +41,9 @@ class ChildProcess {
   int Wait(Clock::time_point deadline);
 
  private:
+  void Start(const char* path, bool search_path, const std::vector<std::string>& argv,
+             char* const* envp, bool merge_stderr);
+
   pid_t pid_ = -1;
   int in_ = -1, out_ = -1;
   std::string buf_;

@@ -1,44 +1,29 @@
-// pdlib-transfer-bench: requests per second and latency of whole KV transfers through pdlib's
-// public API, between a prefill and a decode process (or two threads with --in-process).
-//
-//   pdlib-transfer-bench [--backend fake|ucx|verbs] [--backend-option KEY=VALUE]...
-//       [--requests R] [--warmup W] [--concurrency C] [--layers L] [--item-bytes B]
-//       [--pages P] [--pool-pages N] [--layout scattered|contiguous] [--json] [--in-process]
-//       [--transfer-workers N] [--idle-spins N] [--idle-sleep-us N] [--seed S]
+// pdlib-transfer-bench: requests per second, latency and bandwidth of whole KV transfers through
+// pdlib's public API, between a prefill and a decode process (or two threads with --in-process),
+// optionally next to a memcpy of the same writes (--baseline memcpy) and to ucx_perftest
+// (--compare-perftest). `--help` documents every flag and every figure.
 //
 //   e.g.  pdlib-transfer-bench --backend fake --requests 20000 --concurrency 256 --json
-//         pdlib-transfer-bench --concurrency 1,16,256 --pages 4,64 --layout contiguous
-//
-// Defaults: fake backend, 20000 requests after 500 warm-up ones, concurrency 256, 4 layers (a K
-// and a V buffer each), 4096-byte pages, 4 pages per request, scattered layout, pool pages
-// max(256, concurrency * pages), 2 transfer workers.
+//         pdlib-transfer-bench --backend ucx --backend-option ucx.tls=shm --layers 32
+//             --item-bytes 32768 --pages 16 --requests 64 --concurrency 4 --baseline memcpy --json
 //
 // --concurrency, --pages, --layers, --item-bytes and --layout take comma-separated lists; every
 // combination is one configuration, run with fresh processes and reported as one table row (or,
 // with --json, one JSON object per line on stdout). Per configuration the parent starts the
 // prefill process (which hosts the bootstrap server on a free port), waits for its READY, starts
-// the decode process, and collects both results. Neither process coordinates with the other per
-// request: both derive room ids and pages from the seed and the request index. Before the
-// warm-up, decode probes until a receiver connects (prefill's registration with its bootstrap
-// server may complete just after its READY).
-//
-// What is measured (at decode): `requests` requests after `warmup` unmeasured ones, at most
-// `concurrency` in flight. seconds: first measured CreateReceiver() to last Success.
-// req_per_s = requests / seconds. p50_us / p99_us: per request, CreateReceiver() to Success as
-// seen by the driver's poll loop. gbps: KV payload (pages * 2 * layers * item_bytes per request)
-// in gigabits per second; gbytes_per_s: the same in gigabytes per second. The fake backend moves no
-// bytes, so its gbps is only the rate at which write batches were validated and completed. layout
-// scattered: each request's pages are distinct random pages of the pool (on each side
-// independently, so almost no run coalesces); contiguous: consecutive pages (one write per buffer
-// per request).
+// the decode process, and collects both results; then it runs the baseline and perftest, if
+// asked, with the ranks gone. Neither rank coordinates with the other per request: both derive
+// room ids and pages from the seed and the request index (bench_layout.h). Before the warm-up,
+// decode probes until a receiver connects (prefill's registration with its bootstrap server may
+// complete just after its READY).
 //
 // The drivers poll their handles in a tight loop and, after --idle-spins passes without
-// progress, sleep --idle-sleep-us per pass, so that on a small machine they leave the CPU to
-// pdlib's own threads. Exit status: 0 when every configuration ran with no failed request.
+// progress, sleep between passes (from --idle-sleep-us, doubling up to --idle-sleep-max-us), so
+// that on a small machine they leave the CPU to pdlib's own threads. Exit status: 0 when every
+// configuration ran with no failed request.
 #include <signal.h>
 
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cinttypes>
 #include <condition_variable>
@@ -54,176 +39,17 @@
 #include <thread>
 #include <vector>
 
+#include "bench/transfer/baseline.h"
+#include "bench/transfer/bench_args.h"
 #include "bench/transfer/bench_ranks.h"
 #include "bench/transfer/child_process.h"
+#include "bench/transfer/perftest.h"
 
 namespace pdlib_bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
-
-struct Options {
-  BenchConfig base;
-  std::vector<uint64_t> concurrency{256}, pages{4}, layers{4}, item_bytes{4096};
-  std::vector<Layout> layouts{Layout::kScattered};
-  bool json = false;
-  bool in_process = false;
-  std::string role;  // hidden: "prefill" or "decode" in the child processes
-};
-
-constexpr char kUsage[] =
-    "usage: pdlib-transfer-bench [--backend NAME] [--backend-option KEY=VALUE]...\n"
-    "    [--requests R] [--warmup W] [--concurrency C[,C...]] [--layers L[,L...]]\n"
-    "    [--item-bytes B[,B...]] [--pages P[,P...]] [--pool-pages N]\n"
-    "    [--layout scattered|contiguous[,...]] [--json] [--in-process]\n"
-    "    [--transfer-workers N] [--idle-spins N] [--idle-sleep-us N] [--seed S]\n";
-
-bool ParseU64(std::string_view text, uint64_t* out) {
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
-  return ec == std::errc() && end == text.data() + text.size();
-}
-
-bool ParseList(std::string_view text, std::vector<uint64_t>* out) {
-  out->clear();
-  while (!text.empty()) {
-    const size_t comma = text.find(',');
-    uint64_t v = 0;
-    if (!ParseU64(text.substr(0, comma), &v) || v == 0) return false;
-    out->push_back(v);
-    text = comma == std::string_view::npos ? "" : text.substr(comma + 1);
-  }
-  return !out->empty();
-}
-
-std::string_view LayoutName(Layout l) {
-  return l == Layout::kScattered ? "scattered" : "contiguous";
-}
-
-bool ParseArgs(int argc, char** argv, Options* o) {
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    if (arg == "--json") {
-      o->json = true;
-      continue;
-    }
-    if (arg == "--in-process") {
-      o->in_process = true;
-      continue;
-    }
-    if (arg == "--help" || arg == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    }
-    std::string_view value;
-    if (size_t eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      std::fprintf(stderr, "pdlib-transfer-bench: %s needs a value\n%s", argv[i], kUsage);
-      return false;
-    }
-    uint64_t n = 0;
-    bool ok = true;
-    BenchConfig& b = o->base;
-    if (arg == "--backend") {
-      b.backend = value;
-    } else if (arg == "--backend-option") {
-      const size_t eq = value.find('=');
-      ok = eq != std::string_view::npos;
-      if (ok) b.backend_options[std::string(value.substr(0, eq))] = value.substr(eq + 1);
-    } else if (arg == "--requests") {
-      ok = ParseU64(value, &b.requests) && b.requests > 0;
-    } else if (arg == "--warmup") {
-      ok = ParseU64(value, &b.warmup);
-    } else if (arg == "--concurrency") {
-      ok = ParseList(value, &o->concurrency);
-    } else if (arg == "--pages") {
-      ok = ParseList(value, &o->pages);
-    } else if (arg == "--layers") {
-      ok = ParseList(value, &o->layers);
-    } else if (arg == "--item-bytes") {
-      ok = ParseList(value, &o->item_bytes);
-    } else if (arg == "--pool-pages") {
-      ok = ParseU64(value, &b.pool_pages);
-    } else if (arg == "--layout") {
-      o->layouts.clear();
-      for (std::string_view rest = value; ok && !rest.empty();) {
-        const size_t comma = rest.find(',');
-        const std::string_view name = rest.substr(0, comma);
-        ok = name == "scattered" || name == "contiguous";
-        o->layouts.push_back(name == "scattered" ? Layout::kScattered : Layout::kContiguous);
-        rest = comma == std::string_view::npos ? "" : rest.substr(comma + 1);
-      }
-      ok = ok && !o->layouts.empty();
-    } else if (arg == "--transfer-workers") {
-      ok = ParseU64(value, &n) && n >= 1 && n <= 64;
-      b.transfer_workers = int32_t(n);
-    } else if (arg == "--idle-spins") {
-      ok = ParseU64(value, &b.idle_spins);
-    } else if (arg == "--idle-sleep-us") {
-      ok = ParseU64(value, &b.idle_sleep_us);
-    } else if (arg == "--seed") {
-      ok = ParseU64(value, &b.seed);
-    } else if (arg == "--role") {
-      o->role = value;
-      ok = value == "prefill" || value == "decode";
-    } else if (arg == "--bootstrap-port") {
-      ok = ParseU64(value, &n) && n > 0 && n < 65536;
-      b.bootstrap_port = uint16_t(n);
-    } else {
-      std::fprintf(stderr, "pdlib-transfer-bench: unknown option %s\n%s", argv[i], kUsage);
-      return false;
-    }
-    if (!ok) {
-      std::fprintf(stderr, "pdlib-transfer-bench: bad value '%.*s' for %.*s\n", int(value.size()),
-                   value.data(), int(arg.size()), arg.data());
-      return false;
-    }
-  }
-  return true;
-}
-
-// The flags that make a child process run `c` (the parent's view of one configuration).
-std::vector<std::string> ChildArgs(const BenchConfig& c, std::string_view role) {
-  std::vector<std::string> a = {"--role",
-                                std::string(role),
-                                "--backend",
-                                c.backend,
-                                "--requests",
-                                std::to_string(c.requests),
-                                "--warmup",
-                                std::to_string(c.warmup),
-                                "--concurrency",
-                                std::to_string(c.concurrency),
-                                "--layers",
-                                std::to_string(c.layers),
-                                "--item-bytes",
-                                std::to_string(c.item_bytes),
-                                "--pages",
-                                std::to_string(c.pages),
-                                "--pool-pages",
-                                std::to_string(c.pool_pages),
-                                "--layout",
-                                std::string(LayoutName(c.layout)),
-                                "--transfer-workers",
-                                std::to_string(c.transfer_workers),
-                                "--idle-spins",
-                                std::to_string(c.idle_spins),
-                                "--idle-sleep-us",
-                                std::to_string(c.idle_sleep_us),
-                                "--seed",
-                                std::to_string(c.seed),
-                                "--bootstrap-port",
-                                std::to_string(c.bootstrap_port)};
-  for (const auto& [k, v] : c.backend_options) {
-    a.push_back("--backend-option");
-    a.push_back(k + "=" + v);
-  }
-  return a;
-}
 
 // Percentiles etc. of one decode run.
 struct Summary {
@@ -250,9 +76,11 @@ std::string ResultLine(const RankResult& r) {
   const Summary s = Summarize(r.latencies_us);
   std::ostringstream out;
   out << "RESULT error=" << (r.error.empty() ? "none" : "yes") << " succeeded=" << r.succeeded
-      << " failed=" << r.failed << " seconds=" << r.seconds << " p50=" << s.p50 << " p99=" << s.p99
-      << " p999=" << s.p999 << " mean=" << s.mean << " max=" << s.max
-      << " bytes=" << r.metrics.bytes_transferred << " batches=" << r.metrics.write_batches
+      << " failed=" << r.failed << " seconds=" << r.seconds << " cpu=" << r.cpu_seconds
+      << " p50=" << s.p50 << " p99=" << s.p99 << " p999=" << s.p999 << " mean=" << s.mean
+      << " max=" << s.max << " bytes=" << r.metrics.bytes_transferred
+      << " batches=" << r.metrics.write_batches
+      << " pool=" << (r.pool_allocator.empty() ? "none" : r.pool_allocator)
       << " why=" << (r.error.empty() ? r.first_failure : r.error);
   return out.str();
 }
@@ -408,55 +236,174 @@ double Num(const std::map<std::string, std::string>& m, const std::string& key) 
   return it == m.end() ? 0.0 : std::strtod(it->second.c_str(), nullptr);
 }
 
+// What --baseline and --compare-perftest add to a configuration's row.
+struct Comparisons {
+  std::optional<BaselineResult> baseline;
+  bool perftest_asked = false;
+  uint64_t perftest_message_bytes = 0;
+  std::optional<double> perftest_gbytes_per_s;
+};
+
+// Runs the comparisons asked for `c`; says on stderr what could not run.
+Comparisons Compare(const Options& o, const BenchConfig& c) {
+  Comparisons cmp;
+  if (o.baseline_memcpy) {
+    cmp.baseline = RunMemcpyBaseline(c);
+    if (!cmp.baseline->error.empty()) {
+      std::fprintf(stderr, "pdlib-transfer-bench: %s\n", cmp.baseline->error.c_str());
+    }
+  }
+  if (o.compare_perftest) {
+    cmp.perftest_asked = true;
+    cmp.perftest_message_bytes = TypicalWriteBytes(c, RequestRuns(c));
+    if (!OnPath("ucx_perftest")) {
+      std::fprintf(stderr,
+                   "pdlib-transfer-bench: --compare-perftest: ucx_perftest is not on PATH "
+                   "(Debian: apt-get install ucx-utils); perftest_gbytes_per_s is null\n");
+    } else {
+      const uint64_t total = c.requests * c.BytesPerRequest();
+      const uint64_t iterations =
+          std::clamp<uint64_t>(total / cmp.perftest_message_bytes, 10000, 1000000);
+      PerftestResult r = RunUcxPerftest(cmp.perftest_message_bytes, iterations,
+                                        PerftestEnvironment(c.backend_options));
+      cmp.perftest_gbytes_per_s = r.gbytes_per_s;
+      if (!r.gbytes_per_s) {
+        std::fprintf(stderr, "pdlib-transfer-bench: ucx_perftest: %s\n", r.why.c_str());
+      }
+    }
+  }
+  return cmp;
+}
+
+// Appends "key":value pairs to a JSON object.
+class JsonObject {
+ public:
+  void Str(const char* key, std::string_view v) {
+    Key(key);
+    out_ << '"' << JsonEscape(v) << '"';
+  }
+  void Num(const char* key, double v, int precision) {
+    Key(key);
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.*f", precision, v);
+    out_ << buf;
+  }
+  void Int(const char* key, uint64_t v) {
+    Key(key);
+    out_ << v;
+  }
+  void Null(const char* key) {
+    Key(key);
+    out_ << "null";
+  }
+  std::string Close() { return out_.str() + "}"; }
+
+ private:
+  void Key(const char* key) {
+    out_ << (first_ ? "{" : ",") << '"' << key << "\":";
+    first_ = false;
+  }
+  std::ostringstream out_;
+  bool first_ = true;
+};
+
 // Prints one configuration's outcome; returns false when it failed.
 bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, std::string>& d,
-            const std::map<std::string, std::string>& p, bool first_row) {
+            const std::map<std::string, std::string>& p, const Comparisons& cmp, bool first_row) {
   const bool error = d.count("error") && d.at("error") != "none";
+  const bool failed = error || Num(d, "failed") > 0;
   const double seconds = Num(d, "seconds");
   const double ok = Num(d, "succeeded");
   const double req_per_s = seconds > 0 ? ok / seconds : 0;
   const double gbps = seconds > 0 ? ok * double(c.BytesPerRequest()) * 8 / seconds / 1e9 : 0;
+  std::optional<double> baseline_gbps;
+  if (cmp.baseline && cmp.baseline->error.empty() && cmp.baseline->seconds > 0) {
+    baseline_gbps = double(cmp.baseline->bytes) * 8 / cmp.baseline->seconds / 1e9;
+  }
   const std::string plane = o.in_process ? "in_process" : "grpc";
   const std::string why = d.count("why") ? d.at("why") : "";
-  char buf[2048];
+  const std::string pool = d.count("pool") ? d.at("pool") : "none";
   if (o.json) {
-    std::snprintf(buf, sizeof(buf),
-                  "{\"backend\":\"%s\",\"transport\":\"%s\",\"control_plane\":\"%s\","
-                  "\"layers\":%" PRIu64 ",\"item_bytes\":%" PRIu64 ",\"pages\":%" PRIu64
-                  ",\"layout\":\"%s\",\"requests\":%" PRIu64 ",\"warmup\":%" PRIu64
-                  ",\"concurrency\":%" PRIu64
-                  ",\"seconds\":%.4f,\"gbps\":%.3f,\"gbytes_per_s\":%.3f,\"req_per_s\":%.0f,"
-                  "\"p50_us\":%.0f,"
-                  "\"p99_us\":%.0f,\"p999_us\":%.0f,\"mean_us\":%.1f,\"max_us\":%.0f,"
-                  "\"succeeded\":%.0f,\"failed\":%.0f,\"prefill_write_batches\":%.0f,"
-                  "\"error\":%s%s%s}",
-                  JsonEscape(c.backend).c_str(), JsonEscape(c.Transport()).c_str(), plane.c_str(),
-                  c.layers, c.item_bytes, c.pages, std::string(LayoutName(c.layout)).c_str(),
-                  c.requests, c.warmup, c.concurrency, seconds, gbps, gbps / 8, req_per_s,
-                  Num(d, "p50"), Num(d, "p99"), Num(d, "p999"), Num(d, "mean"), Num(d, "max"), ok,
-                  Num(d, "failed"), Num(p, "batches"), (error || Num(d, "failed") > 0) ? "\"" : "",
-                  (error || Num(d, "failed") > 0) ? JsonEscape(why).c_str() : "null",
-                  (error || Num(d, "failed") > 0) ? "\"" : "");
-    Emit(buf);
+    JsonObject j;
+    j.Str("backend", c.backend);
+    j.Str("transport", c.Transport());
+    j.Str("control_plane", plane);
+    j.Int("layers", c.layers);
+    j.Int("item_bytes", c.item_bytes);
+    j.Int("pages", c.pages);
+    j.Str("layout", LayoutName(c.layout));
+    j.Int("pool_bytes", c.PoolPages() * c.item_bytes * 2 * c.layers);
+    j.Str("pool_alloc", c.pool_alloc == PoolAlloc::kMalloc ? "malloc" : "backend");
+    j.Str("pool_memory", pool);
+    j.Int("requests", c.requests);
+    j.Int("warmup", c.warmup);
+    j.Int("concurrency", c.concurrency);
+    j.Num("seconds", seconds, 4);
+    j.Num("decode_cpu_s", Num(d, "cpu"), 4);
+    j.Num("gbps", gbps, 3);
+    j.Num("gbytes_per_s", gbps / 8, 3);
+    if (baseline_gbps) {
+      j.Num("baseline_gbps", *baseline_gbps, 3);
+      j.Num("baseline_gbytes_per_s", *baseline_gbps / 8, 3);
+      j.Num("ratio", gbps / *baseline_gbps, 3);
+    } else if (cmp.baseline) {
+      j.Null("baseline_gbps");
+      j.Null("baseline_gbytes_per_s");
+      j.Null("ratio");
+    }
+    if (cmp.perftest_asked) {
+      j.Int("perftest_message_bytes", cmp.perftest_message_bytes);
+      if (cmp.perftest_gbytes_per_s) {
+        j.Num("perftest_gbytes_per_s", *cmp.perftest_gbytes_per_s, 3);
+      } else {
+        j.Null("perftest_gbytes_per_s");
+      }
+    }
+    j.Num("req_per_s", req_per_s, 0);
+    j.Num("p50_us", Num(d, "p50"), 0);
+    j.Num("p99_us", Num(d, "p99"), 0);
+    j.Num("p999_us", Num(d, "p999"), 0);
+    j.Num("mean_us", Num(d, "mean"), 1);
+    j.Num("max_us", Num(d, "max"), 0);
+    j.Num("succeeded", ok, 0);
+    j.Num("failed", Num(d, "failed"), 0);
+    j.Num("prefill_write_batches", Num(p, "batches"), 0);
+    if (failed) {
+      j.Str("error", why);
+    } else {
+      j.Null("error");
+    }
+    Emit(j.Close());
   } else {
     if (first_row) {
       Emit(
           "backend    transport  plane       layers item_bytes pages layout     requests  conc"
-          "   seconds    Gbit/s    req/s  p50_us  p99_us failed");
+          "   seconds    Gbit/s    req/s  p50_us  p99_us failed  memcpy_Gbit/s  ratio");
     }
+    char buf[512];
     std::snprintf(buf, sizeof(buf),
                   "%-10s %-10s %-11s %6" PRIu64 " %10" PRIu64 " %5" PRIu64 " %-10s %8" PRIu64
                   " %5" PRIu64 " %9.3f %9.3f %8.0f %7.0f %7.0f %6.0f",
                   c.backend.c_str(), c.Transport().c_str(), plane.c_str(), c.layers, c.item_bytes,
                   c.pages, std::string(LayoutName(c.layout)).c_str(), c.requests, c.concurrency,
                   seconds, gbps, req_per_s, Num(d, "p50"), Num(d, "p99"), Num(d, "failed"));
-    Emit(buf);
+    std::string row = buf;
+    if (baseline_gbps) {
+      std::snprintf(buf, sizeof(buf), " %14.3f %6.3f", *baseline_gbps, gbps / *baseline_gbps);
+      row += buf;
+    }
+    Emit(row);
+    if (cmp.perftest_gbytes_per_s) {
+      std::snprintf(buf, sizeof(buf), "  ucx_perftest ucp_put_bw, %" PRIu64 " B puts: %.3f GB/s",
+                    cmp.perftest_message_bytes, *cmp.perftest_gbytes_per_s);
+      Emit(buf);
+    }
   }
-  if (error || Num(d, "failed") > 0) {
+  if (failed) {
     std::fprintf(stderr, "pdlib-transfer-bench: %s: %s\n", error ? "error" : "first failure",
                  why.c_str());
   }
-  return !error && Num(d, "failed") == 0;
+  return !failed;
 }
 
 }  // namespace
@@ -470,6 +417,10 @@ int main(int argc, char** argv) {
   // Failed rooms are counted and the first reason reported; pdlib's own warnings (e.g. for the
   // probe receivers) would only interleave with the results.
   if (std::getenv("PDLIB_LOG_LEVEL") == nullptr) pdlib::SetLogLevel(pdlib::LogLevel::kError);
+  if (o.base.verify && (o.concurrency.size() != 1 || o.concurrency[0] != 1)) {
+    std::fprintf(stderr, "pdlib-transfer-bench: --verify needs --concurrency 1\n");
+    return 2;
+  }
   if (!o.role.empty()) {
     // A child runs exactly one configuration: the first of each list.
     o.base.concurrency = o.concurrency.front();
@@ -494,7 +445,8 @@ int main(int argc, char** argv) {
             c.concurrency = conc;
             std::map<std::string, std::string> prefill;
             auto decode = o.in_process ? RunInProcess(c, &prefill) : RunTwoProcesses(c, &prefill);
-            all_ok &= Report(o, c, decode, prefill, first);
+            const Comparisons cmp = Compare(o, c);
+            all_ok &= Report(o, c, decode, prefill, cmp, first);
             first = false;
           }
         }

@@ -6,6 +6,7 @@
 #include "pdlib/export.h"
 #include "pdlib/kv_args.h"
 #include "pdlib/kv_manager.h"
+#include "pdlib/kv_pool.h"
 #include "pdlib/log.h"
 #include "pdlib/metadata_buffers.h"
 #include "pdlib/page_index.h"

@@ -17,12 +17,11 @@
 #include <thread>
 #include <vector>
 
-#include "backends/ucx/ucx_allocator.h"
+#include "pdlib/kv_pool.h"
 #include "pdlib/spi/transport.h"
 #include "test/support/write_completions.h"
 
 namespace spi = pdlib::spi;
-namespace ucx = pdlib::ucx;
 using pdlib::Status;
 using pdlib::StatusCode;
 
@@ -114,7 +113,7 @@ TEST_CASE("ucx transports refuse bad options and CUDA memory this UCX cannot map
     auto r = t->RegisterMemory({buffer.data(), buffer.size(), pdlib::MemoryKind::kCuda, 0}, &key);
     REQUIRE_FALSE(r.ok());
     CHECK(r.status().code() == StatusCode::kFailedPrecondition);
-    auto m = ucx::AllocateWithUcx(*t, 4096, pdlib::MemoryKind::kCuda);
+    auto m = pdlib::AllocateKVPool("ucx", 4096, pdlib::MemoryKind::kCuda, {{"ucx.tls", "shm"}});
     CHECK(m.status().code() == StatusCode::kFailedPrecondition);
   } else {
     WARN("this UCX supports CUDA memory: exercised only where a GPU is present");
@@ -195,45 +194,51 @@ TEST_CASE("ucx writes are byte-exact for random layouts over shm and tcp") {
   }
 }
 
-TEST_CASE("ucx registers UCX-allocated memory through UCX's own mapping") {
-  Link link = Connect(MakeUcx("shm"), MakeUcx("shm"));
-  constexpr size_t kBytes = size_t{1} << 20;
-  auto src_mem = ucx::AllocateWithUcx(*link.initiator, kBytes);
-  auto dst_mem = ucx::AllocateWithUcx(*link.target, kBytes);
-  REQUIRE(src_mem.ok());
-  REQUIRE(dst_mem.ok());
-  REQUIRE((*dst_mem)->size() >= kBytes);
-  auto* src = static_cast<uint8_t*>((*src_mem)->data());
-  auto* dst = static_cast<uint8_t*>((*dst_mem)->data());
-  for (size_t i = 0; i < kBytes; ++i) src[i] = static_cast<uint8_t>(i * 13 + 5);
-  std::memset(dst, 0, kBytes);
+// KV pools allocated with the transports' options share their UCP context, so registering a
+// range inside one reuses UCX's mapping (ucx_context.h); a pool allocated with other options is
+// mapped again by the transport and must work all the same.
+TEST_CASE("ucx registers ranges of KV pools, allocated with the same options or not") {
+  for (bool same_options : {true, false}) {
+    INFO((same_options ? "pool options = transport options" : "pool options differ"));
+    Link link = Connect(MakeUcx("shm"), MakeUcx("shm"));
+    constexpr size_t kBytes = size_t{1} << 20;
+    const std::map<std::string, std::string> pool_options =
+        same_options ? std::map<std::string, std::string>{{"ucx.tls", "shm"}}
+                     : std::map<std::string, std::string>{{"ucx.tls", "shm,self"}};
+    auto src_mem = pdlib::AllocateKVPool("ucx", kBytes, pdlib::MemoryKind::kHost, pool_options);
+    auto dst_mem = pdlib::AllocateKVPool("ucx", kBytes, pdlib::MemoryKind::kHost, pool_options);
+    REQUIRE(src_mem.ok());
+    REQUIRE(dst_mem.ok());
+    REQUIRE((*dst_mem)->size() >= kBytes);
+    auto* src = static_cast<uint8_t*>((*src_mem)->data());
+    auto* dst = static_cast<uint8_t*>((*dst_mem)->data());
+    for (size_t i = 0; i < kBytes; ++i) src[i] = static_cast<uint8_t>(i * 13 + 5);
+    std::memset(dst, 0, kBytes);
 
-  spi::Blob unused;
-  auto src_id = link.initiator->RegisterMemory({src, kBytes}, &unused);
-  REQUIRE(src_id.ok());
-  // A range inside the allocation, not at its start.
-  const size_t half = kBytes / 2;
-  spi::RemoteRegionId remote = ExportRegion(link, dst + half, half);
-  std::vector<spi::WriteOp> ops;
-  for (uint64_t off = 0; off < half; off += 4096) ops.push_back({*src_id, off, remote, off, 4096});
-  Completions done;
-  REQUIRE(link.initiator->PostWrites(link.peer, ops, done.Callback()).ok());
-  REQUIRE(done.Wait(1));
-  CHECK(done.statuses()[0].ok());
-  CHECK(std::memcmp(dst + half, src, half) == 0);
-  CHECK(std::all_of(dst, dst + half, [](uint8_t b) { return b == 0; }));
+    spi::Blob unused;
+    auto src_id = link.initiator->RegisterMemory({src, kBytes}, &unused);
+    REQUIRE(src_id.ok());
+    // A range inside the allocation, not at its start.
+    const size_t half = kBytes / 2;
+    spi::RemoteRegionId remote = ExportRegion(link, dst + half, half);
+    std::vector<spi::WriteOp> ops;
+    for (uint64_t off = 0; off < half; off += 4096) {
+      ops.push_back({*src_id, off, remote, off, 4096});
+    }
+    Completions done;
+    REQUIRE(link.initiator->PostWrites(link.peer, ops, done.Callback()).ok());
+    REQUIRE(done.Wait(1));
+    CHECK(done.statuses()[0].ok());
+    CHECK(std::memcmp(dst + half, src, half) == 0);
+    CHECK(std::all_of(dst, dst + half, [](uint8_t b) { return b == 0; }));
 
-  auto fake = spi::CreateTransport("fake", {});
-  REQUIRE(fake.ok());
-  CHECK(ucx::AllocateWithUcx(**fake, 4096).status().code() == StatusCode::kInvalidArgument);
-  CHECK(ucx::AllocateWithUcx(*link.initiator, 0).status().code() == StatusCode::kInvalidArgument);
-
-  // Allocations may outlive their transport: the UCP context stays until the last one goes.
-  link.initiator.reset();
-  link.target.reset();
-  std::memset(src, 1, kBytes);
-  src_mem->reset();
-  dst_mem->reset();
+    // Pools may outlive their transports: the UCP context stays until the last user goes.
+    link.initiator.reset();
+    link.target.reset();
+    std::memset(src, 1, kBytes);
+    src_mem->reset();
+    dst_mem->reset();
+  }
 }
 
 TEST_CASE("ucx fails writes to a dead peer within a bound") {

@@ -1,0 +1,37 @@
+// pdlib-transfer-bench's command line: the options, their --help text, and the flags that make a
+// child process run one configuration.
+#ifndef PDLIB_BENCH_TRANSFER_BENCH_ARGS_H_
+#define PDLIB_BENCH_TRANSFER_BENCH_ARGS_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "bench/transfer/bench_ranks.h"
+
+namespace pdlib_bench {
+
+// Everything the command line sets. The lists span configurations (every combination runs).
+struct Options {
+  BenchConfig base;
+  std::vector<uint64_t> concurrency{256}, pages{4}, layers{4}, item_bytes{4096};
+  std::vector<Layout> layouts{Layout::kScattered};
+  bool json = false;
+  bool in_process = false;
+  bool baseline_memcpy = false;
+  bool compare_perftest = false;
+  std::string role;  // hidden: "prefill" or "decode" in the child processes
+};
+
+// Parses argv into *o; prints --help and exits, or says what is wrong and returns false.
+bool ParseArgs(int argc, char** argv, Options* o);
+
+// The flags that make a child process run `c` (the parent's view of one configuration).
+std::vector<std::string> ChildArgs(const BenchConfig& c, std::string_view role);
+
+std::string_view LayoutName(Layout l);
+
+}  // namespace pdlib_bench
+
+#endif  // PDLIB_BENCH_TRANSFER_BENCH_ARGS_H_

@@ -1,0 +1,76 @@
+#include "bench/transfer/bench_layout.h"
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <unordered_set>
+
+namespace pdlib_bench {
+
+BenchPool::~BenchPool() {
+  pool_.reset();
+  std::free(malloced_);
+}
+
+std::string BenchPool::Allocate(const BenchConfig& c, Fill fill) {
+  buffers_ = 2 * c.layers;
+  buffer_bytes_ = c.PoolPages() * c.item_bytes;
+  const uint64_t bytes = buffers_ * buffer_bytes_;
+  if (c.pool_alloc == PoolAlloc::kMalloc) {
+    malloced_ = std::malloc(bytes);
+    if (malloced_ == nullptr) return "malloc of " + std::to_string(bytes) + " bytes failed";
+    base_ = static_cast<uint8_t*>(malloced_);
+    allocator_ = "malloc";
+  } else {
+    auto pool =
+        pdlib::AllocateKVPool(c.backend, bytes, pdlib::MemoryKind::kHost, c.backend_options);
+    if (!pool.ok()) return "AllocateKVPool: " + pool.status().ToString();
+    pool_ = std::move(*pool);
+    base_ = static_cast<uint8_t*>(pool_->data());
+    allocator_ = std::string(pool_->allocator());
+  }
+  if (fill == Fill::kPattern) {
+    for (uint64_t off = 0; off + 8 <= bytes; off += 8) std::memcpy(base_ + off, &off, 8);
+  } else if (fill == Fill::kZero) {
+    std::memset(base_, 0, bytes);
+  }
+  return "";
+}
+
+bool HoldsPattern(const uint8_t* data, uint64_t length, uint64_t pool_offset) {
+  for (uint64_t i = 0; i + 8 <= length; i += 8) {
+    uint64_t word = 0;
+    std::memcpy(&word, data + i, 8);
+    if (word != pool_offset + i) return false;
+  }
+  return true;
+}
+
+PageRing::PageRing(const BenchConfig& c, uint64_t seed) : pages_(c.pages) {
+  const uint64_t pool = c.PoolPages();
+  slots_ = std::min<uint64_t>(kPageRing, c.warmup + c.requests);
+  ring_.reserve(slots_ * pages_);
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> all;
+  for (uint64_t s = 0; s < slots_; ++s) {
+    if (c.layout == Layout::kContiguous) {
+      const uint64_t start = (s % std::max<uint64_t>(1, pool / pages_)) * pages_;
+      for (uint64_t k = 0; k < pages_; ++k) ring_.push_back(int32_t(start + k));
+    } else if (pages_ * 4 <= pool) {
+      // Distinct random pages in random order: almost nothing coalesces.
+      std::unordered_set<int32_t> seen;
+      while (seen.size() < pages_) {
+        const auto p = int32_t(rng() % pool);
+        if (seen.insert(p).second) ring_.push_back(p);
+      }
+    } else {
+      if (all.empty()) {
+        for (uint64_t p = 0; p < pool; ++p) all.push_back(int32_t(p));
+      }
+      std::shuffle(all.begin(), all.end(), rng);
+      ring_.insert(ring_.end(), all.begin(), all.begin() + std::ptrdiff_t(pages_));
+    }
+  }
+}
+
+}  // namespace pdlib_bench
