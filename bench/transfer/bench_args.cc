@@ -29,6 +29,13 @@ constexpr char kUsage[] =
     "  --pool-bytes N            KV pool of each side, all 2 x layers buffers together; k, m, g\n"
     "                            suffixes (1g); pages per buffer = N / (2 x layers x item-bytes)\n"
     "  --pool-pages N            pages per buffer instead (overrides --pool-bytes)\n"
+    "  --prefill-tp M            prefill TP ranks, as threads of the prefill process (1)\n"
+    "  --decode-tp N             decode TP ranks, as threads of the decode process (1); with\n"
+    "                            M != N every page is sliced by heads (SPEC R5.4); item-bytes\n"
+    "                            stays the page of the whole model, a rank holds 1/TP of it\n"
+    "  --kv-layout hnd|nhd       page layout: [head][token][dim] or [token][head][dim] (hnd);\n"
+    "                            an NHD head slice is page-size pieces per page\n"
+    "  --kv-heads H              KV heads of the model (8); --page-size T tokens per page (16)\n"
     "  --pool-alloc backend|malloc\n"
     "                            backend: pdlib::AllocateKVPool, which lets the backend allocate\n"
     "                            (UCX maps it for direct shared-memory puts; plain host memory\n"
@@ -174,6 +181,18 @@ bool ParseArgs(int argc, char** argv, Options* o) {
       ok = ParseList(value, &o->layers);
     } else if (arg == "--item-bytes") {
       ok = ParseList(value, &o->item_bytes);
+    } else if (arg == "--prefill-tp" || arg == "--decode-tp") {
+      ok = ParseU64(value, &n) && n >= 1 && n <= 64;
+      (arg == "--prefill-tp" ? b.prefill_tp : b.decode_tp) = int32_t(n);
+    } else if (arg == "--kv-layout") {
+      ok = value == "hnd" || value == "nhd";
+      b.kv_layout = value == "nhd" ? pdlib::KVLayout::kNHD : pdlib::KVLayout::kHND;
+    } else if (arg == "--kv-heads") {
+      ok = ParseU64(value, &n) && n >= 1 && n <= 1024;
+      b.kv_heads = int32_t(n);
+    } else if (arg == "--page-size") {
+      ok = ParseU64(value, &n) && n >= 1 && n <= 4096;
+      b.page_size = uint32_t(n);
     } else if (arg == "--pool-pages") {
       ok = ParseU64(value, &b.pool_pages);
     } else if (arg == "--pool-bytes") {
@@ -264,6 +283,16 @@ std::vector<std::string> ChildArgs(const BenchConfig& c, std::string_view role) 
                                 std::to_string(c.idle_sleep_max_us),
                                 "--seed",
                                 std::to_string(c.seed),
+                                "--prefill-tp",
+                                std::to_string(c.prefill_tp),
+                                "--decode-tp",
+                                std::to_string(c.decode_tp),
+                                "--kv-layout",
+                                c.kv_layout == pdlib::KVLayout::kNHD ? "nhd" : "hnd",
+                                "--kv-heads",
+                                std::to_string(c.kv_heads),
+                                "--page-size",
+                                std::to_string(c.page_size),
                                 "--bootstrap-port",
                                 std::to_string(c.bootstrap_port)};
   if (c.verify) a.push_back("--verify");

@@ -5,10 +5,13 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cinttypes>
+#include <condition_variable>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <thread>
@@ -58,6 +61,7 @@ struct Rank {
   std::unique_ptr<pdlib::MetadataSlotAllocator> slots;
   std::unique_ptr<pdlib::KVManager> manager;
 
+  // `c` is the rank's own configuration (item_bytes already this rank's share, see RankConfig).
   std::string Create(const BenchConfig& c, pdlib::Mode mode, bool start_bootstrap) {
     const BenchPool::Fill fill = c.backend == "fake"             ? BenchPool::Fill::kLazy
                                  : mode == pdlib::Mode::kPrefill ? BenchPool::Fill::kPattern
@@ -83,8 +87,17 @@ struct Rank {
       o.args.kv.item_lens.push_back(c.item_bytes);
     }
     o.args.aux = aux->Describe();
-    o.args.page_size = 16;
-    o.args.fingerprint = {int32_t(c.layers), 8, 128, 2, 1, "pdlib-transfer-bench"};
+    const int32_t tp = mode == pdlib::Mode::kPrefill ? c.prefill_tp : c.decode_tp;
+    o.args.page_size = c.page_size;
+    o.args.parallel.tp_size = tp;
+    o.args.parallel.tp_rank = c.tp_rank;
+    o.args.kv_head_num = std::max(1, c.kv_heads / tp);
+    o.args.kv_layout = c.kv_layout;
+    // head_dim in 2-byte elements: a model-wide page is page_size x kv_heads x head_dim x 2.
+    const uint64_t head_bytes =
+        c.item_bytes / (uint64_t(c.page_size) * uint64_t(o.args.kv_head_num));
+    o.args.fingerprint = {int32_t(c.layers),     c.kv_heads, int32_t(head_bytes / 2), 2, 1,
+                          "pdlib-transfer-bench"};
     auto m = pdlib::KVManager::Create(o);
     if (!m.ok()) return "KVManager::Create: " + m.status().ToString();
     manager = std::move(*m);
@@ -304,6 +317,133 @@ std::string BenchConfig::Transport() const {
     if (key.size() >= 4 && key.ends_with(".tls")) return backend + ":" + value;
   }
   return backend;
+}
+
+namespace {
+
+// One rank's configuration: its TP rank and its share of every page.
+BenchConfig RankConfig(const BenchConfig& c, int32_t tp, int32_t rank) {
+  BenchConfig r = c;
+  r.tp_rank = rank;
+  r.item_bytes = c.item_bytes / uint64_t(tp);
+  r.pool_bytes = c.pool_bytes / uint64_t(tp);
+  r.pool_pages = c.PoolPages();  // the same pages on every rank
+  return r;
+}
+
+void Merge(const RankResult& from, RankResult* into) {
+  if (into->error.empty() && !from.error.empty()) into->error = from.error;
+  if (into->first_failure.empty()) into->first_failure = from.first_failure;
+  into->succeeded += from.succeeded;
+  into->failed += from.failed;
+  into->seconds = std::max(into->seconds, from.seconds);
+  into->cpu_seconds = std::max(into->cpu_seconds, from.cpu_seconds);
+  into->latencies_us.insert(into->latencies_us.end(), from.latencies_us.begin(),
+                            from.latencies_us.end());
+  if (into->pool_allocator.empty()) into->pool_allocator = from.pool_allocator;
+}
+
+}  // namespace
+
+RankResult RunPrefillRanks(const BenchConfig& config, bool start_bootstrap,
+                           const std::function<void(const std::string&)>& on_ready,
+                           const std::function<void(const RankResult&)>& before_teardown) {
+  const int32_t tp = config.prefill_tp;
+  if (tp == 1)
+    return RunPrefillRank(RankConfig(config, 1, 0), start_bootstrap, on_ready, before_teardown);
+  std::mutex mu;
+  std::condition_variable cv;
+  int ready = 0, done = 0;
+  bool released = false;
+  std::string endpoint0;
+  std::vector<RankResult> results(static_cast<size_t>(tp));
+  auto arrive = [&](int* counter) {
+    std::unique_lock lock(mu);
+    ++*counter;
+    cv.notify_all();
+  };
+  std::vector<std::thread> threads;
+  for (int32_t r = 0; r < tp; ++r) {
+    threads.emplace_back([&, r] {
+      bool counted_ready = false, counted_done = false;
+      RankResult failed = RunPrefillRank(
+          RankConfig(config, tp, r), start_bootstrap && r == 0,
+          [&](const std::string& ep) {
+            {
+              std::lock_guard lock(mu);
+              if (r == 0) endpoint0 = ep;
+            }
+            counted_ready = true;
+            arrive(&ready);
+          },
+          [&](const RankResult& served) {
+            {
+              std::lock_guard lock(mu);
+              results[size_t(r)] = served;  // the rank returns only after teardown
+            }
+            counted_done = true;
+            arrive(&done);
+            std::unique_lock lock(mu);
+            cv.wait(lock, [&] { return released; });
+          });
+      // A rank that failed before serving never called back: count it, with its error.
+      if (!counted_done) {
+        {
+          std::lock_guard lock(mu);
+          results[size_t(r)] = std::move(failed);
+        }
+        if (!counted_ready) arrive(&ready);
+        arrive(&done);
+      }
+    });
+    // Rank 0 hosts the bootstrap server: let it come up before the others register.
+    if (r == 0) {
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return ready >= 1; });
+    }
+  }
+  {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return ready >= tp; });
+  }
+  on_ready(endpoint0);
+  {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return done >= tp; });
+  }
+  RankResult all;
+  {
+    std::lock_guard lock(mu);
+    for (const auto& r : results) Merge(r, &all);
+    all.metrics = results[0].metrics;
+  }
+  before_teardown(all);
+  {
+    std::lock_guard lock(mu);
+    released = true;
+  }
+  cv.notify_all();
+  for (auto& t : threads) t.join();
+  return all;
+}
+
+RankResult RunDecodeRanks(const BenchConfig& config, const std::function<void()>& on_ready) {
+  const int32_t tp = config.decode_tp;
+  if (tp == 1) return RunDecodeRank(RankConfig(config, 1, 0), on_ready);
+  std::vector<RankResult> results(static_cast<size_t>(tp));
+  std::atomic<int> ready{0};
+  std::vector<std::thread> threads;
+  for (int32_t r = 0; r < tp; ++r) {
+    threads.emplace_back([&, r] {
+      results[size_t(r)] = RunDecodeRank(RankConfig(config, tp, r), [&] { ++ready; });
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (ready.load() == tp) on_ready();
+  RankResult all;
+  for (const auto& r : results) Merge(r, &all);
+  all.metrics = results[0].metrics;
+  return all;
 }
 
 RankResult RunPrefillRank(const BenchConfig& config, bool start_bootstrap,

@@ -49,6 +49,15 @@ struct BenchConfig {
   // Decode compares every page of every request, at its Success, with what prefill's pool held
   // (needs concurrency 1: requests in flight together may write the same page).
   bool verify = false;
+  // Tensor parallelism (issue #5): each side runs this many ranks as threads of its process,
+  // each holding kv_heads / tp of the model's heads; item_bytes is a page of the WHOLE model
+  // (TP 1), so a rank's page is item_bytes / tp and the bytes per request do not change with TP.
+  int32_t prefill_tp = 1;
+  int32_t decode_tp = 1;
+  pdlib::KVLayout kv_layout = pdlib::KVLayout::kHND;
+  int32_t kv_heads = 8;     // KV heads of the model
+  uint32_t page_size = 16;  // tokens per page
+  int32_t tp_rank = 0;      // set per rank thread
   // Decode prints a progress line on stderr every this many seconds once a run is past it
   // (0: never).
   double progress_every_s = 5;
@@ -83,6 +92,15 @@ RankResult RunPrefillRank(const BenchConfig& config, bool start_bootstrap,
 // Runs the decode rank: creates its manager, waits until prefill accepts connections (at most
 // 30 s), calls `on_ready()`, runs the warm-up requests, then the measured ones.
 RankResult RunDecodeRank(const BenchConfig& config, const std::function<void()>& on_ready);
+
+// The same for every TP rank of a side (config.prefill_tp / decode_tp threads, one manager each;
+// prefill rank 0 serves the bootstrap server). on_ready runs once every rank is ready and
+// before_teardown once with the combined result; latencies and counts are merged, seconds is the
+// slowest rank's.
+RankResult RunPrefillRanks(const BenchConfig& config, bool start_bootstrap,
+                           const std::function<void(const std::string&)>& on_ready,
+                           const std::function<void(const RankResult&)>& before_teardown);
+RankResult RunDecodeRanks(const BenchConfig& config, const std::function<void()>& on_ready);
 
 }  // namespace pdlib_bench
 

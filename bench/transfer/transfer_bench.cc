@@ -112,7 +112,7 @@ int RunChild(const Options& o) {
   const BenchConfig& c = o.base;
   RankResult r;
   if (o.role == "prefill") {
-    r = RunPrefillRank(
+    r = RunPrefillRanks(
         c, /*start_bootstrap=*/true, [](const std::string& ep) { Emit("READY " + ep); },
         [](const RankResult& done) {
           Emit(ResultLine(done));
@@ -124,7 +124,7 @@ int RunChild(const Options& o) {
     // A rank that failed before serving never reached before_teardown.
     if (!r.error.empty()) Emit(ResultLine(r));
   } else {
-    r = RunDecodeRank(c, [] { Emit("READY"); });
+    r = RunDecodeRanks(c, [] { Emit("READY"); });
     Emit(ResultLine(r));
   }
   return r.error.empty() ? 0 : 1;
@@ -184,7 +184,7 @@ std::map<std::string, std::string> RunInProcess(BenchConfig c,
   bool prefill_ready = false, decode_done = false;
   RankResult pr;
   std::thread prefill_thread([&] {
-    pr = RunPrefillRank(
+    pr = RunPrefillRanks(
         c, false,
         [&](const std::string&) {
           std::lock_guard lock(mu);
@@ -204,7 +204,7 @@ std::map<std::string, std::string> RunInProcess(BenchConfig c,
     cv.wait(lock, [&] { return prefill_ready; });
   }
   RankResult dr;
-  if (pr.error.empty()) dr = RunDecodeRank(c, [] {});
+  if (pr.error.empty()) dr = RunDecodeRanks(c, [] {});
   {
     std::lock_guard lock(mu);
     decode_done = true;
@@ -332,6 +332,9 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
     j.Int("item_bytes", c.item_bytes);
     j.Int("pages", c.pages);
     j.Str("layout", LayoutName(c.layout));
+    j.Int("prefill_tp", uint64_t(c.prefill_tp));
+    j.Int("decode_tp", uint64_t(c.decode_tp));
+    j.Str("kv_layout", c.kv_layout == pdlib::KVLayout::kNHD ? "nhd" : "hnd");
     j.Int("pool_bytes", c.PoolPages() * c.item_bytes * 2 * c.layers);
     j.Str("pool_alloc", c.pool_alloc == PoolAlloc::kMalloc ? "malloc" : "backend");
     j.Str("pool_memory", pool);
@@ -417,6 +420,12 @@ int main(int argc, char** argv) {
   // Failed rooms are counted and the first reason reported; pdlib's own warnings (e.g. for the
   // probe receivers) would only interleave with the results.
   if (std::getenv("PDLIB_LOG_LEVEL") == nullptr) pdlib::SetLogLevel(pdlib::LogLevel::kError);
+  if (o.base.verify && (o.base.prefill_tp != 1 || o.base.decode_tp != 1)) {
+    std::fprintf(stderr,
+                 "pdlib-transfer-bench: --verify checks 1:1 pages; use ctest -R tp for M:N "
+                 "byte checks\n");
+    return 2;
+  }
   if (o.base.verify && (o.concurrency.size() != 1 || o.concurrency[0] != 1)) {
     std::fprintf(stderr, "pdlib-transfer-bench: --verify needs --concurrency 1\n");
     return 2;
