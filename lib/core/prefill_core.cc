@@ -261,6 +261,14 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
       !s.ok()) {
     return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
   }
+  // The planner sees one chunk at a time; a decode index repeated across chunks is caught here.
+  thread_local std::vector<int32_t> scratch;
+  for (auto [indices, what] :
+       {std::pair{&msg.dst_kv_pages, "kv page"}, std::pair{&msg.dst_state_indices, "state"}}) {
+    if (Status s = planner::CheckDistinct(*indices, what, "decode", &scratch); !s.ok()) {
+      return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
+    }
+  }
   // The planner decided at Register who writes to whom: a TransferInfo must agree with it.
   if (msg.is_dummy == peer->plan.active) {
     return reject(Status::InvalidArgument(
@@ -277,20 +285,35 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
   if (injector_.Roll(FailureStage::kTransferInfo)) {
     return reject(injector_.Injected(FailureStage::kTransferInfo, msg.room));
   }
-  bool ready = false, duplicate = false;
+  bool ready = false;
+  Status refused;
   {
     MutexLock lock(&room->mu);
+    bool duplicate = false;
     for (const auto& info : room->infos) duplicate |= info.session == msg.session;
-    if (!duplicate) {
+    const TransferInfoMsg* first = room->infos.empty() ? nullptr : &room->infos.front();
+    if (duplicate) {
+      refused = Status::AlreadyExists(absl::StrFormat(
+          "room %d: duplicate TransferInfo from session %d", msg.room, msg.session));
+    } else if (first && room->infos.size() >= first->required_dst_info_num) {
+      // Once complete, a room's TransferInfos are frozen: queued chunks index into them.
+      refused = Status::FailedPrecondition(absl::StrFormat(
+          "room %d: TransferInfo from session %d after all %d expected ones arrived", msg.room,
+          msg.session, first->required_dst_info_num));
+    } else if (first && (msg.required_dst_info_num != first->required_dst_info_num ||
+                         msg.is_dummy != first->is_dummy)) {
+      refused = Status::InvalidArgument(absl::StrFormat(
+          "room %d: TransferInfo from session %d (%s, required_dst_info_num %d) disagrees with "
+          "the room's first one (%s, required_dst_info_num %d)",
+          msg.room, msg.session, msg.is_dummy ? "dummy" : "real", msg.required_dst_info_num,
+          first->is_dummy ? "dummy" : "real", first->required_dst_info_num));
+    } else {
       room->infos.push_back(msg);
       room->peers.push_back(peer);
       ready = room->infos.size() >= room->infos.front().required_dst_info_num;
     }
   }
-  if (duplicate) {
-    return reject(Status::AlreadyExists(
-        absl::StrFormat("room %d: duplicate TransferInfo from session %d", msg.room, msg.session)));
-  }
+  if (!refused.ok()) return reject(std::move(refused));
   if (room->state->Poll() == KVPoll::kFailed) {
     // Failed before this decode rank was known (abort, timeout): tell it now.
     peer->link->SendStatus({msg.room, options_.args.parallel.tp_rank,
