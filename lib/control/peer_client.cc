@@ -102,6 +102,24 @@ class ClientStream final
           PDLIB_LOG(kWarning, "prefill %s: %s", state_->options.key, st.status().ToString());
           continue;
         }
+        // A prefill speaks only for the rank its RegisterAck named: a status for any other rank
+        // (which could complete someone else's room) is dropped.
+        std::optional<std::pair<int32_t, int32_t>> rank;
+        {
+          MutexLock lock(&state_->mu);
+          if (state_->ack && state_->ack->status.ok()) {
+            rank.emplace(state_->ack->prefill_tp_rank, state_->ack->prefill_pp_rank);
+          }
+        }
+        if (!rank || rank->first != st->prefill_tp_rank || rank->second != st->prefill_pp_rank) {
+          PDLIB_LOG(kWarning,
+                    "prefill %s: dropped a status for room %d from tp %d pp %d: this stream "
+                    "registered %s",
+                    state_->options.key, st->room, st->prefill_tp_rank, st->prefill_pp_rank,
+                    rank ? absl::StrFormat("tp %d pp %d", rank->first, rank->second)
+                         : std::string("no rank yet"));
+          continue;
+        }
         if (auto h = state_->handler.lock()) h->OnStatus(*st);
       }
     }

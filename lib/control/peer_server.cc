@@ -120,13 +120,19 @@ class PeerStream final
         }
         registered_ = true;
         session_ = reg->session;
+        tp_rank_ = ack.prefill_tp_rank;
+        pp_rank_ = ack.prefill_pp_rank;
         return Status::OK();
       }
       case wire::v1::DecodeToPrefill::kTransferInfo: {
         if (!registered_) return Refuse(Status::FailedPrecondition("TransferInfo before Register"));
         auto info = FromProto(msg.transfer_info(), session_);
         if (!info.ok()) {
-          writer_->SendStatus({msg.transfer_info().room(), 0, 0, info.status()});
+          // Decode hears why, from this rank; the prefill room (if the engine made one) fails
+          // now rather than waiting out bootstrap_timeout.
+          writer_->SendStatus({msg.transfer_info().room(), tp_rank_, pp_rank_, info.status()});
+          handler_->OnAbort(msg.transfer_info().room(), session_,
+                            "its TransferInfo was refused: " + info.status().ToString());
           return info.status();
         }
         handler_->OnTransferInfo(*info);
@@ -172,6 +178,7 @@ class PeerStream final
   PrefillToDecodeFrame out_;
   // Touched only by reactions, which gRPC serialises for reads; OnDone comes last.
   bool registered_ = false;
+  int32_t tp_rank_ = 0, pp_rank_ = 0;  // this prefill rank, as its RegisterAck said
   bool finishing_ = false;
   bool gone_reported_ = false;
   uint64_t session_ = 0;
