@@ -335,8 +335,8 @@ StatusOr<SideLayout> SideLayoutFromKVArgs(const KVArgs& args) {
   for (auto [n, name] : {std::pair{args.state_item_rows.size(), "state_item_rows"},
                          std::pair{args.state_split_units.size(), "state_split_units"}}) {
     if (n != 0 && n != args.state.lens.size()) {
-      return Status::InvalidArgument(absl::StrFormat("%s has %d entries for %d state buffers",
-                                                     name, n, args.state.lens.size()));
+      return Status::InvalidArgument(absl::StrFormat("%s has %d entries for %d state buffers", name,
+                                                     n, args.state.lens.size()));
     }
   }
   for (size_t i = 0; i < args.state.lens.size(); ++i) {
