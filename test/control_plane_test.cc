@@ -600,3 +600,13 @@ TEST_CASE("tls: prefill and decode talk over TLS; a plaintext decode cannot") {
              Catch::Contains("cannot be read"));
   std::system(("rm -rf " + dir).c_str());
 }
+
+TEST_CASE("opaque KV (no kv_head_num) with different TP sizes is refused, naming what to set") {
+  FOR_EACH_CONTROL_PLANE();
+  Deployment dep([](auto&, auto& d) { d.args.parallel.tp_size = 2; });
+  auto r = dep.decode->CreateReceiver(dep.addr(), 3);
+  REQUIRE(r.ok());
+  REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
+  CHECK_THAT(std::string((*r)->FailureReason().message()),
+             Catch::Contains("prefill TP 1 -> decode TP 2 needs kv_head_num"));
+}

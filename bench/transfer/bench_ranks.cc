@@ -435,11 +435,13 @@ RankResult RunDecodeRanks(const BenchConfig& config, const std::function<void()>
   std::vector<std::thread> threads;
   for (int32_t r = 0; r < tp; ++r) {
     threads.emplace_back([&, r] {
-      results[size_t(r)] = RunDecodeRank(RankConfig(config, tp, r), [&] { ++ready; });
+      // The last rank to reach prefill reports the side ready (before any rank measures).
+      results[size_t(r)] = RunDecodeRank(RankConfig(config, tp, r), [&] {
+        if (++ready == tp) on_ready();
+      });
     });
   }
   for (auto& t : threads) t.join();
-  if (ready.load() == tp) on_ready();
   RankResult all;
   for (const auto& r : results) Merge(r, &all);
   all.metrics = results[0].metrics;

@@ -323,8 +323,8 @@ class GrpcDecodeManager final : public DecodeManagerBase {
           absl::StrFormat("page size mismatch: prefill (bootstrap %s) uses %d, decode uses %d",
                           addr, info->page_size, mine.page_size));
     }
-    auto targets =
-        PrefillTargetsFor(core_->layout(), mine.kv_head_num, info->tp_size, info->pp_size);
+    auto targets = PrefillTargetsFor(core_->layout(), mine.kv_head_num, mine.is_mla, info->tp_size,
+                                     info->pp_size);
     if (!targets.ok()) return targets.status();
     int32_t dp = p.dp.value_or(static_cast<int32_t>(p.room % info->dp_size));
     if (dp < 0 || dp >= info->dp_size) {

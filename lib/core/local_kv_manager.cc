@@ -93,8 +93,8 @@ class LocalHub {
           absl::StrFormat("page size mismatch: prefill (bootstrap %s) uses %d, decode uses %d",
                           bootstrap, any.page_size, mine.page_size));
     }
-    auto targets = PrefillTargetsFor(decode.layout(), mine.kv_head_num, any.parallel.tp_size,
-                                     any.parallel.pp_size);
+    auto targets = PrefillTargetsFor(decode.layout(), mine.kv_head_num, mine.is_mla,
+                                     any.parallel.tp_size, any.parallel.pp_size);
     if (!targets.ok()) return targets.status();
     int32_t dp = dp_override.value_or(static_cast<int32_t>(room % any.parallel.dp_size));
     if (dp < 0 || dp >= any.parallel.dp_size) {

@@ -121,14 +121,12 @@ Status CheckOpaqueCompatible(int32_t prefill_kv_head_num, int32_t prefill_tp, bo
 
 StatusOr<std::vector<PrefillTarget>> PrefillTargetsFor(const planner::SideLayout& decode,
                                                        int32_t decode_kv_head_num,
-                                                       int32_t prefill_tp_size,
+                                                       bool decode_is_mla, int32_t prefill_tp_size,
                                                        int32_t prefill_pp_size) {
-  if (IsOpaque(decode_kv_head_num, decode.is_mla) && prefill_tp_size != decode.tp_size) {
-    // The prefill side is opaque too or refuses at Register; say what to set.
-    if (Status s = CheckOpaqueCompatible(0, prefill_tp_size, false, 0, decode.tp_size, false);
-        !s.ok()) {
-      return s;
-    }
+  // Opaque pages move whole: say what to set rather than letting the planner pair the ranks.
+  // (A prefill side that disagrees on opaque KV refuses at Register.)
+  if (IsOpaque(decode_kv_head_num, decode_is_mla) && prefill_tp_size != decode.tp_size) {
+    return CheckOpaqueCompatible(0, prefill_tp_size, false, 0, decode.tp_size, false);
   }
   auto topology = planner::MakeTopology(decode, prefill_tp_size, prefill_pp_size);
   if (!topology.ok()) return topology.status();

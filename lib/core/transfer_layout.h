@@ -48,7 +48,7 @@ struct PrefillTarget {
 // planner rejects (PP mismatch, TP sizes that do not divide, opaque KV with different TP).
 StatusOr<std::vector<PrefillTarget>> PrefillTargetsFor(const planner::SideLayout& decode,
                                                        int32_t decode_kv_head_num,
-                                                       int32_t prefill_tp_size,
+                                                       bool decode_is_mla, int32_t prefill_tp_size,
                                                        int32_t prefill_pp_size);
 
 }  // namespace v1
