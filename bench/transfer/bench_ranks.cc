@@ -331,11 +331,12 @@ BenchConfig RankConfig(const BenchConfig& c, int32_t tp, int32_t rank) {
   return r;
 }
 
-void Merge(const RankResult& from, RankResult* into) {
+void Merge(const RankResult& from, bool first, RankResult* into) {
   if (into->error.empty() && !from.error.empty()) into->error = from.error;
   if (into->first_failure.empty()) into->first_failure = from.first_failure;
-  into->succeeded += from.succeeded;
-  into->failed += from.failed;
+  // Every rank sees every request: a request counts once, failed if any rank failed it.
+  into->succeeded = first ? from.succeeded : std::min(into->succeeded, from.succeeded);
+  into->failed = std::max(into->failed, from.failed);
   into->seconds = std::max(into->seconds, from.seconds);
   into->cpu_seconds = std::max(into->cpu_seconds, from.cpu_seconds);
   into->latencies_us.insert(into->latencies_us.end(), from.latencies_us.begin(),
@@ -414,7 +415,7 @@ RankResult RunPrefillRanks(const BenchConfig& config, bool start_bootstrap,
   RankResult all;
   {
     std::lock_guard lock(mu);
-    for (const auto& r : results) Merge(r, &all);
+    for (size_t i = 0; i < results.size(); ++i) Merge(results[i], i == 0, &all);
     all.metrics = results[0].metrics;
   }
   before_teardown(all);
@@ -443,7 +444,7 @@ RankResult RunDecodeRanks(const BenchConfig& config, const std::function<void()>
   }
   for (auto& t : threads) t.join();
   RankResult all;
-  for (const auto& r : results) Merge(r, &all);
+  for (size_t i = 0; i < results.size(); ++i) Merge(results[i], i == 0, &all);
   all.metrics = results[0].metrics;
   return all;
 }
