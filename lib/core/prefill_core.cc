@@ -1,5 +1,6 @@
 #include "lib/core/prefill_core.h"
 
+#include <algorithm>
 #include <string>
 
 #include "absl/strings/str_format.h"
@@ -37,6 +38,20 @@ struct PrefillCore::Room {
   bool finalizing ABSL_GUARDED_BY(mu) = false;
   std::vector<int32_t> state_src ABSL_GUARDED_BY(mu);
   bool status_sent ABSL_GUARDED_BY(mu) = false;
+  // Set when a decode rank of this room went away while chunk batches were in flight: the room
+  // fails with the transport's completion error if one comes, else with this once they are done.
+  std::optional<Status> peer_gone ABSL_GUARDED_BY(mu);
+};
+
+// A decode connection that ended while KV writes to it were in flight. Its transport peer stays
+// up until those writes complete (a dead peer makes them fail with the transport's own error,
+// e.g. an RDMA work-completion status) or `deadline` passes, so that the rooms report the cause
+// rather than only "stream ended".
+struct PrefillCore::DrainingPeer {
+  std::shared_ptr<Peer> peer;
+  absl::Time deadline;
+  Status reason;
+  std::vector<std::shared_ptr<Room>> rooms;
 };
 
 StatusOr<std::shared_ptr<PrefillCore>> PrefillCore::Create(
@@ -75,6 +90,7 @@ void PrefillCore::Shutdown() {
     for (auto& [id, room] : room_data_) rooms.push_back(room);
     queue_.clear();
     peers_.clear();
+    draining_.clear();
     early_infos_.clear();
     early_aborts_.clear();
   }
@@ -363,15 +379,35 @@ void PrefillCore::OnDecodeGone(uint64_t session, const DecodeLink* link, const S
     }
     for (auto& [id, room] : room_data_) rooms.push_back(room);
   }
+  DrainingPeer draining{
+      peer, absl::Now() + absl::FromChrono(options_.liveness_timeout), reason, {}};
   for (auto& room : rooms) {
-    bool bound = false;
+    Status why = reason.WithPrefix(absl::StrFormat("room %d", room->state->room()));
+    bool bound = false, in_flight = false;
     {
       MutexLock lock(&room->mu);
       for (auto& p : room->peers) bound |= p == peer;
+      // Chunk batches posted to the dead peer: wait for their completions (bounded below).
+      in_flight =
+          bound && room->outstanding > 0 && !room->finalizing && !IsTerminal(room->state->Poll());
+      if (in_flight) room->peer_gone = why;
     }
-    if (bound) FailRoom(room, reason.WithPrefix(absl::StrFormat("room %d", room->state->room())));
+    if (in_flight) {
+      draining.rooms.push_back(room);
+    } else if (bound) {
+      FailRoom(room, why);
+    }
   }
-  transport_->Disconnect(peer->peer);
+  if (draining.rooms.empty()) {
+    transport_->Disconnect(peer->peer);
+  } else {
+    PDLIB_LOG(kInfo,
+              "prefill: decode session %d: waiting up to %d ms for %d rooms' writes in flight",
+              session, static_cast<int>(options_.liveness_timeout.count()),
+              static_cast<int>(draining.rooms.size()));
+    MutexLock lock(&mu_);
+    draining_.push_back(std::move(draining));
+  }
   PDLIB_LOG(kInfo, "prefill: decode session %d disconnected: %s", session, reason.ToString());
 }
 
@@ -518,9 +554,11 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
     std::vector<int32_t> dst;
   };
   std::vector<Target> targets;
+  std::optional<Status> gone;
   {
     MutexLock lock(&room->mu);
-    for (size_t i = 0; i < room->infos.size(); ++i) {
+    gone = room->peer_gone;
+    for (size_t i = 0; i < room->infos.size() && !gone; ++i) {
       if (room->infos[i].is_dummy || !room->peers[i]->plan.active) continue;
       const auto& dst = room->infos[i].dst_kv_pages;
       targets.push_back({room->peers[i], std::vector<int32_t>(dst.begin() + chunk.dst_offset,
@@ -530,6 +568,10 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
     // One batch per decode rank; every layer's writes of the chunk go in it (SPEC R5.3). The
     // chunk was counted once when queued; each batch ends with one OnBatchDone.
     if (!targets.empty()) room->outstanding += static_cast<int>(targets.size()) - 1;
+  }
+  if (gone) {  // not posted: a decode rank is gone
+    return OnBatchDone(room, 0, 0,
+                       Status(gone->code(), std::string(gone->message()) + " (chunk not sent)"));
   }
   if (targets.empty()) return OnBatchDone(room, 0, 0, Status::OK());
   thread_local planner::PlanOutput plan;
@@ -586,14 +628,18 @@ void PrefillCore::OnBatchDone(const std::shared_ptr<Room>& room, uint64_t bytes,
     counters_.Add(counters_.batches);
   }
   bool finalize = false;
+  std::optional<Status> gone;
   {
     MutexLock lock(&room->mu);
     --room->outstanding;
-    if (room->outstanding == 0 && room->last_queued && !room->finalizing) {
+    if (room->outstanding == 0 && room->peer_gone) {
+      gone = room->peer_gone;  // every write completed, but a decode rank is gone
+    } else if (room->outstanding == 0 && room->last_queued && !room->finalizing) {
       room->finalizing = true;
       finalize = true;
     }
   }
+  if (gone) return FailRoom(room, *gone);
   if (finalize) Finalize(room);
 }
 
@@ -732,6 +778,41 @@ void PrefillCore::CheckTimeouts() {
   }
   for (auto& room : rooms) {
     if (Status s = CheckRoomDeadline(*room->state, options_, now); !s.ok()) FailRoom(room, s);
+  }
+  DrainPeers(now);
+}
+
+// Drops the transport peers of ended decode connections once their rooms' writes are resolved,
+// or at their deadline, failing the rooms still waiting.
+void PrefillCore::DrainPeers(absl::Time now) {
+  std::vector<DrainingPeer> pending, done;
+  {
+    MutexLock lock(&mu_);
+    if (draining_.empty()) return;
+    pending.swap(draining_);
+  }
+  // Room locks are taken with mu_ released.
+  std::vector<DrainingPeer> keep;
+  for (DrainingPeer& d : pending) {
+    const bool settled =
+        now >= d.deadline || std::all_of(d.rooms.begin(), d.rooms.end(), [](const auto& room) {
+          MutexLock room_lock(&room->mu);
+          return room->outstanding == 0;
+        });
+    (settled ? done : keep).push_back(std::move(d));
+  }
+  if (!keep.empty()) {
+    MutexLock lock(&mu_);
+    for (DrainingPeer& d : keep) draining_.push_back(std::move(d));
+  }
+  for (DrainingPeer& d : done) {
+    for (auto& room : d.rooms) {
+      FailRoom(room,
+               d.reason.WithPrefix(absl::StrFormat(
+                   "room %d (its writes in flight had not completed %d ms later)",
+                   room->state->room(), static_cast<int>(options_.liveness_timeout.count()))));
+    }
+    transport_->Disconnect(d.peer->peer);
   }
 }
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/time/time.h"
 #include "lib/base/mutex.h"
 #include "lib/core/control_messages.h"
 #include "lib/core/manager_common.h"
@@ -59,6 +60,7 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
  private:
   struct Peer;
   struct Room;
+  struct DrainingPeer;
   struct Chunk {
     std::shared_ptr<Room> room;
     std::vector<int32_t> src_pages;
@@ -78,6 +80,7 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   void FailRoom(const std::shared_ptr<Room>& room, Status reason);
   void SendStatusToDecode(const std::shared_ptr<Room>& room, const Status& status);
   void CheckTimeouts();
+  void DrainPeers(absl::Time now);
   std::shared_ptr<Room> FindRoom(uint64_t room) const;
 
   const KVManagerOptions options_;
@@ -107,6 +110,7 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   };
   absl::flat_hash_map<uint64_t, EarlyAbort> early_aborts_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<Peer>> peers_ ABSL_GUARDED_BY(mu_);
+  std::vector<DrainingPeer> draining_ ABSL_GUARDED_BY(mu_);
   std::deque<Chunk> queue_ ABSL_GUARDED_BY(mu_);
   CondVar work_cv_;  // signalled when queue_ grows or stopping_ is set
 

@@ -9,9 +9,9 @@
 //  - Negative control: a spoiled source byte or aux slot fails the room on decode.
 //  - Kill: decode is killed while the last chunks of 8 rooms are being written; every one of
 //    those prefill rooms ends (Failed, with a reason, unless it finished first), nothing is left
-//    behind, and a restarted decode is served. The reasons are printed: the gRPC stream usually
-//    reports the dead process before the RC retries run out (verbs_device_test checks the
-//    work-completion error itself, with a target process killed under a bare transport).
+//    behind, and a restarted decode is served. Rooms with writes in flight fail with the RDMA
+//    work-completion error (the gRPC stream reports the dead process first, but prefill waits for
+//    the in-flight writes to resolve); the reasons are printed.
 #include <signal.h>
 
 #include <catch2/catch.hpp>
@@ -232,6 +232,17 @@ TEST_CASE("verbs kill -9 decode mid-transfer: prefill rooms fail, a restarted de
                 int(kHeld), reason.c_str());
   }
   SCENE_CHECK(scene, failed >= 1);
+  // Rooms with writes in flight fail with the RDMA completion error (prefill keeps the dead
+  // decode's QP until those writes resolve); a chunk still queued when the stream ended is not
+  // sent. Killed 30 ms after RESUME, most last chunks are posted already.
+  int completion_errors = 0;
+  for (const auto& [reason, n] : reasons) {
+    const bool wc = reason.find("work completion status") != std::string::npos;
+    completion_errors += wc ? n : 0;
+    INFO("reason: " << reason);
+    SCENE_CHECK(scene, (wc || reason.find("(chunk not sent)") != std::string::npos));
+  }
+  SCENE_CHECK(scene, completion_errors >= 1);
   auto m = prefill.Metrics();
   SCENE_CHECK(scene, m["live_rooms"] == 0);
   SCENE_CHECK(scene, m["connections"] == 0);
