@@ -92,6 +92,7 @@ void PrefillCore::Shutdown() {
     peers_.clear();
     draining_.clear();
     early_infos_.clear();
+    early_bytes_ = 0;
     early_aborts_.clear();
   }
   work_cv_.SignalAll();
@@ -214,6 +215,8 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
 
 void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
   constexpr size_t kMaxEarlyRooms = 1 << 16;
+  // And by bytes: a TransferInfo may carry millions of page indices.
+  constexpr size_t kMaxEarlyBytes = size_t{64} << 20;
   std::shared_ptr<Peer> peer;
   std::shared_ptr<Room> room;
   bool overflow = false;
@@ -228,10 +231,16 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
       // The engine has not created the sender yet; CreateRoom picks this up. Bounded by the
       // decode side's own room limits: one entry per (room, decode rank).
       // Bounded: a peer cannot grow this without limit.
-      if (early_infos_.size() < kMaxEarlyRooms || early_infos_.contains(msg.room)) {
+      const size_t bytes = EarlyInfoBytes(msg);
+      if ((early_infos_.size() < kMaxEarlyRooms || early_infos_.contains(msg.room)) &&
+          early_bytes_ + bytes <= kMaxEarlyBytes) {
         auto& early = early_infos_[msg.room];
         if (early.infos.empty()) early.arrived = absl::Now();
-        if (early.infos.size() < 64) early.infos.push_back(msg);
+        if (early.infos.size() < 64) {
+          early.infos.push_back(msg);
+          early.bytes += bytes;
+          early_bytes_ += bytes;
+        }
         return;
       }
       overflow = true;
@@ -246,9 +255,10 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
     if (room) FailRoom(room, s);
   };
   if (overflow) {
-    return reject(Status::ResourceExhausted(
-        absl::StrFormat("room %d: %d rooms already wait for their sender on this prefill rank",
-                        msg.room, kMaxEarlyRooms)));
+    return reject(Status::ResourceExhausted(absl::StrFormat(
+        "room %d: the TransferInfos waiting for their sender on this prefill rank are at their "
+        "limit (%d rooms, %d bytes)",
+        msg.room, kMaxEarlyRooms, kMaxEarlyBytes)));
   }
   if (!peer) {
     PDLIB_LOG(kWarning, "prefill: room %d: TransferInfo from unknown session %d", msg.room,
@@ -347,7 +357,7 @@ void PrefillCore::OnAbort(uint64_t room_id, uint64_t session, const std::string&
   std::shared_ptr<Room> room;
   {
     MutexLock lock(&mu_);
-    early_infos_.erase(room_id);
+    if (auto e = early_infos_.find(room_id); e != early_infos_.end()) EraseEarlyInfos(e);
     auto it = room_data_.find(room_id);
     if (it != room_data_.end()) {
       room = it->second;
@@ -369,8 +379,12 @@ void PrefillCore::OnDecodeGone(uint64_t session, const DecodeLink* link, const S
     peer = std::move(it->second);
     peers_.erase(it);
     for (auto e = early_infos_.begin(); e != early_infos_.end();) {
-      std::erase_if(e->second.infos,
-                    [&](const TransferInfoMsg& info) { return info.session == session; });
+      std::erase_if(e->second.infos, [&](const TransferInfoMsg& info) {
+        if (info.session != session) return false;
+        e->second.bytes -= EarlyInfoBytes(info);
+        early_bytes_ -= EarlyInfoBytes(info);
+        return true;
+      });
       if (e->second.infos.empty()) {
         early_infos_.erase(e++);
       } else {
@@ -428,7 +442,7 @@ StatusOr<std::shared_ptr<RoomState>> PrefillCore::CreateRoom(uint64_t room_id) {
     auto it = early_infos_.find(room_id);
     if (it != early_infos_.end()) {
       early = std::move(it->second.infos);
-      early_infos_.erase(it);
+      EraseEarlyInfos(it);
     }
     if (auto a = early_aborts_.find(room_id); a != early_aborts_.end()) {
       aborted = std::move(a->second.reason);
@@ -769,9 +783,13 @@ void PrefillCore::CheckTimeouts() {
   {
     MutexLock lock(&mu_);
     for (auto& [id, room] : room_data_) rooms.push_back(room);
-    absl::erase_if(early_infos_, [&](const auto& entry) {
-      return now - entry.second.arrived > absl::FromChrono(options_.bootstrap_timeout);
-    });
+    for (auto e = early_infos_.begin(); e != early_infos_.end();) {
+      if (now - e->second.arrived > absl::FromChrono(options_.bootstrap_timeout)) {
+        EraseEarlyInfos(e++);
+      } else {
+        ++e;
+      }
+    }
     absl::erase_if(early_aborts_, [&](const auto& entry) {
       return now - entry.second.arrived > absl::FromChrono(options_.bootstrap_timeout);
     });
@@ -814,6 +832,21 @@ void PrefillCore::DrainPeers(absl::Time now) {
     }
     transport_->Disconnect(d.peer->peer);
   }
+}
+
+size_t PrefillCore::EarlyInfoBytes(const TransferInfoMsg& msg) {
+  return sizeof(TransferInfoMsg) +
+         sizeof(int32_t) * (msg.dst_kv_pages.size() + msg.dst_state_indices.size());
+}
+
+void PrefillCore::EraseEarlyInfos(EarlyInfoMap::iterator it) {
+  early_bytes_ -= it->second.bytes;
+  early_infos_.erase(it);
+}
+
+size_t PrefillCore::early_info_bytes() const {
+  MutexLock lock(&mu_);
+  return early_bytes_;
 }
 
 size_t PrefillCore::early_info_count() const {

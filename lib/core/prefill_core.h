@@ -56,6 +56,7 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   KVManagerMetrics metrics() const;
   // TransferInfos held for senders not created yet (for tests and leak checks).
   size_t early_info_count() const;
+  size_t early_info_bytes() const;
 
  private:
   struct Peer;
@@ -100,8 +101,14 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   struct EarlyInfos {
     absl::Time arrived;
     std::vector<TransferInfoMsg> infos;
+    size_t bytes = 0;  // EarlyInfoBytes of `infos`
   };
-  absl::flat_hash_map<uint64_t, EarlyInfos> early_infos_ ABSL_GUARDED_BY(mu_);
+  using EarlyInfoMap = absl::flat_hash_map<uint64_t, EarlyInfos>;
+  EarlyInfoMap early_infos_ ABSL_GUARDED_BY(mu_);
+  size_t early_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // over every entry of early_infos_
+  // What one held TransferInfo costs in memory, roughly.
+  static size_t EarlyInfoBytes(const TransferInfoMsg& msg);
+  void EraseEarlyInfos(EarlyInfoMap::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Rooms a connected decode aborted before the engine created their sender: CreateSender fails
   // them at once instead of letting them wait for bootstrap_timeout. Same bounds and expiry.
   struct EarlyAbort {

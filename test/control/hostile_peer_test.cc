@@ -392,7 +392,8 @@ TEST_CASE("hostile decode: a flood of rooms nobody created stays bounded and is 
     REQUIRE(m->status().room() >= kFirst + kHeld);
     if (refused == 0) {
       CHECK(Contains(m->status().reason(),
-                     "65536 rooms already wait for their sender on this prefill rank"));
+                     "waiting for their sender on this prefill rank are at their limit (65536 "
+                     "rooms"));
     }
     ++refused;
   }
@@ -428,4 +429,26 @@ TEST_CASE("hostile decode: a flood of rooms nobody created stays bounded and is 
   auto m = fx.prefill->metrics();
   CHECK(m.live_rooms == 0);
   CHECK(m.bootstrap_queue_size == 0);
+}
+
+TEST_CASE("hostile decode: TransferInfos with huge page lists are held up to a byte limit") {
+  PrefillFixture fx;
+  auto raw = fx.Registered(32);
+  // 20 rooms without a sender, 1M page indices each (4 MiB held per room): 15 fit under the
+  // 64 MiB limit, the other 5 are refused at once.
+  constexpr int kRooms = 20, kHeld = 15;
+  constexpr uint64_t kFirst = 2000000;
+  const std::vector<int32_t> pages(1 << 20, 1);
+  for (int i = 0; i < kRooms; ++i) REQUIRE(raw->Write(Info(kFirst + i, pages, 0)));
+  for (int refused = 0; refused < kRooms - kHeld; ++refused) {
+    auto m = raw->Next();
+    REQUIRE(m.has_value());
+    REQUIRE(m->has_status());
+    CHECK(m->status().room() >= kFirst + kHeld);
+    CHECK(Contains(m->status().reason(), "67108864 bytes)"));
+  }
+  CHECK(fx.prefill->metrics().bootstrap_queue_size == kHeld);
+  raw->Close();
+  CHECK(WaitFor([&] { return fx.prefill->metrics().bootstrap_queue_size == 0; }));
+  ExpectHealthy(*fx.prefill, fx.bootstrap, 4);
 }
