@@ -9,9 +9,12 @@
 #include <sstream>
 #include <thread>
 
-#include "bench/transfer/child_process.h"
+#include "tools/common/child_process.h"
 
 namespace pdlib_bench {
+
+using pdlib_tools::ChildProcess;
+using pdlib_tools::UnusedLocalPort;
 namespace {
 
 using Clock = std::chrono::steady_clock;

@@ -42,10 +42,13 @@
 #include "bench/transfer/baseline.h"
 #include "bench/transfer/bench_args.h"
 #include "bench/transfer/bench_ranks.h"
-#include "bench/transfer/child_process.h"
 #include "bench/transfer/perftest.h"
+#include "tools/common/child_process.h"
 
 namespace pdlib_bench {
+
+using pdlib_tools::ChildProcess;
+using pdlib_tools::UnusedLocalPort;
 namespace {
 
 using Clock = std::chrono::steady_clock;

@@ -1,4 +1,4 @@
-#include "bench/transfer/child_process.h"
+#include "tools/common/child_process.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -17,7 +17,7 @@
 
 extern char** environ;
 
-namespace pdlib_bench {
+namespace pdlib_tools {
 
 ChildProcess::ChildProcess(const std::vector<std::string>& args) {
   std::vector<std::string> argv = {"pdlib-transfer-bench"};
@@ -26,7 +26,7 @@ ChildProcess::ChildProcess(const std::vector<std::string>& args) {
 }
 
 ChildProcess::ChildProcess(const std::string& program, const std::vector<std::string>& args,
-                           const std::vector<std::string>& env) {
+                           const std::vector<std::string>& env, const std::string& stderr_path) {
   std::vector<std::string> argv = {program};
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<std::string> merged;
@@ -43,11 +43,11 @@ ChildProcess::ChildProcess(const std::string& program, const std::vector<std::st
   std::vector<char*> envp;
   for (auto& e : merged) envp.push_back(e.data());
   envp.push_back(nullptr);
-  Start(program.c_str(), true, argv, envp.data(), true);
+  Start(program.c_str(), true, argv, envp.data(), stderr_path.empty(), stderr_path);
 }
 
 void ChildProcess::Start(const char* path, bool search_path, const std::vector<std::string>& argv,
-                         char* const* envp, bool merge_stderr) {
+                         char* const* envp, bool merge_stderr, const std::string& stderr_path) {
   int in[2], out[2];
   if (::pipe2(in, O_CLOEXEC) != 0) return;
   if (::pipe2(out, O_CLOEXEC) != 0) {
@@ -59,7 +59,12 @@ void ChildProcess::Start(const char* path, bool search_path, const std::vector<s
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, in[0], STDIN_FILENO);
   posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
-  if (merge_stderr) posix_spawn_file_actions_adddup2(&actions, out[1], STDERR_FILENO);
+  if (merge_stderr) {
+    posix_spawn_file_actions_adddup2(&actions, out[1], STDERR_FILENO);
+  } else if (!stderr_path.empty() && stderr_path != "-") {
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, stderr_path.c_str(),
+                                     O_WRONLY | O_CREAT | O_APPEND, 0644);
+  }
   std::vector<std::string> args = argv;
   std::vector<char*> raw;
   for (auto& s : args) raw.push_back(s.data());
@@ -106,6 +111,10 @@ std::optional<std::string> ChildProcess::Expect(std::string_view prefix,
   }
 }
 
+void ChildProcess::Signal(int signal_number) {
+  if (pid_ > 0) ::kill(pid_, signal_number);
+}
+
 void ChildProcess::Send(std::string_view line) {
   std::string s(line);
   s += '\n';
@@ -143,4 +152,4 @@ uint16_t UnusedLocalPort() {
   return port;
 }
 
-}  // namespace pdlib_bench
+}  // namespace pdlib_tools
