@@ -20,7 +20,9 @@ struct DecodeScheduler::Req {
   int64_t kv_tokens = 0;            // tokens whose KV is in the cache (or in `offloaded`)
   int64_t prealloc_tokens = 0;      // tokens pre-allocated for the transfer
   int64_t init_us = 0;
-  HostKV offloaded;  // while retracted
+  int64_t arrived_us = 0;       // the KV and the first token arrived
+  uint64_t received_pages = 0;  // pages the transfer filled
+  HostKV offloaded;             // while retracted
 
   int64_t prompt_len() const { return static_cast<int64_t>(request.prompt.size()); }
   // Tokens held: the prompt and every output so far.
@@ -313,13 +315,16 @@ Status DecodeScheduler::CommitTransfer(Req& r) {
   }
   r.output_ids = {first};
   r.kv_tokens = r.prompt_len();
+  r.arrived_us = Now();
+  if (options_.on_token) options_.on_token(r.request.room, 0, first);
   Check(aux_slots_.Free(slot));
   r.aux_slot.reset();
   const size_t pages = req_slots_.page_table(r.req_slot).size();
+  r.received_pages = pages;
   counters_.transferred_pages += pages;
   counters_.transferred_bytes += pages * options_.kv_bytes_per_page;
   counters_.transfer_latency_us_sum +=
-      static_cast<uint64_t>(std::max<int64_t>(0, Now() - r.init_us));
+      static_cast<uint64_t>(std::max<int64_t>(0, r.arrived_us - r.init_us));
   ++counters_.transfer_latency_count;
   r.prealloc_tokens = 0;
   return Status::OK();
@@ -419,6 +424,10 @@ void DecodeScheduler::RunDecodeBatch() {
     ++counters_.forward_tokens;
     r->kv_tokens += 1;
     r->output_ids.push_back(results[k].token);
+    if (options_.on_token) {
+      options_.on_token(r->request.room, static_cast<int32_t>(r->output_ids.size()) - 1,
+                        results[k].token);
+    }
     if (Done(*r)) {
       Finish(std::move(r), Status::OK(), FailStage::kTransfer);
     } else {
@@ -442,7 +451,13 @@ void DecodeScheduler::Release(Req& r) {
 void DecodeScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage stage) {
   if (!status.ok() && !IsTerminal(r->receiver->Poll())) r->receiver->Abort(status.ToString());
   Release(*r);
-  FinishedRequest f{.room = r->request.room, .status = std::move(status), .output_ids = {}};
+  FinishedRequest f{.room = r->request.room,
+                    .status = std::move(status),
+                    .output_ids = {},
+                    .first_token_us = r->arrived_us,
+                    .transfer_start_us = r->init_us,
+                    .transfer_end_us = r->arrived_us,
+                    .kv_bytes = r->received_pages * options_.kv_bytes_per_page};
   if (f.status.ok()) {
     ++counters_.finished_reqs;
     f.output_ids = std::move(r->output_ids);
@@ -453,6 +468,18 @@ void DecodeScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage st
   }
   live_rooms_.erase(r->request.room);
   finished_.push_back(std::move(f));
+}
+
+void DecodeScheduler::FailAll(const Status& why) {
+  for (auto* q : {&prealloc_, &transfer_, &waiting_, &retracted_}) {
+    const FailStage stage = q == &prealloc_ ? FailStage::kBootstrap : FailStage::kTransfer;
+    std::deque<std::unique_ptr<Req>> all;
+    all.swap(*q);
+    for (auto& r : all) Finish(std::move(r), why, stage);
+  }
+  std::vector<std::unique_ptr<Req>> running;
+  running.swap(running_);
+  for (auto& r : running) Finish(std::move(r), why, FailStage::kTransfer);
 }
 
 bool DecodeScheduler::idle() const {

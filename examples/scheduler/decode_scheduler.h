@@ -65,6 +65,9 @@ struct DecodeSchedulerOptions {
   uint64_t kv_bytes_per_page = 0;
   ProcessGroup* group = nullptr;    // TP group; null for a single rank
   std::function<int64_t()> now_us;  // latency clock; null means std::chrono::steady_clock
+  // Called from Step() for every token as it is produced (index 0: the first token, when it
+  // arrives with the KV), so a host can stream them; null: tokens only come with TakeFinished.
+  std::function<void(uint64_t room, int32_t index, int32_t token)> on_token;
 };
 
 struct DecodeDeps {
@@ -91,6 +94,10 @@ class DecodeScheduler {
   // run one decode step (retracting first if pages are short).
   Status Step();
   std::vector<FinishedRequest> TakeFinished();
+  // Fails every live request with `why` (its receiver is aborted with that reason, so prefill
+  // learns it) and frees its pages and slots; TakeFinished returns them. For a host that shuts
+  // down or gives up; `why` must not be OK.
+  void FailAll(const Status& why);
 
   // The allocatable-token formula on the current queues (SPEC R9.3), retracted needs included.
   int64_t AllocatableTokens() const;

@@ -37,6 +37,15 @@ struct FinishedRequest {
   uint64_t room = 0;
   Status status;                    // OK, or why the request failed
   std::vector<int32_t> output_ids;  // prefill: the first token; decode: every generated token
+  // When things happened, on the scheduler's clock (options.now_us); 0 when the request never
+  // got there. Hosts turn them into per-request latencies.
+  int64_t first_token_us = 0;     // prefill: the last chunk's forward ended; decode: the first
+                                  // token arrived with the KV
+  int64_t transfer_start_us = 0;  // prefill: the first chunk was sent; decode: KVReceiver::Init
+  int64_t transfer_end_us = 0;    // the transfer ended with Success (decode: the KV arrived)
+  // KV bytes of the pages this rank sent (prefill) or received (decode): pages x
+  // kv_bytes_per_page. A TP or PP prefill rank counts only its own share.
+  uint64_t kv_bytes = 0;
 };
 
 // One request's share of a forward pass: tokens at positions [start_pos, start_pos + n),

@@ -19,7 +19,10 @@ struct PrefillScheduler::Req {
   int32_t filled = 0;      // prompt tokens whose KV has been computed
   int32_t sent_pages = 0;  // page-table entries handed to Send
   int32_t first_token = -1;
+  int64_t first_sent_us = 0;
   int64_t last_sent_us = 0;
+  int64_t first_token_us = 0;
+  int64_t transfer_end_us = 0;
 };
 
 StatusOr<std::unique_ptr<PrefillScheduler>> PrefillScheduler::Create(
@@ -153,8 +156,9 @@ void PrefillScheduler::ProcessInflight(std::span<const KVPoll> polls) {
   for (size_t k = 0; k < polls.size(); ++k) {
     auto& r = inflight_[k];
     if (polls[k] == KVPoll::kSuccess) {
+      r->transfer_end_us = Now();
       counters_.transfer_latency_us_sum +=
-          static_cast<uint64_t>(std::max<int64_t>(0, Now() - r->last_sent_us));
+          static_cast<uint64_t>(std::max<int64_t>(0, r->transfer_end_us - r->last_sent_us));
       ++counters_.transfer_latency_count;
       Finish(std::move(r), Status::OK(), FailStage::kTransfer);
     } else if (polls[k] == KVPoll::kFailed) {
@@ -289,6 +293,7 @@ Status PrefillScheduler::SendChunk(Req& r, const ForwardOutput* last) {
   std::vector<int32_t> state;
   if (last != nullptr) {
     r.first_token = last->token;
+    r.first_token_us = Now();
     WriteMetadata(*r.aux_slot, r.request.room, *last);
     if (r.state_slot >= 0) state.push_back(r.state_slot);
   }
@@ -297,6 +302,7 @@ Status PrefillScheduler::SendChunk(Req& r, const ForwardOutput* last) {
   }
   r.sent_pages = end;
   r.last_sent_us = Now();
+  if (r.first_sent_us == 0) r.first_sent_us = r.last_sent_us;
   counters_.transferred_pages += pages.size();
   counters_.transferred_bytes += pages.size() * options_.kv_bytes_per_page;
   return Status::OK();
@@ -336,7 +342,13 @@ void PrefillScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage s
   // Tell decode why before the handle goes (destroying a live sender aborts it anyway).
   if (!status.ok() && !IsTerminal(r->sender->Poll())) r->sender->Abort(status.ToString());
   Release(*r);
-  FinishedRequest f{.room = r->request.room, .status = std::move(status), .output_ids = {}};
+  FinishedRequest f{.room = r->request.room,
+                    .status = std::move(status),
+                    .output_ids = {},
+                    .first_token_us = r->first_token_us,
+                    .transfer_start_us = r->first_sent_us,
+                    .transfer_end_us = r->transfer_end_us,
+                    .kv_bytes = static_cast<uint64_t>(r->sent_pages) * options_.kv_bytes_per_page};
   if (f.status.ok()) {
     ++counters_.finished_reqs;
     f.output_ids.push_back(r->first_token);
@@ -347,6 +359,15 @@ void PrefillScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage s
   }
   live_rooms_.erase(r->request.room);
   finished_.push_back(std::move(f));
+}
+
+void PrefillScheduler::FailAll(const Status& why) {
+  for (auto* q : {&bootstrap_, &waiting_, &inflight_}) {
+    const FailStage stage = q == &bootstrap_ ? FailStage::kBootstrap : FailStage::kTransfer;
+    std::deque<std::unique_ptr<Req>> all;
+    all.swap(*q);
+    for (auto& r : all) Finish(std::move(r), why, stage);
+  }
 }
 
 SchedulerMetrics PrefillScheduler::metrics() const {

@@ -82,6 +82,10 @@ class PrefillScheduler {
   // a failed collective or a broken invariant is returned.
   Status Step();
   std::vector<FinishedRequest> TakeFinished();
+  // Fails every live request with `why` (its sender is aborted with that reason, so decode
+  // learns it) and frees its pages and slots; TakeFinished returns them. For a host that shuts
+  // down or gives up; `why` must not be OK.
+  void FailAll(const Status& why);
 
   SchedulerMetrics metrics() const;
   bool idle() const { return bootstrap_.empty() && waiting_.empty() && inflight_.empty(); }

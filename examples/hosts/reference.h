@@ -1,0 +1,23 @@
+// The colocated reference of the example model: greedy generation computed directly on one
+// kernels::Model in this process (the whole prompt, then one token per step). The CPU model is
+// bit-for-bit deterministic, so every host run — disaggregated or colocated, any TP/PP, any
+// batching — must produce exactly these tokens. pd-demo and the tests compare against it.
+#ifndef PDLIB_EXAMPLES_HOSTS_REFERENCE_H_
+#define PDLIB_EXAMPLES_HOSTS_REFERENCE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "pdlib/status.h"
+
+namespace pdlib::hosts {
+
+// `model` is "small" or "small-hybrid" (as the hosts' --model), `seed` their --seed.
+StatusOr<std::vector<int32_t>> GenerateReference(const std::string& model, uint64_t seed,
+                                                 const std::vector<int32_t>& prompt,
+                                                 int32_t max_new_tokens);
+
+}  // namespace pdlib::hosts
+
+#endif  // PDLIB_EXAMPLES_HOSTS_REFERENCE_H_

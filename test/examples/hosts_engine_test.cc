@@ -1,0 +1,398 @@
+// The host engine (examples/hosts/host.h) in one process, no gRPC: a prefill Host and a decode
+// Host whose ranks move real KV with pdlib (UCX over shared memory, in-process control plane),
+// for 1P1D, prefill TP 2, prefill PP 2, the hybrid model (mamba state; with TP 2 and PP 2 too),
+// and a colocated host. Every output is compared with a colocated reference computed directly on
+// a kernels::Model. Also: failures end with a reason, and shutdown fails in-flight requests.
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "examples/hosts/host.h"
+#include "hosts_reference.h"
+
+namespace pdlib::hosts {
+namespace {
+
+using std::chrono::milliseconds;
+
+// Keys of the in-process control plane's bootstrap table: one per prefill host.
+uint16_t NextBootstrapPort() {
+  static uint16_t next = 43100;
+  return next++;
+}
+
+HostOptions BaseOptions(Role role, const std::string& model) {
+  HostOptions o;
+  o.role = role;
+  o.model = model;
+  o.seed = 11;
+  o.control_plane = ControlPlane::kInProcess;
+  o.backend = "ucx";
+  o.backend_options = {{"ucx.tls", "shm"}};
+  o.threads_per_rank = 1;
+  o.num_pages = 64;
+  o.max_running = 4;
+  o.chunked_prefill_size = 24;  // prompts over 24 tokens are prefilled in chunks
+  o.reserved_decode_tokens = 16;
+  o.bootstrap_timeout = milliseconds(10000);
+  o.idle_poll = std::chrono::microseconds(200);
+  return o;
+}
+
+// Results and streamed tokens per room, filled from a host's coordinator thread.
+class Collector {
+ public:
+  RequestCallbacks For(uint64_t room) {
+    return {.on_token = [this, room](int32_t index, int32_t token) { OnToken(room, index, token); },
+            .on_result = [this, room](HostRequestResult r) { OnResult(room, std::move(r)); }};
+  }
+  // Waits until `n` results are in; false on timeout.
+  bool Wait(size_t n, milliseconds timeout = milliseconds(60000)) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return results_.size() >= n; });
+  }
+  std::map<uint64_t, HostRequestResult> results() {
+    std::lock_guard lock(mu_);
+    return results_;
+  }
+  std::map<uint64_t, std::vector<std::pair<int32_t, int32_t>>> tokens() {
+    std::lock_guard lock(mu_);
+    return tokens_;
+  }
+  int duplicate_results() {
+    std::lock_guard lock(mu_);
+    return duplicates_;
+  }
+
+ private:
+  void OnToken(uint64_t room, int32_t index, int32_t token) {
+    std::lock_guard lock(mu_);
+    tokens_[room].emplace_back(index, token);
+  }
+  void OnResult(uint64_t room, HostRequestResult r) {
+    std::lock_guard lock(mu_);
+    if (!results_.emplace(room, std::move(r)).second) ++duplicates_;
+    cv_.notify_all();
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, HostRequestResult> results_;
+  std::map<uint64_t, std::vector<std::pair<int32_t, int32_t>>> tokens_;
+  int duplicates_ = 0;
+};
+
+struct Prompt {
+  uint64_t room;
+  std::vector<int32_t> tokens;
+  int32_t max_new;
+};
+
+std::vector<Prompt> Prompts() {
+  std::mt19937 rng(5);
+  std::vector<Prompt> out;
+  uint64_t room = 1000;
+  // Shorter than a page, a page and a bit, chunked (> 24 tokens), chunked and page-aligned.
+  for (int32_t len : {5, 17, 41, 48}) {
+    Prompt p{room++, {}, 6};
+    for (int32_t i = 0; i < len; ++i) p.tokens.push_back(static_cast<int32_t>(rng() % 512));
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+void CheckDecodeResults(Collector& decode, const std::vector<Prompt>& prompts,
+                        const std::string& model, bool colocated) {
+  auto results = decode.results();
+  auto tokens = decode.tokens();
+  CHECK(decode.duplicate_results() == 0);
+  for (const Prompt& p : prompts) {
+    INFO("room " << p.room << ", prompt of " << p.tokens.size() << " tokens");
+    REQUIRE(results.count(p.room) == 1);
+    const HostRequestResult& r = results[p.room];
+    INFO(r.status.ToString());
+    REQUIRE(r.status.ok());
+    CHECK(r.output_ids == testing::Reference(model, 11, p.tokens, p.max_new));
+    // Streamed in order, the same tokens.
+    std::vector<int32_t> streamed;
+    for (size_t i = 0; i < tokens[p.room].size(); ++i) {
+      CHECK(tokens[p.room][i].first == static_cast<int32_t>(i));
+      streamed.push_back(tokens[p.room][i].second);
+    }
+    CHECK(streamed == r.output_ids);
+    CHECK(r.first_token_us > 0);
+    CHECK(r.finish_us >= r.first_token_us);
+    if (colocated) {
+      CHECK(r.kv_bytes == 0);
+    } else {
+      CHECK(r.kv_bytes > 0);
+      CHECK(r.transfer_us >= 0);
+    }
+  }
+}
+
+// One prefill host and one decode host; every prompt sent to both, as the router would.
+void RunDisaggregated(const std::string& model, int32_t tp, int32_t pp) {
+  const uint16_t bootstrap = NextBootstrapPort();
+  HostOptions po = BaseOptions(Role::kPrefill, model);
+  po.tp_size = tp;
+  po.pp_size = pp;
+  po.bootstrap_port = bootstrap;
+  auto prefill = Host::Create(po);
+  INFO(prefill.status().ToString());
+  REQUIRE(prefill.ok());
+  auto decode = Host::Create(BaseOptions(Role::kDecode, model));
+  INFO(decode.status().ToString());
+  REQUIRE(decode.ok());
+
+  const HostLoad load = (*prefill)->Load();
+  CHECK(load.role == Role::kPrefill);
+  CHECK((load.tp_size == tp && load.pp_size == pp));
+  CHECK(load.bootstrap.port == bootstrap);
+
+  Collector prefill_results, decode_results;
+  const std::vector<Prompt> prompts = Prompts();
+  for (const Prompt& p : prompts) {
+    (*decode)->Submit({.room = p.room,
+                       .prompt = p.tokens,
+                       .max_new_tokens = p.max_new,
+                       .bootstrap = {"127.0.0.1", bootstrap},
+                       .prefill_dp_rank = std::nullopt},
+                      decode_results.For(p.room));
+    (*prefill)->Submit({.room = p.room,
+                        .prompt = p.tokens,
+                        .max_new_tokens = p.max_new,
+                        .bootstrap = {},
+                        .prefill_dp_rank = std::nullopt},
+                       prefill_results.For(p.room));
+  }
+  REQUIRE(decode_results.Wait(prompts.size()));
+  REQUIRE(prefill_results.Wait(prompts.size()));
+  CheckDecodeResults(decode_results, prompts, model, /*colocated=*/false);
+  auto pr = prefill_results.results();
+  auto dr = decode_results.results();
+  for (const Prompt& p : prompts) {
+    INFO("room " << p.room << ": " << pr[p.room].status.ToString());
+    REQUIRE(pr[p.room].status.ok());
+    CHECK(pr[p.room].output_ids == std::vector<int32_t>{dr[p.room].output_ids.at(0)});
+    // Prefill's ranks together sent what decode received: every head of every layer, and the
+    // state.
+    CHECK(pr[p.room].kv_bytes == dr[p.room].kv_bytes);
+    CHECK(pr[p.room].transfer_us > 0);
+  }
+  CHECK(prefill_results.tokens().empty());  // prefill streams no tokens
+  (*decode)->Shutdown();
+  (*prefill)->Shutdown();
+}
+
+TEST_CASE("hosts engine: 1P1D outputs equal the colocated reference") {
+  RunDisaggregated("small", 1, 1);
+}
+
+TEST_CASE("hosts engine: prefill TP 2 -> decode TP 1 (head shards)") {
+  RunDisaggregated("small", 2, 1);
+}
+
+TEST_CASE("hosts engine: prefill PP 2 -> decode PP 1 (layer stages)") {
+  RunDisaggregated("small", 1, 2);
+}
+
+TEST_CASE("hosts engine: hybrid model with mamba state (1P1D and prefill TP 2 x PP 2)") {
+  RunDisaggregated("small-hybrid", 1, 1);
+  RunDisaggregated("small-hybrid", 2, 2);
+}
+
+TEST_CASE("hosts engine: colocated host equals the reference without a transfer") {
+  for (const char* model : {"small", "small-hybrid"}) {
+    INFO(model);
+    auto host = Host::Create(BaseOptions(Role::kColocated, model));
+    INFO(host.status().ToString());
+    REQUIRE(host.ok());
+    Collector results;
+    const std::vector<Prompt> prompts = Prompts();
+    for (const Prompt& p : prompts) {
+      // The bootstrap address is ignored.
+      (*host)->Submit({.room = p.room,
+                       .prompt = p.tokens,
+                       .max_new_tokens = p.max_new,
+                       .bootstrap = {"192.0.2.1", 1},
+                       .prefill_dp_rank = std::nullopt},
+                      results.For(p.room));
+    }
+    REQUIRE(results.Wait(prompts.size()));
+    CheckDecodeResults(results, prompts, model, /*colocated=*/true);
+  }
+}
+
+// The fake backend moves no bytes, so decode cannot get the right tokens (its metadata room check
+// fails), but every request must still end on both sides.
+TEST_CASE("hosts engine: the fake backend ends every request") {
+  const uint16_t bootstrap = NextBootstrapPort();
+  HostOptions po = BaseOptions(Role::kPrefill, "small");
+  po.backend = "fake";
+  po.backend_options.clear();
+  po.bootstrap_port = bootstrap;
+  po.tp_size = 2;
+  HostOptions dopt = BaseOptions(Role::kDecode, "small");
+  dopt.backend = "fake";
+  dopt.backend_options.clear();
+  auto prefill = Host::Create(po);
+  INFO(prefill.status().ToString());
+  REQUIRE(prefill.ok());
+  auto decode = Host::Create(dopt);
+  INFO(decode.status().ToString());
+  REQUIRE(decode.ok());
+  Collector p, d;
+  const std::vector<Prompt> prompts = Prompts();
+  for (const Prompt& q : prompts) {
+    (*decode)->Submit({.room = q.room,
+                       .prompt = q.tokens,
+                       .max_new_tokens = q.max_new,
+                       .bootstrap = {"127.0.0.1", bootstrap},
+                       .prefill_dp_rank = {}},
+                      d.For(q.room));
+    (*prefill)->Submit({.room = q.room,
+                        .prompt = q.tokens,
+                        .max_new_tokens = q.max_new,
+                        .bootstrap = {},
+                        .prefill_dp_rank = {}},
+                       p.For(q.room));
+  }
+  REQUIRE(d.Wait(prompts.size(), milliseconds(30000)));
+  REQUIRE(p.Wait(prompts.size(), milliseconds(30000)));
+  for (auto& [room, r] : d.results()) {
+    INFO("room " << room << ": " << r.status.ToString());
+    CHECK((r.status.ok() || !r.status.message().empty()));
+  }
+}
+
+TEST_CASE("hosts engine: failures end with ok=false and a reason and nothing hangs") {
+  HostOptions dopt = BaseOptions(Role::kDecode, "small");
+  dopt.bootstrap_timeout = milliseconds(1000);
+  dopt.connect_timeout = milliseconds(1000);
+  dopt.waiting_timeout = milliseconds(2000);
+  dopt.transfer_timeout = milliseconds(2000);
+  auto decode = Host::Create(dopt);
+  REQUIRE(decode.ok());
+  HostOptions popt = BaseOptions(Role::kPrefill, "small");
+  popt.bootstrap_port = NextBootstrapPort();
+  popt.bootstrap_timeout = milliseconds(1000);
+  auto prefill = Host::Create(popt);
+  REQUIRE(prefill.ok());
+  Collector d, p;
+  // Decode: its prefill host never gets the request, so it stays live until a timeout ends it;
+  // meanwhile the same room again is refused.
+  (*decode)->Submit({.room = 1,
+                     .prompt = {1, 2, 3},
+                     .max_new_tokens = 4,
+                     .bootstrap = {"127.0.0.1", popt.bootstrap_port},
+                     .prefill_dp_rank = {}},
+                    d.For(1));
+  (*decode)->Submit(
+      {.room = 1, .prompt = {1}, .max_new_tokens = 1, .bootstrap = {}, .prefill_dp_rank = {}},
+      d.For(3));
+  // Decode: refused at once (max_new_tokens 0); no prefill registered at that address.
+  (*decode)->Submit(
+      {.room = 2, .prompt = {1, 2, 3}, .max_new_tokens = 0, .bootstrap = {}, .prefill_dp_rank = {}},
+      d.For(2));
+  (*decode)->Submit({.room = 4,
+                     .prompt = {1, 2, 3},
+                     .max_new_tokens = 4,
+                     .bootstrap = {"127.0.0.1", NextBootstrapPort()},
+                     .prefill_dp_rank = {}},
+                    d.For(4));
+  // Prefill: no decode ever asks for room 9.
+  (*prefill)->Submit(
+      {.room = 9, .prompt = {4, 5, 6}, .max_new_tokens = 1, .bootstrap = {}, .prefill_dp_rank = {}},
+      p.For(9));
+  REQUIRE(d.Wait(4, milliseconds(30000)));
+  REQUIRE(p.Wait(1, milliseconds(30000)));
+  auto dr = d.results();
+  for (uint64_t key : {1, 4}) {
+    INFO("request " << key << ": " << dr[key].status.ToString());
+    CHECK(!dr[key].status.ok());
+    CHECK(std::string(dr[key].status.message()).find("room") != std::string::npos);
+  }
+  CHECK(dr[2].status.code() == StatusCode::kInvalidArgument);
+  CHECK(dr[3].status.code() == StatusCode::kAlreadyExists);
+  auto pr = p.results();
+  CHECK(pr[9].status.code() == StatusCode::kDeadlineExceeded);
+  CHECK(std::string(pr[9].status.message()).find("room 9") != std::string::npos);
+}
+
+TEST_CASE("hosts engine: decode requests fail promptly when their prefill host goes away") {
+  HostOptions popt = BaseOptions(Role::kPrefill, "small");
+  popt.bootstrap_port = NextBootstrapPort();
+  auto prefill = Host::Create(popt);
+  REQUIRE(prefill.ok());
+  HostOptions dopt = BaseOptions(Role::kDecode, "small");
+  dopt.transfer_timeout = milliseconds(60000);  // must not be what ends the request
+  auto decode = Host::Create(dopt);
+  REQUIRE(decode.ok());
+  Collector d;
+  // The prefill host never gets these requests: decode connects, pre-allocates and waits.
+  for (uint64_t room = 1; room <= 2; ++room) {
+    (*decode)->Submit({.room = room,
+                       .prompt = {1, 2, 3, 4},
+                       .max_new_tokens = 3,
+                       .bootstrap = {"127.0.0.1", popt.bootstrap_port},
+                       .prefill_dp_rank = {}},
+                      d.For(room));
+  }
+  // Let decode reach the prefill ranks, then take prefill away.
+  std::this_thread::sleep_for(milliseconds(300));
+  const auto gone = std::chrono::steady_clock::now();
+  prefill->reset();
+  REQUIRE(d.Wait(2, milliseconds(20000)));
+  CHECK(std::chrono::steady_clock::now() - gone < milliseconds(10000));
+  for (auto& [room, r] : d.results()) {
+    INFO("room " << room << ": " << r.status.ToString());
+    CHECK(!r.status.ok());
+    CHECK(!r.status.message().empty());
+  }
+}
+
+TEST_CASE("hosts engine: shutdown fails in-flight requests with a reason") {
+  HostOptions popt = BaseOptions(Role::kPrefill, "small");
+  popt.bootstrap_port = NextBootstrapPort();
+  popt.tp_size = 2;
+  auto prefill = Host::Create(popt);
+  REQUIRE(prefill.ok());
+  Collector p;
+  for (uint64_t room = 1; room <= 3; ++room) {
+    (*prefill)->Submit({.room = room,
+                        .prompt = {4, 5, 6},
+                        .max_new_tokens = 1,
+                        .bootstrap = {},
+                        .prefill_dp_rank = {}},
+                       p.For(room));
+  }
+  (*prefill)->Shutdown();
+  REQUIRE(p.Wait(3, milliseconds(0)));
+  for (auto& [room, r] : p.results()) {
+    INFO("room " << room);
+    CHECK(r.status.code() == StatusCode::kUnavailable);
+    CHECK(std::string(r.status.message()).find("shutting down") != std::string::npos);
+  }
+  // After shutdown a request is refused at once.
+  (*prefill)->Submit(
+      {.room = 4, .prompt = {1}, .max_new_tokens = 1, .bootstrap = {}, .prefill_dp_rank = {}},
+      p.For(4));
+  REQUIRE(p.Wait(4, milliseconds(0)));
+  CHECK(p.duplicate_results() == 0);
+}
+
+TEST_CASE("hosts engine: decode refuses TP or PP above 1 with the reason") {
+  HostOptions o = BaseOptions(Role::kDecode, "small");
+  o.tp_size = 2;
+  auto host = Host::Create(o);
+  CHECK(host.status().code() == StatusCode::kInvalidArgument);
+  CHECK(std::string(host.status().message()).find("decode runs TP 1 and PP 1 only") !=
+        std::string::npos);
+}
+
+}  // namespace
+}  // namespace pdlib::hosts

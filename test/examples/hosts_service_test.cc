@@ -1,0 +1,267 @@
+// pd-prefill / pd-decode as the router sees them, in one process: two Hosts on the gRPC control
+// plane (prefill runs its own bootstrap server on a free port), each served by a HostService on
+// 127.0.0.1; a client calls Generate on both as the router does and GetLoad. Plus the command
+// line (host_flags.h).
+#include <grpcpp/grpcpp.h>
+
+#include <catch2/catch.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "examples/hosts/host_flags.h"
+#include "examples/hosts/host_service.h"
+#include "examples/proto/pd_serving.grpc.pb.h"
+#include "hosts_reference.h"
+
+namespace pdlib::hosts {
+namespace {
+
+namespace pb = ::pdlib::serving;
+
+struct Stream {
+  std::vector<pb::HostToken> tokens;
+  pb::HostResult result;
+  int results = 0;
+  grpc::Status status;
+};
+
+Stream Generate(const std::string& target, const pb::HostGenerateRequest& request) {
+  auto stub = pb::Host::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  Stream out;
+  auto reader = stub->Generate(&ctx, request);
+  pb::HostEvent e;
+  while (reader->Read(&e)) {
+    if (e.has_token()) out.tokens.push_back(e.token());
+    if (e.has_result()) {
+      out.result = e.result();
+      ++out.results;
+    }
+  }
+  out.status = reader->Finish();
+  return out;
+}
+
+pb::LoadReply GetLoad(const std::string& target) {
+  auto stub = pb::Host::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  pb::LoadReply reply;
+  const grpc::Status s = stub->GetLoad(&ctx, pb::LoadRequest(), &reply);
+  REQUIRE(s.ok());
+  return reply;
+}
+
+HostOptions GrpcOptions(Role role) {
+  HostOptions o;
+  o.role = role;
+  o.seed = 11;
+  o.backend = "ucx";
+  o.backend_options = {{"ucx.tls", "shm"}};
+  o.threads_per_rank = 1;
+  o.num_pages = 64;
+  o.max_running = 4;
+  o.chunked_prefill_size = 24;
+  o.reserved_decode_tokens = 16;
+  o.idle_poll = std::chrono::microseconds(200);
+  return o;
+}
+
+TEST_CASE("hosts service: 1P1D over gRPC as the router drives it") {
+  HostOptions po = GrpcOptions(Role::kPrefill);
+  po.tp_size = 2;
+  po.start_bootstrap = true;
+  po.bootstrap_port = 0;  // the host runs the bootstrap server and picks its port
+  auto prefill = Host::Create(po);
+  INFO(prefill.status().ToString());
+  REQUIRE(prefill.ok());
+  const BootstrapAddress bootstrap = (*prefill)->bootstrap();
+  CHECK(bootstrap.port != 0);
+  auto decode = Host::Create(GrpcOptions(Role::kDecode));
+  INFO(decode.status().ToString());
+  REQUIRE(decode.ok());
+  auto prefill_service = HostService::Start({}, prefill->get());
+  auto decode_service = HostService::Start({}, decode->get());
+  REQUIRE(prefill_service.ok());
+  REQUIRE(decode_service.ok());
+
+  const pb::LoadReply pl = GetLoad((*prefill_service)->address());
+  CHECK(pl.role() == "prefill");
+  CHECK((pl.tp_size() == 2 && pl.pp_size() == 1 && pl.dp_size() == 1));
+  CHECK(pl.bootstrap_host() == bootstrap.host);
+  CHECK(pl.bootstrap_port() == bootstrap.port);
+  const pb::LoadReply dl = GetLoad((*decode_service)->address());
+  CHECK(dl.role() == "decode");
+  CHECK(dl.bootstrap_port() == 0);
+
+  std::vector<std::vector<int32_t>> prompts = {{1, 2, 3, 4, 5}, {}};
+  for (int32_t i = 0; i < 40; ++i) prompts[1].push_back((i * 37 + 11) % 512);
+  std::vector<Stream> p_out(prompts.size()), d_out(prompts.size());
+  std::vector<std::thread> calls;
+  for (size_t k = 0; k < prompts.size(); ++k) {
+    pb::HostGenerateRequest req;
+    req.set_room(500 + k);
+    req.mutable_prompt_ids()->Add(prompts[k].begin(), prompts[k].end());
+    req.set_max_new_tokens(5);
+    req.set_prefill_dp_rank(-1);
+    calls.emplace_back([&, k, req] { p_out[k] = Generate((*prefill_service)->address(), req); });
+    pb::HostGenerateRequest dreq = req;
+    dreq.set_bootstrap_host(bootstrap.host);
+    dreq.set_bootstrap_port(bootstrap.port);
+    calls.emplace_back([&, k, dreq] { d_out[k] = Generate((*decode_service)->address(), dreq); });
+  }
+  for (auto& t : calls) t.join();
+  for (size_t k = 0; k < prompts.size(); ++k) {
+    INFO("prompt " << k);
+    const Stream& d = d_out[k];
+    const Stream& p = p_out[k];
+    REQUIRE(d.status.ok());
+    REQUIRE(p.status.ok());
+    CHECK((d.results == 1 && p.results == 1));
+    INFO("decode: " << d.result.reason() << "; prefill: " << p.result.reason());
+    REQUIRE(d.result.ok());
+    REQUIRE(p.result.ok());
+    const std::vector<int32_t> want = testing::Reference("small", 11, prompts[k], 5);
+    const std::vector<int32_t> got(d.result.output_ids().begin(), d.result.output_ids().end());
+    CHECK(got == want);
+    REQUIRE(d.tokens.size() == want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      CHECK(d.tokens[i].index() == static_cast<int32_t>(i));
+      CHECK(d.tokens[i].token_id() == want[i]);
+    }
+    CHECK(p.tokens.empty());
+    CHECK((p.result.output_ids_size() == 1 && p.result.output_ids(0) == want[0]));
+    CHECK(p.result.kv_bytes() == d.result.kv_bytes());
+    CHECK(d.result.kv_bytes() > 0);
+    CHECK(d.result.first_token_us() > 0);
+    CHECK(d.result.finish_us() >= d.result.first_token_us());
+  }
+
+  // A failed request: ok=false with the code and reason on an OK stream.
+  pb::HostGenerateRequest bad;
+  bad.set_room(900);
+  bad.add_prompt_ids(1);
+  bad.set_max_new_tokens(0);
+  const Stream b = Generate((*decode_service)->address(), bad);
+  CHECK(b.status.ok());
+  CHECK(!b.result.ok());
+  CHECK(b.result.code() == static_cast<int32_t>(StatusCode::kInvalidArgument));
+  CHECK(!b.result.reason().empty());
+
+  (*decode)->Shutdown();
+  (*prefill)->Shutdown();
+  (*decode_service)->Shutdown();
+  (*prefill_service)->Shutdown();
+}
+
+StatusOr<HostFlags> Parse(Role program, std::vector<std::string_view> args) {
+  return ParseHostFlags(program, args);
+}
+
+TEST_CASE("hosts flags: parsing and defaults and refusals") {
+  auto d = Parse(Role::kPrefill, {});
+  REQUIRE(d.ok());
+  CHECK(d->host.backend == "ucx");
+  CHECK((d->grpc_host == "127.0.0.1" && d->grpc_port == 0));
+  CHECK(d->host.bootstrap_timeout == std::chrono::milliseconds(10000));
+  CHECK(d->host.transfer_timeout == std::chrono::milliseconds(30000));
+
+  auto p = Parse(Role::kPrefill, {"--host",
+                                  "0.0.0.0",
+                                  "--port=7000",
+                                  "--model",
+                                  "small-hybrid",
+                                  "--tp",
+                                  "2",
+                                  "--pp=2",
+                                  "--backend",
+                                  "fake",
+                                  "--backend-option",
+                                  "ucx.tls=shm",
+                                  "--backend-option=ucx.net_devices=lo",
+                                  "--bootstrap-port",
+                                  "0",
+                                  "--start-bootstrap",
+                                  "--num-pages",
+                                  "128",
+                                  "--max-running",
+                                  "8",
+                                  "--chunked-prefill-size",
+                                  "64",
+                                  "--transfer-timeout-ms",
+                                  "1234",
+                                  "--seed",
+                                  "9"});
+  INFO(p.status().ToString());
+  REQUIRE(p.ok());
+  CHECK((p->grpc_host == "0.0.0.0" && p->host.listen_host == "0.0.0.0" && p->grpc_port == 7000));
+  CHECK((p->host.model == "small-hybrid" && p->host.tp_size == 2 && p->host.pp_size == 2));
+  CHECK(p->host.backend == "fake");
+  CHECK(p->host.backend_options ==
+        std::map<std::string, std::string>{{"ucx.tls", "shm"}, {"ucx.net_devices", "lo"}});
+  CHECK((p->host.start_bootstrap && p->host.bootstrap_port == 0));
+  CHECK((p->host.num_pages == 128 && p->host.max_running == 8 &&
+         p->host.chunked_prefill_size == 64 && p->host.seed == 9));
+  CHECK(p->host.transfer_timeout == std::chrono::milliseconds(1234));
+
+  auto c = Parse(Role::kDecode, {"--colocated"});
+  REQUIRE(c.ok());
+  CHECK(c->host.role == Role::kColocated);
+
+  auto tp = Parse(Role::kDecode, {"--tp", "2"});
+  CHECK(tp.status().code() == StatusCode::kInvalidArgument);
+  CHECK(std::string(tp.status().message()).find("pd-decode runs TP 1 and PP 1 only") !=
+        std::string::npos);
+  CHECK(!Parse(Role::kPrefill, {"--colocated"}).ok());
+  CHECK(!Parse(Role::kDecode, {"--bootstrap-port", "1"}).ok());
+  CHECK(!Parse(Role::kPrefill, {"--port", "70000"}).ok());
+  CHECK(!Parse(Role::kPrefill, {"--model", "huge"}).ok());
+  CHECK(!Parse(Role::kPrefill, {"--tp"}).ok());
+  CHECK(!Parse(Role::kPrefill, {"--backend-option", "novalue"}).ok());
+  CHECK(!Parse(Role::kPrefill, {"--liveness-timeout-ms", "10"}).ok());
+  auto help = Parse(Role::kDecode, {"--help", "--tp", "4"});
+  REQUIRE(help.ok());
+  CHECK(help->help);
+}
+
+TEST_CASE("hosts flags: --help documents every flag") {
+  const std::vector<std::string> common = {"--host",
+                                           "--port",
+                                           "--model",
+                                           "--seed",
+                                           "--threads",
+                                           "--backend ",
+                                           "--backend-option",
+                                           "--num-pages",
+                                           "--max-running",
+                                           "--chunked-prefill-size",
+                                           "--max-context-len",
+                                           "--bootstrap-timeout-ms",
+                                           "--waiting-timeout-ms",
+                                           "--transfer-timeout-ms",
+                                           "--liveness-timeout-ms",
+                                           "--connect-timeout-ms",
+                                           "--idle-poll-us",
+                                           "--verbose",
+                                           "--help",
+                                           "READY role="};
+  for (Role program : {Role::kPrefill, Role::kDecode}) {
+    const std::string usage = HostUsage(program);
+    std::vector<std::string> flags = common;
+    if (program == Role::kPrefill) {
+      flags.insert(flags.end(),
+                   {"--tp", "--pp", "--bootstrap-host", "--bootstrap-port", "--start-bootstrap"});
+    } else {
+      flags.insert(flags.end(), {"--colocated", "--reserved-decode-tokens", "--tp 1"});
+    }
+    for (const std::string& f : flags) {
+      INFO(RoleName(program) << ": " << f);
+      CHECK(usage.find(f) != std::string::npos);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pdlib::hosts
