@@ -1,5 +1,6 @@
 # pdlib's two set-up commands (README "Quick start"): `make demo` and `make test`.
 # Both install what is missing (scripts/install-deps.sh), configure and build first.
+#   make demo DEMO_ARGS="--rates 0,20 --requests 32"   pass flags to pd-demo (pd-demo --help)
 #   make test PRESET=asan     run the tests of another CMake preset (release|debug|asan|tsan)
 #   make bench                run the microbenchmarks
 #   make format / format-check
@@ -27,8 +28,10 @@ build: configure
 test: build
 	ctest --preset $(PRESET) -j $(JOBS)
 
-demo: build
-	$(BUILD_DIR)/examples/pdlib-demo-fake
+# Builds only what the demo runs (pd-demo, the hosts, the router, pdlib-bootstrap).
+demo: configure
+	cmake --build --preset $(PRESET) -j $(JOBS) --target pd-demo
+	$(BUILD_DIR)/examples/demo/pd-demo $(DEMO_ARGS)
 
 bench: build
 	$(BUILD_DIR)/bench/pdlib_micro_bench

@@ -1,0 +1,84 @@
+// Deployment: the example's processes on 127.0.0.1 — a pdlib-bootstrap and a pd-prefill per
+// prefill host, pd-decode hosts, optionally a colocated pd-decode, and pd-router in front — and
+// a client for them. pd-demo runs one; the end-to-end tests run several topologies.
+//
+// Ownership: a Deployment owns its child processes; destroying it stops them (SIGTERM, then
+// SIGKILL after a grace period). Threads: Generate/GenerateColocated may be called from many
+// threads at once; Start, KillPrefill and the destructor from one.
+#ifndef PDLIB_EXAMPLES_DEMO_DEPLOYMENT_H_
+#define PDLIB_EXAMPLES_DEMO_DEPLOYMENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "pdlib/status.h"
+
+namespace pdlib::demo {
+
+struct PrefillSpec {
+  int32_t tp = 1;
+  int32_t pp = 1;
+};
+
+struct DeploymentOptions {
+  // The example binaries; the defaults are those of this build tree.
+  std::string prefill_bin, decode_bin, router_bin, bootstrap_bin;
+  std::vector<PrefillSpec> prefills = {PrefillSpec{}};
+  int32_t decodes = 1;
+  bool colocated = true;        // also start a colocated host (pd-decode --colocated)
+  std::string model = "small";  // or "small-hybrid"
+  uint64_t seed = 1;            // model weights; every host uses the same
+  std::string backend = "ucx";
+  std::vector<std::string> backend_options;  // "key=value", passed to every host
+  std::string policy = "power-of-two";
+  int32_t num_pages = 512;  // KV pages per host
+  std::string log_dir;      // each process's stderr goes to <log_dir>/<name>.log
+  int32_t start_timeout_ms = 60000;
+  int32_t request_timeout_ms = 60000;
+};
+
+// One request's result as the client saw it.
+struct Outcome {
+  bool ok = false;
+  std::string reason;  // why it failed
+  std::vector<int32_t> output_ids;
+  int64_t ttft_us = 0;      // client: sent until the first token arrived
+  int64_t latency_us = 0;   // client: sent until the stream ended
+  int64_t transfer_us = 0;  // router's GenerateResult (decode host's measure)
+  uint64_t kv_bytes = 0;
+  uint64_t room = 0;
+  std::string prefill_host, decode_host;
+};
+
+class Deployment {
+ public:
+  static StatusOr<std::unique_ptr<Deployment>> Start(const DeploymentOptions& options);
+  ~Deployment();
+  Deployment(const Deployment&) = delete;
+  Deployment& operator=(const Deployment&) = delete;
+
+  // Through pd-router (disaggregated).
+  Outcome Generate(const std::vector<int32_t>& prompt, int32_t max_new_tokens);
+  // Straight to the colocated host (requires options.colocated).
+  Outcome GenerateColocated(const std::vector<int32_t>& prompt, int32_t max_new_tokens);
+
+  // SIGKILLs prefill host `index` (its bootstrap server stays up).
+  void KillPrefill(size_t index);
+  std::string router_address() const;
+  // host:port of prefill host `index`'s gRPC service (as GenerateResult::prefill_host names it).
+  std::string prefill_address(size_t index) const;
+  int http_port() const;
+  // The tail of every process's log, for failure reports.
+  std::string LogTails(size_t max_bytes_each = 2000) const;
+
+ private:
+  struct Impl;
+  explicit Deployment(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace pdlib::demo
+
+#endif  // PDLIB_EXAMPLES_DEMO_DEPLOYMENT_H_
