@@ -193,83 +193,74 @@ std::string Deployment::LogTails(size_t max_bytes_each) const {
   return out;
 }
 
-Outcome Deployment::Generate(const std::vector<int32_t>& prompt, int32_t max_new_tokens) {
+namespace {
+
+// Reads a Generate stream (the router's or a host's: both send tokens, then one result) into an
+// Outcome: the client-side TTFT and latency, and what `take_result` copies from the result.
+template <typename Event, typename Request, typename Stub, typename TakeResult>
+Outcome ReadGenerate(Stub& stub, const Request& req, int32_t timeout_ms, const std::string& who,
+                     TakeResult take_result) {
   Outcome out;
-  auto stub = pdlib::serving::Router::NewStub(impl_->router_channel);
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(impl_->options.request_timeout_ms + 10000));
-  pdlib::serving::GenerateRequest req;
-  for (int32_t t : prompt) req.add_prompt_ids(t);
-  req.set_max_new_tokens(max_new_tokens);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
   const auto start = Clock::now();
-  auto reader = stub->Generate(&ctx, req);
-  pdlib::serving::GenerateEvent ev;
+  auto reader = stub.Generate(&ctx, req);
+  Event ev;
   bool have_result = false;
   while (reader->Read(&ev)) {
     if (ev.has_token()) {
       if (out.ttft_us == 0) out.ttft_us = MicrosSince(start);
     } else if (ev.has_result()) {
-      const auto& r = ev.result();
       have_result = true;
-      out.ok = r.ok();
-      out.reason = r.reason();
-      out.output_ids.assign(r.output_ids().begin(), r.output_ids().end());
-      out.transfer_us = r.transfer_us();
-      out.kv_bytes = r.kv_bytes();
-      out.room = r.room();
-      out.prefill_host = r.prefill_host();
-      out.decode_host = r.decode_host();
+      out.ok = ev.result().ok();
+      out.reason = ev.result().reason();
+      out.output_ids.assign(ev.result().output_ids().begin(), ev.result().output_ids().end());
+      take_result(ev.result(), &out);
     }
   }
   grpc::Status st = reader->Finish();
   out.latency_us = MicrosSince(start);
   if (!have_result) {
     out.ok = false;
-    out.reason = "router: " + st.error_message() + " (no result)";
+    out.reason = who + ": " + st.error_message() + " (no result)";
   }
   return out;
 }
 
+}  // namespace
+
+Outcome Deployment::Generate(const std::vector<int32_t>& prompt, int32_t max_new_tokens) {
+  auto stub = pdlib::serving::Router::NewStub(impl_->router_channel);
+  pdlib::serving::GenerateRequest req;
+  for (int32_t t : prompt) req.add_prompt_ids(t);
+  req.set_max_new_tokens(max_new_tokens);
+  return ReadGenerate<pdlib::serving::GenerateEvent>(
+      *stub, req, impl_->options.request_timeout_ms + 10000, "router",
+      [](const pdlib::serving::GenerateResult& r, Outcome* out) {
+        out->transfer_us = r.transfer_us();
+        out->kv_bytes = r.kv_bytes();
+        out->room = r.room();
+        out->prefill_host = r.prefill_host();
+        out->decode_host = r.decode_host();
+      });
+}
+
 Outcome Deployment::GenerateColocated(const std::vector<int32_t>& prompt, int32_t max_new_tokens) {
-  Outcome out;
   if (!impl_->colocated_channel) {
+    Outcome out;
     out.reason = "no colocated host in this deployment";
     return out;
   }
   auto stub = pdlib::serving::Host::NewStub(impl_->colocated_channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(impl_->options.request_timeout_ms + 10000));
   static std::atomic<uint64_t> next_room{1};
   pdlib::serving::HostGenerateRequest req;
   req.set_room(next_room++);
   for (int32_t t : prompt) req.add_prompt_ids(t);
   req.set_max_new_tokens(max_new_tokens);
   req.set_prefill_dp_rank(-1);
-  const auto start = Clock::now();
-  auto reader = stub->Generate(&ctx, req);
-  pdlib::serving::HostEvent ev;
-  bool have_result = false;
-  while (reader->Read(&ev)) {
-    if (ev.has_token()) {
-      if (out.ttft_us == 0) out.ttft_us = MicrosSince(start);
-    } else if (ev.has_result()) {
-      const auto& r = ev.result();
-      have_result = true;
-      out.ok = r.ok();
-      out.reason = r.reason();
-      out.output_ids.assign(r.output_ids().begin(), r.output_ids().end());
-      out.room = req.room();
-    }
-  }
-  grpc::Status st = reader->Finish();
-  out.latency_us = MicrosSince(start);
-  if (!have_result) {
-    out.ok = false;
-    out.reason = "colocated host: " + st.error_message() + " (no result)";
-  }
-  return out;
+  return ReadGenerate<pdlib::serving::HostEvent>(
+      *stub, req, impl_->options.request_timeout_ms + 10000, "colocated host",
+      [room = req.room()](const pdlib::serving::HostResult&, Outcome* out) { out->room = room; });
 }
 
 }  // namespace pdlib::demo
