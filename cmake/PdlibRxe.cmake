@@ -15,8 +15,10 @@
 #   In ThreadSanitizer builds UCX_MEM_EVENTS=n is set for the command, as for pdlib_add_test.
 #
 #   pdlib_add_vm_test(NAME verbs_rxe_write COMMAND $<TARGET_FILE:verbs_test> DEPENDS verbs_test)
-set(PDLIB_RXE_VM_SCRIPT "${PROJECT_SOURCE_DIR}/test/rxe/rxe_vm.sh")
-set(PDLIB_RXE_VM_SKIP_CODE 77)  # rxe_vm.sh's exit status for "cannot run here"
+# Cache entries, not plain variables: pdlib_add_vm_test is also called from folders outside the
+# one that includes this file (bench/transfer).
+set(PDLIB_RXE_VM_SCRIPT "${PROJECT_SOURCE_DIR}/test/rxe/rxe_vm.sh" CACHE INTERNAL "")
+set(PDLIB_RXE_VM_SKIP_CODE 77 CACHE INTERNAL "")  # rxe_vm.sh's exit status for "cannot run here"
 
 function(pdlib_add_vm_test)
   cmake_parse_arguments(ARG "" "NAME;TIMEOUT" "COMMAND;DEPENDS;ENVIRONMENT" ${ARGN})
