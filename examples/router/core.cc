@@ -239,6 +239,7 @@ class RequestCall : public std::enable_shared_from_this<RequestCall> {
     if (!ok) {
       SettleOther(side, "cancelled after " + Describe(s) + " failed");
     } else if (side == kDecodeSide) {
+      // The request has succeeded; prefill gets settle_time to end its call.
       SettleOther(side, Describe(*sides_[kPrefillSide]) + " sent no result within " +
                             std::to_string(core_->options_.settle_time.count()) +
                             " ms of decode finishing");
@@ -307,7 +308,12 @@ class RequestCall : public std::enable_shared_from_this<RequestCall> {
       if (!output_ids_.empty()) r.ttft_us = Micros(first_token_at_ - received_);
       const SideState& p = *sides_[kPrefillSide];
       const SideState& d = *sides_[kDecodeSide];
-      if (p.has_result) r.kv_bytes = p.result.kv_bytes();
+      // Both hosts count the same bytes; decode's count stands in when prefill's result is late.
+      if (p.has_result && p.result.ok()) {
+        r.kv_bytes = p.result.kv_bytes();
+      } else if (d.has_result) {
+        r.kv_bytes = d.result.kv_bytes();
+      }
       if (d.has_result) r.transfer_us = d.result.transfer_us();
       r.status = ComposeStatusLocked();
       r.latency_us =
@@ -331,11 +337,16 @@ class RequestCall : public std::enable_shared_from_this<RequestCall> {
       StatusCode code;
       std::string text;
     };
-    // Both results ok: the request succeeded, even if it was cancelled afterwards.
-    if (std::all_of(sides_.begin(), sides_.end(),
-                    [](const auto& s) { return s->has_result && s->result.ok(); })) {
-      return Status::OK();
-    }
+    // Decode's ok result is the request's success unless prefill failed by itself (a result that
+    // is not ok, or its call ended without one): pdlib lets decode finish only after every
+    // prefill rank reported the transfer done, so a prefill result that is merely late (a slow
+    // scheduler step; the router then cancels the call after settle_time) must not turn a
+    // finished request into a failure. The call being cancelled afterwards does not either.
+    const SideState& p = *sides_[kPrefillSide];
+    const SideState& d = *sides_[kDecodeSide];
+    const bool prefill_failed = (p.has_result && !p.result.ok()) ||
+                                (p.done && !p.has_result && p.cancelled_because.empty());
+    if (d.has_result && d.result.ok() && !prefill_failed) return Status::OK();
     std::vector<Part> parts;
     for (const auto& side_ptr : sides_) {
       const SideState& s = *side_ptr;

@@ -6,8 +6,9 @@
 // Failures: a request fails when either host's RPC fails, ends without a result, or sends a
 // result that is not ok; the reason names the failing host and its reason (prefill first, since
 // a prefill failure makes decode fail too). When one host fails, the other gets `settle_time` to
-// end by itself (its own reason is then reported as well) and is cancelled after that; after
-// decode succeeded, prefill gets `settle_time` to send its result. Every RPC carries the
+// end by itself (its own reason is then reported as well) and is cancelled after that. Decode's
+// ok result makes the request a success (pdlib finishes decode only after prefill reported the
+// transfer done); prefill then gets `settle_time` to send its result. Every RPC carries the
 // deadline `request_timeout`, so a host that never answers cannot hold a request longer. A host
 // that dies fails only the requests on it; UNAVAILABLE errors make the policies skip it for a
 // while (host_pool.h).

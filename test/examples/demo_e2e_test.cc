@@ -196,22 +196,22 @@ TEST_CASE("demo e2e: a killed prefill host fails only its own requests, with a r
       "demo_e2e_test: %d of %zu requests in flight failed when a prefill host died, e.g. "
       "%s\n",
       failed, prompts.size(), first_reason.c_str());
-  // New requests go to the surviving prefill host (the router skips the dead one).
+  // New requests, one at a time, go to the surviving prefill host: the router skips the dead
+  // one once a call to it failed (at the latest the first request below, if it picks it).
   const auto after = Prompts(6, 9);
-  auto outcomes = SendAll(**d, after, 8);
   int served = 0;
   for (size_t i = 0; i < after.size(); ++i) {
-    if (outcomes[i].ok) {
+    const Outcome out = (*d)->Generate(after[i], 8);
+    INFO("request " << i << " after the kill, on " << out.prefill_host << ": " << out.reason);
+    if (out.ok) {
       ++served;
       auto want = pdlib::hosts::GenerateReference(o.model, o.seed, after[i], 8);
       REQUIRE(want.ok());
-      CHECK(outcomes[i].output_ids == *want);
+      CHECK(out.output_ids == *want);
     } else {
-      // A request may still pick the dead host before the router has noticed; it fails, with a
-      // reason naming that host.
-      CHECK(outcomes[i].prefill_host == dead);
-      CHECK(outcomes[i].reason.find(dead) != std::string::npos);
+      CHECK(out.prefill_host == dead);
+      CHECK(out.reason.find(dead) != std::string::npos);
     }
   }
-  CHECK(served >= 4);
+  CHECK(served >= static_cast<int>(after.size()) - 1);
 }
