@@ -214,7 +214,8 @@ bool Harness::Setup() {
     s.args = ArgsFor(c_, planner::testing::MakeLayout(c_, false, s.tp_rank, s.pp_rank), opaque_);
     auto layout = PlannerLayout(s.args, "decode");
     if (!layout.ok()) continue;
-    auto targets = PrefillTargetsFor(*layout, s.args.kv_head_num, c_.prefill_tp, c_.prefill_pp);
+    auto targets =
+        PrefillTargetsFor(*layout, s.args.kv_head_num, s.args.is_mla, c_.prefill_tp, c_.prefill_pp);
     if (!targets.ok()) continue;
     for (const PrefillTarget& t : *targets) {
       if (t.rank == planner::RankId{tp, pp}) {
