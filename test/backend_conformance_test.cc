@@ -193,6 +193,36 @@ TEST_CASE("backend conformance") {
     if (caps.moves_bytes) CHECK(p.dst == p.src);
   }
 
+  SECTION("no write after a fence lands; a fence never completes a batch OK") {
+    if (!caps.fences) {
+      WARN("backend " << name << " cannot fence (capabilities().fences is false): decode "
+                             "quarantines pages instead; section not applicable");
+      CHECK_FALSE(p.target->FenceTarget(p.target_id).ok());
+      return;
+    }
+    REQUIRE(p.target->FenceTarget(p.target_id).ok());
+    CHECK_FALSE(p.target->FenceTarget(p.target_id + 1000).ok());
+    // Whatever the initiator posts now (a batch it had queued before the fence would behave the
+    // same way) must not reach the target's memory, and must not complete OK.
+    std::vector<spi::WriteOp> ops;
+    for (uint64_t off = 0; off < kBytes; off += 4096) {
+      ops.push_back({p.src_region, off, p.remote, off, 4096});
+    }
+    Completions done;
+    int posted = 0;
+    for (int i = 0; i < 8; ++i) {
+      posted += p.initiator->PostWrites(p.peer, ops, done.Callback()).ok() ? 1 : 0;
+    }
+    REQUIRE(done.Wait(posted, std::chrono::seconds(20)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    for (const Status& st : done.statuses()) {
+      INFO(st.ToString());
+      CHECK_FALSE(st.ok());
+    }
+    CHECK(std::all_of(p.dst.begin(), p.dst.end(), [](uint8_t b) { return b == 0; }));
+    p.target->CloseTargetEndpoint(p.target_id);
+  }
+
   SECTION("regions deregister and endpoints close cleanly") {
     CHECK(p.initiator->DeregisterMemory(p.src_region).ok());
     CHECK(p.target->DeregisterMemory(p.dst_region).ok());

@@ -2,6 +2,7 @@
 // batch is validated exactly like a real backend would (regions exist, ops stay inside them)
 // and completes as soon as its progress thread sees it. Used for warm-up, control-plane tests
 // and benchmarks of everything except the wire.
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -41,6 +42,22 @@ bool DecodeU64Pair(const Blob& blob, uint32_t magic, uint64_t* value) {
   return true;
 }
 
+// Target ids are unique in the process and fences are kept process-wide, so that a fence by one
+// fake transport (decode's) stops the batches another one (prefill's, in-process) posts to it.
+struct FenceRegistry {
+  std::mutex mu;
+  std::unordered_set<spi::TargetId> fenced;
+  std::atomic<spi::TargetId> next_target{1};
+};
+FenceRegistry& Fences() {
+  static auto* registry = new FenceRegistry();
+  return *registry;
+}
+bool IsFenced(spi::TargetId target) {
+  std::lock_guard lock(Fences().mu);
+  return Fences().fenced.contains(target);
+}
+
 class FakeTransport final : public spi::Transport {
  public:
   FakeTransport() : progress_([this] { ProgressLoop(); }) {}
@@ -63,6 +80,7 @@ class FakeTransport final : public spi::Transport {
     spi::TransportCapabilities caps;
     caps.moves_bytes = false;
     caps.supports_cuda_memory = true;  // nothing is touched, so any address is fine
+    caps.fences = true;                // a fenced target's batches fail; nothing ever lands
     return caps;
   }
 
@@ -88,14 +106,30 @@ class FakeTransport final : public spi::Transport {
 
   StatusOr<spi::TargetEndpoint> CreateTargetEndpoint() override {
     std::lock_guard lock(mu_);
-    spi::TargetId id = next_target_++;
+    spi::TargetId id = Fences().next_target.fetch_add(1);
     targets_.insert(id);
     return spi::TargetEndpoint{id, EncodeU64Pair(kEndpointMagic, id)};
   }
 
   void CloseTargetEndpoint(spi::TargetId target) override {
-    std::lock_guard lock(mu_);
-    targets_.erase(target);
+    {
+      std::lock_guard lock(mu_);
+      if (targets_.erase(target) == 0) return;
+    }
+    std::lock_guard lock(Fences().mu);
+    Fences().fenced.erase(target);
+  }
+
+  Status FenceTarget(spi::TargetId target) override {
+    {
+      std::lock_guard lock(mu_);
+      if (!targets_.contains(target)) {
+        return Status::NotFound("fake: unknown target " + std::to_string(target));
+      }
+    }
+    std::lock_guard lock(Fences().mu);
+    Fences().fenced.insert(target);
+    return Status::OK();
   }
 
   StatusOr<spi::Connection> Connect(const Blob& target_endpoint) override {
@@ -108,6 +142,7 @@ class FakeTransport final : public spi::Transport {
     std::lock_guard lock(mu_);
     spi::PeerId id = next_peer_++;
     peers_[id];
+    peer_target_[id] = target;
     return spi::Connection{id, {}};
   }
 
@@ -152,7 +187,7 @@ class FakeTransport final : public spi::Transport {
                                   std::to_string(op.length) + " bytes leaves its region");
       }
     }
-    queue_.push_back(Pending{std::move(done)});
+    queue_.push_back(Pending{std::move(done), peer_target_[peer]});
     lock.unlock();
     cv_.notify_one();
     return Status::OK();
@@ -161,12 +196,14 @@ class FakeTransport final : public spi::Transport {
   void Disconnect(spi::PeerId peer) override {
     std::lock_guard lock(mu_);
     peers_.erase(peer);
+    peer_target_.erase(peer);
     // Batches already queued complete normally: the fake has nothing in flight to cancel.
   }
 
  private:
   struct Pending {
     spi::WriteCallback done;
+    spi::TargetId target = 0;  // the endpoint the batch's peer connected to
   };
 
   void ProgressLoop() {
@@ -177,7 +214,12 @@ class FakeTransport final : public spi::Transport {
       std::deque<Pending> batch;
       batch.swap(queue_);
       lock.unlock();
-      for (auto& p : batch) p.done(Status::OK());
+      std::vector<bool> fenced;
+      for (const auto& p : batch) fenced.push_back(IsFenced(p.target));
+      for (size_t i = 0; i < batch.size(); ++i) {
+        batch[i].done(fenced[i] ? Status::Unavailable("fake: the target fenced this peer off")
+                                : Status::OK());
+      }
       lock.lock();
     }
   }
@@ -187,11 +229,11 @@ class FakeTransport final : public spi::Transport {
   bool stopping_ = false;
   std::deque<Pending> queue_;
   spi::LocalRegionId next_region_ = 1;
-  spi::TargetId next_target_ = 1;
   spi::PeerId next_peer_ = 1;
   std::unordered_map<spi::LocalRegionId, uint64_t> local_regions_;
   std::unordered_map<spi::PeerId, std::vector<uint64_t>> peers_;  // peer -> remote region lengths
   std::unordered_set<spi::TargetId> targets_;
+  std::unordered_map<spi::PeerId, spi::TargetId> peer_target_;  // what each peer connected to
   std::thread progress_;  // last: starts after every member above is constructed
 };
 

@@ -10,6 +10,8 @@
 //   target:    CompleteTargetEndpoint(target id, reply blob)  (transports that connect both
 //              ends, e.g. RC QPs; capabilities().needs_reply says whether it matters)
 //   initiator: PostWrites(peer, ops, callback) ... callback(Status) once per batch
+//   target:    FenceTarget(target id)  (transports with capabilities().fences): after it
+//              returns OK, nothing that initiator posted, before or after, lands in our memory
 //
 // Threads: every method may be called from any thread. A backend owns one progress thread and
 // calls completion callbacks on it; callbacks must not block and must not destroy the
@@ -38,7 +40,7 @@ inline namespace v1 {
 namespace spi {
 
 // Bumped whenever a declaration in this file changes incompatibly.
-inline constexpr uint32_t kTransportSpiVersion = 1;
+inline constexpr uint32_t kTransportSpiVersion = 2;
 
 using Blob = std::vector<uint8_t>;
 using LocalRegionId = uint32_t;
@@ -50,6 +52,10 @@ struct TransportCapabilities {
   bool moves_bytes = true;   // false only for the fake backend
   bool needs_reply = false;  // CompleteTargetEndpoint must be called with the reply blob
   bool supports_cuda_memory = false;
+  // FenceTarget works: the target can cut an initiator off so that no write it posted, however
+  // late it is executed, reaches the target's memory (verbs: the QPs go to the error state). A
+  // transport whose writes the initiator performs itself (e.g. a shared-memory mapping) cannot.
+  bool fences = false;
   uint32_t max_writes_per_batch = 0;  // 0: unlimited (the core splits larger batches)
   uint64_t max_write_bytes = 0;       // 0: unlimited (the core splits longer writes)
 };
@@ -90,6 +96,8 @@ struct TargetEndpoint {
 
 // Called exactly once per batch: OK when every write of the batch is visible in the target's
 // memory, otherwise the first error (kUnavailable for a dead peer, with the backend's reason).
+// Either way it is called only once no write of the batch can still be executed by this
+// process: the core tells the target side that a room is drained on the strength of it.
 using WriteCallback = std::function<void(Status)>;
 
 class PDLIB_EXPORT Transport {
@@ -109,6 +117,12 @@ class PDLIB_EXPORT Transport {
   // Target side: finishes a connection that needs the initiator's reply. Default: nothing to do.
   virtual Status CompleteTargetEndpoint(TargetId target, const Blob& reply) { return Status(); }
   virtual void CloseTargetEndpoint(TargetId target) = 0;
+  // Target side: cuts the initiator of `target` off. When this returns OK no write that
+  // initiator posted (earlier, in flight, or later) lands in this process's memory; the
+  // endpoint stays allocated until CloseTargetEndpoint. Default: kUnimplemented (fences false).
+  virtual Status FenceTarget(TargetId target) {
+    return Status::Unimplemented(std::string(name()) + ": this transport cannot fence a peer");
+  }
 
   // Initiator side.
   virtual StatusOr<Connection> Connect(const Blob& target_endpoint) = 0;
