@@ -12,6 +12,7 @@ class FixedPoll : public pdlib::KVPollable {
   pdlib::KVPoll Poll() const override { return s_; }
   pdlib::Status FailureReason() const override { return pdlib::Status(); }
   uint64_t room() const override { return 0; }
+  bool PagesReusable() const override { return pdlib::IsTerminal(s_); }
 
  private:
   pdlib::KVPoll s_;

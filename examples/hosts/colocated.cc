@@ -26,6 +26,9 @@ class ColocatedReceiver final : public KVReceiver {
     return Poll() == KVPoll::kFailed ? reason_ : Status::OK();
   }
   uint64_t room() const override { return room_; }
+  // The colocated "prefill" runs inline in Init(): once the request is over nothing touches
+  // its pages.
+  bool PagesReusable() const override { return IsTerminal(Poll()); }
 
   Status Init(std::span<const int32_t> pages, std::optional<uint32_t> aux,
               std::span<const int32_t> state) override {

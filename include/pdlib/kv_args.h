@@ -143,6 +143,12 @@ struct KVManagerOptions {
   std::chrono::milliseconds waiting_timeout{300000};
   std::chrono::milliseconds transfer_timeout{60000};
 
+  // Decode: a failed request's pages stay quarantined (KVPollable::PagesReusable() false) until
+  // every prefill rank that could write them has drained, been fenced or is known gone. One held
+  // longer than this is logged at ERROR, naming the prefill rank, and again every period after;
+  // it is never released by time alone (see "Page reuse" in kv_manager.h).
+  std::chrono::milliseconds quarantine_warn_after{30000};
+
   // Control-plane security (gRPC control plane). auth_secret: when set, every control-plane call
   // carries it and every pdlib server (peer, bootstrap) refuses calls without it
   // (UNAUTHENTICATED); all managers and pdlib-bootstrap of a deployment share it. Without TLS it

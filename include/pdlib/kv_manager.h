@@ -8,6 +8,24 @@
 // Threads: every method may be called from any thread. Poll() is wait-free (one atomic load)
 // so engines can call it every scheduler step. Background threads owned by the manager do all
 // the network work; no call here blocks on the network.
+//
+// Page reuse (the rule an engine relies on). Once PagesReusable() of a receiver is true, or
+// its room has come out of KVManager::TakeReusableRooms(), no write from any prefill for that
+// room can land in the pages, metadata slot and state slots handed to its Init(), on any
+// backend, whatever the prefill processes do afterwards (pause, resume, crash, restart). Until
+// then the engine must not give them to another request. On Success it is true at once. After
+// Failed (failure, Abort, a destroyed handle) it becomes true when, for every prefill rank the
+// request's pages were sent to:
+//   - that rank reported that it drained the room (no write in flight, none to come), or
+//   - the connection was fenced (transports with capabilities().fences, e.g. verbs: the QPs go
+//     to the error state, so late writes are dropped by the NIC), or
+//   - that prefill manager is known gone: another instance answers at its address, or nothing
+//     listens there any more.
+// A paused prefill therefore holds the pages (quarantine) until it resumes and drains, or dies.
+// KVManagerMetrics counts quarantined pages; one held longer than
+// KVManagerOptions::quarantine_warn_after is logged at ERROR with the prefill rank named. It is
+// never released by time alone. A sender's PagesReusable() says the same of its source pages:
+// pdlib reads none of them any more.
 #ifndef PDLIB_KV_MANAGER_H_
 #define PDLIB_KV_MANAGER_H_
 
@@ -17,6 +35,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "pdlib/export.h"
 #include "pdlib/kv_args.h"
@@ -37,6 +56,11 @@ class PDLIB_EXPORT KVPollable {
   virtual Status FailureReason() const = 0;
   // The request's bootstrap_room.
   virtual uint64_t room() const = 0;
+  // Wait-free: true once pdlib will neither write (decode) nor read (prefill) the pages handed
+  // to this request again, so the engine may reuse them ("Page reuse" above). False while the
+  // request is live; true at once after Success; after Failed, once every peer that could still
+  // touch them has drained, been fenced or is known gone. Never goes back to false.
+  virtual bool PagesReusable() const = 0;
 };
 
 // Prefill side of one request.
@@ -92,6 +116,18 @@ struct KVManagerMetrics {
   // Time from a room's creation to Success, summed over succeeded rooms (mean = sum / count).
   uint64_t transfer_latency_us_sum = 0;
   uint64_t transfer_latency_count = 0;
+  // Page reuse ("Page reuse" above). Decode: failed requests whose pages are not reusable yet,
+  // and their pages (KV pages + metadata slot + state slots); the longest current hold, the
+  // longest hold ever ended, and how holds ended. Prefill counts its failed requests whose
+  // source pages are still read by writes in flight.
+  uint64_t quarantined_rooms = 0;
+  uint64_t quarantined_pages = 0;
+  uint64_t quarantine_oldest_ms = 0;
+  uint64_t quarantine_max_hold_ms = 0;
+  uint64_t quarantine_released_drained = 0;  // the prefill rank confirmed it drained the room
+  uint64_t quarantine_released_fenced = 0;   // the connection was fenced
+  uint64_t quarantine_released_gone = 0;     // the prefill manager is known gone
+  uint64_t fenced_connections = 0;           // decode: connections cut off with FenceTarget
 };
 
 // Renders `m` in the Prometheus text exposition format, every metric prefixed "pdlib_" and
@@ -120,6 +156,14 @@ class PDLIB_EXPORT KVManager {
       std::optional<int32_t> prefill_dp_rank = std::nullopt) = 0;
 
   virtual KVManagerMetrics metrics() const = 0;
+
+  // Rooms whose handle was destroyed in state Failed (a live handle destroyed fails first),
+  // once their pages are reusable: at once if they already were. Each room comes out once. An
+  // engine that drops failed handles keeps their pages aside under the room id and frees them
+  // when the room comes out of here; one that keeps handles until PagesReusable() may ignore
+  // room ids it does not wait for. Up to 65536 rooms are kept between calls (the oldest are
+  // dropped past that, with an ERROR log). Never blocks on the network.
+  virtual std::vector<uint64_t> TakeReusableRooms() = 0;
 };
 
 }  // namespace v1

@@ -121,6 +121,13 @@ class ClientStream final
           continue;
         }
         if (auto h = state_->handler.lock()) h->OnStatus(*st);
+      } else if (msg.has_drained()) {
+        auto drained = FromProto(msg.drained());
+        if (!drained.ok()) {
+          PDLIB_LOG(kWarning, "prefill %s: %s", state_->options.key, drained.status().ToString());
+          continue;
+        }
+        if (auto h = state_->handler.lock()) h->OnDrained(state_->options.key, *drained);
       }
     }
     PdlibTsanRelease(this);
@@ -214,12 +221,9 @@ void PeerClient::State::OnDone(const grpc::Status& status) {
     report = registered && !closed;
     stream.reset();
     if (!ack) {
-      ack = RegisterAckMsg{
-          Status::Unavailable(absl::StrFormat("prefill %s: stream ended before RegisterAck: %s",
-                                              options.key, status.error_message())),
-          {},
-          0,
-          0};
+      ack = RegisterAckMsg{};
+      ack->status = Status::Unavailable(absl::StrFormat(
+          "prefill %s: stream ended before RegisterAck: %s", options.key, status.error_message()));
     }
     ack_cv.SignalAll();
   }

@@ -1,5 +1,6 @@
 #include "lib/control/peer_convert.h"
 
+#include <algorithm>
 #include <string>
 
 #include "absl/strings/str_format.h"
@@ -126,6 +127,8 @@ void ToProto(const RegisterAckMsg& in, wire::v1::RegisterAck* out) {
   out->set_stage_num_layers(in.num_layers);
   out->set_stage_state_start(in.state_start);
   out->set_stage_num_states(in.num_states);
+  out->set_session_id(in.instance);
+  out->mutable_drained_rooms()->Add(in.drained_rooms.begin(), in.drained_rooms.end());
 }
 
 RegisterAckMsg FromProto(const wire::v1::RegisterAck& in) {
@@ -142,6 +145,31 @@ RegisterAckMsg FromProto(const wire::v1::RegisterAck& in) {
   out.num_layers = in.stage_num_layers();
   out.state_start = in.stage_state_start();
   out.num_states = in.stage_num_states();
+  out.instance = in.session_id();
+  // Bounded like every index list; a longer one is cut (those rooms stay quarantined).
+  const int drained = std::min(in.drained_rooms_size(), kMaxIndices);
+  out.drained_rooms.assign(in.drained_rooms().begin(), in.drained_rooms().begin() + drained);
+  return out;
+}
+
+void ToProto(const RoomsDrainedMsg& in, wire::v1::Drained* out) {
+  out->set_instance(in.instance);
+  out->mutable_rooms()->Add(in.rooms.begin(), in.rooms.end());
+  out->set_prefill_tp_rank(in.prefill_tp_rank);
+  out->set_prefill_pp_rank(in.prefill_pp_rank);
+}
+
+StatusOr<RoomsDrainedMsg> FromProto(const wire::v1::Drained& in) {
+  if (in.rooms_size() > kMaxIndices) {
+    return Status::InvalidArgument(absl::StrFormat("Drained with %d rooms (at most %d)",
+                                                   in.rooms_size(), kMaxIndices));
+  }
+  if (in.instance() == 0) return Status::InvalidArgument("Drained without a prefill instance");
+  RoomsDrainedMsg out;
+  out.instance = in.instance();
+  out.rooms.assign(in.rooms().begin(), in.rooms().end());
+  out.prefill_tp_rank = in.prefill_tp_rank();
+  out.prefill_pp_rank = in.prefill_pp_rank();
   return out;
 }
 

@@ -25,6 +25,9 @@ StatusOr<TransferInfoMsg> FromProto(const wire::v1::TransferInfo& in, uint64_t s
 void ToProto(const TransferStatusMsg& in, wire::v1::TransferStatus* out);
 StatusOr<TransferStatusMsg> FromProto(const wire::v1::TransferStatus& in);
 
+void ToProto(const RoomsDrainedMsg& in, wire::v1::Drained* out);
+StatusOr<RoomsDrainedMsg> FromProto(const wire::v1::Drained& in);
+
 }  // namespace control
 }  // namespace v1
 }  // namespace pdlib

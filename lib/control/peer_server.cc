@@ -31,7 +31,11 @@ class StreamWriter final : public DecodeLink {
  public:
   explicit StreamWriter(PeerStream* stream) : stream_(stream) {}
   void SendStatus(const TransferStatusMsg& msg) override;
+  void SendDrained(const RoomsDrainedMsg& msg) override;
   void Enqueue(PrefillToDecode msg);
+  // Puts the RegisterAck first on the stream and opens it: until then what the core sends (it
+  // may send as soon as OnRegister installed this link) waits, so the ack is always first.
+  void EnqueueAck(PrefillToDecode ack);
   // Called by the stream when a write finished: starts the next frame or the pending finish.
   void WriteDone(bool ok);
   // No more writes; finish the call once the write in flight (if any) is done.
@@ -43,6 +47,7 @@ class StreamWriter final : public DecodeLink {
   PeerStream* stream_ ABSL_GUARDED_BY(mu_);
   std::vector<PrefillToDecode> pending_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool gated_ ABSL_GUARDED_BY(mu_) = true;  // no RegisterAck queued yet
   bool finish_requested_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
@@ -112,7 +117,7 @@ class PeerStream final
         RegisterAckMsg ack = handler_->OnRegister(*reg, writer_);
         PrefillToDecode out;
         ToProto(ack, out.mutable_register_ack());
-        writer_->Enqueue(std::move(out));
+        writer_->EnqueueAck(std::move(out));
         if (!ack.status.ok()) {
           finishing_ = true;
           writer_->RequestFinish(grpc::Status::OK);  // the ack says why
@@ -190,6 +195,28 @@ void StreamWriter::SendStatus(const TransferStatusMsg& msg) {
   Enqueue(std::move(out));
 }
 
+void StreamWriter::SendDrained(const RoomsDrainedMsg& msg) {
+  PrefillToDecode out;
+  ToProto(msg, out.mutable_drained());
+  Enqueue(std::move(out));
+}
+
+void StreamWriter::EnqueueAck(PrefillToDecode ack) {
+  std::vector<PrefillToDecode> batch;
+  PeerStream* stream = nullptr;
+  {
+    MutexLock lock(&mu_);
+    if (stream_ == nullptr || finished_ || finish_requested_) return;
+    pending_.insert(pending_.begin(), std::move(ack));
+    gated_ = false;
+    if (writing_) return;
+    writing_ = true;
+    batch.swap(pending_);
+    stream = stream_;
+  }
+  stream->Write(std::move(batch));
+}
+
 void StreamWriter::Enqueue(PrefillToDecode msg) {
   std::vector<PrefillToDecode> batch;
   PeerStream* stream = nullptr;
@@ -197,7 +224,7 @@ void StreamWriter::Enqueue(PrefillToDecode msg) {
     MutexLock lock(&mu_);
     if (stream_ == nullptr || finished_ || finish_requested_) return;
     pending_.push_back(std::move(msg));
-    if (writing_) return;  // WriteDone packs it into the next frame
+    if (writing_ || gated_) return;  // WriteDone (or EnqueueAck) packs it into the next frame
     writing_ = true;
     batch.swap(pending_);
     stream = stream_;

@@ -60,6 +60,12 @@ struct RegisterAckMsg {
   int32_t num_layers = 0;
   int32_t state_start = 0;
   int32_t num_states = 0;
+  // This prefill manager instance (random per PrefillCore): a decode that reconnects to the
+  // same address and sees another instance knows the old one, and its writes, are gone.
+  uint64_t instance = 0;
+  // Rooms of this decode session that failed while it was not connected and whose writes from
+  // this instance are all over (see RoomsDrainedMsg).
+  std::vector<uint64_t> drained_rooms;
 };
 
 // decode -> prefill, per request.
@@ -81,11 +87,22 @@ struct TransferStatusMsg {
   Status status;  // OK: every byte of the room is in decode memory
 };
 
+// prefill -> decode: these failed rooms have no write from prefill manager `instance` in
+// flight, and it will post none: decode may hand their pages out again (the quarantine rule in
+// include/pdlib/kv_manager.h). Sent once a failed room's last batch has completed.
+struct RoomsDrainedMsg {
+  uint64_t instance = 0;
+  int32_t prefill_tp_rank = 0;
+  int32_t prefill_pp_rank = 0;
+  std::vector<uint64_t> rooms;
+};
+
 // How a prefill core reaches one connected decode manager.
 class DecodeLink {
  public:
   virtual ~DecodeLink() = default;
   virtual void SendStatus(const TransferStatusMsg& msg) = 0;
+  virtual void SendDrained(const RoomsDrainedMsg& msg) = 0;
 };
 
 // What the control plane delivers to the prefill side (PrefillCore implements it). Called on the
@@ -109,6 +126,8 @@ class DecodeHandler {
   virtual void OnStatus(const TransferStatusMsg& msg) = 0;
   // The connection to prefill rank `key` broke.
   virtual void OnPrefillGone(const std::string& key, const Status& reason) = 0;
+  // Prefill rank `key` (the instance the message names) drained the rooms listed.
+  virtual void OnDrained(const std::string& key, const RoomsDrainedMsg& msg) = 0;
 };
 
 // How a decode core reaches one prefill rank.

@@ -1,8 +1,10 @@
 #include "lib/core/decode_core.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
 #include "lib/base/log_internal.h"
 #include "lib/core/validate.h"
@@ -10,6 +12,15 @@
 
 namespace pdlib {
 inline namespace v1 {
+
+// A prefill connection this room's pages were sent to (in a TransferInfo): until it is closed
+// (drained, fenced, gone) a write for the room may still come from there.
+struct DecodeCore::Exposure {
+  std::string key;
+  uint64_t gen = 0;
+  uint64_t instance = 0;
+  bool open = true;
+};
 
 struct DecodeCore::Room {
   explicit Room(std::shared_ptr<RoomState> s) : state(std::move(s)) {}
@@ -21,6 +32,12 @@ struct DecodeCore::Room {
   std::vector<planner::RankId> statuses_ok ABSL_GUARDED_BY(mu);  // writers that succeeded
   bool initialized ABSL_GUARDED_BY(mu) = false;
   TransferInfoMsg info ABSL_GUARDED_BY(mu);  // what Init() asked for
+  std::vector<Exposure> exposed ABSL_GUARDED_BY(mu);
+  bool quarantined ABSL_GUARDED_BY(mu) = false;  // failed, some exposure still open
+  bool released ABSL_GUARDED_BY(mu) = false;     // the receiver was destroyed meanwhile
+  absl::Time quarantined_at ABSL_GUARDED_BY(mu);
+  absl::Time next_warning ABSL_GUARDED_BY(mu);
+  uint64_t held_pages ABSL_GUARDED_BY(mu) = 0;  // KV pages + aux slot + state slots
 };
 
 StatusOr<std::shared_ptr<DecodeCore>> DecodeCore::Create(const KVManagerOptions& options,
@@ -90,7 +107,14 @@ std::shared_ptr<DecodeCore::Room> DecodeCore::FindRoom(uint64_t room) const {
 Status DecodeCore::EnsureConnected(
     const std::string& key,
     const std::function<StatusOr<std::shared_ptr<PrefillLink>>()>& make_link) {
-  MutexLock connect_lock(&connect_mu_);
+  std::shared_ptr<Mutex> key_mu;
+  {
+    MutexLock lock(&mu_);
+    auto& m = connect_mus_[key];
+    if (!m) m = std::make_shared<Mutex>();
+    key_mu = m;
+  }
+  MutexLock connect_lock(key_mu.get());
   {
     MutexLock lock(&mu_);
     if (stopping_) return Status::Unavailable("decode manager is shutting down");
@@ -121,12 +145,33 @@ Status DecodeCore::EnsureConnected(
     transport_->CloseTargetEndpoint(target->id);
     return s.WithPrefix("prefill " + key + " refused the connection");
   }
-  MutexLock lock(&mu_);
-  connections_[key] = Connection{
-      std::move(*link),
-      target->id,
-      {ack.prefill_pp_rank, ack.start_layer, ack.num_layers, ack.state_start, ack.num_states}};
-  PDLIB_LOG(kInfo, "decode: connected to prefill %s", key);
+  {
+    MutexLock lock(&mu_);
+    connections_[key] = Connection{
+        std::move(*link),
+        target->id,
+        {ack.prefill_pp_rank, ack.start_layer, ack.num_layers, ack.state_start, ack.num_states},
+        next_gen_++,
+        ack.instance};
+  }
+  PDLIB_LOG(kInfo, "decode: connected to prefill %s (instance %016x)", key, ack.instance);
+  if (ack.instance != 0) {
+    // Another manager instance holds the address now, so the one our older connections went to
+    // has shut down or exited: nothing of it can write any more.
+    ClearExposures(
+        [&](uint64_t, const Exposure& e) {
+          return e.key == key && e.instance != 0 && e.instance != ack.instance;
+        },
+        Release::kGone);
+    if (!ack.drained_rooms.empty()) {
+      absl::flat_hash_set<uint64_t> drained(ack.drained_rooms.begin(), ack.drained_rooms.end());
+      ClearExposures(
+          [&](uint64_t room, const Exposure& e) {
+            return e.key == key && e.instance == ack.instance && drained.contains(room);
+          },
+          Release::kDrained);
+    }
+  }
   return Status::OK();
 }
 
@@ -200,7 +245,10 @@ void DecodeCore::SendTransferInfo(const std::shared_ptr<Room>& room) {
   TransferInfoMsg info;
   {
     MutexLock lock(&room->mu);
+    // A room that failed meanwhile sends nothing: its pages must not go out any more.
+    if (IsTerminal(room->state->Poll())) return;
     info = room->info;
+    std::vector<Exposure> exposures;
     MutexLock conn_lock(&mu_);
     for (const auto& p : room->prefills) {
       auto it = connections_.find(p.key);
@@ -209,6 +257,13 @@ void DecodeCore::SendTransferInfo(const std::shared_ptr<Room>& room) {
         break;
       }
       links.emplace_back(it->second.link, p.target);
+      // A dummy writes nothing; every other rank may write these pages from now on.
+      if (!p.target.dummy) {
+        exposures.push_back({p.key, it->second.gen, it->second.instance, true});
+      }
+    }
+    if (lost.empty()) {
+      room->exposed.insert(room->exposed.end(), exposures.begin(), exposures.end());
     }
   }
   if (!lost.empty()) {
@@ -289,9 +344,10 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
     return;
   }
   if (!msg.status.ok()) {
+    // The other prefill ranks of the room hear it too: they stop writing and report the drain.
     FailRoom(room,
              msg.status.WithPrefix(absl::StrFormat("prefill tp rank %d", msg.prefill_tp_rank)),
-             false);
+             true);
     return;
   }
   bool complete = false;
@@ -312,6 +368,8 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
   if (!complete) return;
   if (Status s = CheckAuxRoom(*room); !s.ok()) return FailRoom(room, s, true);
   if (room->state->Advance(KVPoll::kSuccess)) {
+    // Every writer reported its writes complete: none is left to land.
+    room->state->MarkReusable();
     counters_.CountSuccess(*room->state);
     PDLIB_LOG(kInfo, "decode: room %d received", msg.room);
   }
@@ -342,6 +400,7 @@ void DecodeCore::FailRoom(const std::shared_ptr<Room>& room, Status reason, bool
   if (!room->state->Fail(reason)) return;
   counters_.CountFailure(*room->state);
   PDLIB_LOG(kWarning, "decode: room %d failed: %s", room->state->room(), reason.ToString());
+  EnterQuarantine(room);
   if (!tell_prefill) return;
   std::vector<std::shared_ptr<PrefillLink>> links;
   {
@@ -380,6 +439,15 @@ void DecodeCore::ReleaseRoom(uint64_t room_id, const RoomState* state) {
                                              room_id)),
              true);
   }
+  if (room && room->state->Poll() == KVPoll::kFailed) {
+    // TakeReusableRooms reports the room once its pages are free (at once if they are).
+    MutexLock lock(&room->mu);
+    room->released = true;
+    if (room->state->PagesReusable()) {
+      MutexLock conn_lock(&mu_);
+      AddReleased(room_id);
+    }
+  }
   rooms_.Erase(room_id, state);
 }
 
@@ -402,13 +470,30 @@ void DecodeCore::OnPrefillGone(const std::string& key, const Status& reason) {
       for (const auto& p : room->prefills) bound |= p.key == key;
     }
     if (bound) {
+      // The room's other prefill ranks (TP, PP) are told, so that they stop and drain.
       FailRoom(room,
                reason.WithPrefix(absl::StrFormat("room %d: prefill %s", room->state->room(), key)),
-               false);
+               true);
     }
   }
   if (conn) {
     conn->link->Close();
+    if (transport_->capabilities().fences) {
+      // Cut the prefill rank off before its pages are handed out again: a write it posted
+      // (however late it runs) is dropped from now on.
+      if (Status s = transport_->FenceTarget(conn->target); s.ok()) {
+        {
+          MutexLock lock(&mu_);
+          ++fenced_connections_;
+        }
+        const uint64_t gen = conn->gen;
+        ClearExposures([&](uint64_t, const Exposure& e) { return e.key == key && e.gen == gen; },
+                       Release::kFenced);
+      } else {
+        PDLIB_LOG(kError, "decode: fencing prefill %s failed (its rooms stay quarantined): %s",
+                  key, s.ToString());
+      }
+    }
     transport_->CloseTargetEndpoint(conn->target);
   }
   PDLIB_LOG(kInfo, "decode: prefill %s gone: %s", key, reason.ToString());
@@ -424,13 +509,184 @@ void DecodeCore::CheckTimeouts() {
   for (auto& room : rooms) {
     if (Status s = CheckRoomDeadline(*room->state, options_, now); !s.ok()) FailRoom(room, s, true);
   }
+  WarnLongQuarantines(now);
+}
+
+void DecodeCore::EnterQuarantine(const std::shared_ptr<Room>& room) {
+  MutexLock lock(&room->mu);
+  const bool open = std::any_of(room->exposed.begin(), room->exposed.end(),
+                                [](const Exposure& e) { return e.open; });
+  if (!open) {
+    // Its pages never went out, or every rank they went to is drained, fenced or gone.
+    room->state->MarkReusable();
+    return;
+  }
+  room->quarantined = true;
+  room->quarantined_at = absl::Now();
+  room->next_warning =
+      room->quarantined_at + absl::FromChrono(options_.quarantine_warn_after);
+  room->held_pages = room->info.dst_kv_pages.size() + (room->info.aux_index ? 1 : 0) +
+                     room->info.dst_state_indices.size();
+  MutexLock conn_lock(&mu_);
+  quarantine_[room.get()] = room;
+}
+
+void DecodeCore::ClearExposures(const std::function<bool(uint64_t, const Exposure&)>& match,
+                                Release why) {
+  std::vector<std::shared_ptr<Room>> rooms;
+  {
+    MutexLock lock(&mu_);
+    rooms.reserve(room_data_.size() + quarantine_.size());
+    for (auto& [id, room] : room_data_) rooms.push_back(room);
+    for (auto& [ptr, room] : quarantine_) {
+      if (!room_data_.contains(room->state->room()) ||
+          room_data_.at(room->state->room()).get() != ptr) {
+        rooms.push_back(room);  // its receiver is gone: only the quarantine holds it
+      }
+    }
+  }
+  const absl::Time now = absl::Now();
+  std::vector<std::shared_ptr<Room>> ended;
+  std::vector<uint64_t> released;
+  uint64_t longest = 0;
+  for (auto& room : rooms) {
+    const uint64_t id = room->state->room();
+    MutexLock lock(&room->mu);
+    bool open = false;
+    for (Exposure& e : room->exposed) {
+      if (e.open && match(id, e)) e.open = false;
+      open |= e.open;
+    }
+    if (!room->quarantined || open) continue;
+    room->quarantined = false;
+    room->state->MarkReusable();
+    longest = std::max<uint64_t>(longest, absl::ToInt64Milliseconds(now - room->quarantined_at));
+    if (room->released) released.push_back(id);
+    ended.push_back(room);
+    PDLIB_LOG(kInfo, "decode: room %d: %d pages reusable after %d ms of quarantine (%s)", id,
+              room->held_pages, absl::ToInt64Milliseconds(now - room->quarantined_at),
+              why == Release::kDrained   ? "prefill drained it"
+              : why == Release::kFenced ? "prefill fenced off"
+                                        : "prefill gone");
+  }
+  if (ended.empty()) return;
+  MutexLock lock(&mu_);
+  for (auto& room : ended) quarantine_.erase(room.get());
+  for (uint64_t id : released) AddReleased(id);
+  released_by_[static_cast<int>(why)] += ended.size();
+  max_hold_ms_ = std::max(max_hold_ms_, longest);
+}
+
+void DecodeCore::OnDrained(const std::string& key, const RoomsDrainedMsg& msg) {
+  absl::flat_hash_set<uint64_t> rooms(msg.rooms.begin(), msg.rooms.end());
+  ClearExposures(
+      [&](uint64_t room, const Exposure& e) {
+        return e.key == key && e.instance == msg.instance && rooms.contains(room);
+      },
+      Release::kDrained);
+}
+
+void DecodeCore::OnPrefillExited(const std::string& key, std::optional<uint64_t> instance) {
+  uint64_t live_gen = 0;
+  {
+    MutexLock lock(&mu_);
+    if (auto it = connections_.find(key); it != connections_.end()) live_gen = it->second.gen;
+  }
+  ClearExposures(
+      [&](uint64_t, const Exposure& e) {
+        if (e.key != key) return false;
+        return instance ? e.instance == *instance : e.gen != live_gen;
+      },
+      Release::kGone);
+}
+
+std::vector<std::string> DecodeCore::KeysAwaitingPrefill() const {
+  std::vector<std::shared_ptr<Room>> rooms;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [ptr, room] : quarantine_) rooms.push_back(room);
+  }
+  absl::flat_hash_set<std::string> keys;
+  for (auto& room : rooms) {
+    MutexLock lock(&room->mu);
+    for (const Exposure& e : room->exposed) {
+      if (e.open) keys.insert(e.key);
+    }
+  }
+  std::vector<std::string> out;
+  MutexLock lock(&mu_);
+  for (const auto& key : keys) {
+    if (!connections_.contains(key)) out.push_back(key);
+  }
+  return out;
+}
+
+void DecodeCore::AddReleased(uint64_t room) {
+  if (released_reusable_.size() >= kMaxReleasedRooms) {
+    PDLIB_LOG(kError,
+              "decode: %d released rooms wait for TakeReusableRooms(); dropping the oldest (an "
+              "engine that destroys failed receivers must call it)",
+              released_reusable_.size());
+    released_reusable_.erase(released_reusable_.begin());
+  }
+  released_reusable_.push_back(room);
+}
+
+std::vector<uint64_t> DecodeCore::TakeReusableRooms() {
+  MutexLock lock(&mu_);
+  std::vector<uint64_t> out;
+  out.swap(released_reusable_);
+  return out;
+}
+
+void DecodeCore::WarnLongQuarantines(absl::Time now) {
+  std::vector<std::shared_ptr<Room>> rooms;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [ptr, room] : quarantine_) rooms.push_back(room);
+  }
+  for (auto& room : rooms) {
+    MutexLock lock(&room->mu);
+    if (!room->quarantined || now < room->next_warning) continue;
+    room->next_warning = now + absl::FromChrono(options_.quarantine_warn_after);
+    std::string waiting;
+    for (const Exposure& e : room->exposed) {
+      if (e.open) absl::StrAppendFormat(&waiting, " %s (instance %016x)", e.key, e.instance);
+    }
+    PDLIB_LOG(kError,
+              "decode: room %d: %d pages quarantined for %d ms: prefill%s has neither reported "
+              "the room drained nor been seen gone, so a late write may still come; they stay "
+              "out of use",
+              room->state->room(), room->held_pages,
+              absl::ToInt64Milliseconds(now - room->quarantined_at), waiting);
+  }
 }
 
 KVManagerMetrics DecodeCore::metrics() const {
   KVManagerMetrics m;
   counters_.FillInto(&m, rooms_);
-  MutexLock lock(&mu_);
-  m.connections = connections_.size();
+  std::vector<std::shared_ptr<Room>> held;
+  {
+    MutexLock lock(&mu_);
+    m.connections = connections_.size();
+    for (auto& [ptr, room] : quarantine_) held.push_back(room);
+    m.quarantine_max_hold_ms = max_hold_ms_;
+    m.quarantine_released_drained = released_by_[static_cast<int>(Release::kDrained)];
+    m.quarantine_released_fenced = released_by_[static_cast<int>(Release::kFenced)];
+    m.quarantine_released_gone = released_by_[static_cast<int>(Release::kGone)];
+    m.fenced_connections = fenced_connections_;
+  }
+  // Room locks come before mu_ (see FailRoom), so the rooms are read after it is released.
+  const absl::Time now = absl::Now();
+  for (auto& room : held) {
+    MutexLock room_lock(&room->mu);
+    if (!room->quarantined) continue;
+    ++m.quarantined_rooms;
+    m.quarantined_pages += room->held_pages;
+    m.quarantine_oldest_ms = std::max<uint64_t>(
+        m.quarantine_oldest_ms, absl::ToInt64Milliseconds(now - room->quarantined_at));
+  }
+  m.quarantine_max_hold_ms = std::max(m.quarantine_max_hold_ms, m.quarantine_oldest_ms);
   return m;
 }
 

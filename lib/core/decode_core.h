@@ -70,8 +70,21 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   // Control plane, prefill -> decode.
   void OnStatus(const TransferStatusMsg& msg) override;
   // The link to prefill rank `key` broke: every room bound to it fails, the connection is
-  // purged so the next request reconnects.
+  // purged so the next request reconnects. A transport that fences cuts that prefill off first,
+  // which ends the quarantine of every room whose pages went out over this connection.
   void OnPrefillGone(const std::string& key, const Status& reason) override;
+  // Prefill rank `key` (instance msg.instance) has nothing in flight for msg.rooms.
+  void OnDrained(const std::string& key, const RoomsDrainedMsg& msg) override;
+  // The prefill manager at `key` is gone for good: `instance` (the in-process control plane,
+  // which saw its core shut down), or, with nullopt, every instance but the one connected now
+  // (the manager found nothing listening at the address).
+  void OnPrefillExited(const std::string& key, std::optional<uint64_t> instance);
+  // Prefill addresses that quarantined rooms wait on and that have no live connection: the
+  // manager probes them (reconnects, or finds nothing listening there).
+  std::vector<std::string> KeysAwaitingPrefill() const;
+  // Rooms whose receiver was destroyed in state Failed, once their pages are reusable (each
+  // once; at most kMaxReleasedRooms kept).
+  std::vector<uint64_t> TakeReusableRooms();
 
   KVManagerMetrics metrics() const;
 
@@ -81,7 +94,12 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
     std::shared_ptr<PrefillLink> link;
     spi::TargetId target = 0;
     planner::StageExtent stage;  // what that prefill rank's PP stage holds
+    uint64_t gen = 0;            // connections to any key are numbered in order
+    uint64_t instance = 0;       // the prefill manager instance its RegisterAck named
   };
+  // Why a quarantine ended (metrics).
+  enum class Release { kDrained, kFenced, kGone };
+  struct Exposure;
 
   DecodeCore(const KVManagerOptions& options, std::unique_ptr<spi::Transport> transport,
              uint64_t session);
@@ -91,7 +109,15 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   void FailRoom(const std::shared_ptr<Room>& room, Status reason, bool tell_prefill);
   Status CheckAuxRoom(const Room& room) const;
   void CheckTimeouts();
-
+  // A room that just failed: reusable at once when no exposure is open, else quarantined.
+  void EnterQuarantine(const std::shared_ptr<Room>& room);
+  // Closes every open exposure (of live and quarantined rooms) that `match` selects and ends
+  // the quarantine of rooms left with none.
+  void ClearExposures(const std::function<bool(uint64_t room, const Exposure&)>& match,
+                      Release why);
+  void WarnLongQuarantines(absl::Time now);
+  static constexpr size_t kMaxReleasedRooms = size_t{1} << 16;
+  void AddReleased(uint64_t room) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const KVManagerOptions options_;
   const uint64_t session_;
   planner::SideLayout layout_;
@@ -106,8 +132,16 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Room>> room_data_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Connection> connections_ ABSL_GUARDED_BY(mu_);
-  // Serialises connection set-up so two receivers do not connect to one rank twice.
-  Mutex connect_mu_;
+  uint64_t next_gen_ ABSL_GUARDED_BY(mu_) = 1;
+  // Failed rooms whose pages are not reusable yet (handles may be gone), by Room address.
+  absl::flat_hash_map<const Room*, std::shared_ptr<Room>> quarantine_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> released_reusable_ ABSL_GUARDED_BY(mu_);
+  uint64_t max_hold_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t released_by_[3] ABSL_GUARDED_BY(mu_) = {0, 0, 0};
+  uint64_t fenced_connections_ ABSL_GUARDED_BY(mu_) = 0;
+  // Serialise connection set-up per prefill rank, so two receivers (or a receiver and the
+  // quarantine prober) do not connect to one rank twice, and a frozen rank holds up only itself.
+  absl::flat_hash_map<std::string, std::shared_ptr<Mutex>> connect_mus_ ABSL_GUARDED_BY(mu_);
 
   std::unique_ptr<PeriodicThread> reaper_;
 };

@@ -151,6 +151,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     if (!core.ok()) return core.status();
     std::unique_ptr<GrpcDecodeManager> m(new GrpcDecodeManager(o, *core));
     m->worker_ = std::thread([mgr = m.get()] { mgr->BootstrapLoop(); });
+    m->prober_ = std::thread([mgr = m.get()] { mgr->ProbeLoop(); });
     return std::unique_ptr<KVManager>(std::move(m));
   }
 
@@ -161,7 +162,9 @@ class GrpcDecodeManager final : public DecodeManagerBase {
       for (auto& [addr, client] : clients_) client->Cancel();
     }
     cv_.SignalAll();
+    probe_cv_.SignalAll();
     worker_.join();
+    prober_.join();
     core_->Shutdown();
   }
 
@@ -293,6 +296,66 @@ class GrpcDecodeManager final : public DecodeManagerBase {
 
   KVPoll RoomPoll(uint64_t room) const { return core_->RoomPoll(room); }
 
+  control::PeerClientOptions PeerOptions(const std::string& host, uint16_t port) const {
+    control::PeerClientOptions pco;
+    pco.host = host;
+    pco.port = port;
+    pco.key = control::JoinHostPort(host, port);
+    pco.liveness_timeout = options_.liveness_timeout;
+    pco.connect_timeout = options_.connect_timeout;
+    pco.security = Security(options_);
+    return pco;
+  }
+
+  Status Connect(const control::PeerClientOptions& pco) {
+    std::weak_ptr<DecodeHandler> handler = core_;
+    return core_->EnsureConnected(pco.key, [&]() -> StatusOr<std::shared_ptr<PrefillLink>> {
+      auto link = control::PeerClient::Open(pco, handler);
+      if (!link.ok()) return link.status();
+      return std::shared_ptr<PrefillLink>(std::move(*link));
+    });
+  }
+
+  // Quarantined rooms wait on prefill ranks whose connection is gone (kv_manager.h, "Page
+  // reuse"). Every probe period each such address is tried: nothing listening there means that
+  // prefill manager has shut down or exited, so its writes are over; a listener is reconnected
+  // to, and its RegisterAck says which rooms it drained meanwhile (or that another instance now
+  // holds the address). A frozen prefill is still "listening" (the kernel accepts for it) and
+  // does not answer: its rooms stay quarantined until it resumes or dies.
+  void ProbeLoop() {
+    constexpr auto kPeriod = std::chrono::milliseconds(250);
+    while (true) {
+      {
+        MutexLock lock(&mu_);
+        if (stopping_) return;
+        probe_cv_.WaitFor(&mu_, kPeriod);
+        if (stopping_) return;
+      }
+      for (const std::string& key : core_->KeysAwaitingPrefill()) {
+        std::optional<control::PeerClientOptions> pco;
+        {
+          MutexLock lock(&mu_);
+          if (stopping_) return;
+          if (auto it = addresses_.find(key); it != addresses_.end()) pco = it->second;
+        }
+        if (!pco) continue;
+        const auto probe = control::ProbeTcpPort(
+            pco->host, static_cast<uint16_t>(pco->port),
+            std::min<std::chrono::milliseconds>(options_.connect_timeout, kPeriod));
+        if (probe == control::PortProbe::kRefused) {
+          PDLIB_LOG(kInfo, "decode: nothing listens at prefill %s any more: its writes are over",
+                    key);
+          core_->OnPrefillExited(key, std::nullopt);
+        } else if (probe == control::PortProbe::kListening) {
+          if (Status s = Connect(*pco); !s.ok()) {
+            PDLIB_LOG(kDebug, "decode: reconnecting to prefill %s for its drained rooms: %s", key,
+                      s.ToString());
+          }
+        }
+      }
+    }
+  }
+
   // Finds the prefill ranks for `p` (the planner says which), connecting to each if needed.
   // Runs on the bootstrap thread.
   StatusOr<std::vector<BoundPrefill>> Resolve(const Pending& p) {
@@ -335,21 +398,13 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     for (const PrefillTarget& t : *targets) {
       auto rank = client->GetRankAddress({dp, t.rank.tp_rank, t.rank.pp_rank});
       if (!rank.ok()) return rank.status();
-      const std::string key = control::JoinHostPort(rank->host, rank->port);
-      control::PeerClientOptions pco;
-      pco.host = rank->host;
-      pco.port = rank->port;
-      pco.key = key;
-      pco.liveness_timeout = options_.liveness_timeout;
-      pco.connect_timeout = options_.connect_timeout;
-      pco.security = Security(options_);
-      std::weak_ptr<DecodeHandler> handler = core_;
-      Status s = core_->EnsureConnected(key, [&]() -> StatusOr<std::shared_ptr<PrefillLink>> {
-        auto link = control::PeerClient::Open(pco, handler);
-        if (!link.ok()) return link.status();
-        return std::shared_ptr<PrefillLink>(std::move(*link));
-      });
-      if (!s.ok()) return s;
+      control::PeerClientOptions pco = PeerOptions(rank->host, static_cast<uint16_t>(rank->port));
+      const std::string key = pco.key;
+      {
+        MutexLock lock(&mu_);
+        addresses_[key] = pco;  // for the quarantine prober
+      }
+      if (Status s = Connect(pco); !s.ok()) return s;
       prefills.push_back({key, t});
     }
     if (Status s = core_->CheckStageCoverage(prefills); !s.ok()) return s;
@@ -363,12 +418,16 @@ class GrpcDecodeManager final : public DecodeManagerBase {
   const KVManagerOptions options_;
 
   Mutex mu_;
-  CondVar cv_;
+  CondVar cv_;        // the bootstrap thread's
+  CondVar probe_cv_;  // the prober's (only shutdown wakes it early)
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::unique_ptr<BootstrapClient>> clients_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Deployment> deployments_ ABSL_GUARDED_BY(mu_);
+  // Every prefill rank ever resolved, by key (bounded by the deployment's ranks).
+  absl::flat_hash_map<std::string, control::PeerClientOptions> addresses_ ABSL_GUARDED_BY(mu_);
   std::thread worker_;
+  std::thread prober_;
 };
 
 }  // namespace

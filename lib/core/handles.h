@@ -22,6 +22,7 @@ class HandleBase : public Base {
   KVPoll Poll() const override { return state_->Poll(); }
   Status FailureReason() const override { return state_->FailureReason(); }
   uint64_t room() const override { return state_->room(); }
+  bool PagesReusable() const override { return state_->PagesReusable(); }
   void Abort(std::string_view reason) override { core_->AbortRoom(state_->room(), reason); }
 
  protected:
@@ -64,6 +65,7 @@ class PrefillManagerBase : public KVManager {
     return Status::FailedPrecondition("CreateReceiver() called on a prefill manager");
   }
   KVManagerMetrics metrics() const override { return core_->metrics(); }
+  std::vector<uint64_t> TakeReusableRooms() override { return core_->TakeReusableRooms(); }
 
  protected:
   std::shared_ptr<PrefillCore> core_;
@@ -77,6 +79,7 @@ class DecodeManagerBase : public KVManager {
     return Status::FailedPrecondition("CreateSender() called on a decode manager");
   }
   KVManagerMetrics metrics() const override { return core_->metrics(); }
+  std::vector<uint64_t> TakeReusableRooms() override { return core_->TakeReusableRooms(); }
 
  protected:
   explicit DecodeManagerBase(std::shared_ptr<DecodeCore> core) : core_(std::move(core)) {}

@@ -162,23 +162,33 @@ class LocalHub {
 
 class LocalDecodeLink final : public DecodeLink {
  public:
-  explicit LocalDecodeLink(std::weak_ptr<DecodeCore> decode) : decode_(std::move(decode)) {}
+  LocalDecodeLink(std::weak_ptr<DecodeCore> decode, std::string key)
+      : decode_(std::move(decode)), key_(std::move(key)) {}
   void SendStatus(const TransferStatusMsg& msg) override {
     if (auto d = decode_.lock()) d->OnStatus(msg);
+  }
+  void SendDrained(const RoomsDrainedMsg& msg) override {
+    if (auto d = decode_.lock()) d->OnDrained(key_, msg);
   }
 
  private:
   std::weak_ptr<DecodeCore> decode_;
+  const std::string key_;  // the prefill rank, as the decode side names it
 };
 
 class LocalPrefillLink final : public PrefillLink {
  public:
-  LocalPrefillLink(std::weak_ptr<PrefillCore> prefill, std::weak_ptr<DecodeCore> decode)
-      : prefill_(std::move(prefill)), decode_(std::move(decode)) {}
+  LocalPrefillLink(std::weak_ptr<PrefillCore> prefill, std::weak_ptr<DecodeCore> decode,
+                   std::string key)
+      : prefill_(std::move(prefill)), decode_(std::move(decode)), key_(std::move(key)) {}
   RegisterAckMsg Register(const RegisterMsg& msg) override {
     auto p = prefill_.lock();
-    if (!p) return RegisterAckMsg{Status::Unavailable("prefill rank exited"), {}, 0, 0};
-    return p->OnRegister(msg, std::make_shared<LocalDecodeLink>(decode_));
+    if (!p) {
+      RegisterAckMsg refused;
+      refused.status = Status::Unavailable("prefill rank exited");
+      return refused;
+    }
+    return p->OnRegister(msg, std::make_shared<LocalDecodeLink>(decode_, key_));
   }
   void SendTransferInfo(const TransferInfoMsg& msg) override {
     if (auto p = prefill_.lock()) p->OnTransferInfo(msg);
@@ -190,6 +200,7 @@ class LocalPrefillLink final : public PrefillLink {
  private:
   std::weak_ptr<PrefillCore> prefill_;
   std::weak_ptr<DecodeCore> decode_;
+  const std::string key_;
 };
 
 class LocalPrefillManager final : public PrefillManagerBase {
@@ -199,9 +210,10 @@ class LocalPrefillManager final : public PrefillManagerBase {
   }
   ~LocalPrefillManager() override {
     LocalHub::Get().RemovePrefill(key_);
-    core_->Shutdown();
+    core_->Shutdown();  // its transport is destroyed: nothing of it can write any more
     for (auto& d : LocalHub::Get().Decodes()) {
       d->OnPrefillGone(key_, Status::Unavailable("prefill rank exited"));
+      d->OnPrefillExited(key_, core_->instance());
     }
   }
   std::string endpoint() const override { return key_; }
@@ -239,7 +251,8 @@ class LocalDecodeManager final : public DecodeManagerBase {
         std::weak_ptr<PrefillCore> prefill = f.core;
         std::weak_ptr<DecodeCore> self = core_;
         s = core_->EnsureConnected(f.bound.key, [&]() -> StatusOr<std::shared_ptr<PrefillLink>> {
-          return std::shared_ptr<PrefillLink>(std::make_shared<LocalPrefillLink>(prefill, self));
+          return std::shared_ptr<PrefillLink>(
+              std::make_shared<LocalPrefillLink>(prefill, self, f.bound.key));
         });
         if (!s.ok()) break;
         bound.push_back(f.bound);

@@ -60,6 +60,24 @@ std::string RenderPrometheus(const KVManagerMetrics& m,
   metric("transferred_bytes_total", "counter", "KV bytes written to peers.", m.bytes_transferred);
   metric("transferred_pages_total", "counter", "KV pages written to peers.", m.pages_transferred);
   metric("write_batches_total", "counter", "Write batches completed.", m.write_batches);
+  metric("quarantined_rooms", "gauge",
+         "Failed requests whose pages are held until no late write can land.",
+         m.quarantined_rooms);
+  metric("quarantined_pages", "gauge", "Pages (KV, metadata, state) held by quarantine.",
+         m.quarantined_pages);
+  metric("quarantine_oldest_ms", "gauge", "Age of the oldest current quarantine.",
+         m.quarantine_oldest_ms);
+  metric("quarantine_max_hold_ms", "gauge", "Longest quarantine so far.",
+         m.quarantine_max_hold_ms);
+  metric("quarantine_released_drained_total", "counter",
+         "Quarantines ended by the prefill rank reporting the room drained.",
+         m.quarantine_released_drained);
+  metric("quarantine_released_fenced_total", "counter",
+         "Quarantines ended by fencing the connection.", m.quarantine_released_fenced);
+  metric("quarantine_released_gone_total", "counter",
+         "Quarantines ended because the prefill manager is gone.", m.quarantine_released_gone);
+  metric("fenced_connections_total", "counter", "Connections cut off with a transport fence.",
+         m.fenced_connections);
   absl::StrAppend(&out,
                   "# HELP pdlib_failed_reqs_by_cause_total Failed requests by status code.\n"
                   "# TYPE pdlib_failed_reqs_by_cause_total counter\n");

@@ -1,6 +1,7 @@
 #include "lib/core/prefill_core.h"
 
 #include <algorithm>
+#include <random>
 #include <string>
 
 #include "absl/strings/str_format.h"
@@ -41,6 +42,10 @@ struct PrefillCore::Room {
   // Set when a decode rank of this room went away while chunk batches were in flight: the room
   // fails with the transport's completion error if one comes, else with this once they are done.
   std::optional<Status> peer_gone ABSL_GUARDED_BY(mu);
+  // aux/state batches in flight, plus one while Finalize is deciding what to post.
+  int tail_outstanding ABSL_GUARDED_BY(mu) = 0;
+  bool drained ABSL_GUARDED_BY(mu) = false;   // terminal, nothing in flight: pages reusable
+  bool released ABSL_GUARDED_BY(mu) = false;  // the sender was destroyed before that
 };
 
 // A decode connection that ended while KV writes to it were in flight. Its transport peer stays
@@ -74,8 +79,18 @@ StatusOr<std::shared_ptr<PrefillCore>> PrefillCore::Create(
   return core;
 }
 
+namespace {
+uint64_t RandomInstance() {
+  std::random_device rd;
+  uint64_t id = 0;
+  while (id == 0) id = (uint64_t{rd()} << 32) ^ rd();
+  return id;
+}
+}  // namespace
+
 PrefillCore::PrefillCore(const KVManagerOptions& options, std::unique_ptr<spi::Transport> transport)
     : options_(options),
+      instance_(RandomInstance()),
       transport_(std::move(transport)),
       injector_(ResolveFailureInjectionProb(options), ResolveFailureStages(options)) {}
 
@@ -203,7 +218,13 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
     auto& slot = peers_[msg.session];
     old = std::move(slot);
     slot = peer;
+    if (auto d = pending_drained_.find(msg.session); d != pending_drained_.end()) {
+      pending_drained_count_ -= d->second.size();
+      ack.drained_rooms = std::move(d->second);
+      pending_drained_.erase(d);
+    }
   }
+  ack.instance = instance_;
   if (old) transport_->Disconnect(old->peer);
   ack.reply = std::move(conn->reply);
   FillAckExtent(layout_, &ack);
@@ -252,7 +273,14 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
       peer->link->SendStatus(
           {msg.room, options_.args.parallel.tp_rank, options_.args.parallel.pp_rank, s});
     }
+    bool accepted_before = false;  // an earlier TransferInfo of this session is being served
+    if (room) {
+      MutexLock lock(&room->mu);
+      for (const auto& info : room->infos) accepted_before |= info.session == msg.session;
+    }
     if (room) FailRoom(room, s);
+    // Nothing was or will be written for this TransferInfo: its pages are free at once.
+    if (peer && !accepted_before) SendDrained(msg.session, {msg.room});
   };
   if (overflow) {
     return reject(Status::ResourceExhausted(absl::StrFormat(
@@ -365,7 +393,21 @@ void PrefillCore::OnAbort(uint64_t room_id, uint64_t session, const std::string&
       early_aborts_[room_id] = {absl::Now(), why};
     }
   }
-  if (room) FailRoom(room, std::move(why));
+  if (!room) {
+    // No sender (yet): nothing was posted for this room, and a later sender fails at once.
+    SendDrained(session, {room_id});
+    return;
+  }
+  FailRoom(room, std::move(why));
+  bool served = false, drained = false;
+  {
+    MutexLock lock(&room->mu);
+    for (const auto& info : room->infos) served |= info.session == session;
+    drained = room->drained;
+  }
+  // A room that had finished (or never took this session's TransferInfo) has nothing in flight
+  // for it; a failing one tells every session when its last batch completes (MaybeDrained).
+  if (!served || drained) SendDrained(session, {room_id});
 }
 
 void PrefillCore::OnDecodeGone(uint64_t session, const DecodeLink* link, const Status& reason) {
@@ -378,9 +420,11 @@ void PrefillCore::OnDecodeGone(uint64_t session, const DecodeLink* link, const S
     if (link != nullptr && it->second->link.get() != link) return;  // a newer connection
     peer = std::move(it->second);
     peers_.erase(it);
+    std::vector<uint64_t> dropped;  // never written: drained, for the session's next Register
     for (auto e = early_infos_.begin(); e != early_infos_.end();) {
       std::erase_if(e->second.infos, [&](const TransferInfoMsg& info) {
         if (info.session != session) return false;
+        dropped.push_back(info.room);
         e->second.bytes -= EarlyInfoBytes(info);
         early_bytes_ -= EarlyInfoBytes(info);
         return true;
@@ -392,6 +436,9 @@ void PrefillCore::OnDecodeGone(uint64_t session, const DecodeLink* link, const S
       }
     }
     for (auto& [id, room] : room_data_) rooms.push_back(room);
+    auto& pending = pending_drained_[session];
+    pending.insert(pending.end(), dropped.begin(), dropped.end());
+    pending_drained_count_ += dropped.size();
   }
   DrainingPeer draining{
       peer, absl::Now() + absl::FromChrono(options_.liveness_timeout), reason, {}};
@@ -650,15 +697,23 @@ void PrefillCore::OnBatchDone(const std::shared_ptr<Room>& room, uint64_t bytes,
       gone = room->peer_gone;  // every write completed, but a decode rank is gone
     } else if (room->outstanding == 0 && room->last_queued && !room->finalizing) {
       room->finalizing = true;
+      room->tail_outstanding = 1;  // Finalize's hold: nothing is drained while it decides
       finalize = true;
     }
   }
-  if (gone) return FailRoom(room, *gone);
+  if (gone) FailRoom(room, *gone);
   if (finalize) Finalize(room);
+  MaybeDrained(room);
 }
 
-// Every KV write of the room is complete: write aux, then state, then report.
+// Every KV write of the room is complete: write aux, then state, then report. Called holding
+// one count of tail_outstanding (set by OnBatchDone), released here.
 void PrefillCore::Finalize(const std::shared_ptr<Room>& room) {
+  FinalizeTail(room);
+  TailDone(room);
+}
+
+void PrefillCore::FinalizeTail(const std::shared_ptr<Room>& room) {
   if (room->state->Poll() == KVPoll::kFailed) return;
   {
     bool has_aux, has_state;
@@ -726,16 +781,112 @@ void PrefillCore::Finalize(const std::shared_ptr<Room>& room) {
       one_done(Status::OK());
       continue;
     }
-    Status s = transport_->PostWrites(peer->peer, ops, one_done);
-    if (!s.ok()) one_done(s);
+    {
+      MutexLock lock(&room->mu);
+      ++room->tail_outstanding;
+    }
+    Status s = transport_->PostWrites(peer->peer, ops, [self, room, one_done](Status st) {
+      one_done(std::move(st));
+      self->TailDone(room);
+    });
+    if (!s.ok()) {
+      one_done(s);
+      TailDone(room);
+    }
   }
+}
+
+void PrefillCore::TailDone(const std::shared_ptr<Room>& room) {
+  {
+    MutexLock lock(&room->mu);
+    --room->tail_outstanding;
+  }
+  MaybeDrained(room);
+}
+
+void PrefillCore::MaybeDrained(const std::shared_ptr<Room>& room) {
+  std::vector<uint64_t> sessions;
+  bool released = false;
+  const KVPoll st = room->state->Poll();
+  {
+    MutexLock lock(&room->mu);
+    if (room->drained || !IsTerminal(st) || room->outstanding > 0 || room->tail_outstanding > 0) {
+      return;
+    }
+    room->drained = true;
+    room->state->MarkReusable();
+    released = room->released;
+    // Success needs no notice: decode's room succeeded (or will hear of the drain if it failed
+    // it meanwhile, through its Abort, see OnAbort).
+    if (st == KVPoll::kFailed) {
+      for (const auto& info : room->infos) {
+        if (std::find(sessions.begin(), sessions.end(), info.session) == sessions.end()) {
+          sessions.push_back(info.session);
+        }
+      }
+    }
+  }
+  if (st == KVPoll::kFailed) undrained_.fetch_sub(1, std::memory_order_relaxed);
+  if (released) {
+    MutexLock lock(&mu_);
+    AddReleased(room->state->room());
+  }
+  for (uint64_t session : sessions) SendDrained(session, {room->state->room()});
+}
+
+void PrefillCore::SendDrained(uint64_t session, std::vector<uint64_t> rooms) {
+  // Far above what one decode session can have failed while away; past it the oldest notices
+  // are dropped (their pages stay quarantined on decode until this instance is gone) and said.
+  constexpr size_t kMaxPendingDrained = size_t{1} << 18;
+  std::shared_ptr<DecodeLink> link;
+  {
+    MutexLock lock(&mu_);
+    if (auto it = peers_.find(session); it != peers_.end()) {
+      link = it->second->link;
+    } else if (!stopping_) {
+      if (pending_drained_count_ + rooms.size() > kMaxPendingDrained) {
+        PDLIB_LOG(kError,
+                  "prefill: %d drained-room notices wait for disconnected decode sessions; "
+                  "dropping room %d's for session %d (its pages stay quarantined there)",
+                  pending_drained_count_, rooms.front(), session);
+        return;
+      }
+      auto& pending = pending_drained_[session];
+      pending.insert(pending.end(), rooms.begin(), rooms.end());
+      pending_drained_count_ += rooms.size();
+      return;
+    }
+  }
+  if (!link) return;
+  link->SendDrained({instance_, options_.args.parallel.tp_rank, options_.args.parallel.pp_rank,
+                     std::move(rooms)});
+}
+
+void PrefillCore::AddReleased(uint64_t room) {
+  if (released_reusable_.size() >= kMaxReleasedRooms) {
+    PDLIB_LOG(kError,
+              "prefill: %d released rooms wait for TakeReusableRooms(); dropping the oldest (an "
+              "engine that destroys failed senders must call it)",
+              released_reusable_.size());
+    released_reusable_.erase(released_reusable_.begin());
+  }
+  released_reusable_.push_back(room);
+}
+
+std::vector<uint64_t> PrefillCore::TakeReusableRooms() {
+  MutexLock lock(&mu_);
+  std::vector<uint64_t> out;
+  out.swap(released_reusable_);
+  return out;
 }
 
 void PrefillCore::FailRoom(const std::shared_ptr<Room>& room, Status reason) {
   if (!room->state->Fail(reason)) return;
+  undrained_.fetch_add(1, std::memory_order_relaxed);
   counters_.CountFailure(*room->state);
   PDLIB_LOG(kWarning, "prefill: room %d failed: %s", room->state->room(), reason.ToString());
   SendStatusToDecode(room, reason);
+  MaybeDrained(room);
 }
 
 void PrefillCore::SendStatusToDecode(const std::shared_ptr<Room>& room, const Status& status) {
@@ -773,6 +924,15 @@ void PrefillCore::ReleaseRoom(uint64_t room_id, const RoomState* state) {
     FailRoom(room, Status::Aborted(absl::StrFormat("room %d: sender destroyed before the "
                                                    "transfer finished",
                                                    room_id)));
+  }
+  if (room && room->state->Poll() == KVPoll::kFailed) {
+    // TakeReusableRooms reports the room once it drains (at once if it has).
+    MutexLock lock(&room->mu);
+    room->released = true;
+    if (room->drained) {
+      MutexLock core_lock(&mu_);
+      AddReleased(room_id);
+    }
   }
   rooms_.Erase(room_id, state);
 }
@@ -859,6 +1019,7 @@ KVManagerMetrics PrefillCore::metrics() const {
   counters_.FillInto(&m, rooms_);
   MutexLock lock(&mu_);
   m.connections = peers_.size();
+  m.quarantined_rooms = undrained_.load(std::memory_order_relaxed);
   // Requests decode announced whose sender does not exist yet also wait in the queue.
   m.bootstrap_queue_size += early_infos_.size();
   return m;

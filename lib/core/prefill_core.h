@@ -9,6 +9,7 @@
 #ifndef PDLIB_LIB_CORE_PREFILL_CORE_H_
 #define PDLIB_LIB_CORE_PREFILL_CORE_H_
 
+#include <atomic>
 #include <deque>
 #include <memory>
 #include <optional>
@@ -37,6 +38,8 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   void Shutdown();
 
   const KVManagerOptions& options() const { return options_; }
+  // This manager instance, random per core (RegisterAckMsg::instance).
+  uint64_t instance() const { return instance_; }
 
   // Control plane, decode -> prefill.
   RegisterAckMsg OnRegister(const RegisterMsg& msg, std::shared_ptr<DecodeLink> link) override;
@@ -54,6 +57,9 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   void ReleaseRoom(uint64_t room, const RoomState* state);
 
   KVManagerMetrics metrics() const;
+  // Rooms whose sender was destroyed in state Failed, once their source pages are reusable
+  // (each once; at most kMaxReleasedRooms kept).
+  std::vector<uint64_t> TakeReusableRooms();
   // TransferInfos held for senders not created yet (for tests and leak checks).
   size_t early_info_count() const;
   size_t early_info_bytes() const;
@@ -78,13 +84,25 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
                                        std::span<const planner::PlannedWrite> writes);
   void OnBatchDone(const std::shared_ptr<Room>& room, uint64_t bytes, uint64_t pages, Status s);
   void Finalize(const std::shared_ptr<Room>& room);
+  void FinalizeTail(const std::shared_ptr<Room>& room);
   void FailRoom(const std::shared_ptr<Room>& room, Status reason);
+  // Once `room` is terminal with no write batch in flight (chunks and aux/state), marks its
+  // pages reusable and, if it failed, tells every decode session it wrote to that it drained.
+  void MaybeDrained(const std::shared_ptr<Room>& room);
+  // One aux/state batch of `room` (or Finalize's own hold on it) is over.
+  void TailDone(const std::shared_ptr<Room>& room);
+  // Tells decode `session` that `rooms` are drained: on its live link, or in the RegisterAck of
+  // its next connection.
+  void SendDrained(uint64_t session, std::vector<uint64_t> rooms);
+  static constexpr size_t kMaxReleasedRooms = size_t{1} << 16;
+  void AddReleased(uint64_t room) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendStatusToDecode(const std::shared_ptr<Room>& room, const Status& status);
   void CheckTimeouts();
   void DrainPeers(absl::Time now);
   std::shared_ptr<Room> FindRoom(uint64_t room) const;
 
   const KVManagerOptions options_;
+  const uint64_t instance_;
   std::unique_ptr<spi::Transport> transport_;
   planner::SideLayout layout_;  // this rank, as the planner sees it
   RegisteredBuffers local_;
@@ -118,6 +136,11 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   absl::flat_hash_map<uint64_t, EarlyAbort> early_aborts_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<Peer>> peers_ ABSL_GUARDED_BY(mu_);
   std::vector<DrainingPeer> draining_ ABSL_GUARDED_BY(mu_);
+  // Drained rooms of decode sessions that are not connected now, for their next RegisterAck.
+  absl::flat_hash_map<uint64_t, std::vector<uint64_t>> pending_drained_ ABSL_GUARDED_BY(mu_);
+  size_t pending_drained_count_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<uint64_t> released_reusable_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> undrained_{0};  // failed rooms with writes still in flight
   std::deque<Chunk> queue_ ABSL_GUARDED_BY(mu_);
   CondVar work_cv_;  // signalled when queue_ grows or stopping_ is set
 

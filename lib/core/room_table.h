@@ -49,6 +49,11 @@ class RoomState {
   // The state the room was in when it failed (kFailed while not failed).
   KVPoll failed_from() const { return failed_from_.load(std::memory_order_acquire); }
 
+  // Page reuse (kv_manager.h): set once no peer can touch the room's pages any more. Release
+  // pairs with the acquire in PagesReusable().
+  bool PagesReusable() const { return reusable_.load(std::memory_order_acquire); }
+  void MarkReusable() { reusable_.store(true, std::memory_order_release); }
+
   // When the room was created (for latency metrics).
   absl::Time created() const { return absl::FromUnixNanos(created_ns_); }
   // When the room entered its current state (for timeouts).
@@ -61,6 +66,7 @@ class RoomState {
   const int64_t created_ns_;
   std::atomic<KVPoll> state_;
   std::atomic<KVPoll> failed_from_{KVPoll::kFailed};
+  std::atomic<bool> reusable_{false};
   // Relaxed: only read by the timeout scanner, which tolerates a slightly stale value.
   std::atomic<int64_t> state_since_ns_;
   // Fail() writes the reason and the state under this lock, so FailureReason() (which takes it)

@@ -6,6 +6,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <deque>
 #include <functional>
 #include <optional>
@@ -42,16 +43,37 @@ class RawDecode {
   }
   bool WriteFrame(const wire::DecodeToPrefillFrame& frame) { return stream_->Write(frame); }
 
-  // The next message from prefill; nullopt once the stream has ended.
+  // The next message from prefill other than Drained (those are collected in drained());
+  // nullopt once the stream has ended.
   std::optional<wire::PrefillToDecode> Next() {
-    while (pending_.empty()) {
+    while (true) {
+      while (pending_.empty()) {
+        wire::PrefillToDecodeFrame frame;
+        if (!stream_->Read(&frame)) return std::nullopt;
+        for (auto& m : *frame.mutable_msgs()) pending_.push_back(std::move(m));
+      }
+      auto m = std::move(pending_.front());
+      pending_.pop_front();
+      if (!m.has_drained()) return m;
+      for (uint64_t room : m.drained().rooms()) drained_.push_back(room);
+    }
+  }
+  // Rooms prefill reported drained so far (as Next() passed them).
+  const std::vector<uint64_t>& drained() const { return drained_; }
+  // Reads until prefill reports `room` drained (other messages stay queued for Next()); false
+  // if the stream ends first.
+  bool WaitDrained(uint64_t room) {
+    auto seen = [&] { return std::find(drained_.begin(), drained_.end(), room) != drained_.end(); };
+    for (size_t scanned = 0;;) {
+      for (; scanned < pending_.size(); ++scanned) {
+        if (!pending_[scanned].has_drained()) continue;
+        for (uint64_t r : pending_[scanned].drained().rooms()) drained_.push_back(r);
+      }
+      if (seen()) return true;
       wire::PrefillToDecodeFrame frame;
-      if (!stream_->Read(&frame)) return std::nullopt;
+      if (!stream_->Read(&frame)) return false;
       for (auto& m : *frame.mutable_msgs()) pending_.push_back(std::move(m));
     }
-    auto m = std::move(pending_.front());
-    pending_.pop_front();
-    return m;
   }
 
   // Reads to the end of the stream; the status prefill finished it with.
@@ -76,6 +98,7 @@ class RawDecode {
   std::unique_ptr<grpc::ClientReaderWriter<wire::DecodeToPrefillFrame, wire::PrefillToDecodeFrame>>
       stream_;
   std::deque<wire::PrefillToDecode> pending_;
+  std::vector<uint64_t> drained_;
   bool finished_ = false;
   grpc::Status status_;
 };
@@ -333,6 +356,9 @@ TEST_CASE("hostile decode: TransferInfo fields out of range fail the room with t
     // Refused by the core or already by the stream (peer_server.cc): either way the sender
     // fails at once with the reason, instead of waiting out bootstrap_timeout.
     REQUIRE(WaitFor([&] { return (*sender)->Poll() == KVPoll::kFailed; }));
+    // Nothing was written for a refused TransferInfo: prefill says so, so that decode may reuse
+    // the pages at once (the page-reuse rule, kv_manager.h).
+    REQUIRE(raw->WaitDrained(room));
     CHECK(Contains((*sender)->FailureReason().message(), c.expected));
   }
   // A second TransferInfo for a room from the same session, and a late one from another

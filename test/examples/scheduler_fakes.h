@@ -35,9 +35,14 @@ struct HandleState {
   };
   std::vector<SendCall> sends;
 
-  void Fail(const std::string& why) {
+  // pdlib's page-reuse answer for a failed handle (Success is always reusable).
+  bool reusable = false;
+
+  // Fails the handle; its pages are reusable at once unless `quarantined`.
+  void Fail(const std::string& why, bool quarantined = false) {
     state = KVPoll::kFailed;
     reason = Status::Unavailable(why);
+    reusable = !quarantined;
   }
 };
 
@@ -52,10 +57,14 @@ class FakeHandle : public Base {
   }
   Status FailureReason() const override { return s_->reason; }
   uint64_t room() const override { return room_; }
+  bool PagesReusable() const override {
+    return s_->state == KVPoll::kSuccess || (s_->state == KVPoll::kFailed && s_->reusable);
+  }
   void Abort(std::string_view reason) override {
     if (!IsTerminal(s_->state)) {
       s_->state = KVPoll::kFailed;
       s_->reason = Status::Aborted(reason);
+      s_->reusable = true;
     }
   }
 

@@ -263,6 +263,14 @@ class Topology {
     } else if (line.starts_with("METRICS ")) {
       p.metrics = ParseCounters(line);
       p.metrics_fresh = true;
+    } else if (line.starts_with("QUARANTINE ")) {
+      const auto q = ParseCounters(line);
+      auto get = [&](const char* k) { return q.contains(k) ? q.at(k) : uint64_t{0}; };
+      ++t_.quarantined_requests;
+      t_.quarantined_pages += get("pages");
+      t_.quarantine_peak_pages = std::max(t_.quarantine_peak_pages, get("held_pages_now"));
+      t_.quarantine_max_hold_ms =
+          std::max(t_.quarantine_max_hold_ms, static_cast<int64_t>(get("held_ms")));
     } else if (line.starts_with("STALE ")) {
       ++t_.stale_writes;
       Problem(p.name() + " found a write into memory it had taken back: " + line.substr(6));

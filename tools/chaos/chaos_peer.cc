@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -49,6 +50,7 @@ struct Request {
   size_t chunks_sent = 0;             // prefill
   Clock::time_point next_chunk_at{};  // prefill: when the next chunk's "forward pass" is done
   bool initialized = false;
+  Clock::time_point held_since{};  // when the engine put it aside, its pages not reusable yet
 
   const pdlib::KVPollable& handle() const {
     return sender ? static_cast<const pdlib::KVPollable&>(*sender) : *receiver;
@@ -125,6 +127,8 @@ class Peer {
       ReadCommands(progressed ? 0 : (requests_.empty() ? 20 : 1));
     }
     requests_.clear();  // destroying a live handle aborts its room
+    held_.clear();
+    dropped_.clear();
     manager_.reset();
     Emit("BYE");
     return 0;
@@ -190,7 +194,7 @@ class Peer {
 
   // One pass over every request; true when anything moved.
   bool Drive() {
-    bool progressed = false;
+    bool progressed = ReleaseReusable();
     for (size_t i = 0; i < requests_.size();) {
       Request& r = *requests_[i];
       const pdlib::KVPoll st = r.handle().Poll();
@@ -291,10 +295,70 @@ class Peer {
       const uint64_t bytes = r->pages.size() * pools_.size() * c_.item_bytes + AuxSlotBytes();
       Emit("ROOM " + room + " Success OK bytes=" + std::to_string(bytes));
     }
-    // The engine releases the request: the handle first, then its slot and pages.
+    // Page reuse (kv_manager.h): a failed request's pages stay aside until pdlib says no late
+    // write can land in them. Half of such requests keep their handle and poll PagesReusable();
+    // the other half drop it at once and wait for the room in TakeReusableRooms().
+    if (!r->handle().PagesReusable()) {
+      r->held_since = Clock::now();
+      if (Mix(room_id ^ 0x686f6c64ULL) % 2 == 0) {
+        held_.push_back(std::move(r));
+      } else {
+        r->sender.reset();
+        r->receiver.reset();
+        dropped_.emplace(room_id, std::move(r));
+      }
+      return;
+    }
+    Release(std::move(r));
+  }
+
+  // Handles put aside whose pages became reusable: released now. True when any was.
+  bool ReleaseReusable() {
+    bool any = false;
+    for (size_t i = 0; i < held_.size();) {
+      if (!held_[i]->handle().PagesReusable()) {
+        ++i;
+        continue;
+      }
+      std::unique_ptr<Request> r = std::move(held_[i]);
+      held_.erase(held_.begin() + std::ptrdiff_t(i));
+      Release(std::move(r));
+      any = true;
+    }
+    if (dropped_.empty()) return any;
+    for (uint64_t room : manager_->TakeReusableRooms()) {
+      auto it = dropped_.find(room);
+      if (it == dropped_.end()) continue;  // a failed room released after PagesReusable()
+      std::unique_ptr<Request> r = std::move(it->second);
+      dropped_.erase(it);
+      Release(std::move(r));
+      any = true;
+    }
+    return any;
+  }
+
+  size_t HeldPages() const {
+    size_t n = 0;
+    for (const auto& r : held_) n += r->pages.size();
+    for (const auto& [room, r] : dropped_) n += r->pages.size();
+    return n;
+  }
+
+  // The engine releases the request: the handle first, then its slot and pages.
+  void Release(std::unique_ptr<Request> r) {
+    const uint64_t room_id = r->room;
+    if (r->held_since != Clock::time_point{} && !prefill()) {
+      const auto held_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - r->held_since);
+      Emit("QUARANTINE room=" + std::to_string(room_id) + " pages=" +
+           std::to_string(r->pages.size()) + " held_ms=" + std::to_string(held_ms.count()) +
+           " held_pages_now=" + std::to_string(HeldPages() + r->pages.size()));
+    }
+    r->sender.reset();
+    r->receiver.reset();
     const std::optional<uint32_t> aux = r->aux;
     const std::vector<int32_t> pages = std::move(r->pages);
     r.reset();
+
     if (!prefill()) {
       // From here on pdlib must not write to them: the canary shows if it does.
       for (size_t i = 0; i < pages.size(); ++i) {
@@ -396,7 +460,9 @@ class Peer {
         << " bootstrap_queue=" << m.bootstrap_queue_size
         << " transfer_queue=" << m.transfer_queue_size << " requests_total=" << m.requests_total
         << " rooms_succeeded=" << m.rooms_succeeded << " rooms_failed=" << m.rooms_failed
-        << " handles=" << requests_.size() << " aux_free=" << slots_->available()
+ << " handles=" << requests_.size() + held_.size() + dropped_.size()
+        << " quarantined_pages=" << m.quarantined_pages
+        << " quarantine_max_hold_ms=" << m.quarantine_max_hold_ms << " aux_free=" << slots_->available()
         << " aux_capacity=" << slots_->capacity() << " pages_free=" << pages_->available()
         << " pages_capacity=" << pages_->capacity() << " stale_free=" << stale;
     Emit(out.str());
@@ -456,6 +522,9 @@ class Peer {
   std::vector<uint64_t> last_slot_room_;
   std::unique_ptr<pdlib::KVManager> manager_;
   std::vector<std::unique_ptr<Request>> requests_;
+  // Over, pages not reusable yet: with their handle, or with the handle dropped (by room).
+  std::vector<std::unique_ptr<Request>> held_;
+  std::map<uint64_t, std::unique_ptr<Request>> dropped_;
   std::string input_;
   bool quit_ = false;
 };

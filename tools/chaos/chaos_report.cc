@@ -48,7 +48,11 @@ std::string TallyFields(const Tally& t) {
     << ",\"verified_requests\":" << t.verified_requests
     << ",\"verified_bytes\":" << t.verified_bytes << ",\"harness_errors\":" << t.harness_errors
     << ",\"max_fault_to_terminal_ms\":" << t.max_fault_to_terminal_ms
-    << ",\"hang_bound_ms\":" << t.hang_bound_ms;
+    << ",\"hang_bound_ms\":" << t.hang_bound_ms
+    << ",\"quarantined_requests\":" << t.quarantined_requests
+    << ",\"quarantined_pages\":" << t.quarantined_pages
+    << ",\"quarantine_peak_pages\":" << t.quarantine_peak_pages
+    << ",\"quarantine_max_hold_ms\":" << t.quarantine_max_hold_ms;
   char seconds[32];
   std::snprintf(seconds, sizeof(seconds), "%.2f", t.seconds);
   o << ",\"seconds\":" << seconds;
@@ -64,6 +68,10 @@ void Tally::Add(const Tally& o) {
   hung += o.hung;
   bad_bytes += o.bad_bytes;
   stale_writes += o.stale_writes;
+  quarantined_requests += o.quarantined_requests;
+  quarantined_pages += o.quarantined_pages;
+  quarantine_peak_pages = std::max(quarantine_peak_pages, o.quarantine_peak_pages);
+  quarantine_max_hold_ms = std::max(quarantine_max_hold_ms, o.quarantine_max_hold_ms);
   leaked += o.leaked;
   faults += o.faults;
   restarts += o.restarts;

@@ -35,6 +35,13 @@ struct Tally {
   uint64_t verified_requests = 0;  // Success requests whose bytes decode checked
   uint64_t verified_bytes = 0;
   uint64_t harness_errors = 0;  // ERROR lines from the peers (API calls refused)
+  // Page reuse: failed requests whose pages decode's engine held aside until pdlib said no late
+  // write could land (QUARANTINE lines), the pages they held, the most held at once by one
+  // decode process, and the longest hold.
+  uint64_t quarantined_requests = 0;
+  uint64_t quarantined_pages = 0;
+  uint64_t quarantine_peak_pages = 0;
+  int64_t quarantine_max_hold_ms = 0;
   // The slowest room hit by a fault: from the first kill, freeze or crash of its prefill or
   // decode process during its life to the moment both sides were terminal.
   int64_t max_fault_to_terminal_ms = 0;
