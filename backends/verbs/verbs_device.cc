@@ -19,6 +19,8 @@ namespace {
 
 const char* PortStateName(ibv_port_state state) { return ibv_port_state_str(state); }
 
+constexpr uint32_t kSoftRoceVendorId = 0xffffff;  // RXE_VENDOR_ID in the kernel's rdma_rxe
+
 bool IsIpv4Mapped(const ibv_gid& gid) {
   static constexpr uint8_t kPrefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
   return std::memcmp(gid.raw, kPrefix, sizeof(kPrefix)) == 0;
@@ -75,6 +77,7 @@ Status SetUpPort(ibv_context* context, uint8_t port, const VerbsOptions& options
                             ") failed: " + ErrnoText(rc));
   }
   device->port = port;
+  device->soft_roce = attr.vendor_id == kSoftRoceVendorId;
   const std::string label = device->label();
   if (port_attr.state != IBV_PORT_ACTIVE) {
     return Status::Unavailable("verbs: port " + label + " is " + PortStateName(port_attr.state) +
@@ -268,6 +271,10 @@ QpAddress LocalAddress(const Device& device, const ibv_qp& qp, uint32_t psn) {
   return a;
 }
 
+uint8_t RcRetryCount(const Device& device, const VerbsOptions& options) {
+  return device.soft_roce && options.retry_cnt == 7 ? 6 : options.retry_cnt;
+}
+
 Status ConnectRcQp(ibv_qp* qp, const Device& device, const QpAddress& remote, uint32_t local_psn,
                    const VerbsOptions& options) {
   if (remote.global != device.global) {
@@ -303,7 +310,7 @@ Status ConnectRcQp(ibv_qp* qp, const Device& device, const QpAddress& remote, ui
   attr = ibv_qp_attr{};
   attr.qp_state = IBV_QPS_RTS;
   attr.timeout = options.timeout;
-  attr.retry_cnt = options.retry_cnt;
+  attr.retry_cnt = RcRetryCount(device, options);
   attr.rnr_retry = 7;
   attr.sq_psn = local_psn & 0xffffff;
   attr.max_rd_atomic = 1;

@@ -35,6 +35,9 @@ struct Device {
   std::array<uint8_t, 16> gid{};
   uint16_t lid = 0;
   bool global = false;  // RoCE: packets carry a GRH, peers are addressed by GID
+  // Soft-RoCE (rdma_rxe, vendor id 0xffffff), which treats RC retry_cnt 7 as "retry forever"
+  // (the spec gives that meaning to rnr_retry 7 only): see RcRetryCount.
+  bool soft_roce = false;
   ibv_mtu active_mtu = IBV_MTU_1024;
   WrLimits limits;
   uint32_t sq_depth = 0;  // verbs.sq_depth clamped to the device's max_qp_wr
@@ -58,6 +61,9 @@ std::string ListDeviceNames();
 StatusOr<QpPtr> CreateRcQp(Device& device);
 // How a peer reaches `qp`, with `psn` as the first sequence number it will send.
 QpAddress LocalAddress(const Device& device, const ibv_qp& qp, uint32_t psn);
+// The RC retry_cnt set on `device`'s QPs: verbs.retry_cnt, except 6 for 7 on Soft-RoCE, so that
+// writes to a dead or fenced peer fail there too instead of being retried forever.
+uint8_t RcRetryCount(const Device& device, const VerbsOptions& options);
 // INIT -> RTR -> RTS towards `remote`, starting at `local_psn`. Errors name the step.
 Status ConnectRcQp(ibv_qp* qp, const Device& device, const QpAddress& remote, uint32_t local_psn,
                    const VerbsOptions& options);

@@ -26,7 +26,9 @@
 //                            completion channels (default 20)
 //   verbs.timeout            RC local ACK timeout exponent: 4.096 us * 2^N (default 14, ~67 ms)
 //   verbs.retry_cnt          RC transport retries before a write fails (default 7): with
-//                            verbs.timeout this bounds how long a dead peer takes to be noticed
+//                            verbs.timeout this bounds how long a dead or fenced peer takes to
+//                            be noticed (~0.5 s at the defaults). Soft-RoCE (rxe) would retry
+//                            forever at 7, so 7 is used as 6 there
 //   verbs.traffic_class      IP traffic class / DSCP<<2 of RoCE packets (default 0)
 #ifndef PDLIB_BACKENDS_VERBS_VERBS_OPTIONS_H_
 #define PDLIB_BACKENDS_VERBS_VERBS_OPTIONS_H_

@@ -40,6 +40,13 @@ StatusOr<std::unique_ptr<VerbsTransport>> VerbsTransport::Create(
               d->label(), d->global ? "RoCE" : "InfiniBand", d->gid_index,
               128 << static_cast<int>(d->active_mtu), d->limits.max_sge,
               d->limits.max_message_bytes, d->sq_depth, d->cq_depth);
+    if (RcRetryCount(*d, *parsed) != parsed->retry_cnt) {
+      PDLIB_LOG(kInfo,
+                "verbs: %s is Soft-RoCE, which would retry forever at verbs.retry_cnt=%d: its "
+                "QPs use %d",
+                d->label(), static_cast<int>(parsed->retry_cnt),
+                static_cast<int>(RcRetryCount(*d, *parsed)));
+    }
   }
   std::unique_ptr<VerbsTransport> transport(
       new VerbsTransport(std::move(*parsed), std::move(*devices)));
@@ -111,6 +118,7 @@ spi::TransportCapabilities VerbsTransport::capabilities() const {
   caps.moves_bytes = true;
   caps.needs_reply = true;  // RC QPs are connected from both ends
   caps.supports_cuda_memory = CudaRegistrationPossible();
+  caps.fences = true;  // FenceTarget: the target's QPs go to the error state
   caps.max_writes_per_batch = 0;
   caps.max_write_bytes = 0;  // split into messages of at most max_msg_sz here
   return caps;
@@ -209,6 +217,10 @@ Status VerbsTransport::CompleteTargetEndpoint(spi::TargetId target, const spi::B
     return Status::NotFound("verbs: unknown target endpoint " + std::to_string(target));
   }
   TargetEntry& entry = it->second;
+  if (entry.fenced) {
+    return Status::FailedPrecondition("verbs: target endpoint " + std::to_string(target) +
+                                      " was fenced");
+  }
   if (entry.connected) {
     return Status::FailedPrecondition("verbs: target endpoint " + std::to_string(target) +
                                       " is already connected");
@@ -236,6 +248,37 @@ void VerbsTransport::CloseTargetEndpoint(spi::TargetId target) {
     targets_.erase(it);
   }
   // The QPs are destroyed here, outside the lock; a target QP never has requests of its own.
+}
+
+Status VerbsTransport::FenceTarget(spi::TargetId target) {
+  // Under targets_mu_, so that CloseTargetEndpoint cannot destroy the QPs meanwhile and
+  // CompleteTargetEndpoint cannot connect them afterwards.
+  MutexLock lock(&targets_mu_);
+  auto it = targets_.find(target);
+  if (it == targets_.end()) {
+    return Status::NotFound("verbs: unknown target endpoint " + std::to_string(target));
+  }
+  TargetEntry& entry = it->second;
+  if (entry.fenced) return Status::OK();
+  // Every QP, even after one fails: each one in the error state is one less path for writes.
+  Status first_error;
+  for (size_t i = 0; i < entry.qps.size(); ++i) {
+    ibv_qp_attr attr{};
+    attr.qp_state = IBV_QPS_ERR;
+    if (int rc = ibv_modify_qp(entry.qps[i].get(), &attr, IBV_QP_STATE); rc != 0) {
+      if (first_error.ok()) {
+        first_error =
+            Status::Internal("verbs: fencing target endpoint " + std::to_string(target) +
+                             ": moving QP " + std::to_string(entry.qps[i]->qp_num) + " on " +
+                             devices_[i]->label() + " to the error state failed: " + ErrnoText(rc));
+      }
+    }
+  }
+  if (!first_error.ok()) return first_error;
+  entry.fenced = true;
+  PDLIB_LOG(kInfo, "verbs: target endpoint %d fenced: its %d QPs are in the error state", target,
+            static_cast<int>(entry.qps.size()));
+  return Status::OK();
 }
 
 StatusOr<spi::Connection> VerbsTransport::Connect(const spi::Blob& target_endpoint) {

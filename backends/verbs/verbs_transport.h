@@ -26,6 +26,15 @@
 // destroyed, and new batches to it are refused with the same reason. New connections (the core
 // reconnects when the peer registers again) get new QPs.
 //
+// Fences (capabilities().fences): FenceTarget moves every QP of the target endpoint to the error
+// state with ibv_modify_qp before it returns. A responder QP in the error state drops every
+// incoming request, so no write of that initiator (queued, in flight or posted later) lands (rxe
+// may still finish the one packet its responder is executing at that instant); the initiator
+// gets no ACKs and its writes fail with "transport retry counter exceeded" once
+// verbs.retry_cnt retries of verbs.timeout have passed (Soft-RoCE treats retry_cnt 7 as
+// "retry forever", so 7 is used as 6 on rxe devices). The fenced endpoint keeps its QPs until
+// CloseTargetEndpoint; CompleteTargetEndpoint on it is refused.
+//
 // Threads: every public method may be called from any thread, also from a completion callback
 // (Disconnect there does not wait). One progress thread per transport is the only one that posts
 // to the initiator QPs and polls the CQs; callbacks run on it, never under a pdlib lock.
@@ -74,6 +83,7 @@ class VerbsTransport final : public spi::Transport {
   StatusOr<spi::TargetEndpoint> CreateTargetEndpoint() override;
   Status CompleteTargetEndpoint(spi::TargetId target, const spi::Blob& reply) override;
   void CloseTargetEndpoint(spi::TargetId target) override;
+  Status FenceTarget(spi::TargetId target) override;
   StatusOr<spi::Connection> Connect(const spi::Blob& target_endpoint) override;
   StatusOr<spi::RemoteRegionId> ImportRemoteRegion(spi::PeerId peer,
                                                    const spi::RemoteRegion& region) override;
@@ -117,6 +127,7 @@ class VerbsTransport final : public spi::Transport {
     std::vector<QpPtr> qps;  // one per device, in device order
     std::vector<uint32_t> psns;
     bool connected = false;
+    bool fenced = false;  // every QP is in the error state (FenceTarget)
   };
 
   // One PostWrites call. Owned by its peer's `batches` list from acceptance to completion.

@@ -1,8 +1,9 @@
 // The verbs backend on a real RDMA device (the Soft-RoCE VM's rxe0, see test/rxe): writes under
 // tight limits (few SGEs, short messages, a small send queue, short chains) compared byte for
 // byte, layers spread over two devices, memory deregistered with writes in flight, Disconnect and
-// destruction with writes outstanding, refused blobs, and a target process killed mid-transfer:
-// its batches fail with the work-completion status, and a new connection works.
+// destruction with writes outstanding, refused blobs, a fence with writes in flight (nothing lands
+// after it), and a target process killed mid-transfer: its batches fail with the work-completion
+// status, and a new connection works.
 //
 // Needs a device: the test fails (it does not skip) without one, so it is registered only as a VM
 // test (pdlib_add_vm_test, which skips with the reason where the VM cannot run).
@@ -233,6 +234,62 @@ TEST_CASE("verbs device: blobs are checked against the connection") {
   auto twice = p.target->CompleteTargetEndpoint(ep->id, conn->reply);
   CHECK(twice.code() == StatusCode::kFailedPrecondition);
   CHECK_FALSE(p.initiator->Connect(conn->reply).ok());  // a reply is not an endpoint
+  p.target->CloseTargetEndpoint(ep->id);
+}
+
+TEST_CASE(
+    "verbs device: a fence mid-transfer stops the writes; the fenced endpoint stays until closed") {
+  // Default options: on rxe this also checks that retry_cnt 7 is not "retry forever" there.
+  constexpr size_t kSlice = 1 << 20;
+  constexpr int kBatches = 32;
+  Pair p(kSlice * kBatches, {});
+  REQUIRE(p.target->capabilities().fences);
+  Completions done;
+  for (int i = 0; i < kBatches; ++i) {  // each batch its own slice, so a late write shows
+    const spi::WriteOp op{p.src_regions[0], i * kSlice, p.remote, i * kSlice, kSlice};
+    REQUIRE(p.initiator->PostWrites(p.peer, std::span(&op, 1), done.Callback()).ok());
+  }
+  REQUIRE(done.Wait(1, std::chrono::seconds(60)));  // the rest are queued or in flight
+  const Status fenced = p.target->FenceTarget(p.target_id);
+  INFO(fenced.ToString());
+  REQUIRE(fenced.ok());
+  CHECK(p.target->FenceTarget(p.target_id).ok());  // idempotent
+  CHECK(p.target->FenceTarget(p.target_id + 1000).code() == StatusCode::kNotFound);
+  // rxe may still finish the one packet its responder is executing as the QP changes state; what
+  // must never land is anything later: queued requests and retransmissions.
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const std::vector<uint8_t> at_fence = p.dst;
+  REQUIRE(done.Wait(kBatches, std::chrono::seconds(20)));  // retries run out (~0.5 s)
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto statuses = done.statuses();
+  REQUIRE(statuses.size() == size_t{kBatches});
+  size_t failed = 0;
+  for (const Status& s : statuses) {
+    if (s.ok()) continue;
+    ++failed;
+    INFO(s.ToString());
+    CHECK(s.code() == StatusCode::kUnavailable);
+    CHECK_THAT(std::string(s.message()), Catch::Contains("retry counter exceeded"));
+  }
+  std::printf("verbs_device_test: %zu of %d batches failed after the fence\n", failed, kBatches);
+  CHECK(failed >= 1);
+  CHECK(p.dst == at_fence);
+  CHECK(std::all_of(p.dst.end() - kSlice, p.dst.end(), [](uint8_t b) { return b == 0; }));
+  Status later = p.initiator->PostWrites(p.peer, {}, done.Callback());
+  CHECK(later.code() == StatusCode::kUnavailable);
+  p.initiator->Disconnect(p.peer);
+  p.target->CloseTargetEndpoint(p.target_id);
+  CHECK(p.target->FenceTarget(p.target_id).code() == StatusCode::kNotFound);
+
+  // An endpoint fenced before it is connected cannot be connected afterwards.
+  auto ep = p.target->CreateTargetEndpoint();
+  REQUIRE(ep.ok());
+  REQUIRE(p.target->FenceTarget(ep->id).ok());
+  auto conn = p.initiator->Connect(ep->blob);
+  REQUIRE(conn.ok());
+  CHECK(p.target->CompleteTargetEndpoint(ep->id, conn->reply).code() ==
+        StatusCode::kFailedPrecondition);
+  p.initiator->Disconnect(conn->peer);
   p.target->CloseTargetEndpoint(ep->id);
 }
 

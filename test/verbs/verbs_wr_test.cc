@@ -9,6 +9,7 @@
 #include <random>
 #include <set>
 
+#include "backends/verbs/verbs_device.h"
 #include "backends/verbs/verbs_options.h"
 #include "backends/verbs/verbs_wire.h"
 
@@ -413,6 +414,17 @@ TEST_CASE("verbs options: defaults and every option") {
   CHECK(v->timeout == 10);
   CHECK(v->retry_cnt == 3);
   CHECK(v->traffic_class == 106);
+}
+
+TEST_CASE("verbs options: retry_cnt 7 becomes 6 on Soft-RoCE only (rxe retries forever at 7)") {
+  Device hardware, soft;
+  soft.soft_roce = true;
+  VerbsOptions o;
+  CHECK(RcRetryCount(hardware, o) == 7);
+  CHECK(RcRetryCount(soft, o) == 6);
+  o.retry_cnt = 3;
+  CHECK(RcRetryCount(hardware, o) == 3);
+  CHECK(RcRetryCount(soft, o) == 3);
 }
 
 TEST_CASE("verbs options: nic_names select devices unless verbs.devices does") {
