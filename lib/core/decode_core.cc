@@ -171,6 +171,7 @@ Status DecodeCore::EnsureConnected(
           },
           Release::kDrained);
     }
+    ResendAborts(key, ack.instance);
   }
   return Status::OK();
 }
@@ -367,9 +368,10 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
   }
   if (!complete) return;
   if (Status s = CheckAuxRoom(*room); !s.ok()) return FailRoom(room, s, true);
+  // Every writer reported its writes complete: none is left to land. Marked before Success is
+  // visible, so that an engine never sees Success with the pages not reusable.
+  room->state->MarkReusable();
   if (room->state->Advance(KVPoll::kSuccess)) {
-    // Every writer reported its writes complete: none is left to land.
-    room->state->MarkReusable();
     counters_.CountSuccess(*room->state);
     PDLIB_LOG(kInfo, "decode: room %d received", msg.room);
   }
@@ -575,6 +577,35 @@ void DecodeCore::ClearExposures(const std::function<bool(uint64_t, const Exposur
   for (uint64_t id : released) AddReleased(id);
   released_by_[static_cast<int>(why)] += ended.size();
   max_hold_ms_ = std::max(max_hold_ms_, longest);
+}
+
+void DecodeCore::ResendAborts(const std::string& key, uint64_t instance) {
+  // Quarantined rooms still waiting on this same instance: the old stream may have lost their
+  // TransferInfo or Abort, in which case the instance knows nothing to report. Telling it again
+  // is harmless: a room it never saw, or that is over, is reported drained at once.
+  std::vector<std::shared_ptr<Room>> rooms;
+  std::shared_ptr<PrefillLink> link;
+  {
+    MutexLock lock(&mu_);
+    auto it = connections_.find(key);
+    if (it == connections_.end()) return;
+    link = it->second.link;
+    for (auto& [ptr, room] : quarantine_) rooms.push_back(room);
+  }
+  for (auto& room : rooms) {
+    bool waiting = false;
+    {
+      MutexLock lock(&room->mu);
+      for (const Exposure& e : room->exposed) {
+        waiting |= e.open && e.key == key && e.instance == instance;
+      }
+    }
+    if (waiting) {
+      link->SendAbort(room->state->room(), session_,
+                      "failed on decode while the connection was down: " +
+                          room->state->FailureReason().ToString());
+    }
+  }
 }
 
 void DecodeCore::OnDrained(const std::string& key, const RoomsDrainedMsg& msg) {

@@ -116,6 +116,9 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   void ClearExposures(const std::function<bool(uint64_t room, const Exposure&)>& match,
                       Release why);
   void WarnLongQuarantines(absl::Time now);
+  // Sends an Abort, over the live connection to `key`, for every quarantined room still
+  // waiting on `instance` there.
+  void ResendAborts(const std::string& key, uint64_t instance);
   static constexpr size_t kMaxReleasedRooms = size_t{1} << 16;
   void AddReleased(uint64_t room) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const KVManagerOptions options_;

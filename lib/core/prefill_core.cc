@@ -389,6 +389,8 @@ void PrefillCore::OnAbort(uint64_t room_id, uint64_t session, const std::string&
     auto it = room_data_.find(room_id);
     if (it != room_data_.end()) {
       room = it->second;
+    } else if (auto l = lingering_.find(room_id); l != lingering_.end()) {
+      room = l->second;  // its sender is gone, its writes are not
     } else if (peers_.contains(session) && early_aborts_.size() < kMaxEarlyAborts) {
       early_aborts_[room_id] = {absl::Now(), why};
     }
@@ -769,6 +771,8 @@ void PrefillCore::FinalizeTail(const std::shared_ptr<Room>& room) {
       return self->FailRoom(room,
                             self->injector_.Injected(FailureStage::kStatus, room->state->room()));
     }
+    // Every write of the room is complete; marked before Success is visible (kv_manager.h).
+    if (room->state->Poll() != KVPoll::kFailed) room->state->MarkReusable();
     if (room->state->Advance(KVPoll::kSuccess)) {
       self->counters_.CountSuccess(*room->state);
       PDLIB_LOG(kInfo, "prefill: room %d transferred", room->state->room());
@@ -830,6 +834,9 @@ void PrefillCore::MaybeDrained(const std::shared_ptr<Room>& room) {
   if (released) {
     MutexLock lock(&mu_);
     AddReleased(room->state->room());
+    if (auto l = lingering_.find(room->state->room()); l != lingering_.end() && l->second == room) {
+      lingering_.erase(l);
+    }
   }
   for (uint64_t session : sessions) SendDrained(session, {room->state->room()});
 }
@@ -926,12 +933,15 @@ void PrefillCore::ReleaseRoom(uint64_t room_id, const RoomState* state) {
                                                    room_id)));
   }
   if (room && room->state->Poll() == KVPoll::kFailed) {
-    // TakeReusableRooms reports the room once it drains (at once if it has).
+    // TakeReusableRooms reports the room once it drains (at once if it has). Until then it
+    // stays findable, so that a decode's Abort is answered only once its writes are over.
     MutexLock lock(&room->mu);
     room->released = true;
+    MutexLock core_lock(&mu_);
     if (room->drained) {
-      MutexLock core_lock(&mu_);
       AddReleased(room_id);
+    } else {
+      lingering_[room_id] = room;
     }
   }
   rooms_.Erase(room_id, state);
