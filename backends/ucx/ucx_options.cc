@@ -29,7 +29,10 @@ constexpr UcxDefault kDefaults[] = {
      "tcp's receive segment must hold a whole send segment"},
     {"KEEPALIVE_INTERVAL", "1s", "KEEPALIVE_INTERVAL",
      "how often UCX checks that peers are alive (20 s by default); a dead decode process fails "
-     "its transfers within about a second instead of twenty"},
+     "its transfers within about a second instead of twenty. Decode (a target only) gets 'inf': "
+     "UCX 1.13 aborts a process that handles an emulated put arriving on an endpoint its "
+     "keepalive failed (a prefill frozen for a second, then resumed), and decode learns of a "
+     "dead prefill from the control plane anyway"},
 };
 
 // UCX 1.13 keeps a shared-memory FIFO element's length in 16 bits: with segments larger than
@@ -223,6 +226,10 @@ StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
   std::map<std::string, std::string> defaults;
   for (const UcxDefault& d : kDefaults) {
     if (in_scope(d) && !UserChose(d, out.ucx_config, getenv_fn)) defaults[d.key] = d.value;
+  }
+  if (auto k = defaults.find("KEEPALIVE_INTERVAL");
+      k != defaults.end() && options.mode == Mode::kDecode) {
+    k->second = "inf";  // see kDefaults
   }
   out.ucx_config.merge(defaults);
   return out;

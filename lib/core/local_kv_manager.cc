@@ -272,7 +272,7 @@ class LocalDecodeManager final : public DecodeManagerBase {
 
 StatusOr<std::unique_ptr<KVManager>> CreateLocalKVManager(const KVManagerOptions& options) {
   spi::TransportOptions topts{options.args.device_id, options.args.nic_names,
-                              options.backend_options};
+                              options.backend_options, options.mode};
   auto transport = spi::CreateTransport(options.backend, topts);
   if (!transport.ok()) return transport.status();
   if (options.mode == Mode::kPrefill) {

@@ -170,6 +170,23 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
     CHECK(ucx::ParseUcxOptions({}, lookup).ok());
   }
 
+  SECTION("decode (a target only) runs without UCX keepalive; prefill checks every second") {
+    spi::TransportOptions options;
+    options.mode = pdlib::Mode::kDecode;
+    auto decode = ucx::ParseUcxOptions(options, lookup);
+    REQUIRE(decode.ok());
+    CHECK(decode->ucx_config.at("KEEPALIVE_INTERVAL") == "inf");
+    options.mode = pdlib::Mode::kPrefill;
+    auto prefill = ucx::ParseUcxOptions(options, lookup);
+    REQUIRE(prefill.ok());
+    CHECK(prefill->ucx_config.at("KEEPALIVE_INTERVAL") == "1s");
+    env["UCX_KEEPALIVE_INTERVAL"] = "5s";  // the user's choice stands, on either side
+    options.mode = pdlib::Mode::kDecode;
+    auto chosen = ucx::ParseUcxOptions(options, lookup);
+    REQUIRE(chosen.ok());
+    CHECK(chosen->ucx_config.count("KEEPALIVE_INTERVAL") == 0);
+  }
+
   SECTION("ucx.net_devices wins over nic_names") {
     spi::TransportOptions options;
     options.nic_names = {"eth0"};

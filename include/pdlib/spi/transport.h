@@ -26,6 +26,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -137,6 +138,8 @@ struct TransportOptions {
   int32_t device_id = 0;
   std::vector<std::string> nic_names;
   std::map<std::string, std::string> options;  // KVManagerOptions::backend_options
+  // The manager's side: prefill only initiates, decode is only a target. nullopt: both (tests).
+  std::optional<Mode> mode;
 };
 
 using TransportFactory =
