@@ -302,6 +302,10 @@ void HostRank::FailAll(const Status& why, RankStepOutput* out) {
 
 void HostRank::Report(RankStepOutput* out) {
   Rep& r = *rep_;
+  // Page reuse (kv_manager.h): the scheduler keeps a failed request's handle, and its pages, until
+  // PagesReusable(), so every room pdlib lists here has already been freed. Drained only so that
+  // pdlib's list of released rooms does not fill up (it logs an ERROR past 65536).
+  if (r.manager) r.manager->TakeReusableRooms();
   out->tokens.swap(r.tokens);
   r.tokens.clear();
   if (r.prefill) {

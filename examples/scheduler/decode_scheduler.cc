@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "examples/scheduler/page_reuse.h"
 #include "pdlib/page_index.h"
 
 namespace pdlib::sched {
@@ -13,6 +14,7 @@ struct DecodeScheduler::Req {
   Request request;
   std::unique_ptr<KVReceiver> receiver;
   bool bootstrapped = false;  // the receiver reached WaitingForInput (on every TP rank)
+  bool transferred = false;   // ... and Success (on every TP rank): pdlib is done with its memory
   int32_t req_slot = -1;
   std::optional<uint32_t> aux_slot;
   int32_t state_slot = -1;
@@ -67,7 +69,16 @@ DecodeScheduler::DecodeScheduler(const DecodeSchedulerOptions& options, const De
       aux_slots_(deps.metadata->num_slots()),
       state_slots_(options.num_state_slots, "state slot") {}
 
-DecodeScheduler::~DecodeScheduler() = default;
+DecodeScheduler::~DecodeScheduler() {
+  // Shutdown: nothing waits for PagesReusable() (the KVManager goes next); every page and slot
+  // goes back to the pools and every receiver is destroyed (a live one aborts).
+  for (auto* q : {&prealloc_, &transfer_, &waiting_, &retracted_}) {
+    for (auto& r : *q) Release(*r);
+  }
+  for (auto* v : {&running_, &quarantined_}) {
+    for (auto& r : *v) Release(*r);
+  }
+}
 
 int64_t DecodeScheduler::Now() const {
   if (options_.now_us) return options_.now_us();
@@ -105,6 +116,14 @@ Status DecodeScheduler::AddRequest(const Request& request) {
     if (live_rooms_.count(request.room) > 0) {
       return Status::AlreadyExists(absl::StrFormat("room %d is already live", request.room));
     }
+    for (const auto& q : quarantined_) {
+      if (q->request.room == request.room) {
+        return Status::AlreadyExists(absl::StrFormat(
+            "room %d: its failed request's pages are still quarantined (prefill may still write "
+            "them)",
+            request.room));
+      }
+    }
     return Status::OK();
   }();
   if (!s.ok()) {
@@ -128,7 +147,12 @@ Status DecodeScheduler::AddRequest(const Request& request) {
 
 Status DecodeScheduler::Step() {
   if (steps_++ % static_cast<uint64_t>(options_.polling_interval) == 0) {
-    if (Status s = PollQueues(); !s.ok()) return s;
+    if (Status s = PollQueues(); !s.ok()) return s;  // the quarantine included
+  } else if (options_.group == nullptr && !quarantined_.empty()) {
+    // One rank agrees with itself: the quarantine is checked on every step, not only on polls.
+    std::vector<KVPoll> reusable;
+    for (const auto& r : quarantined_) reusable.push_back(ReusablePoll(r->receiver.get()).Poll());
+    ReleaseQuarantined(reusable);
   }
   ResumeRetracted();
   PreallocNew();
@@ -157,16 +181,22 @@ Status DecodeScheduler::PollQueues() {
   for (const auto* q : {&prealloc_, &transfer_}) {
     for (const auto& r : *q) handles.push_back(r->receiver.get());
   }
+  std::vector<ReusablePoll> reuse;
+  reuse.reserve(quarantined_.size());
+  for (const auto& r : quarantined_) handles.push_back(&reuse.emplace_back(r->receiver.get()));
   if (handles.empty()) return Status::OK();
   auto polls = PollAndAllReduce(handles, options_.group);
   if (!polls.ok()) return polls.status().WithPrefix("decode scheduler: PollAndAllReduce");
   const size_t np = prealloc_.size();
+  // First, so that this step can hand the memory out again; failures below join the back.
+  ReleaseQuarantined(std::span<const KVPoll>(*polls).subspan(np + transfer_.size()));
 
   std::deque<std::unique_ptr<Req>> still;
   for (size_t k = 0; k < transfer_.size(); ++k) {
     auto& r = transfer_[k];
     const KVPoll p = (*polls)[np + k];
     if (p == KVPoll::kSuccess) {
+      r->transferred = true;
       if (Status s = CommitTransfer(*r); !s.ok()) {
         Finish(std::move(r), std::move(s), FailStage::kTransfer);
       } else {
@@ -353,6 +383,8 @@ void DecodeScheduler::MergeWaiting() {
 }
 
 bool DecodeScheduler::Retract(size_t index) {
+  // Only running requests are retracted: their transfer succeeded, so pdlib writes none of their
+  // pages again and they can be freed at once.
   Req& r = *running_[index];
   auto kv = deps_.model->OffloadKV(req_slots_.page_table(r.req_slot), r.kv_tokens, r.state_slot);
   if (!kv.ok()) return false;
@@ -448,9 +480,35 @@ void DecodeScheduler::Release(Req& r) {
   r.state_slot = -1;
 }
 
+void DecodeScheduler::Retire(std::unique_ptr<Req> r) {
+  const bool holds = r->req_slot >= 0 || r->aux_slot.has_value() || r->state_slot >= 0;
+  // Without a group this rank's answer is the agreed one; with one, a failed request's memory
+  // waits for the next poll, so that every rank frees it on the same step.
+  const bool reusable =
+      r->transferred || (options_.group == nullptr && r->receiver->PagesReusable());
+  if (holds && !reusable) {
+    quarantined_.push_back(std::move(r));
+    return;
+  }
+  Release(*r);
+}
+
+void DecodeScheduler::ReleaseQuarantined(std::span<const KVPoll> reusable) {
+  size_t kept = 0;
+  for (size_t k = 0; k < quarantined_.size(); ++k) {
+    if (k < reusable.size() && reusable[k] == KVPoll::kSuccess) {
+      Release(*quarantined_[k]);
+      quarantined_[k].reset();  // the receiver goes with it
+      continue;
+    }
+    if (kept != k) quarantined_[kept] = std::move(quarantined_[k]);
+    ++kept;
+  }
+  quarantined_.resize(kept);
+}
+
 void DecodeScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage stage) {
   if (!status.ok() && !IsTerminal(r->receiver->Poll())) r->receiver->Abort(status.ToString());
-  Release(*r);
   FinishedRequest f{.room = r->request.room,
                     .status = std::move(status),
                     .output_ids = {},
@@ -468,6 +526,7 @@ void DecodeScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage st
   }
   live_rooms_.erase(r->request.room);
   finished_.push_back(std::move(f));
+  Retire(std::move(r));
 }
 
 void DecodeScheduler::FailAll(const Status& why) {
@@ -515,6 +574,10 @@ SchedulerMetrics DecodeScheduler::metrics() const {
   for (const auto& r : transfer_) m.prealloc_tokens += static_cast<uint64_t>(r->prealloc_tokens);
   m.total_tokens = static_cast<uint64_t>(deps_.pages->capacity_tokens());
   m.free_tokens = static_cast<uint64_t>(deps_.pages->available_tokens());
+  m.quarantined_requests = quarantined_.size();
+  for (const auto& r : quarantined_) {
+    if (r->req_slot >= 0) m.quarantined_pages += req_slots_.page_table(r->req_slot).size();
+  }
   return m;
 }
 

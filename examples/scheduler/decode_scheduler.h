@@ -19,8 +19,16 @@
 // The prealloc and transfer queues are polled every `polling_interval` steps (one
 // PollAndAllReduce over both), to spare the collective when decode steps are short.
 //
+// Page reuse (page_reuse.h): a request that fails before its KV arrived finishes at once, but its
+// pages, request slot, metadata slot and state slot stay quarantined, its receiver kept, until
+// the receiver's PagesReusable() (on every TP rank: the check rides on the poll's
+// PollAndAllReduce; on a single rank it is also made on the steps in between). Retraction only
+// touches requests whose transfer succeeded, so it frees at once.
+//
 // Owned by the host; every dependency must outlive it. Not thread-safe: one thread calls every
-// method.
+// method. The destructor destroys every receiver and gives every page and slot back to the
+// pools at once, quarantined ones included: it is for shutdown, with the KVManager going next. A
+// host that keeps the manager and pools for another scheduler waits for quarantined_size() 0.
 #ifndef PDLIB_EXAMPLES_SCHEDULER_DECODE_SCHEDULER_H_
 #define PDLIB_EXAMPLES_SCHEDULER_DECODE_SCHEDULER_H_
 
@@ -29,6 +37,7 @@
 #include <functional>
 #include <memory>
 #include <set>
+#include <span>
 #include <vector>
 
 #include "examples/scheduler/decode_memory.h"
@@ -87,7 +96,7 @@ class DecodeScheduler {
 
   // Validates the request and creates its receiver. Refused, with the numbers: an empty prompt,
   // max_new_tokens < 1, prompt + max_new_tokens beyond max_context_len or the whole KV cache,
-  // a room already live.
+  // a room already live or still quarantined.
   Status AddRequest(const Request& request);
   // One loop iteration: (every polling_interval steps) poll, resume retracted requests,
   // pre-allocate, collect finished transfers; merge the waiting queue into the running batch;
@@ -95,20 +104,23 @@ class DecodeScheduler {
   Status Step();
   std::vector<FinishedRequest> TakeFinished();
   // Fails every live request with `why` (its receiver is aborted with that reason, so prefill
-  // learns it) and frees its pages and slots; TakeFinished returns them. For a host that shuts
-  // down or gives up; `why` must not be OK.
+  // learns it) and frees its pages and slots, or quarantines them like any failed request's;
+  // TakeFinished returns them. For a host that shuts down or gives up; `why` must not be OK.
   void FailAll(const Status& why);
 
   // The allocatable-token formula on the current queues (SPEC R9.3), retracted needs included.
   int64_t AllocatableTokens() const;
 
   SchedulerMetrics metrics() const;
+  // No live request (quarantined ones are finished: they only hold memory).
   bool idle() const;
   size_t prealloc_queue_size() const { return prealloc_.size(); }
   size_t transfer_queue_size() const { return transfer_.size(); }
   size_t waiting_queue_size() const { return waiting_.size(); }
   size_t running_size() const { return running_.size(); }
   size_t retracted_queue_size() const { return retracted_.size(); }
+  // Failed requests whose memory waits for PagesReusable().
+  size_t quarantined_size() const { return quarantined_.size(); }
   // Rooms in the running batch / retracted queue, in order (tests and debugging).
   std::vector<uint64_t> running_rooms() const;
   std::vector<uint64_t> retracted_rooms() const;
@@ -130,6 +142,11 @@ class DecodeScheduler {
   bool Done(const Req& r) const;
   AllocatableTokensInput FormulaInput(bool count_retracted) const;
   void Finish(std::unique_ptr<Req> r, Status status, FailStage stage);
+  // Frees a finished request's memory now, or quarantines it until PagesReusable().
+  void Retire(std::unique_ptr<Req> r);
+  // Frees the memory of quarantined_[k] for every k < reusable.size() with reusable[k] ==
+  // kSuccess (ReusablePoll's answer, reduced over the group).
+  void ReleaseQuarantined(std::span<const KVPoll> reusable);
   void Release(Req& r);
   void Check(Status s);
   Status FailureOf(const Req& r) const;
@@ -143,6 +160,7 @@ class DecodeScheduler {
   IndexAllocator state_slots_;
   std::deque<std::unique_ptr<Req>> prealloc_, transfer_, waiting_, retracted_;
   std::vector<std::unique_ptr<Req>> running_;
+  std::vector<std::unique_ptr<Req>> quarantined_;  // finished; memory held, oldest first
   uint64_t steps_ = 0;
   std::set<uint64_t> live_rooms_;
   std::vector<FinishedRequest> finished_;

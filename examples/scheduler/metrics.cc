@@ -52,6 +52,11 @@ std::string RenderPrometheus(const SchedulerMetrics& m,
          m.prealloc_tokens);
   metric("total_tokens", "gauge", "KV cache capacity in tokens.", m.total_tokens);
   metric("free_tokens", "gauge", "Free KV cache tokens.", m.free_tokens);
+  metric("quarantined_requests", "gauge",
+         "Failed requests whose pages wait for pdlib to release them (PagesReusable).",
+         m.quarantined_requests);
+  metric("quarantined_pages", "gauge", "KV pages held by quarantined requests.",
+         m.quarantined_pages);
   metric("requests_total", "counter", "Requests accepted.", m.requests_total);
   metric("rejected_reqs_total", "counter", "Requests refused on arrival.", m.rejected_reqs);
   metric("finished_reqs_total", "counter", "Requests finished successfully.", m.finished_reqs);

@@ -29,6 +29,11 @@ struct SchedulerMetrics {
   // Memory.
   uint64_t total_tokens = 0;  // KV capacity (pages x page_size)
   uint64_t free_tokens = 0;
+  // Page reuse (page_reuse.h): failed requests whose pages, metadata slot and state slot are held
+  // out of use until pdlib says it touches them no more (PagesReusable()), and their KV pages
+  // (not counted in free_tokens).
+  uint64_t quarantined_requests = 0;
+  uint64_t quarantined_pages = 0;
   // Counters.
   uint64_t requests_total = 0;         // accepted by AddRequest
   uint64_t rejected_reqs = 0;          // refused by AddRequest (too long, bad arguments, ...)

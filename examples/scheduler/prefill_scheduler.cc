@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "examples/scheduler/page_reuse.h"
 #include "pdlib/page_index.h"
 
 namespace pdlib::sched {
@@ -13,6 +14,7 @@ namespace pdlib::sched {
 struct PrefillScheduler::Req {
   Request request;
   std::unique_ptr<KVSender> sender;
+  bool transferred = false;  // Success on every TP rank: pdlib reads none of its memory again
   std::optional<uint32_t> aux_slot;
   int32_t req_slot = -1;
   int32_t state_slot = -1;
@@ -61,7 +63,14 @@ PrefillScheduler::PrefillScheduler(const PrefillSchedulerOptions& options, const
       aux_slots_(deps.metadata->num_slots()),
       state_slots_(options.num_state_slots, "state slot") {}
 
-PrefillScheduler::~PrefillScheduler() = default;
+PrefillScheduler::~PrefillScheduler() {
+  // Shutdown: nothing waits for PagesReusable() (the KVManager goes next); every page and slot
+  // goes back to the pools and every sender is destroyed (a live one aborts).
+  for (auto* q : {&bootstrap_, &waiting_, &inflight_}) {
+    for (auto& r : *q) Release(*r);
+  }
+  for (auto& r : quarantined_) Release(*r);
+}
 
 int64_t PrefillScheduler::Now() const {
   if (options_.now_us) return options_.now_us();
@@ -95,6 +104,14 @@ Status PrefillScheduler::AddRequest(const Request& request) {
     if (live_rooms_.count(request.room) > 0) {
       return Status::AlreadyExists(absl::StrFormat("room %d is already live", request.room));
     }
+    for (const auto& q : quarantined_) {
+      if (q->request.room == request.room) {
+        return Status::AlreadyExists(absl::StrFormat(
+            "room %d: its failed request's pages are still quarantined (pdlib may still read "
+            "them)",
+            request.room));
+      }
+    }
     return Status::OK();
   }();
   if (!s.ok()) {
@@ -118,17 +135,23 @@ Status PrefillScheduler::AddRequest(const Request& request) {
 
 Status PrefillScheduler::Step() {
   // One collective per step over every live sender, in queue order, so that all TP ranks see the
-  // same states (Failed on any rank wins).
+  // same states (Failed on any rank wins), then whether each quarantined request's pages are
+  // reusable (on every rank).
   std::vector<const KVPollable*> handles;
   for (const auto* q : {&bootstrap_, &waiting_, &inflight_}) {
     for (const auto& r : *q) handles.push_back(r->sender.get());
   }
+  std::vector<ReusablePoll> reuse;
+  reuse.reserve(quarantined_.size());
+  for (const auto& r : quarantined_) handles.push_back(&reuse.emplace_back(r->sender.get()));
   auto polls = PollAndAllReduce(handles, options_.group);
   if (!polls.ok()) return polls.status().WithPrefix("prefill scheduler: PollAndAllReduce");
   std::span<const KVPoll> all(*polls);
-  const size_t nb = bootstrap_.size(), nw = waiting_.size();
+  const size_t nb = bootstrap_.size(), nw = waiting_.size(), ni = inflight_.size();
+  // First, so that this step can hand the memory out again; failures below join the back.
+  ReleaseQuarantined(all.subspan(nb + nw + ni));
   // Back to front: each stage only appends to the next one.
-  ProcessInflight(all.subspan(nb + nw));
+  ProcessInflight(all.subspan(nb + nw, ni));
   ProcessWaiting(all.subspan(nb, nw));
   ProcessBootstrap(all.first(nb));
   RunPrefillBatch();
@@ -156,6 +179,7 @@ void PrefillScheduler::ProcessInflight(std::span<const KVPoll> polls) {
   for (size_t k = 0; k < polls.size(); ++k) {
     auto& r = inflight_[k];
     if (polls[k] == KVPoll::kSuccess) {
+      r->transferred = true;
       r->transfer_end_us = Now();
       counters_.transfer_latency_us_sum +=
           static_cast<uint64_t>(std::max<int64_t>(0, r->transfer_end_us - r->last_sent_us));
@@ -338,10 +362,35 @@ void PrefillScheduler::Release(Req& r) {
   r.state_slot = -1;
 }
 
+void PrefillScheduler::Retire(std::unique_ptr<Req> r) {
+  const bool holds = r->req_slot >= 0 || r->aux_slot.has_value() || r->state_slot >= 0;
+  // Without a group this rank's answer is the agreed one; with one, a failed request's memory
+  // waits for the next step's poll, so that every rank frees it on the same step.
+  const bool reusable = r->transferred || (options_.group == nullptr && r->sender->PagesReusable());
+  if (holds && !reusable) {
+    quarantined_.push_back(std::move(r));
+    return;
+  }
+  Release(*r);
+}
+
+void PrefillScheduler::ReleaseQuarantined(std::span<const KVPoll> reusable) {
+  size_t kept = 0;
+  for (size_t k = 0; k < quarantined_.size(); ++k) {
+    if (k < reusable.size() && reusable[k] == KVPoll::kSuccess) {
+      Release(*quarantined_[k]);
+      quarantined_[k].reset();  // the sender goes with it
+      continue;
+    }
+    if (kept != k) quarantined_[kept] = std::move(quarantined_[k]);
+    ++kept;
+  }
+  quarantined_.resize(kept);
+}
+
 void PrefillScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage stage) {
   // Tell decode why before the handle goes (destroying a live sender aborts it anyway).
   if (!status.ok() && !IsTerminal(r->sender->Poll())) r->sender->Abort(status.ToString());
-  Release(*r);
   FinishedRequest f{.room = r->request.room,
                     .status = std::move(status),
                     .output_ids = {},
@@ -359,6 +408,7 @@ void PrefillScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage s
   }
   live_rooms_.erase(r->request.room);
   finished_.push_back(std::move(f));
+  Retire(std::move(r));
 }
 
 void PrefillScheduler::FailAll(const Status& why) {
@@ -377,6 +427,10 @@ SchedulerMetrics PrefillScheduler::metrics() const {
   m.inflight_queue_size = inflight_.size();
   m.total_tokens = static_cast<uint64_t>(deps_.pages->capacity_tokens());
   m.free_tokens = static_cast<uint64_t>(deps_.pages->available_tokens());
+  m.quarantined_requests = quarantined_.size();
+  for (const auto& r : quarantined_) {
+    if (r->req_slot >= 0) m.quarantined_pages += req_slots_.page_table(r->req_slot).size();
+  }
   return m;
 }
 

@@ -21,8 +21,15 @@
 // same scheduler on the same requests makes the same decisions. Pages are allocated for the whole
 // prompt when its first chunk is scheduled, so a started request never waits for memory.
 //
+// Page reuse (page_reuse.h): a failed request finishes at once, but its source pages, metadata
+// slot and state slot stay quarantined, its sender kept, until the sender's PagesReusable() (pdlib
+// reads none of them any more) on every TP rank; the check rides on the step's PollAndAllReduce.
+//
 // Owned by the host; every dependency must outlive it. Not thread-safe: one thread (the host's
-// scheduler loop) calls every method.
+// scheduler loop) calls every method. The destructor destroys every sender and gives every page
+// and slot back to the pools at once, quarantined ones included: it is for shutdown, with the
+// KVManager going next. A host that keeps the manager and pools for another scheduler waits for
+// quarantined_size() 0.
 #ifndef PDLIB_EXAMPLES_SCHEDULER_PREFILL_SCHEDULER_H_
 #define PDLIB_EXAMPLES_SCHEDULER_PREFILL_SCHEDULER_H_
 
@@ -31,6 +38,7 @@
 #include <functional>
 #include <memory>
 #include <set>
+#include <span>
 #include <vector>
 
 #include "examples/scheduler/engine.h"
@@ -75,7 +83,8 @@ class PrefillScheduler {
   PrefillScheduler& operator=(const PrefillScheduler&) = delete;
 
   // Validates the request and creates its sender. Refused, with the numbers: an empty prompt,
-  // one longer than max_context_len or than the whole KV cache, a room already live.
+  // one longer than max_context_len or than the whole KV cache, a room already live or still
+  // quarantined.
   Status AddRequest(const Request& request);
   // One loop iteration: poll, admit bootstrapped requests, run one (chunked) prefill batch,
   // send its KV, release finished transfers. Request failures become FinishedRequests; only
@@ -83,15 +92,18 @@ class PrefillScheduler {
   Status Step();
   std::vector<FinishedRequest> TakeFinished();
   // Fails every live request with `why` (its sender is aborted with that reason, so decode
-  // learns it) and frees its pages and slots; TakeFinished returns them. For a host that shuts
-  // down or gives up; `why` must not be OK.
+  // learns it) and frees its pages and slots, or quarantines them like any failed request's;
+  // TakeFinished returns them. For a host that shuts down or gives up; `why` must not be OK.
   void FailAll(const Status& why);
 
   SchedulerMetrics metrics() const;
+  // No live request (quarantined ones are finished: they only hold memory).
   bool idle() const { return bootstrap_.empty() && waiting_.empty() && inflight_.empty(); }
   size_t bootstrap_queue_size() const { return bootstrap_.size(); }
   size_t waiting_queue_size() const { return waiting_.size(); }
   size_t inflight_queue_size() const { return inflight_.size(); }
+  // Failed requests whose memory waits for PagesReusable().
+  size_t quarantined_size() const { return quarantined_.size(); }
 
  private:
   struct Req;
@@ -106,6 +118,11 @@ class PrefillScheduler {
   Status SendChunk(Req& r, const ForwardOutput* last);
   void WriteMetadata(uint32_t slot, uint64_t room, const ForwardOutput& out);
   void Finish(std::unique_ptr<Req> r, Status status, FailStage stage);
+  // Frees a finished request's memory now, or quarantines it until PagesReusable().
+  void Retire(std::unique_ptr<Req> r);
+  // Frees the memory of quarantined_[k] for every k < reusable.size() with reusable[k] ==
+  // kSuccess (ReusablePoll's answer, reduced over the group).
+  void ReleaseQuarantined(std::span<const KVPoll> reusable);
   void Release(Req& r);
   void Check(Status s);
   Status FailureOf(const Req& r) const;
@@ -118,6 +135,7 @@ class PrefillScheduler {
   MetadataSlotAllocator aux_slots_;
   IndexAllocator state_slots_;
   std::deque<std::unique_ptr<Req>> bootstrap_, waiting_, inflight_;
+  std::vector<std::unique_ptr<Req>> quarantined_;  // finished; memory held, oldest first
   std::set<uint64_t> live_rooms_;
   std::vector<FinishedRequest> finished_;
   SchedulerMetrics counters_;

@@ -1,10 +1,12 @@
 // DecodeScheduler: the allocatable-token formula, pre-allocation limits, the prebuilt batch,
-// retraction and resume order, polling interval, failures. Transfers are played by the test:
+// retraction and resume order, polling interval, failures, page reuse (a failed request's memory
+// stays quarantined until PagesReusable()). Transfers are played by the test:
 // it writes the prompt's "KV" into the pages the receiver was given and the first token into the
 // metadata slot, as prefill would, and the fake model's tokens depend on every stored token.
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <map>
+#include <thread>
 
 #include "examples/scheduler/decode_scheduler.h"
 #include "scheduler_fakes.h"
@@ -265,6 +267,188 @@ TEST_CASE("scheduler: failed receivers free everything and are counted by stage"
   CHECK(m.transfer_failed_reqs == 1);
   CHECK(rig.pages.free_pages() == 16);
   CHECK(rig.sched->idle());
+}
+
+TEST_CASE("scheduler: decode quarantines a failed request's pages and slots until PagesReusable") {
+  // 3 pages of 4 tokens, one metadata slot, one state slot: while room 1 (prompt 8: 2 pages)
+  // holds its memory, room 2 cannot be pre-allocated.
+  DecodeSchedulerOptions o;
+  o.reserved_decode_tokens = 0;
+  o.num_state_slots = 1;
+  DecodeRig rig(o, /*num_pages=*/3, /*page_size=*/4, /*metadata_slots=*/1);
+  rig.Add(1, 8, 2);
+  rig.Step();
+  REQUIRE(rig.transport[1].init_called);
+  const std::vector<int32_t> pages1 = rig.transport[1].init_pages;
+  const std::optional<uint32_t> aux1 = rig.transport[1].aux;
+  const std::vector<int32_t> state1 = rig.transport[1].state_indices;
+  REQUIRE(pages1.size() == 2);
+  REQUIRE(state1.size() == 1);
+  CHECK(rig.pages.free_pages() == 1);
+
+  // A late write from prefill may still land: pdlib does not call the pages reusable yet.
+  rig.transport[1].Fail("prefill rank paused mid-transfer", /*quarantined=*/true);
+  rig.Step();
+  // The request itself finishes at once, with the reason...
+  REQUIRE(rig.finished.count(1) == 1);
+  CHECK(rig.finished[1].status.message() == "prefill rank paused mid-transfer");
+  CHECK(rig.sched->metrics().transfer_failed_reqs == 1);
+  CHECK(rig.sched->idle());
+  // ... but its memory stays out of use, its receiver kept.
+  CHECK(rig.sched->quarantined_size() == 1);
+  CHECK_FALSE(rig.transport.handles.at(1)->destroyed);
+  CHECK(rig.pages.free_pages() == 1);
+  SchedulerMetrics m = rig.sched->metrics();
+  CHECK(m.quarantined_requests == 1);
+  CHECK(m.quarantined_pages == 2);
+  CHECK(m.free_tokens == 4);
+  const std::string text = RenderPrometheus(m, {{"role", "decode"}});
+  CHECK(text.find("pdlib_scheduler_quarantined_pages{role=\"decode\"} 2\n") != std::string::npos);
+  CHECK(text.find("pdlib_scheduler_quarantined_requests{role=\"decode\"} 1\n") !=
+        std::string::npos);
+  // Its room cannot come back while the old receiver is held.
+  Status again = rig.sched->AddRequest(rig.requests[1]);
+  CHECK(again.code() == StatusCode::kAlreadyExists);
+  CHECK(again.message().find("quarantined") != std::string::npos);
+
+  // Room 2 fits the cache, but not beside room 1's held pages, metadata slot and state slot.
+  rig.Add(2, 8, 2);
+  for (int i = 0; i < 5; ++i) rig.Step();
+  CHECK_FALSE(rig.transport[2].init_called);
+  CHECK(rig.sched->prealloc_queue_size() == 1);
+  CHECK(rig.pages.free_pages() == 1);
+  CHECK(rig.sched->quarantined_size() == 1);
+  CHECK_FALSE(rig.transport.handles.at(1)->destroyed);
+
+  // pdlib says nothing will land any more: the next step frees them, and room 2 gets them.
+  rig.transport[1].reusable = true;
+  rig.Step();
+  CHECK(rig.transport.handles.at(1)->destroyed);
+  CHECK(rig.sched->quarantined_size() == 0);
+  CHECK(rig.sched->metrics().quarantined_pages == 0);
+  REQUIRE(rig.transport[2].init_called);
+  CHECK(rig.transport[2].init_pages == pages1);
+  CHECK(rig.transport[2].aux == aux1);
+  CHECK(rig.transport[2].state_indices == state1);
+  rig.Deliver(2);
+  for (int i = 0; i < 10 && !rig.sched->idle(); ++i) rig.Step();
+  REQUIRE(rig.finished.count(2) == 1);
+  CHECK(rig.finished[2].status.ok());
+  CHECK(rig.finished[2].output_ids == ReferenceOutput(rig.requests[2].prompt, 2, 50));
+  CHECK(rig.pages.free_pages() == 3);
+}
+
+TEST_CASE("scheduler: decode checks the quarantine on every step, not only when it polls") {
+  DecodeSchedulerOptions o;
+  o.polling_interval = 2;
+  o.reserved_decode_tokens = 0;
+  DecodeRig rig(o, 8, 4);
+  rig.Add(1, 4, 2);
+  rig.Add(2, 4, 2, /*connect=*/false);  // stays in the prealloc queue: its polls show the polls
+  rig.Step();                           // step 0 polls: room 1 pre-allocated
+  REQUIRE(rig.transport[1].init_called);
+  rig.transport[1].Fail("prefill rank paused", /*quarantined=*/true);
+  rig.Step();  // step 1 does not poll
+  rig.Step();  // step 2 polls: failed, quarantined
+  REQUIRE(rig.finished.count(1) == 1);
+  CHECK(rig.pages.free_pages() == 7);
+  rig.Step();  // steps 3 and 4: nothing reusable yet
+  rig.Step();
+  CHECK(rig.pages.free_pages() == 7);
+  CHECK(rig.transport[2].polls == 3);
+  rig.transport[1].reusable = true;
+  rig.Step();  // step 5 does not poll the queues, but the quarantine is checked
+  CHECK(rig.transport[2].polls == 3);
+  CHECK(rig.pages.free_pages() == 8);
+  CHECK(rig.transport.handles.at(1)->destroyed);
+}
+
+TEST_CASE(
+    "scheduler: decode FailAll quarantines what prefill may still write; shutdown frees all") {
+  DecodeSchedulerOptions o;
+  o.reserved_decode_tokens = 0;
+  o.num_state_slots = 4;
+  DecodeRig rig(o, 16, 4);
+  rig.Add(1, 4, 5);
+  rig.Add(2, 4, 5);
+  rig.Step();
+  rig.Deliver(1);
+  rig.Step();
+  // Room 1 is running (its transfer succeeded: 2 pages by now), room 2 still transferring.
+  REQUIRE(rig.sched->running_size() == 1);
+  REQUIRE(rig.sched->transfer_queue_size() == 1);
+  CHECK(rig.pages.free_pages() == 13);
+  // Aborting room 2's live receiver leaves a write possibly in flight (a real pdlib's answer
+  // until prefill drains the room).
+  rig.transport[2].abort_quarantines = true;
+  rig.sched->FailAll(Status::Unavailable("decode host gives up"));
+  for (FinishedRequest& f : rig.sched->TakeFinished()) rig.finished[f.room] = std::move(f);
+  REQUIRE(rig.finished.size() == 2);
+  for (auto& [room, f] : rig.finished) CHECK(f.status.code() == StatusCode::kUnavailable);
+  CHECK(rig.transport[2].state == KVPoll::kFailed);
+  CHECK(rig.sched->idle());
+  // Room 1's pages come back at once (pdlib wrote them all before Success); room 2's are held.
+  CHECK(rig.transport.handles.at(1)->destroyed);
+  CHECK_FALSE(rig.transport.handles.at(2)->destroyed);
+  CHECK(rig.sched->quarantined_size() == 1);
+  CHECK(rig.pages.free_pages() == 15);
+  for (int i = 0; i < 3; ++i) rig.Step();
+  CHECK(rig.pages.free_pages() == 15);
+  // Shutdown: the scheduler goes (the manager next), and everything with it, without waiting.
+  rig.sched.reset();
+  CHECK(rig.transport.handles.at(2)->destroyed);
+  CHECK(rig.pages.free_pages() == 16);
+}
+
+TEST_CASE("scheduler: decode TP ranks free a quarantined request's memory on the same step") {
+  // Room 1 fails on rank 0 with its pages quarantined; rank 1's receiver was still transferring
+  // and is aborted (reusable at once there). Both ranks hold the memory until rank 0's pages are
+  // reusable, so their pools stay the same.
+  auto group = InProcessGroup::Create(2);
+  std::vector<std::unique_ptr<DecodeRig>> rigs;
+  for (int r = 0; r < 2; ++r) {
+    DecodeSchedulerOptions o;
+    o.reserved_decode_tokens = 0;
+    o.group = group[static_cast<size_t>(r)].get();
+    rigs.push_back(std::make_unique<DecodeRig>(o, 8, 4));
+    rigs.back()->Add(1, 8, 2);
+  }
+  auto step_all = [&] {
+    Status results[2];
+    std::thread t0([&] { results[0] = rigs[0]->sched->Step(); });
+    std::thread t1([&] { results[1] = rigs[1]->sched->Step(); });
+    t0.join();
+    t1.join();
+    REQUIRE(results[0].ok());
+    REQUIRE(results[1].ok());
+    for (auto& rig : rigs) {
+      for (FinishedRequest& f : rig->sched->TakeFinished()) rig->finished[f.room] = std::move(f);
+    }
+  };
+  step_all();
+  for (auto& rig : rigs) REQUIRE(rig->transport[1].init_called);
+  rigs[0]->transport[1].Fail("prefill rank paused", /*quarantined=*/true);
+  rigs[1]->transport[1].state = KVPoll::kTransferring;
+  step_all();
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    REQUIRE(rigs[r]->finished.count(1) == 1);
+    CHECK_FALSE(rigs[r]->finished[1].status.ok());
+    CHECK(rigs[r]->sched->quarantined_size() == 1);
+    CHECK(rigs[r]->pages.free_pages() == 6);
+  }
+  CHECK(rigs[1]->transport[1].state == KVPoll::kFailed);  // aborted
+  CHECK(rigs[1]->transport[1].reusable);
+  for (int i = 0; i < 3; ++i) step_all();
+  for (auto& rig : rigs) CHECK(rig->pages.free_pages() == 6);
+  rigs[0]->transport[1].reusable = true;
+  step_all();
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    CHECK(rigs[r]->sched->quarantined_size() == 0);
+    CHECK(rigs[r]->pages.free_pages() == 8);
+    CHECK(rigs[r]->transport.handles.at(1)->destroyed);
+  }
 }
 
 TEST_CASE("scheduler: decode rejects a request longer than the KV capacity, with the numbers") {

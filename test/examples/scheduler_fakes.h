@@ -37,6 +37,9 @@ struct HandleState {
 
   // pdlib's page-reuse answer for a failed handle (Success is always reusable).
   bool reusable = false;
+  // Abort() leaves the pages quarantined (a peer may still have a write in flight) instead of
+  // reusable at once.
+  bool abort_quarantines = false;
 
   // Fails the handle; its pages are reusable at once unless `quarantined`.
   void Fail(const std::string& why, bool quarantined = false) {
@@ -64,7 +67,7 @@ class FakeHandle : public Base {
     if (!IsTerminal(s_->state)) {
       s_->state = KVPoll::kFailed;
       s_->reason = Status::Aborted(reason);
-      s_->reusable = true;
+      s_->reusable = !s_->abort_quarantines;
     }
   }
 

@@ -1,6 +1,7 @@
 // PrefillScheduler: bootstrap -> waiting (chunked prefill under a token budget) -> inflight,
 // what is sent per chunk, the metadata slot, freeing on success and failure, rejection of
-// requests longer than the KV cache, KV events, TP agreement through PollAndAllReduce.
+// requests longer than the KV cache, KV events, TP agreement through PollAndAllReduce, page reuse
+// (a failed request's source pages stay quarantined until PagesReusable()).
 #include <catch2/catch.hpp>
 #include <map>
 #include <thread>
@@ -260,6 +261,130 @@ TEST_CASE("scheduler: prefill TP ranks agree through PollAndAllReduce") {
     REQUIRE(rig->finished.count(1) == 1);
     CHECK(rig->finished[1].status.ok());
     CHECK(rig->pages.free_pages() == 32);
+  }
+}
+
+TEST_CASE("scheduler: prefill quarantines a failed request's source pages until PagesReusable") {
+  // One request slot, 2 metadata slots, one state slot, 3 pages of 4 tokens.
+  PrefillSchedulerOptions o;
+  o.max_running_requests = 1;
+  o.num_state_slots = 1;
+  PrefillRig rig(o, /*num_pages=*/3, /*page_size=*/4);
+  rig.Add(1, 8);
+  rig.Step();
+  REQUIRE(rig.sched->inflight_queue_size() == 1);
+  REQUIRE(rig.transport[1].sends.size() == 1);
+  const std::vector<int32_t> pages1 = rig.transport[1].sends[0].pages;
+  const std::vector<int32_t> state1 = rig.transport[1].sends[0].state;
+  const std::optional<uint32_t> aux1 = rig.transport[1].aux;
+  REQUIRE(pages1.size() == 2);
+  CHECK(rig.pages.free_pages() == 1);
+
+  // pdlib may still be reading the pages for a write in flight.
+  rig.transport[1].Fail("decode rank went away", /*quarantined=*/true);
+  rig.Step();
+  REQUIRE(rig.finished.count(1) == 1);
+  CHECK(rig.finished[1].status.message() == "decode rank went away");
+  CHECK(rig.sched->idle());
+  CHECK(rig.sched->quarantined_size() == 1);
+  CHECK_FALSE(rig.transport.handles.at(1)->destroyed);
+  CHECK(rig.pages.free_pages() == 1);
+  SchedulerMetrics m = rig.sched->metrics();
+  CHECK(m.quarantined_requests == 1);
+  CHECK(m.quarantined_pages == 2);
+  Request again = rig.requests[1];
+  CHECK(rig.sched->AddRequest(again).code() == StatusCode::kAlreadyExists);
+
+  // Room 2 gets the other metadata slot but neither a request slot nor pages; room 3 gets no
+  // metadata slot.
+  rig.Add(2, 8);
+  rig.Add(3, 4);
+  for (int i = 0; i < 5; ++i) rig.Step();
+  CHECK(rig.transport[2].init_called);
+  CHECK(rig.transport[2].aux != aux1);
+  CHECK(rig.transport[2].sends.empty());
+  CHECK_FALSE(rig.transport[3].init_called);
+  CHECK(rig.pages.free_pages() == 1);
+
+  // Reusable: the next step frees everything and hands it on.
+  rig.transport[1].reusable = true;
+  rig.Step();
+  CHECK(rig.transport.handles.at(1)->destroyed);
+  CHECK(rig.sched->quarantined_size() == 0);
+  REQUIRE(rig.transport[2].sends.size() == 1);
+  CHECK(rig.transport[2].sends[0].pages == pages1);
+  CHECK(rig.transport[2].sends[0].state == state1);
+  CHECK(rig.transport[3].init_called);
+  CHECK(rig.transport[3].aux == aux1);
+}
+
+TEST_CASE("scheduler: prefill FailAll quarantines aborted senders; shutdown frees all") {
+  PrefillSchedulerOptions o;
+  PrefillRig rig(o, /*num_pages=*/8, /*page_size=*/4);
+  rig.Add(1, 8);
+  rig.Add(2, 4);
+  rig.Step();
+  REQUIRE(rig.sched->inflight_queue_size() == 2);
+  rig.transport[1].state = KVPoll::kSuccess;
+  rig.transport[2].abort_quarantines = true;
+  rig.Step();  // room 1 done: its pages come back at once
+  CHECK(rig.finished[1].status.ok());
+  CHECK(rig.pages.free_pages() == 7);
+  rig.sched->FailAll(Status::Unavailable("prefill host is shutting down"));
+  for (FinishedRequest& f : rig.sched->TakeFinished()) rig.finished[f.room] = std::move(f);
+  REQUIRE(rig.finished.count(2) == 1);
+  CHECK(rig.finished[2].status.code() == StatusCode::kUnavailable);
+  CHECK(rig.sched->quarantined_size() == 1);
+  CHECK(rig.pages.free_pages() == 7);
+  rig.Step();
+  CHECK(rig.pages.free_pages() == 7);
+  rig.sched.reset();
+  CHECK(rig.transport.handles.at(2)->destroyed);
+  CHECK(rig.pages.free_pages() == 8);
+}
+
+TEST_CASE("scheduler: prefill TP ranks free a quarantined request's pages on the same step") {
+  auto group = InProcessGroup::Create(2);
+  std::vector<std::unique_ptr<PrefillRig>> rigs;
+  for (int r = 0; r < 2; ++r) {
+    PrefillSchedulerOptions o;
+    o.group = group[static_cast<size_t>(r)].get();
+    rigs.push_back(std::make_unique<PrefillRig>(o));
+    rigs.back()->Add(1, 6);
+  }
+  auto step_all = [&] {
+    Status results[2];
+    std::thread t0([&] { results[0] = rigs[0]->sched->Step(); });
+    std::thread t1([&] { results[1] = rigs[1]->sched->Step(); });
+    t0.join();
+    t1.join();
+    REQUIRE(results[0].ok());
+    REQUIRE(results[1].ok());
+    for (auto& rig : rigs) {
+      for (FinishedRequest& f : rig->sched->TakeFinished()) rig->finished[f.room] = std::move(f);
+    }
+  };
+  step_all();
+  for (auto& rig : rigs) REQUIRE(rig->sched->inflight_queue_size() == 1);
+  // Rank 1's sender fails with a write in flight; rank 0's succeeded (reusable there at once).
+  rigs[1]->transport[1].Fail("decode rank went away", /*quarantined=*/true);
+  rigs[0]->transport[1].state = KVPoll::kSuccess;
+  step_all();
+  for (int i = 0; i < 3; ++i) step_all();
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    REQUIRE(rigs[r]->finished.count(1) == 1);
+    CHECK_FALSE(rigs[r]->finished[1].status.ok());
+    CHECK(rigs[r]->sched->quarantined_size() == 1);
+    CHECK(rigs[r]->pages.free_pages() == 30);
+  }
+  rigs[1]->transport[1].reusable = true;
+  step_all();
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    CHECK(rigs[r]->sched->quarantined_size() == 0);
+    CHECK(rigs[r]->pages.free_pages() == 32);
+    CHECK(rigs[r]->transport.handles.at(1)->destroyed);
   }
 }
 
