@@ -27,12 +27,12 @@ constexpr UcxDefault kDefaults[] = {
      "per 8 KiB and gets about a quarter of the loopback throughput for 32 KiB writes"},
     {"RX_SEG_SIZE", "128k", "TCP_TX_SEG_SIZE,TCP_RX_SEG_SIZE,TX_SEG_SIZE,RX_SEG_SIZE",
      "tcp's receive segment must hold a whole send segment"},
-    {"KEEPALIVE_INTERVAL", "1s", "KEEPALIVE_INTERVAL",
-     "how often UCX checks that peers are alive (20 s by default); a dead decode process fails "
-     "its transfers within about a second instead of twenty. Decode (a target only) gets 'inf': "
-     "UCX 1.13 aborts a process that handles an emulated put arriving on an endpoint its "
-     "keepalive failed (a prefill frozen for a second, then resumed), and decode learns of a "
-     "dead prefill from the control plane anyway"},
+    {"KEEPALIVE_INTERVAL", "20s", "KEEPALIVE_INTERVAL",
+     "UCX declares a silent peer dead after this; pdlib's own liveness (the control stream) fails "
+     "requests long before. It stays well above a pause (GC, SIGSTOP): UCX 1.13 aborts a target "
+     "process that, after such a pause, handles an emulated put on a connection the initiator "
+     "closed meanwhile. Decode (a target only) gets 'inf': it never needs UCX to find a dead "
+     "prefill"},
 };
 
 // UCX 1.13 keeps a shared-memory FIFO element's length in 16 bits: with segments larger than

@@ -410,6 +410,16 @@ Status UcxTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> 
   return Status::OK();
 }
 
+void UcxTransport::SettleIncoming() {
+  RunOnProgressThread<Status>([this] {
+    const auto deadline = Clock::now() + std::chrono::milliseconds(50);
+    for (int idle = 0; idle < 3 && Clock::now() < deadline;) {
+      idle = ucp_worker_progress(worker_.get()) != 0 ? 0 : idle + 1;
+    }
+    return Status::OK();
+  }).IgnoreError();
+}
+
 void UcxTransport::Disconnect(spi::PeerId peer) {
   {
     MutexLock lock(&mu_);

@@ -84,6 +84,9 @@ class UcxTransport final : public spi::Transport {
   Status PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
                     spi::WriteCallback done) override;
   void Disconnect(spi::PeerId peer) override;
+  // Progresses the worker until it finds nothing more to do (three idle rounds) or 50 ms pass:
+  // emulated puts already in this worker's FIFOs and sockets are applied before it returns.
+  void SettleIncoming() override;
 
   // The context this transport shares with KV pools and transports configured alike.
   const std::shared_ptr<UcxContext>& context() const { return context_; }

@@ -547,10 +547,7 @@ void DecodeCore::ClearExposures(const std::function<bool(uint64_t, const Exposur
       }
     }
   }
-  const absl::Time now = absl::Now();
-  std::vector<std::shared_ptr<Room>> ended;
-  std::vector<uint64_t> released;
-  uint64_t longest = 0;
+  std::vector<std::shared_ptr<Room>> candidates;  // quarantined, every exposure closed now
   for (auto& room : rooms) {
     const uint64_t id = room->state->room();
     MutexLock lock(&room->mu);
@@ -559,7 +556,27 @@ void DecodeCore::ClearExposures(const std::function<bool(uint64_t, const Exposur
       if (e.open && match(id, e)) e.open = false;
       open |= e.open;
     }
-    if (!room->quarantined || open) continue;
+    if (room->quarantined && !open) candidates.push_back(room);
+  }
+  if (candidates.empty()) return;
+  // A drained or dead prefill posts nothing more, but what it already sent may still wait in
+  // this process's own queues (UCX's emulated puts): applied before the pages are given back. A
+  // fenced connection's writes are dropped instead.
+  if (why != Release::kFenced) {
+    {
+      MutexLock lock(&mu_);
+      if (stopping_) return;
+    }
+    transport_->SettleIncoming();
+  }
+  const absl::Time now = absl::Now();
+  std::vector<std::shared_ptr<Room>> ended;
+  std::vector<uint64_t> released;
+  uint64_t longest = 0;
+  for (auto& room : candidates) {
+    const uint64_t id = room->state->room();
+    MutexLock lock(&room->mu);
+    if (!room->quarantined) continue;  // another caller ended it meanwhile
     room->quarantined = false;
     room->state->MarkReusable();
     longest = std::max<uint64_t>(longest, absl::ToInt64Milliseconds(now - room->quarantined_at));

@@ -225,7 +225,13 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
     }
   }
   ack.instance = instance_;
-  if (old) transport_->Disconnect(old->peer);
+  if (old) {
+    // The same decode session reconnected: its previous connection's rooms fail, and that
+    // transport peer goes once no write to it is in flight.
+    RetirePeer(old, Status::Unavailable(absl::StrFormat(
+                        "decode session %d reconnected; its previous connection is closed",
+                        msg.session)));
+  }
   ack.reply = std::move(conn->reply);
   FillAckExtent(layout_, &ack);
   PDLIB_LOG(kInfo, "prefill: registered decode session %d (tp %d/%d pp %d/%d)%s", msg.session,
@@ -414,7 +420,6 @@ void PrefillCore::OnAbort(uint64_t room_id, uint64_t session, const std::string&
 
 void PrefillCore::OnDecodeGone(uint64_t session, const DecodeLink* link, const Status& reason) {
   std::shared_ptr<Peer> peer;
-  std::vector<std::shared_ptr<Room>> rooms;
   {
     MutexLock lock(&mu_);
     auto it = peers_.find(session);
@@ -437,41 +442,51 @@ void PrefillCore::OnDecodeGone(uint64_t session, const DecodeLink* link, const S
         ++e;
       }
     }
-    for (auto& [id, room] : room_data_) rooms.push_back(room);
     auto& pending = pending_drained_[session];
     pending.insert(pending.end(), dropped.begin(), dropped.end());
     pending_drained_count_ += dropped.size();
+  }
+  RetirePeer(peer, reason);
+  PDLIB_LOG(kInfo, "prefill: decode session %d disconnected: %s", session, reason.ToString());
+}
+
+void PrefillCore::RetirePeer(const std::shared_ptr<Peer>& peer, const Status& reason) {
+  std::vector<std::shared_ptr<Room>> rooms;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [id, room] : room_data_) rooms.push_back(room);
+    for (auto& [id, room] : lingering_) rooms.push_back(room);
   }
   DrainingPeer draining{
       peer, absl::Now() + absl::FromChrono(options_.liveness_timeout), reason, {}};
   for (auto& room : rooms) {
     Status why = reason.WithPrefix(absl::StrFormat("room %d", room->state->room()));
-    bool bound = false, in_flight = false;
+    bool bound = false, busy = false, wait_chunks = false;
     {
       MutexLock lock(&room->mu);
       for (auto& p : room->peers) bound |= p == peer;
-      // Chunk batches posted to the dead peer: wait for their completions (bounded below).
-      in_flight =
-          bound && room->outstanding > 0 && !room->finalizing && !IsTerminal(room->state->Poll());
-      if (in_flight) room->peer_gone = why;
+      // Any batch in flight to that peer, whatever the room's state: the transport peer stays
+      // until it completes (bounded by DrainPeers).
+      busy = bound && (room->outstanding > 0 || room->tail_outstanding > 0);
+      // Chunk batches in flight: the room fails with their completion error if one comes.
+      wait_chunks = busy && room->outstanding > 0 && !room->finalizing &&
+                    !IsTerminal(room->state->Poll());
+      if (wait_chunks) room->peer_gone = why;
     }
-    if (in_flight) {
-      draining.rooms.push_back(room);
-    } else if (bound) {
-      FailRoom(room, why);
-    }
+    if (busy) draining.rooms.push_back(room);
+    if (bound && !wait_chunks) FailRoom(room, why);
   }
   if (draining.rooms.empty()) {
     transport_->Disconnect(peer->peer);
-  } else {
-    PDLIB_LOG(kInfo,
-              "prefill: decode session %d: waiting up to %d ms for %d rooms' writes in flight",
-              session, static_cast<int>(options_.liveness_timeout.count()),
-              static_cast<int>(draining.rooms.size()));
-    MutexLock lock(&mu_);
-    draining_.push_back(std::move(draining));
+    return;
   }
-  PDLIB_LOG(kInfo, "prefill: decode session %d disconnected: %s", session, reason.ToString());
+  // UCX 1.13 aborts a target that handles an emulated put on a connection its initiator closed:
+  // never close one with puts to it in flight unless they are overdue.
+  PDLIB_LOG(kInfo, "prefill: decode session %d: waiting up to %d ms for %d rooms' writes in flight",
+            peer->session, static_cast<int>(options_.liveness_timeout.count()),
+            static_cast<int>(draining.rooms.size()));
+  MutexLock lock(&mu_);
+  draining_.push_back(std::move(draining));
 }
 
 StatusOr<std::shared_ptr<RoomState>> PrefillCore::CreateRoom(uint64_t room_id) {
@@ -985,7 +1000,7 @@ void PrefillCore::DrainPeers(absl::Time now) {
     const bool settled =
         now >= d.deadline || std::all_of(d.rooms.begin(), d.rooms.end(), [](const auto& room) {
           MutexLock room_lock(&room->mu);
-          return room->outstanding == 0;
+          return room->outstanding == 0 && room->tail_outstanding == 0;
         });
     (settled ? done : keep).push_back(std::move(d));
   }

@@ -170,7 +170,7 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
     CHECK(ucx::ParseUcxOptions({}, lookup).ok());
   }
 
-  SECTION("decode (a target only) runs without UCX keepalive; prefill checks every second") {
+  SECTION("decode (a target only) runs without UCX keepalive; prefill checks every 20 s") {
     spi::TransportOptions options;
     options.mode = pdlib::Mode::kDecode;
     auto decode = ucx::ParseUcxOptions(options, lookup);
@@ -179,7 +179,7 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
     options.mode = pdlib::Mode::kPrefill;
     auto prefill = ucx::ParseUcxOptions(options, lookup);
     REQUIRE(prefill.ok());
-    CHECK(prefill->ucx_config.at("KEEPALIVE_INTERVAL") == "1s");
+    CHECK(prefill->ucx_config.at("KEEPALIVE_INTERVAL") == "20s");
     env["UCX_KEEPALIVE_INTERVAL"] = "5s";  // the user's choice stands, on either side
     options.mode = pdlib::Mode::kDecode;
     auto chosen = ucx::ParseUcxOptions(options, lookup);

@@ -118,6 +118,11 @@ class PDLIB_EXPORT Transport {
   // Target side: finishes a connection that needs the initiator's reply. Default: nothing to do.
   virtual Status CompleteTargetEndpoint(TargetId target, const Blob& reply) { return Status(); }
   virtual void CloseTargetEndpoint(TargetId target) = 0;
+  // Target side: returns once every write this process has received so far and that its own
+  // software still has to apply (e.g. UCX's emulated puts queued in a shared-memory FIFO or a
+  // socket) has been applied. The core calls it before it declares pages reusable because a
+  // prefill drained or is gone. Default: nothing to do (the NIC or the initiator applies writes).
+  virtual void SettleIncoming() {}
   // Target side: cuts the initiator of `target` off. When this returns OK no write that
   // initiator posted (earlier, in flight, or later) lands in this process's memory; the
   // endpoint stays allocated until CloseTargetEndpoint. Default: kUnimplemented (fences false).
