@@ -195,8 +195,9 @@ TEST_CASE("backend conformance") {
 
   SECTION("no write after a fence lands; a fence never completes a batch OK") {
     if (!caps.fences) {
-      WARN("backend " << name << " cannot fence (capabilities().fences is false): decode "
-                             "quarantines pages instead; section not applicable");
+      WARN("backend " << name
+                      << " cannot fence (capabilities().fences is false): decode "
+                         "quarantines pages instead; section not applicable");
       CHECK_FALSE(p.target->FenceTarget(p.target_id).ok());
       return;
     }

@@ -93,10 +93,12 @@ class HeldTransport final : public spi::Transport {
 
 void RegisterHeld() {
   static const bool once = [] {
-    return spi::RegisterTransport("held", [](const spi::TransportOptions&) {
-             return pdlib::StatusOr<std::unique_ptr<spi::Transport>>(
-                 std::make_unique<HeldTransport>());
-           }).ok();
+    return spi::RegisterTransport("held",
+                                  [](const spi::TransportOptions&) {
+                                    return pdlib::StatusOr<std::unique_ptr<spi::Transport>>(
+                                        std::make_unique<HeldTransport>());
+                                  })
+        .ok();
   }();
   REQUIRE(once);
 }
@@ -228,7 +230,7 @@ TEST_CASE("page reuse: Success is reusable the moment it is seen") {
   Deployment dep;
   InFlight r = StartHeld(dep, 502);
   CHECK_FALSE(r.sender->PagesReusable());  // its writes are in flight
-  Held().Release();                         // the KV batch...
+  Held().Release();                        // the KV batch...
   REQUIRE(WaitFor([&] { return Held().size() > 0 || r.sender->Poll() == KVPoll::kSuccess; }));
   Held().Release();  // ...then the aux batch
   bool saw_success = false, reusable_at_success = true;

@@ -23,8 +23,8 @@ std::string JoinHostPort(std::string_view host, int64_t port) {
 namespace {
 
 PortProbe ProbeOne(const addrinfo& ai, std::chrono::milliseconds timeout) {
-  const int fd = ::socket(ai.ai_family, ai.ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
-                          ai.ai_protocol);
+  const int fd =
+      ::socket(ai.ai_family, ai.ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai.ai_protocol);
   if (fd < 0) return PortProbe::kUnknown;
   PortProbe result = PortProbe::kUnknown;
   if (::connect(fd, ai.ai_addr, ai.ai_addrlen) == 0) {

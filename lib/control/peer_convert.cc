@@ -161,8 +161,8 @@ void ToProto(const RoomsDrainedMsg& in, wire::v1::Drained* out) {
 
 StatusOr<RoomsDrainedMsg> FromProto(const wire::v1::Drained& in) {
   if (in.rooms_size() > kMaxIndices) {
-    return Status::InvalidArgument(absl::StrFormat("Drained with %d rooms (at most %d)",
-                                                   in.rooms_size(), kMaxIndices));
+    return Status::InvalidArgument(
+        absl::StrFormat("Drained with %d rooms (at most %d)", in.rooms_size(), kMaxIndices));
   }
   if (in.instance() == 0) return Status::InvalidArgument("Drained without a prefill instance");
   RoomsDrainedMsg out;

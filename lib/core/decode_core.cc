@@ -492,8 +492,8 @@ void DecodeCore::OnPrefillGone(const std::string& key, const Status& reason) {
         ClearExposures([&](uint64_t, const Exposure& e) { return e.key == key && e.gen == gen; },
                        Release::kFenced);
       } else {
-        PDLIB_LOG(kError, "decode: fencing prefill %s failed (its rooms stay quarantined): %s",
-                  key, s.ToString());
+        PDLIB_LOG(kError, "decode: fencing prefill %s failed (its rooms stay quarantined): %s", key,
+                  s.ToString());
       }
     }
     transport_->CloseTargetEndpoint(conn->target);
@@ -525,8 +525,7 @@ void DecodeCore::EnterQuarantine(const std::shared_ptr<Room>& room) {
   }
   room->quarantined = true;
   room->quarantined_at = absl::Now();
-  room->next_warning =
-      room->quarantined_at + absl::FromChrono(options_.quarantine_warn_after);
+  room->next_warning = room->quarantined_at + absl::FromChrono(options_.quarantine_warn_after);
   room->held_pages = room->info.dst_kv_pages.size() + (room->info.aux_index ? 1 : 0) +
                      room->info.dst_state_indices.size();
   MutexLock conn_lock(&mu_);
@@ -584,7 +583,7 @@ void DecodeCore::ClearExposures(const std::function<bool(uint64_t, const Exposur
     ended.push_back(room);
     PDLIB_LOG(kInfo, "decode: room %d: %d pages reusable after %d ms of quarantine (%s)", id,
               room->held_pages, absl::ToInt64Milliseconds(now - room->quarantined_at),
-              why == Release::kDrained   ? "prefill drained it"
+              why == Release::kDrained  ? "prefill drained it"
               : why == Release::kFenced ? "prefill fenced off"
                                         : "prefill gone");
   }

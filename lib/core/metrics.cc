@@ -61,14 +61,12 @@ std::string RenderPrometheus(const KVManagerMetrics& m,
   metric("transferred_pages_total", "counter", "KV pages written to peers.", m.pages_transferred);
   metric("write_batches_total", "counter", "Write batches completed.", m.write_batches);
   metric("quarantined_rooms", "gauge",
-         "Failed requests whose pages are held until no late write can land.",
-         m.quarantined_rooms);
+         "Failed requests whose pages are held until no late write can land.", m.quarantined_rooms);
   metric("quarantined_pages", "gauge", "Pages (KV, metadata, state) held by quarantine.",
          m.quarantined_pages);
   metric("quarantine_oldest_ms", "gauge", "Age of the oldest current quarantine.",
          m.quarantine_oldest_ms);
-  metric("quarantine_max_hold_ms", "gauge", "Longest quarantine so far.",
-         m.quarantine_max_hold_ms);
+  metric("quarantine_max_hold_ms", "gauge", "Longest quarantine so far.", m.quarantine_max_hold_ms);
   metric("quarantine_released_drained_total", "counter",
          "Quarantines ended by the prefill rank reporting the room drained.",
          m.quarantine_released_drained);

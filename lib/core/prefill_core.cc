@@ -228,9 +228,9 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
   if (old) {
     // The same decode session reconnected: its previous connection's rooms fail, and that
     // transport peer goes once no write to it is in flight.
-    RetirePeer(old, Status::Unavailable(absl::StrFormat(
-                        "decode session %d reconnected; its previous connection is closed",
-                        msg.session)));
+    RetirePeer(
+        old, Status::Unavailable(absl::StrFormat(
+                 "decode session %d reconnected; its previous connection is closed", msg.session)));
   }
   ack.reply = std::move(conn->reply);
   FillAckExtent(layout_, &ack);
@@ -469,8 +469,8 @@ void PrefillCore::RetirePeer(const std::shared_ptr<Peer>& peer, const Status& re
       // until it completes (bounded by DrainPeers).
       busy = bound && (room->outstanding > 0 || room->tail_outstanding > 0);
       // Chunk batches in flight: the room fails with their completion error if one comes.
-      wait_chunks = busy && room->outstanding > 0 && !room->finalizing &&
-                    !IsTerminal(room->state->Poll());
+      wait_chunks =
+          busy && room->outstanding > 0 && !room->finalizing && !IsTerminal(room->state->Poll());
       if (wait_chunks) room->peer_gone = why;
     }
     if (busy) draining.rooms.push_back(room);

@@ -84,16 +84,16 @@ TEST_CASE("fake backend: 1P1D and 2P2D under kill -9 and SIGSTOP, no hang and no
   CheckClean(r);
 }
 
-#if defined(PDLIB_CHAOS_HAVE_UCX)
-// Kills and freezes over UCX, seeds 1-5 per transport (issue #13): a prefill frozen while its
+// Kills and freezes, seeds 1-5 per transport (issue #13): a prefill frozen while its
 // writes were in flight wakes up and completes them after decode failed the room; the pages stay
 // quarantined until that prefill drains or is gone, so no write lands in a page decode handed
 // out again (stale_writes 0), and every quarantine ends (leaked 0).
-void CheckUcxSeeds(const std::vector<std::string>& transport, const char* fault_kinds) {
+void CheckSeeds(const std::vector<std::string>& transport, const char* fault_kinds,
+                const char* requests = kRequests) {
   for (const char* seed : {"1", "2", "3", "4", "5"}) {
     INFO("seed " << seed);
     std::vector<std::string> args = transport;
-    for (const char* a : {"--requests", kRequests, "--fault-interval-ms", "400", "--fault-kinds",
+    for (const char* a : {"--requests", requests, "--fault-interval-ms", "400", "--fault-kinds",
                           fault_kinds, "--seed", seed, "--min-faults", "3"}) {
       args.push_back(a);
     }
@@ -106,19 +106,31 @@ void CheckUcxSeeds(const std::vector<std::string>& transport, const char* fault_
   }
 }
 
+#if defined(PDLIB_CHAOS_HAVE_UCX)
+
 TEST_CASE("ucx shm: 1P1D and 2P2D under kill -9 and SIGSTOP, seeds 1-5, no stale write") {
-  CheckUcxSeeds({"--backend", "ucx", "--backend-option", "ucx.tls=shm"}, "kill,stop");
+  CheckSeeds({"--backend", "ucx", "--backend-option", "ucx.tls=shm"}, "kill,stop");
 }
 
 // Freezes only over tcp: a decode frozen while a prefill is killed with emulated puts queued in
 // decode's socket aborts inside UCX 1.13 when it resumes (ucp_put_handler: "Fatal: unexpected
 // error"), a crash pdlib cannot prevent while it uses UCX's emulated puts (backends/ucx/README.md).
 TEST_CASE("ucx tcp: 1P1D and 2P2D under SIGSTOP, seeds 1-5, no stale write") {
-  CheckUcxSeeds({"--backend", "ucx", "--backend-option", "ucx.tls=tcp", "--backend-option",
-                 "ucx.net_devices=lo"},
-                "stop");
+  CheckSeeds({"--backend", "ucx", "--backend-option", "ucx.tls=tcp", "--backend-option",
+              "ucx.net_devices=lo"},
+             "stop");
 }
 
+#endif  // PDLIB_CHAOS_HAVE_UCX
+
+// verbs in the Soft-RoCE VM (test/rxe; registered as verbs_chaos_rxe): decode fences a frozen
+// prefill's connection, so its late RDMA writes are dropped by the (emulated) NIC.
+TEST_CASE("verbs: 1P1D and 2P2D under kill -9 and SIGSTOP, seeds 1-5, no stale write",
+          "[.][verbs]") {
+  CheckSeeds({"--backend", "verbs"}, "kill,stop", "100");
+}
+
+#if defined(PDLIB_CHAOS_HAVE_UCX)
 TEST_CASE("ucx shm negative control: a spoiled KV byte is reported as bad_bytes") {
   const RunResult r = RunChaos({"--backend", "ucx", "--backend-option", "ucx.tls=shm", "--topology",
                                 "1p1d", "--fault-kinds", "none", "--requests", "40", "--rate", "0",

@@ -5,8 +5,8 @@
 // serve an honest decode. hostile_prefill_test.cc is the mirror image.
 #include <grpcpp/grpcpp.h>
 
-#include <catch2/catch.hpp>
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <deque>
 #include <functional>
 #include <optional>

@@ -57,8 +57,8 @@ struct DecodeSide {
   pdlib::Status Start(const std::string& backend, const std::vector<std::string>& options,
                       uint16_t bootstrap) {
     pools.assign(2 * kLayers, std::vector<uint8_t>(kPagesPerPool * kItemBytes, kCanary));
-    aux = std::move(*pdlib::MetadataBuffers::Create(
-        pdlib::MetadataBuffers::SlotCountFor(16), 0, 0));  // what pdlib_test_peer registers
+    aux = std::move(*pdlib::MetadataBuffers::Create(pdlib::MetadataBuffers::SlotCountFor(16), 0,
+                                                    0));  // what pdlib_test_peer registers
     pdlib::KVManagerOptions o;
     o.mode = pdlib::Mode::kDecode;
     o.backend = backend;
@@ -109,11 +109,23 @@ void FrozenPrefillNeverWritesReusedPages(const std::string& backend,
                                          const std::vector<std::string>& options, bool fences) {
   Scene scene;
   const uint16_t bootstrap = pdlib_test::UnusedLocalPort();
-  std::vector<std::string> pextra = {"--start-bootstrap", "--backend", backend, "--verify",
-                                     "--layers", std::to_string(kLayers), "--item-bytes",
-                                     std::to_string(kItemBytes), "--pages-per-pool",
-                                     std::to_string(kPagesPerPool), "--pages-per-request", "4", "--chunks", "2",
-                                     "--transfer-timeout-ms", "60000", "--waiting-timeout-ms",
+  std::vector<std::string> pextra = {"--start-bootstrap",
+                                     "--backend",
+                                     backend,
+                                     "--verify",
+                                     "--layers",
+                                     std::to_string(kLayers),
+                                     "--item-bytes",
+                                     std::to_string(kItemBytes),
+                                     "--pages-per-pool",
+                                     std::to_string(kPagesPerPool),
+                                     "--pages-per-request",
+                                     "4",
+                                     "--chunks",
+                                     "2",
+                                     "--transfer-timeout-ms",
+                                     "60000",
+                                     "--waiting-timeout-ms",
                                      "60000"};
   for (const std::string& o : options) {
     pextra.push_back("--backend-option");
@@ -161,7 +173,8 @@ void FrozenPrefillNeverWritesReusedPages(const std::string& backend,
     for (size_t b = 0; b < decode.pools.size(); ++b) {
       for (int32_t p : pages) {
         const uint8_t* page = decode.Page(b, p);
-        bad += size_t(std::count_if(page, page + kItemBytes, [](uint8_t x) { return x != kReused; }));
+        bad +=
+            size_t(std::count_if(page, page + kItemBytes, [](uint8_t x) { return x != kReused; }));
       }
     }
     for (int f = 0; f < pdlib::kMetadataFieldCount; ++f) {

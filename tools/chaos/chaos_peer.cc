@@ -460,11 +460,12 @@ class Peer {
         << " bootstrap_queue=" << m.bootstrap_queue_size
         << " transfer_queue=" << m.transfer_queue_size << " requests_total=" << m.requests_total
         << " rooms_succeeded=" << m.rooms_succeeded << " rooms_failed=" << m.rooms_failed
- << " handles=" << requests_.size() + held_.size() + dropped_.size()
+        << " handles=" << requests_.size() + held_.size() + dropped_.size()
         << " quarantined_pages=" << m.quarantined_pages
-        << " quarantine_max_hold_ms=" << m.quarantine_max_hold_ms << " aux_free=" << slots_->available()
-        << " aux_capacity=" << slots_->capacity() << " pages_free=" << pages_->available()
-        << " pages_capacity=" << pages_->capacity() << " stale_free=" << stale;
+        << " quarantine_max_hold_ms=" << m.quarantine_max_hold_ms
+        << " aux_free=" << slots_->available() << " aux_capacity=" << slots_->capacity()
+        << " pages_free=" << pages_->available() << " pages_capacity=" << pages_->capacity()
+        << " stale_free=" << stale;
     Emit(out.str());
   }
 
