@@ -445,10 +445,7 @@ void DecodeCore::ReleaseRoom(uint64_t room_id, const RoomState* state) {
     // TakeReusableRooms reports the room once its pages are free (at once if they are).
     MutexLock lock(&room->mu);
     room->released = true;
-    if (room->state->PagesReusable()) {
-      MutexLock conn_lock(&mu_);
-      AddReleased(room_id);
-    }
+    if (room->state->PagesReusable()) released_.Add(room_id);
   }
   rooms_.Erase(room_id, state);
 }
@@ -588,9 +585,9 @@ void DecodeCore::ClearExposures(const std::function<bool(uint64_t, const Exposur
                                         : "prefill gone");
   }
   if (ended.empty()) return;
+  for (uint64_t id : released) released_.Add(id);
   MutexLock lock(&mu_);
   for (auto& room : ended) quarantine_.erase(room.get());
-  for (uint64_t id : released) AddReleased(id);
   released_by_[static_cast<int>(why)] += ended.size();
   max_hold_ms_ = std::max(max_hold_ms_, longest);
 }
@@ -668,23 +665,7 @@ std::vector<std::string> DecodeCore::KeysAwaitingPrefill() const {
   return out;
 }
 
-void DecodeCore::AddReleased(uint64_t room) {
-  if (released_reusable_.size() >= kMaxReleasedRooms) {
-    PDLIB_LOG(kError,
-              "decode: %d released rooms wait for TakeReusableRooms(); dropping the oldest (an "
-              "engine that destroys failed receivers must call it)",
-              released_reusable_.size());
-    released_reusable_.erase(released_reusable_.begin());
-  }
-  released_reusable_.push_back(room);
-}
-
-std::vector<uint64_t> DecodeCore::TakeReusableRooms() {
-  MutexLock lock(&mu_);
-  std::vector<uint64_t> out;
-  out.swap(released_reusable_);
-  return out;
-}
+std::vector<uint64_t> DecodeCore::TakeReusableRooms() { return released_.Take(); }
 
 void DecodeCore::WarnLongQuarantines(absl::Time now) {
   std::vector<std::shared_ptr<Room>> rooms;

@@ -83,7 +83,7 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   // manager probes them (reconnects, or finds nothing listening there).
   std::vector<std::string> KeysAwaitingPrefill() const;
   // Rooms whose receiver was destroyed in state Failed, once their pages are reusable (each
-  // once; at most kMaxReleasedRooms kept).
+  // once; see ReleasedRooms).
   std::vector<uint64_t> TakeReusableRooms();
 
   KVManagerMetrics metrics() const;
@@ -119,8 +119,6 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   // Sends an Abort, over the live connection to `key`, for every quarantined room still
   // waiting on `instance` there.
   void ResendAborts(const std::string& key, uint64_t instance);
-  static constexpr size_t kMaxReleasedRooms = size_t{1} << 16;
-  void AddReleased(uint64_t room) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const KVManagerOptions options_;
   const uint64_t session_;
   planner::SideLayout layout_;
@@ -138,7 +136,7 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   uint64_t next_gen_ ABSL_GUARDED_BY(mu_) = 1;
   // Failed rooms whose pages are not reusable yet (handles may be gone), by Room address.
   absl::flat_hash_map<const Room*, std::shared_ptr<Room>> quarantine_ ABSL_GUARDED_BY(mu_);
-  std::vector<uint64_t> released_reusable_ ABSL_GUARDED_BY(mu_);
+  ReleasedRooms released_{"decode"};
   uint64_t max_hold_ms_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t released_by_[3] ABSL_GUARDED_BY(mu_) = {0, 0, 0};
   uint64_t fenced_connections_ ABSL_GUARDED_BY(mu_) = 0;

@@ -224,5 +224,24 @@ PeriodicThread::~PeriodicThread() {
   thread_.join();
 }
 
+void ReleasedRooms::Add(uint64_t room) {
+  MutexLock lock(&mu_);
+  if (rooms_.size() >= kMax) {
+    PDLIB_LOG(kError,
+              "%s: %d released rooms wait for TakeReusableRooms(); dropping the oldest (an engine "
+              "that destroys failed handles must call it)",
+              side_, rooms_.size());
+    rooms_.pop_front();
+  }
+  rooms_.push_back(room);
+}
+
+std::vector<uint64_t> ReleasedRooms::Take() {
+  MutexLock lock(&mu_);
+  std::vector<uint64_t> out(rooms_.begin(), rooms_.end());
+  rooms_.clear();
+  return out;
+}
+
 }  // namespace v1
 }  // namespace pdlib

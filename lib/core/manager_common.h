@@ -4,6 +4,7 @@
 #define PDLIB_LIB_CORE_MANAGER_COMMON_H_
 
 #include <atomic>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -91,6 +92,23 @@ struct MetricCounters {
  private:
   mutable Mutex causes_mu_;
   std::map<std::string, uint64_t> failed_by_cause_ ABSL_GUARDED_BY(causes_mu_);
+};
+
+// Rooms whose handle was destroyed in state Failed, waiting for KVManager::TakeReusableRooms()
+// once their pages are reusable. Bounded: past kMax the oldest is dropped, with an ERROR log
+// (an engine that destroys failed handles must call TakeReusableRooms). Thread-safe; its lock is
+// a leaf (taken under the cores' locks, never the other way round).
+class ReleasedRooms {
+ public:
+  static constexpr size_t kMax = size_t{1} << 16;
+  explicit ReleasedRooms(const char* side) : side_(side) {}
+  void Add(uint64_t room);
+  std::vector<uint64_t> Take();
+
+ private:
+  const char* const side_;  // "prefill" or "decode", for the log line
+  Mutex mu_;
+  std::deque<uint64_t> rooms_ ABSL_GUARDED_BY(mu_);
 };
 
 // The deadline for the room's current state, per the manager's options; a non-OK status (with

@@ -848,7 +848,7 @@ void PrefillCore::MaybeDrained(const std::shared_ptr<Room>& room) {
   if (st == KVPoll::kFailed) undrained_.fetch_sub(1, std::memory_order_relaxed);
   if (released) {
     MutexLock lock(&mu_);
-    AddReleased(room->state->room());
+    released_.Add(room->state->room());
     if (auto l = lingering_.find(room->state->room()); l != lingering_.end() && l->second == room) {
       lingering_.erase(l);
     }
@@ -884,23 +884,7 @@ void PrefillCore::SendDrained(uint64_t session, std::vector<uint64_t> rooms) {
                      std::move(rooms)});
 }
 
-void PrefillCore::AddReleased(uint64_t room) {
-  if (released_reusable_.size() >= kMaxReleasedRooms) {
-    PDLIB_LOG(kError,
-              "prefill: %d released rooms wait for TakeReusableRooms(); dropping the oldest (an "
-              "engine that destroys failed senders must call it)",
-              released_reusable_.size());
-    released_reusable_.erase(released_reusable_.begin());
-  }
-  released_reusable_.push_back(room);
-}
-
-std::vector<uint64_t> PrefillCore::TakeReusableRooms() {
-  MutexLock lock(&mu_);
-  std::vector<uint64_t> out;
-  out.swap(released_reusable_);
-  return out;
-}
+std::vector<uint64_t> PrefillCore::TakeReusableRooms() { return released_.Take(); }
 
 void PrefillCore::FailRoom(const std::shared_ptr<Room>& room, Status reason) {
   if (!room->state->Fail(reason)) return;
@@ -954,7 +938,7 @@ void PrefillCore::ReleaseRoom(uint64_t room_id, const RoomState* state) {
     room->released = true;
     MutexLock core_lock(&mu_);
     if (room->drained) {
-      AddReleased(room_id);
+      released_.Add(room_id);
     } else {
       lingering_[room_id] = room;
     }

@@ -58,7 +58,7 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
 
   KVManagerMetrics metrics() const;
   // Rooms whose sender was destroyed in state Failed, once their source pages are reusable
-  // (each once; at most kMaxReleasedRooms kept).
+  // (each once; see ReleasedRooms).
   std::vector<uint64_t> TakeReusableRooms();
   // TransferInfos held for senders not created yet (for tests and leak checks).
   size_t early_info_count() const;
@@ -94,8 +94,6 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   // Tells decode `session` that `rooms` are drained: on its live link, or in the RegisterAck of
   // its next connection.
   void SendDrained(uint64_t session, std::vector<uint64_t> rooms);
-  static constexpr size_t kMaxReleasedRooms = size_t{1} << 16;
-  void AddReleased(uint64_t room) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendStatusToDecode(const std::shared_ptr<Room>& room, const Status& status);
   void CheckTimeouts();
   void DrainPeers(absl::Time now);
@@ -142,7 +140,7 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   // Drained rooms of decode sessions that are not connected now, for their next RegisterAck.
   absl::flat_hash_map<uint64_t, std::vector<uint64_t>> pending_drained_ ABSL_GUARDED_BY(mu_);
   size_t pending_drained_count_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<uint64_t> released_reusable_ ABSL_GUARDED_BY(mu_);
+  ReleasedRooms released_{"prefill"};
   // Failed rooms whose sender is destroyed but whose writes are still in flight, by room id.
   absl::flat_hash_map<uint64_t, std::shared_ptr<Room>> lingering_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> undrained_{0};  // failed rooms with writes still in flight
