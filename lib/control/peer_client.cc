@@ -307,6 +307,11 @@ void PeerClient::SendTransferInfo(const TransferInfoMsg& msg) {
   state_->Enqueue(std::move(out));
 }
 
+bool PeerClient::Broken() const {
+  MutexLock lock(&state_->mu);
+  return state_->broken;
+}
+
 void PeerClient::SendAbort(uint64_t room, uint64_t session, const std::string& reason) {
   DecodeToPrefill out;
   out.mutable_abort()->set_room(room);

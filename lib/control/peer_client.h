@@ -41,6 +41,7 @@ class PeerClient : public PrefillLink {
   void SendAbort(uint64_t room, uint64_t session, const std::string& reason) override;
   // Ends the stream; the handler is not told. Idempotent.
   void Close() override;
+  bool Broken() const override;
 
   struct State;
 

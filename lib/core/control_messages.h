@@ -140,6 +140,9 @@ class PrefillLink {
   virtual void SendAbort(uint64_t room, uint64_t session, const std::string& reason) = 0;
   // Ends the connection without reporting it back (shutdown, purge). Idempotent.
   virtual void Close() {}
+  // True once the connection is known broken (its OnPrefillGone may already have been
+  // delivered, e.g. while Register() was still returning).
+  virtual bool Broken() const { return false; }
 };
 
 }  // namespace v1

@@ -145,6 +145,7 @@ Status DecodeCore::EnsureConnected(
     transport_->CloseTargetEndpoint(target->id);
     return s.WithPrefix("prefill " + key + " refused the connection");
   }
+  std::shared_ptr<PrefillLink> installed = *link;
   {
     MutexLock lock(&mu_);
     connections_[key] = Connection{
@@ -153,6 +154,12 @@ Status DecodeCore::EnsureConnected(
         {ack.prefill_pp_rank, ack.start_layer, ack.num_layers, ack.state_start, ack.num_states},
         next_gen_++,
         ack.instance};
+  }
+  // The stream may have broken right after its RegisterAck, its OnPrefillGone delivered before
+  // the connection above existed: a connection installed now would be dead and never purged.
+  if (installed->Broken()) {
+    OnPrefillGone(key, Status::Unavailable("the connection broke right after registering"));
+    return Status::Unavailable("prefill " + key + ": the connection broke right after registering");
   }
   PDLIB_LOG(kInfo, "decode: connected to prefill %s (instance %016x)", key, ack.instance);
   if (ack.instance != 0) {
