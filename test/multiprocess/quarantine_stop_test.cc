@@ -217,7 +217,9 @@ void FrozenPrefillNeverWritesReusedPages(const std::string& backend,
   }
   // 4. Not one byte of the new request's pages changed.
   CHECK(changed() == 0);
-  CHECK(prefill.rooms().at(kRoom).state == "Failed");
+  // Prefill's own view may be either: it may have finished its writes (into the quarantined
+  // pages) before it noticed that decode had given up.
+  CHECK(prefill.rooms().count(kRoom) == 1);
   r.reset();
   decode.manager.reset();
   SCENE_CHECK(scene, prefill.Quit() == 0);
