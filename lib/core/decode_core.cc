@@ -89,6 +89,7 @@ void DecodeCore::Shutdown() {
   }
   reaper_.reset();
   for (auto& room : rooms) FailRoom(room, Status::Cancelled("decode manager shut down"), true);
+  MutexLock lock(&transport_mu_);
   for (auto& [key, conn] : connections) {
     conn.link->Close();
     transport_->CloseTargetEndpoint(conn.target);
@@ -484,6 +485,8 @@ void DecodeCore::OnPrefillGone(const std::string& key, const Status& reason) {
   }
   if (conn) {
     conn->link->Close();
+    MutexLock transport_lock(&transport_mu_);
+    if (!transport_) return;  // shut down meanwhile: nothing can land any more
     if (transport_->capabilities().fences) {
       // Cut the prefill rank off before its pages are handed out again: a write it posted
       // (however late it runs) is dropped from now on.
@@ -566,10 +569,8 @@ void DecodeCore::ClearExposures(const std::function<bool(uint64_t, const Exposur
   // this process's own queues (UCX's emulated puts): applied before the pages are given back. A
   // fenced connection's writes are dropped instead.
   if (why != Release::kFenced) {
-    {
-      MutexLock lock(&mu_);
-      if (stopping_) return;
-    }
+    MutexLock lock(&transport_mu_);
+    if (!transport_) return;
     transport_->SettleIncoming();
   }
   const absl::Time now = absl::Now();

@@ -122,6 +122,9 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   const KVManagerOptions options_;
   const uint64_t session_;
   planner::SideLayout layout_;
+  // Control-plane threads use the transport under transport_mu_ where they may race with
+  // Shutdown, which destroys it under the same lock.
+  Mutex transport_mu_;
   std::unique_ptr<spi::Transport> transport_;
   RegisteredBuffers local_;
   FailureInjector injector_;

@@ -115,9 +115,17 @@ void PrefillCore::Shutdown() {
   for (auto& w : workers_) w.join();
   workers_.clear();
   for (auto& room : rooms) FailRoom(room, Status::Cancelled("prefill manager shut down"));
-  // Outstanding batches complete (kCancelled) inside the transport's destructor.
+  // Outstanding batches complete (kCancelled) inside the transport's destructor. Control-plane
+  // threads still finishing a call (a stream ending, a Register) hold transport_mu_ while they
+  // use it.
+  MutexLock lock(&transport_mu_);
   DeregisterBuffers(*transport_, local_);
   transport_.reset();
+}
+
+void PrefillCore::DisconnectPeer(spi::PeerId peer) {
+  MutexLock lock(&transport_mu_);
+  if (transport_) transport_->Disconnect(peer);
 }
 
 std::shared_ptr<PrefillCore::Room> PrefillCore::FindRoom(uint64_t room) const {
@@ -188,41 +196,47 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
         absl::StrFormat("decode session %d: injected failure at stage register (probability %g)",
                         msg.session, injector_.prob())));
   }
-  auto conn = transport_->Connect(msg.endpoint);
-  if (!conn.ok()) return refuse(conn.status().WithPrefix("connecting to decode's endpoint"));
   auto peer = std::make_shared<Peer>();
-  peer->session = msg.session;
-  peer->peer = conn->peer;
-  peer->reg = msg;
-  peer->plan = std::move(*plan);
-  peer->required_dst_info_num = required;
-  peer->link = std::move(link);
-  for (auto [descs, ids] : {std::pair{&msg.kv, &peer->kv}, std::pair{&msg.aux, &peer->aux},
-                            std::pair{&msg.state, &peer->state}}) {
-    for (const RegionDesc& d : *descs) {
-      auto id = transport_->ImportRemoteRegion(conn->peer, {d.addr, d.length, d.key});
-      if (!id.ok()) {
-        transport_->Disconnect(conn->peer);
-        return refuse(id.status().WithPrefix("importing decode region"));
-      }
-      ids->push_back(*id);
-    }
-  }
   std::shared_ptr<Peer> old;
+  spi::Blob reply;
   {
-    MutexLock lock(&mu_);
-    if (stopping_) {
-      transport_->Disconnect(conn->peer);
-      return refuse(Status::Unavailable("prefill manager is shutting down"));
+    MutexLock transport_lock(&transport_mu_);  // Shutdown destroys the transport under it
+    if (!transport_) return refuse(Status::Unavailable("prefill manager is shutting down"));
+    auto conn = transport_->Connect(msg.endpoint);
+    if (!conn.ok()) return refuse(conn.status().WithPrefix("connecting to decode's endpoint"));
+    peer->session = msg.session;
+    peer->peer = conn->peer;
+    peer->reg = msg;
+    peer->plan = std::move(*plan);
+    peer->required_dst_info_num = required;
+    peer->link = std::move(link);
+    for (auto [descs, ids] : {std::pair{&msg.kv, &peer->kv}, std::pair{&msg.aux, &peer->aux},
+                              std::pair{&msg.state, &peer->state}}) {
+      for (const RegionDesc& d : *descs) {
+        auto id = transport_->ImportRemoteRegion(conn->peer, {d.addr, d.length, d.key});
+        if (!id.ok()) {
+          transport_->Disconnect(conn->peer);
+          return refuse(id.status().WithPrefix("importing decode region"));
+        }
+        ids->push_back(*id);
+      }
     }
-    auto& slot = peers_[msg.session];
-    old = std::move(slot);
-    slot = peer;
-    if (auto d = pending_drained_.find(msg.session); d != pending_drained_.end()) {
-      pending_drained_count_ -= d->second.size();
-      ack.drained_rooms = std::move(d->second);
-      pending_drained_.erase(d);
+    {
+      MutexLock lock(&mu_);
+      if (stopping_) {
+        transport_->Disconnect(conn->peer);
+        return refuse(Status::Unavailable("prefill manager is shutting down"));
+      }
+      auto& slot = peers_[msg.session];
+      old = std::move(slot);
+      slot = peer;
+      if (auto d = pending_drained_.find(msg.session); d != pending_drained_.end()) {
+        pending_drained_count_ -= d->second.size();
+        ack.drained_rooms = std::move(d->second);
+        pending_drained_.erase(d);
+      }
     }
+    reply = std::move(conn->reply);
   }
   ack.instance = instance_;
   if (old) {
@@ -232,7 +246,7 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
         old, Status::Unavailable(absl::StrFormat(
                  "decode session %d reconnected; its previous connection is closed", msg.session)));
   }
-  ack.reply = std::move(conn->reply);
+  ack.reply = std::move(reply);
   FillAckExtent(layout_, &ack);
   PDLIB_LOG(kInfo, "prefill: registered decode session %d (tp %d/%d pp %d/%d)%s", msg.session,
             msg.parallel.tp_rank, msg.parallel.tp_size, msg.parallel.pp_rank, msg.parallel.pp_size,
@@ -477,7 +491,7 @@ void PrefillCore::RetirePeer(const std::shared_ptr<Peer>& peer, const Status& re
     if (bound && !wait_chunks) FailRoom(room, why);
   }
   if (draining.rooms.empty()) {
-    transport_->Disconnect(peer->peer);
+    DisconnectPeer(peer->peer);
     return;
   }
   // UCX 1.13 aborts a target that handles an emulated put on a connection its initiator closed:
@@ -999,7 +1013,7 @@ void PrefillCore::DrainPeers(absl::Time now) {
                    "room %d (its writes in flight had not completed %d ms later)",
                    room->state->room(), static_cast<int>(options_.liveness_timeout.count()))));
     }
-    transport_->Disconnect(d.peer->peer);
+    DisconnectPeer(d.peer->peer);
   }
 }
 

@@ -100,10 +100,16 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   // A decode connection ended (or was replaced): fails its rooms and drops its transport peer,
   // at once when nothing is in flight to it, else once that is over (DrainingPeer).
   void RetirePeer(const std::shared_ptr<Peer>& peer, const Status& reason);
+  // transport_->Disconnect, unless Shutdown destroyed the transport already.
+  void DisconnectPeer(spi::PeerId peer);
   std::shared_ptr<Room> FindRoom(uint64_t room) const;
 
   const KVManagerOptions options_;
   const uint64_t instance_;
+  // Control-plane threads (Register, a stream's end, the reaper) use the transport under
+  // transport_mu_, which Shutdown holds to destroy it; the data path (workers, completions) is
+  // stopped before that and needs no lock.
+  Mutex transport_mu_;
   std::unique_ptr<spi::Transport> transport_;
   planner::SideLayout layout_;  // this rank, as the planner sees it
   RegisteredBuffers local_;

@@ -572,8 +572,12 @@ class Topology {
     auto leaks_of = [&](const Proc& p) {
       return Leftovers(p.metrics, p.prefill ? decodes : prefills_);
     };
+    // Quarantined pages come back once their prefill drained: after its wait for writes in
+    // flight (liveness), the transport's close of the old connection (UCX: up to 2 s of flush),
+    // decode's reconnect (connect timeout) and the next probe.
     const auto deadline =
-        Clock::now() + milliseconds(o_.peer.bootstrap_ms + o_.peer.liveness_ms + 3000);
+        Clock::now() +
+        milliseconds(o_.peer.bootstrap_ms + 2 * o_.peer.liveness_ms + o_.peer.connect_ms + 6000);
     std::map<size_t, std::map<std::string, uint64_t>> leaks;
     while (true) {
       for (Proc& p : procs_) {
