@@ -575,29 +575,33 @@ void DecodeCore::ClearExposures(const std::function<bool(uint64_t, const Exposur
   }
   const absl::Time now = absl::Now();
   std::vector<std::shared_ptr<Room>> ended;
-  std::vector<uint64_t> released;
   uint64_t longest = 0;
   for (auto& room : candidates) {
-    const uint64_t id = room->state->room();
     MutexLock lock(&room->mu);
     if (!room->quarantined) continue;  // another caller ended it meanwhile
     room->quarantined = false;
-    room->state->MarkReusable();
-    longest = std::max<uint64_t>(longest, absl::ToInt64Milliseconds(now - room->quarantined_at));
-    if (room->released) released.push_back(id);
+    const uint64_t held_ms = absl::ToInt64Milliseconds(now - room->quarantined_at);
+    longest = std::max(longest, held_ms);
     ended.push_back(room);
-    PDLIB_LOG(kInfo, "decode: room %d: %d pages reusable after %d ms of quarantine (%s)", id,
-              room->held_pages, absl::ToInt64Milliseconds(now - room->quarantined_at),
+    PDLIB_LOG(kInfo, "decode: room %d: %d pages reusable after %d ms of quarantine (%s)",
+              room->state->room(), room->held_pages, held_ms,
               why == Release::kDrained  ? "prefill drained it"
               : why == Release::kFenced ? "prefill fenced off"
                                         : "prefill gone");
   }
   if (ended.empty()) return;
-  for (uint64_t id : released) released_.Add(id);
-  MutexLock lock(&mu_);
-  for (auto& room : ended) quarantine_.erase(room.get());
-  released_by_[static_cast<int>(why)] += ended.size();
-  max_hold_ms_ = std::max(max_hold_ms_, longest);
+  {
+    // Counted before the pages are reusable, so that metrics never lag what a handle says.
+    MutexLock lock(&mu_);
+    for (auto& room : ended) quarantine_.erase(room.get());
+    released_by_[static_cast<int>(why)] += ended.size();
+    max_hold_ms_ = std::max(max_hold_ms_, longest);
+  }
+  for (auto& room : ended) {
+    MutexLock lock(&room->mu);
+    room->state->MarkReusable();
+    if (room->released) released_.Add(room->state->room());  // see ReleaseRoom
+  }
 }
 
 void DecodeCore::ResendAborts(const std::string& key, uint64_t instance) {
