@@ -1,8 +1,10 @@
 #include "backends/ucx/ucx_context.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 #include "lib/base/log_internal.h"
 
@@ -70,7 +72,8 @@ StatusOr<std::shared_ptr<UcxContext>> CreateContext(const UcxOptions& options, s
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_REQUEST_SIZE |
                       UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  // AM: pdlib's own data path (ucx_transport.h, "Data paths") rides on active messages.
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   params.request_size = kRequestContextBytes;
   params.mt_workers_shared = 1;
   params.name = "pdlib";
@@ -85,6 +88,18 @@ StatusOr<std::shared_ptr<UcxContext>> CreateContext(const UcxOptions& options, s
   attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
   if (ucp_context_query(raw_context, &attr) == UCS_OK) {
     context->cuda_supported = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  }
+  char* text = nullptr;
+  size_t text_size = 0;
+  if (FILE* out = open_memstream(&text, &text_size); out != nullptr) {
+    ucp_context_print_info(raw_context, out);
+    std::fclose(out);
+    for (const std::string& tl : ParseResourceTransports(std::string_view(text, text_size))) {
+      context->rdma_transport |= tl.compare(0, 3, "rc_") == 0 || tl.compare(0, 3, "dc_") == 0;
+      context->shm_mapping |= tl == "posix" || tl == "sysv";
+      context->xpmem |= tl == "xpmem";
+    }
+    std::free(text);
   }
   return context;
 }
@@ -123,6 +138,23 @@ class UcxKVPool final : public KVPool {
 };
 
 }  // namespace
+
+std::vector<std::string> ParseResourceTransports(std::string_view print_info) {
+  std::vector<std::string> out;
+  while (!print_info.empty()) {
+    size_t eol = print_info.find('\n');
+    std::string_view line = print_info.substr(0, eol);
+    print_info = eol == std::string_view::npos ? std::string_view() : print_info.substr(eol + 1);
+    if (line.find("resource") == std::string_view::npos) continue;
+    size_t dashes = line.rfind("-- ");
+    if (dashes == std::string_view::npos) continue;
+    std::string_view resource = line.substr(dashes + 3);
+    size_t slash = resource.find('/');
+    if (slash == 0 || slash == std::string_view::npos) continue;
+    out.emplace_back(resource.substr(0, slash));
+  }
+  return out;
+}
 
 std::shared_ptr<UcpMemh> UcxContext::FindAllocation(uintptr_t addr, uint64_t length) {
   MutexLock lock(&mu);

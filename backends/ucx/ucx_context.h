@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backends/ucx/ucx_handles.h"
@@ -47,6 +48,10 @@ struct UcxContext {
   UcpContextPtr handle;  // first: destroyed last, after every mapping below
   std::string key;       // the configuration it was created for (see AcquireUcxContext)
   bool cuda_supported = false;
+  // Which transports the context found (ucp_context_print_info's resource list):
+  bool rdma_transport = false;  // an RC/DC verbs transport: puts are one-sided RDMA writes
+  bool shm_mapping = false;     // posix/sysv: a peer maps memory that UCX allocated and memcpys
+  bool xpmem = false;           // xpmem: a peer maps any registered memory
   Mutex mu;
   // Live pools; RegisterMemory reuses their mapping for ranges inside them.
   std::vector<UcxAllocationRecord> allocations ABSL_GUARDED_BY(mu);
@@ -54,6 +59,10 @@ struct UcxContext {
   // The mapping of the pool that holds [addr, addr + length), or null.
   std::shared_ptr<UcpMemh> FindAllocation(uintptr_t addr, uint64_t length);
 };
+
+// The transport names ("tcp", "posix", "rc_mlx5", ...) in ucp_context_print_info's output: the
+// "<tl>/<device>" at the end of each "resource N : ..." line. Pure, for tests.
+std::vector<std::string> ParseResourceTransports(std::string_view print_info);
 
 // The context for `options.ucx_config` and the UCX_* environment, created on first use with
 // the features every pdlib transport needs (RMA, wakeup). Settings pdlib applies itself but that

@@ -139,6 +139,7 @@ StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
   out.chunk_bytes = uint64_t{1} << 20;
   out.busy_poll_us = 20;
   out.stall_timeout_ms = 30000;
+  out.am_chunk_bytes = uint64_t{32} << 10;
 
   for (const auto& [key, value] : options.options) {
     if (key.compare(0, kPrefix.size(), kPrefix) != 0) continue;
@@ -152,10 +153,25 @@ StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
       out.ucx_config["TLS"] = value;
     } else if (key == "ucx.net_devices") {
       out.ucx_config["NET_DEVICES"] = value;
-    } else if (key == "ucx.max_inflight_bytes" || key == "ucx.chunk_bytes") {
+    } else if (key == "ucx.max_inflight_bytes" || key == "ucx.chunk_bytes" ||
+               key == "ucx.am_chunk_bytes") {
       auto bytes = ParseByteSize(value);
       if (!bytes.ok()) return bytes.status().WithPrefix("ucx: option " + key);
-      (key == "ucx.chunk_bytes" ? out.chunk_bytes : out.max_inflight_bytes) = *bytes;
+      if (*bytes == 0) return Status::InvalidArgument("ucx: option " + key + " must not be 0");
+      (key == "ucx.chunk_bytes"      ? out.chunk_bytes
+       : key == "ucx.am_chunk_bytes" ? out.am_chunk_bytes
+                                     : out.max_inflight_bytes) = *bytes;
+    } else if (key == "ucx.data_path") {
+      if (value == "auto") {
+        out.data_path = DataPath::kAuto;
+      } else if (value == "am") {
+        out.data_path = DataPath::kAm;
+      } else if (value == "put") {
+        out.data_path = DataPath::kPut;
+      } else {
+        return Status::InvalidArgument("ucx: option ucx.data_path='" + value +
+                                       "' must be 'auto', 'am' or 'put'");
+      }
     } else if (key == "ucx.busy_poll_us") {
       auto v = ParseUnsigned(key, value, 1000000);
       if (!v.ok()) return v.status();
@@ -177,7 +193,8 @@ StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
       return Status::InvalidArgument(
           "ucx: unknown backend option '" + key +
           "' (known: ucx.tls, ucx.net_devices, ucx.config.<NAME>, ucx.max_inflight_bytes, "
-          "ucx.chunk_bytes, ucx.busy_poll_us, ucx.stall_timeout_ms, ucx.flush)");
+          "ucx.chunk_bytes, ucx.busy_poll_us, ucx.stall_timeout_ms, ucx.flush, ucx.data_path, "
+          "ucx.am_chunk_bytes)");
     }
   }
   if (!out.ucx_config.count("NET_DEVICES") && !options.nic_names.empty()) {

@@ -15,6 +15,19 @@
 //                            declared dead (bounds every wait, also where UCX cannot detect a
 //                            dead peer, e.g. shared memory inside one process); 0 disables
 //   ucx.flush                "ep" (default) or "worker": how a batch waits for remote completion
+//                            of its puts
+//   ucx.data_path            "auto" (default), "am" or "put": how writes into this process's
+//                            memory travel when it is the target (decode). "am": pdlib's own
+//                            active messages, applied by this process after it checked the
+//                            address and the sender (a fence drops a cut-off sender's data);
+//                            "put": UCX puts (RDMA writes; or emulated by UCX with its own active
+//                            messages, or memcpy by the peer into UCX-allocated shared memory).
+//                            "auto": "am" unless the context has an RDMA transport (rc/dc), where
+//                            puts are one-sided NIC writes. Memory that a peer can map (a pool UCX
+//                            allocated, with posix/sysv; any memory with xpmem) and CUDA memory
+//                            are always written with puts. See backends/ucx/README.md.
+//   ucx.am_chunk_bytes       longest single active message on the "am" path (default 32k: one
+//                            shared-memory segment of pdlib's default size holds it whole)
 //
 // Precedence for a UCX variable: a backend option > the environment (UCX_<NAME>, read by UCX
 // itself) > pdlib's default (UcxDefaults()). pdlib never overrides what the user exported.
@@ -47,6 +60,7 @@ struct UcxDefault {
 std::span<const UcxDefault> UcxDefaults();
 
 enum class FlushMode { kEndpoint, kWorker };
+enum class DataPath { kAuto, kAm, kPut };
 
 struct UcxOptions {
   // Applied to this transport's context with ucp_config_modify: NAME (no UCX_ prefix) -> value.
@@ -56,6 +70,8 @@ struct UcxOptions {
   uint32_t busy_poll_us = 0;
   uint32_t stall_timeout_ms = 0;
   FlushMode flush = FlushMode::kEndpoint;
+  DataPath data_path = DataPath::kAuto;
+  uint64_t am_chunk_bytes = 0;
 };
 
 // Returns the value of an environment variable or null (getenv's contract).

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "backends/ucx/ucx_transport.h"
 #include "lib/base/log_internal.h"
@@ -109,6 +110,11 @@ void UcxTransport::AcceptBatch(std::unique_ptr<Batch> owned) {
   if (!peer.failure.ok()) {
     batch.status = peer.failure;
   } else if (!batch.ops.empty()) {
+    if (batch.am_messages > 0) {  // a reference until the target acknowledges the batch
+      batch.awaiting_ack = true;
+      ++batch.pending;
+      awaiting_ack_.emplace(batch.seq, &batch);
+    }
     peer.to_post.push_back(&batch);  // keeps the posting reference until fully posted
     return;
   }
@@ -134,7 +140,8 @@ bool UcxTransport::PostChunks(PeerState& peer) {
         continue;
       }
       const uint64_t offset = batch.next_offset;
-      const uint64_t length = ChunkLength(op.length, offset, options_.chunk_bytes);
+      const uint64_t length =
+          ChunkLength(op.length, offset, op.am ? options_.am_chunk_bytes : options_.chunk_bytes);
       if (!peer.window.CanPost(length) || !peer.failure.ok()) return posted;
       ucp_request_param_t param{};
       param.op_attr_mask =
@@ -142,8 +149,20 @@ bool UcxTransport::PostChunks(PeerState& peer) {
       param.cb.send = &UcxTransport::OnRequestDone;
       param.user_data = this;
       param.memh = op.memh;
-      ucs_status_ptr_t request =
-          ucp_put_nbx(peer.ep.get(), op.src + offset, length, op.dst + offset, op.rkey, &param);
+      ucs_status_ptr_t request = nullptr;
+      if (op.am) {
+        // Eager only: the target's handler applies the data it is handed (no rendezvous), and
+        // the reply endpoint carries the ack. The header lives in the batch until it is done.
+        param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+        batch.am_headers.push_back(
+            AmPutHeader{kAmPutMagic, batch.am_messages, peer.target, batch.seq, op.dst + offset});
+        request = ucp_am_send_nbx(peer.ep.get(), kAmPutId, &batch.am_headers.back(),
+                                  sizeof(AmPutHeader), op.src + offset, length, &param);
+      } else {
+        request =
+            ucp_put_nbx(peer.ep.get(), op.src + offset, length, op.dst + offset, op.rkey, &param);
+      }
       posted = true;
       peer.last_activity = now_;
       batch.next_offset += length;
@@ -153,9 +172,13 @@ bool UcxTransport::PostChunks(PeerState& peer) {
       }
       if (request == nullptr) continue;  // done already (the local buffer is reusable)
       if (UCS_PTR_IS_ERR(request)) {
-        FailBatch(batch, Status::Unavailable("ucx: put to peer " + std::to_string(peer.id) +
-                                             " failed: " + UcsStatusName(UCS_PTR_STATUS(request))));
+        Status failed = Status::Unavailable(std::string("ucx: ") + (op.am ? "message" : "put") +
+                                            " to peer " + std::to_string(peer.id) +
+                                            " failed: " + UcsStatusName(UCS_PTR_STATUS(request)));
+        FailBatch(batch, failed);
         batch.next_op = batch.ops.size();
+        // The target will never count this batch's messages complete: the connection goes.
+        if (batch.awaiting_ack) FailPeer(peer, failed);
         break;
       }
       auto* context = static_cast<RequestContext*>(request);
@@ -165,7 +188,7 @@ bool UcxTransport::PostChunks(PeerState& peer) {
       peer.window.OnPosted(length);
     }
     peer.to_post.pop_front();
-    if (batch.status.ok()) PostFlush(batch);
+    if (batch.status.ok() && batch.has_puts) PostFlush(batch);
     ReleaseRef(batch);  // the posting reference; may complete the batch
   }
   return posted;
@@ -220,6 +243,127 @@ void UcxTransport::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) 
       *peer, Status::Unavailable("ucx: connection to peer " + std::to_string(peer->id) +
                                  " failed: " + UcsStatusName(status)));
   // The endpoint is closed from the loop (ReapPeers), outside UCX's callback.
+}
+
+ucs_status_t UcxTransport::OnAmPut(void* arg, const void* header, size_t header_length, void* data,
+                                   size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxTransport*>(arg);
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+    // pdlib sends eager messages only: a rendezvous request is refused, which fails the send.
+    return UCS_ERR_UNSUPPORTED;
+  }
+  ucp_ep_h reply_ep =
+      (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
+  AmPutHeader h{};
+  if (header_length != sizeof(h)) return UCS_OK;  // not pdlib's: nothing to answer
+  std::memcpy(&h, header, sizeof(h));
+  if (h.magic != kAmPutMagic) return UCS_OK;
+  bool batch_done = false;
+  const AmStatus status = self->ApplyAmPut(h, data, length, &batch_done);
+  if (batch_done && reply_ep != nullptr) self->SendAmAck(reply_ep, h.batch, status);
+  return UCS_OK;
+}
+
+UcxTransport::AmStatus UcxTransport::ApplyAmPut(const AmPutHeader& h, const void* data,
+                                                size_t length, bool* batch_done) {
+  auto target_it = am_targets_.find(h.target);
+  if (target_it == am_targets_.end() || target_it->second.fenced) {
+    // Closed or fenced: dropped. Answered at once, so that the initiator gives the batch up.
+    *batch_done = true;
+    return kAmCut;
+  }
+  AmTarget& target = target_it->second;
+  AmStatus status = kAmOk;
+  if (h.messages == 0) {
+    status = kAmBadMessage;
+  } else {
+    // The destination must lie in memory this process registered for "am" writes.
+    const auto dst = static_cast<uintptr_t>(h.dst);
+    bool inside = false;
+    for (const AmRegion& r : am_regions_) {
+      if (dst >= r.addr && length <= r.length && dst - r.addr <= r.length - length) {
+        inside = true;
+        break;
+      }
+    }
+    if (!inside) {
+      status = kAmBadAddress;
+    } else if (length > 0) {
+      std::memcpy(reinterpret_cast<void*>(dst), data, length);
+    }
+  }
+  if (h.messages == 1 || status == kAmBadMessage) {
+    *batch_done = true;
+    return status;
+  }
+  auto [it, inserted] = target.batches.try_emplace(h.batch);
+  AmBatchProgress& progress = it->second;
+  if (inserted) {
+    if (target.batches.size() > kMaxAmBatchesPerTarget) {
+      target.batches.erase(it);
+      *batch_done = true;
+      return kAmBadMessage;
+    }
+    progress.expected = h.messages;
+  } else if (progress.expected != h.messages) {
+    progress.status = kAmBadMessage;
+  }
+  if (status != kAmOk && progress.status == kAmOk) progress.status = status;
+  if (++progress.received < progress.expected) return kAmOk;
+  status = progress.status;
+  target.batches.erase(it);
+  *batch_done = true;
+  return status;
+}
+
+void UcxTransport::SendAmAck(ucp_ep_h reply_ep, uint64_t batch, AmStatus status) {
+  // Owned by the send until it completes (UCX may keep the header until then).
+  auto* ack = new AmAckHeader{kAmAckMagic, status, batch};
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = UCP_AM_SEND_FLAG_EAGER;
+  param.cb.send = [](void* request, ucs_status_t, void* user_data) {
+    delete static_cast<AmAckHeader*>(user_data);
+    ucp_request_free(request);
+  };
+  param.user_data = ack;
+  ucs_status_ptr_t request =
+      ucp_am_send_nbx(reply_ep, kAmAckId, ack, sizeof(*ack), nullptr, 0, &param);
+  // Done at once, or failed (the initiator is gone or its endpoint failed: the ack is moot).
+  if (!UCS_PTR_IS_PTR(request)) delete ack;
+}
+
+ucs_status_t UcxTransport::OnAmAck(void* arg, const void* header, size_t header_length, void* data,
+                                   size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxTransport*>(arg);
+  AmAckHeader ack{};
+  if (header_length != sizeof(ack)) return UCS_OK;
+  std::memcpy(&ack, header, sizeof(ack));
+  if (ack.magic != kAmAckMagic) return UCS_OK;
+  auto it = self->awaiting_ack_.find(ack.batch);
+  if (it == self->awaiting_ack_.end()) return UCS_OK;  // already given up (peer failed)
+  Batch& batch = *it->second;
+  PeerState& peer = *batch.peer;
+  peer.last_activity = self->now_;
+  if (ack.status != kAmOk) {
+    const char* why = ack.status == kAmCut ? "closed or fenced this connection"
+                      : ack.status == kAmBadAddress
+                          ? "refused a write outside its registered memory"
+                          : "refused a malformed message";
+    Status failed = Status::Unavailable("ucx: peer " + std::to_string(peer.id) + " " + why);
+    self->FailBatch(batch, failed);
+    if (ack.status == kAmCut) self->FailPeer(peer, failed);
+  }
+  self->ReleaseAck(batch);
+  return UCS_OK;
+}
+
+void UcxTransport::ReleaseAck(Batch& batch) {
+  if (!batch.awaiting_ack) return;
+  batch.awaiting_ack = false;
+  awaiting_ack_.erase(batch.seq);
+  ReleaseRef(batch);
 }
 
 void UcxTransport::FailBatch(Batch& batch, const Status& status) {
@@ -321,6 +465,13 @@ bool UcxTransport::ReapPeers(Clock::time_point now) {
       changed |= peer.close_state != before;
     }
     if (peer.close_state == CloseState::kClosed) {
+      // Nothing more leaves for the target: acks still awaited will not come.
+      std::vector<Batch*> unacked;
+      for (auto& batch : peer.batches) {
+        if (batch->awaiting_ack) unacked.push_back(batch.get());
+      }
+      for (Batch* batch : unacked) ReleaseAck(*batch);
+      changed |= !unacked.empty();
       if (!peer.batches.empty() && now >= peer.close_deadline) {
         PDLIB_LOG(kWarning, "ucx: %d batches to peer %d still outstanding after closing it",
                   static_cast<int>(peer.batches.size()), peer.id);
@@ -347,6 +498,7 @@ void UcxTransport::OrphanBatches(PeerState& peer) {
   peer.to_post.clear();
   for (auto& batch : peer.batches) {
     batch->orphaned = true;
+    if (batch->awaiting_ack) awaiting_ack_.erase(batch->seq);
     outstanding_seqs_.erase(batch->seq);
     Status status = batch->status.ok() ? Status::Cancelled("ucx: endpoint closed") : batch->status;
     orphan_calls_.emplace_back(std::move(batch->done), std::move(status));

@@ -24,8 +24,15 @@ namespace {
 // version is refused with a clear message instead of being handed to UCX.
 constexpr uint32_t kEndpointMagic = 0x45554450;  // "PDUE"
 constexpr uint32_t kKeyMagic = 0x4b554450;       // "PDUK"
-constexpr uint32_t kBlobVersion = 1;
+// Version 2: the endpoint blob carries the target id and data path, the key blob a flags word.
+constexpr uint32_t kBlobVersion = 2;
 constexpr size_t kBlobHeader = 8;
+// Endpoint payload: target id (8), flags (4), reserved (4), worker address.
+constexpr size_t kEndpointPrefix = 16;
+constexpr uint32_t kEndpointAm = 1;  // the target takes "am" messages
+// Key payload: flags (4), packed rkey.
+constexpr size_t kKeyPrefix = 4;
+constexpr uint32_t kKeyDirect = 1;  // write this region with puts (a peer can map it)
 
 spi::Blob MakeBlob(uint32_t magic, const void* payload, size_t size) {
   spi::Blob blob(kBlobHeader + size);
@@ -103,7 +110,23 @@ Status UcxTransport::Init() {
     return Status::Internal("ucx: ucp_worker_get_address failed: " + UcsStatusName(st));
   }
   UcpWorkerAddress owned_address(raw_worker, address, address_length);
-  endpoint_blob_ = MakeBlob(kEndpointMagic, owned_address.data(), owned_address.size());
+  worker_address_.assign(owned_address.data(), owned_address.data() + owned_address.size());
+  am_target_ = options_.data_path == DataPath::kAm ||
+               (options_.data_path == DataPath::kAuto && !context_->rdma_transport);
+  for (auto [id, cb] :
+       {std::pair{kAmPutId, &UcxTransport::OnAmPut}, std::pair{kAmAckId, &UcxTransport::OnAmAck}}) {
+    ucp_am_handler_param_t am{};
+    am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                    UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    am.id = id;
+    am.flags = UCP_AM_FLAG_WHOLE_MSG;
+    am.cb = cb;
+    am.arg = this;
+    st = ucp_worker_set_am_recv_handler(raw_worker, &am);
+    if (st != UCS_OK) {
+      return Status::Internal("ucx: ucp_worker_set_am_recv_handler failed: " + UcsStatusName(st));
+    }
+  }
 
   st = ucp_worker_get_efd(raw_worker, &worker_fd_);
   if (st != UCS_OK) {
@@ -161,6 +184,7 @@ spi::TransportCapabilities UcxTransport::capabilities() const {
   caps.supports_cuda_memory = context_->cuda_supported;
   caps.max_writes_per_batch = 0;
   caps.max_write_bytes = 0;  // split into ucx.chunk_bytes puts here
+  caps.fences = am_target_ && direct_regions_.load() == 0;
   return caps;
 }
 
@@ -216,6 +240,7 @@ StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegio
               "are emulated (pass the manager's backend_options to AllocateKVPool)",
               region.length, region.addr);
   }
+  const bool direct = IsDirectRegion(region, memh != nullptr);
   using Result = StatusOr<std::pair<std::shared_ptr<UcpMemh>, spi::Blob>>;
   Result mapped = RunOnProgressThread<Result>([&]() -> Result {
     ucp_context_h ctx = context_->handle.get();
@@ -241,27 +266,40 @@ StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegio
     ucs_status_t st = ucp_rkey_pack(ctx, handle->get(), &packed, &packed_size);
     if (st != UCS_OK) return Status::Internal("ucx: ucp_rkey_pack failed: " + UcsStatusName(st));
     UcpRkeyBufferPtr owned(packed);
-    return std::make_pair(std::move(handle), MakeBlob(kKeyMagic, packed, packed_size));
+    std::vector<uint8_t> payload(kKeyPrefix + packed_size);
+    const uint32_t flags = direct ? kKeyDirect : 0;
+    std::memcpy(payload.data(), &flags, sizeof(flags));
+    std::memcpy(payload.data() + kKeyPrefix, packed, packed_size);
+    if (!direct) am_regions_.push_back(AmRegion{addr, region.length});
+    return std::make_pair(std::move(handle), MakeBlob(kKeyMagic, payload.data(), payload.size()));
   });
   if (!mapped.ok()) return mapped.status();
   if (key_blob != nullptr) *key_blob = std::move(mapped->second);
+  if (direct) ++direct_regions_;
   MutexLock lock(&mu_);
-  local_regions_.push_back(LocalRegionEntry{addr, region.length, std::move(mapped->first)});
+  local_regions_.push_back(LocalRegionEntry{addr, region.length, std::move(mapped->first), direct});
   return static_cast<spi::LocalRegionId>(local_regions_.size() - 1);
 }
 
 Status UcxTransport::DeregisterMemory(spi::LocalRegionId region) {
   std::shared_ptr<UcpMemh> memh;
+  LocalRegionEntry entry;
   {
     MutexLock lock(&mu_);
     if (region >= local_regions_.size() || !local_regions_[region]) {
       return Status::NotFound("ucx: local region " + std::to_string(region) + " not registered");
     }
-    memh = std::move(local_regions_[region]->memh);
+    entry = std::move(*local_regions_[region]);
+    memh = std::move(entry.memh);
     local_regions_[region].reset();
   }
+  if (entry.direct) --direct_regions_;
   // Batches accepted before this point may still use the mapping: it retires behind them.
+  // "am" messages for the region are refused from now on.
   return RunOnProgressThread<Status>([&] {
+    std::erase_if(am_regions_, [&](const AmRegion& r) {
+      return r.addr == entry.addr && r.length == entry.length;
+    });
     retired_.emplace_back(last_seq_, std::move(memh));
     ReapRetired();
     return Status::OK();
@@ -270,22 +308,87 @@ Status UcxTransport::DeregisterMemory(spi::LocalRegionId region) {
 
 StatusOr<spi::TargetEndpoint> UcxTransport::CreateTargetEndpoint() {
   // Every initiator connects to the same worker address; UCX creates the target's half of each
-  // connection itself, so the id only tracks what the core opened.
-  MutexLock lock(&mu_);
-  spi::TargetId id = next_target_++;
-  targets_.insert(id);
-  return spi::TargetEndpoint{id, endpoint_blob_};
+  // connection itself. The id travels in the blob: "am" messages name it.
+  spi::TargetId id = 0;
+  {
+    MutexLock lock(&mu_);
+    id = next_target_++;
+    targets_.insert(id);
+  }
+  if (am_target_) {
+    Status added = RunOnProgressThread<Status>([&] {
+      am_targets_.emplace(id, AmTarget{});
+      return Status::OK();
+    });
+    if (!added.ok()) return added;
+  }
+  std::vector<uint8_t> payload(kEndpointPrefix + worker_address_.size());
+  const uint32_t flags = am_target_ ? kEndpointAm : 0;
+  std::memcpy(payload.data(), &id, sizeof(id));
+  std::memcpy(payload.data() + 8, &flags, sizeof(flags));
+  std::memcpy(payload.data() + kEndpointPrefix, worker_address_.data(), worker_address_.size());
+  return spi::TargetEndpoint{id, MakeBlob(kEndpointMagic, payload.data(), payload.size())};
 }
 
 void UcxTransport::CloseTargetEndpoint(spi::TargetId target) {
-  MutexLock lock(&mu_);
-  targets_.erase(target);
+  {
+    MutexLock lock(&mu_);
+    if (targets_.erase(target) == 0) return;
+  }
+  // From now on its "am" messages are refused; UCX's own emulated puts cannot be.
+  if (am_target_) {
+    RunOnProgressThread<Status>([&] {
+      am_targets_.erase(target);
+      return Status::OK();
+    }).IgnoreError();
+  }
+}
+
+Status UcxTransport::FenceTarget(spi::TargetId target) {
+  if (!am_target_) {
+    return Status::Unimplemented(
+        "ucx: cannot fence a peer on the 'put' data path (ucx.data_path; an RDMA transport "
+        "selects it by default): UCX cannot refuse one peer's writes");
+  }
+  if (int direct = direct_regions_.load(); direct > 0) {
+    return Status::FailedPrecondition(
+        "ucx: cannot fence a peer: " + std::to_string(direct) +
+        " registered regions are written directly by peers (a KV pool UCX allocated over "
+        "posix/sysv shared memory, xpmem, or CUDA memory)");
+  }
+  return RunOnProgressThread<Status>([&]() -> Status {
+    auto it = am_targets_.find(target);
+    if (it == am_targets_.end()) {
+      return Status::NotFound("ucx: target " + std::to_string(target) +
+                              " is not open (never created, or closed)");
+    }
+    it->second.fenced = true;
+    it->second.batches.clear();
+    return Status::OK();
+  });
+}
+
+bool UcxTransport::IsDirectRegion(const spi::MemoryRegion& region, bool ucx_allocated) const {
+  if (!am_target_) return true;
+  if (region.kind != MemoryKind::kHost) return true;  // never memcpy'd by the handler
+  if (context_->xpmem) return true;
+  return ucx_allocated && context_->shm_mapping;
 }
 
 StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint) {
   auto payload = BlobPayload(target_endpoint, kEndpointMagic, "endpoint");
   if (!payload.ok()) return payload.status();
-  std::vector<uint8_t> address(payload->begin(), payload->end());  // UCX wants it mutable
+  if (payload->size() <= kEndpointPrefix) {
+    return Status::InvalidArgument("ucx: endpoint blob of " +
+                                   std::to_string(target_endpoint.size()) + " bytes is too short");
+  }
+  uint64_t target = 0;
+  uint32_t flags = 0;
+  std::memcpy(&target, payload->data(), sizeof(target));
+  std::memcpy(&flags, payload->data() + 8, sizeof(flags));
+  const bool am = (flags & kEndpointAm) != 0;
+  // UCX wants the address mutable.
+  std::vector<uint8_t> address(payload->begin() + kEndpointPrefix, payload->end());
 
   auto connected = RunOnProgressThread<StatusOr<spi::PeerId>>([&]() -> StatusOr<spi::PeerId> {
     auto state = std::make_unique<PeerState>();
@@ -294,6 +397,8 @@ StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint
       state->id = next_peer_++;
     }
     state->transport = this;
+    state->target = target;
+    state->am = am;
     state->window = InflightWindow(options_.max_inflight_bytes);
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -312,7 +417,7 @@ StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint
     spi::PeerId id = state->id;
     peer_states_.emplace(id, std::move(state));
     MutexLock lock(&mu_);
-    peers_.emplace(id, PeerEntry{});
+    peers_.emplace(id, PeerEntry{am, {}, Status()});
     return id;
   });
   if (!connected.ok()) return connected.status();
@@ -321,8 +426,15 @@ StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint
 
 StatusOr<spi::RemoteRegionId> UcxTransport::ImportRemoteRegion(spi::PeerId peer,
                                                                const spi::RemoteRegion& region) {
-  auto payload = BlobPayload(region.key, kKeyMagic, "remote key");
-  if (!payload.ok()) return payload.status();
+  auto blob = BlobPayload(region.key, kKeyMagic, "remote key");
+  if (!blob.ok()) return blob.status();
+  if (blob->size() <= kKeyPrefix) {
+    return Status::InvalidArgument("ucx: remote key blob of " + std::to_string(region.key.size()) +
+                                   " bytes is too short");
+  }
+  uint32_t key_flags = 0;
+  std::memcpy(&key_flags, blob->data(), sizeof(key_flags));
+  const std::span<const uint8_t> payload = blob->subspan(kKeyPrefix);
   if (region.length == 0) return Status::InvalidArgument("ucx: empty remote region");
   if (region.addr + region.length < region.addr) {
     return Status::InvalidArgument("ucx: remote region wraps around");
@@ -340,7 +452,7 @@ StatusOr<spi::RemoteRegionId> UcxTransport::ImportRemoteRegion(spi::PeerId peer,
     }
     if (!it->second->failure.ok()) return it->second->failure;
     ucp_rkey_h rkey = nullptr;
-    ucs_status_t st = ucp_ep_rkey_unpack(it->second->ep.get(), payload->data(), &rkey);
+    ucs_status_t st = ucp_ep_rkey_unpack(it->second->ep.get(), payload.data(), &rkey);
     if (st != UCS_OK) {
       return Status::InvalidArgument("ucx: the peer's remote key cannot be unpacked: " +
                                      UcsStatusName(st));
@@ -352,7 +464,8 @@ StatusOr<spi::RemoteRegionId> UcxTransport::ImportRemoteRegion(spi::PeerId peer,
   MutexLock lock(&mu_);
   auto it = peers_.find(peer);  // the rkey belongs to the peer's state and goes with it
   if (it == peers_.end()) return Status::NotFound("ucx: peer " + std::to_string(peer) + " left");
-  it->second.regions.push_back(RemoteRegionEntry{region.addr, region.length, *unpacked});
+  it->second.regions.push_back(
+      RemoteRegionEntry{region.addr, region.length, *unpacked, (key_flags & kKeyDirect) != 0});
   return static_cast<spi::RemoteRegionId>(it->second.regions.size() - 1);
 }
 
@@ -373,6 +486,8 @@ Status UcxTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> 
     }
     if (!it->second.failure.ok()) return it->second.failure;
     const std::vector<RemoteRegionEntry>& remote = it->second.regions;
+    const bool peer_am = it->second.am;
+    uint64_t am_messages = 0;
     for (size_t i = 0; i < ops.size(); ++i) {
       const spi::WriteOp& op = ops[i];
       if (op.local_region >= local_regions_.size() || !local_regions_[op.local_region]) {
@@ -399,10 +514,23 @@ Status UcxTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> 
             " bytes at offset " + std::to_string(op.remote_offset) + " leaves remote region " +
             std::to_string(op.remote_region) + " of " + std::to_string(dst.length) + " bytes");
       }
+      const bool am = peer_am && !dst.direct;
+      if (op.length == 0) continue;
+      if (am) {
+        am_messages += (op.length + options_.am_chunk_bytes - 1) / options_.am_chunk_bytes;
+      } else {
+        batch->has_puts = true;
+      }
       batch->ops.push_back(
           ResolvedOp{reinterpret_cast<const uint8_t*>(local.addr) + op.local_offset,
-                     dst.addr + op.remote_offset, op.length, local.memh->get(), dst.rkey});
+                     dst.addr + op.remote_offset, op.length, local.memh->get(), dst.rkey, am});
     }
+    if (am_messages > UINT32_MAX) {
+      return Status::InvalidArgument("ucx: a batch of " + std::to_string(am_messages) +
+                                     " messages is too large (ucx.am_chunk_bytes)");
+    }
+    batch->am_messages = static_cast<uint32_t>(am_messages);
+    batch->am_headers.reserve(am_messages);
     commands_.push_back(Command{std::move(batch), {}});
     wake = sleeping_;
   }

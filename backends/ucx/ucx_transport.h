@@ -28,6 +28,24 @@
 // - an armed worker is not woken when a peer frees room in a shared-memory FIFO or a socket, so
 //   the thread polls (yielding the core) while writes are outstanding instead of sleeping.
 //
+// Data paths (ucx.data_path, ucx_options.h). A target (decode) chooses per process and says so
+// in its endpoint blob, and per region in its key blobs:
+// - "put": ucp_put_nbx, as above. Where UCX has no RMA lane (tcp; shared memory into memory UCX
+//   did not allocate) UCX emulates the put with its own active messages, which the target
+//   applies without any check and which it cannot refuse for one peer.
+// - "am": pdlib's own active messages. Each chunk is one eager message (ucp_am_send_nbx, at most
+//   ucx.am_chunk_bytes) whose header names the target id, the batch and the destination; the
+//   target's handler (on its progress thread) checks that the target is open and not fenced and
+//   that the destination lies in memory it registered, copies the data, and acknowledges the
+//   batch on the reply endpoint once it has applied all of the batch's messages (they carry the
+//   count, so order does not matter). The initiator completes the batch on that ack. A fence is
+//   a flag the handler checks: after FenceTarget returns, nothing from that initiator is applied
+//   (capabilities().fences). A failed or closed reply endpoint only loses an ack; it cannot
+//   abort the process as UCX's emulated put does.
+// Regions a peer writes directly (a UCX-allocated pool over posix/sysv: the peer memcpys into
+// its mapping; any memory with xpmem; CUDA memory) always take puts, and a target holding such a
+// region does not claim to fence.
+//
 // Threads: every public method may be called from any thread, including from a completion
 // callback (control calls made there run inline on the progress thread). Callbacks run on the
 // progress thread, never while pdlib holds a lock.
@@ -36,6 +54,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -87,6 +106,8 @@ class UcxTransport final : public spi::Transport {
   // Progresses the worker until it finds nothing more to do (three idle rounds) or 50 ms pass:
   // emulated puts already in this worker's FIFOs and sockets are applied before it returns.
   void SettleIncoming() override;
+  // "am" data path only, and only while no region is written directly (see the file comment).
+  Status FenceTarget(spi::TargetId target) override;
 
   // The context this transport shares with KV pools and transports configured alike.
   const std::shared_ptr<UcxContext>& context() const { return context_; }
@@ -102,7 +123,35 @@ class UcxTransport final : public spi::Transport {
     uint64_t length;
     ucp_mem_h memh;
     ucp_rkey_h rkey;
+    bool am;  // sent as pdlib active messages, else as puts
   };
+
+  // Active message ids on pdlib's own workers, and the magics that open their headers.
+  static constexpr unsigned kAmPutId = 1;
+  static constexpr unsigned kAmAckId = 2;
+  static constexpr uint32_t kAmPutMagic = 0x50414450;  // "PDAP"
+  static constexpr uint32_t kAmAckMagic = 0x41414450;  // "PDAA"
+  // Batches of one target whose messages are partly applied; more is a misbehaving initiator.
+  static constexpr size_t kMaxAmBatchesPerTarget = size_t{1} << 16;
+
+  // The header of one "am" data message (host byte order: UCX itself assumes both ends share
+  // one architecture). Every message of a batch carries the batch's message count.
+  struct AmPutHeader {
+    uint32_t magic;
+    uint32_t messages;
+    uint64_t target;
+    uint64_t batch;
+    uint64_t dst;
+  };
+  static_assert(sizeof(AmPutHeader) == 32);
+  // The target's answer once it applied (or refused) all of a batch's messages.
+  struct AmAckHeader {
+    uint32_t magic;
+    uint32_t status;  // AmStatus
+    uint64_t batch;
+  };
+  static_assert(sizeof(AmAckHeader) == 16);
+  enum AmStatus : uint32_t { kAmOk = 0, kAmCut = 1, kAmBadAddress = 2, kAmBadMessage = 3 };
 
   // One PostWrites call. Owned by its peer's `batches` list from acceptance to completion.
   struct Batch {
@@ -117,8 +166,12 @@ class UcxTransport final : public spi::Transport {
     // progress thread reads or writes it (UCX calls request callbacks from
     // ucp_worker_progress, on that thread), so it needs no atomic.
     uint32_t pending = 1;
-    Status status;          // the first error
-    bool orphaned = false;  // abandoned at a close deadline: only UCX's late callbacks remain
+    Status status;             // the first error
+    bool orphaned = false;     // abandoned at a close deadline: only UCX's late callbacks remain
+    bool has_puts = false;     // some op travels as puts: a flush ends the batch
+    uint32_t am_messages = 0;  // "am" messages in the batch
+    std::vector<AmPutHeader> am_headers;  // one per message sent; reserved, so never moved
+    bool awaiting_ack = false;            // holds a reference until the target's ack
     std::list<std::unique_ptr<Batch>>::iterator self;
   };
 
@@ -137,6 +190,8 @@ class UcxTransport final : public spi::Transport {
   struct PeerState {
     UcxTransport* transport = nullptr;
     spi::PeerId id = 0;
+    uint64_t target = 0;  // the target's id for this connection (from its endpoint blob)
+    bool am = false;      // the target takes "am" messages for regions it did not mark direct
     UcpEp ep;
     std::vector<UcpRkeyPtr> rkeys;
     InflightWindow window{0};
@@ -158,14 +213,17 @@ class UcxTransport final : public spi::Transport {
     uintptr_t addr = 0;
     uint64_t length = 0;
     std::shared_ptr<UcpMemh> memh;
+    bool direct = false;  // peers write it with puts (see IsDirectRegion)
   };
   struct RemoteRegionEntry {
     uint64_t addr = 0;
     uint64_t length = 0;
     ucp_rkey_h rkey = nullptr;  // owned by the PeerState
+    bool direct = false;        // the target asks for puts into this region
   };
   // A connection, as PostWrites validates it.
   struct PeerEntry {
+    bool am = false;
     std::vector<RemoteRegionEntry> regions;
     Status failure;  // non-OK once the endpoint failed: new batches are refused
   };
@@ -207,14 +265,25 @@ class UcxTransport final : public spi::Transport {
   void Shutdown();
   static void OnRequestDone(void* request, ucs_status_t status, void* user_data);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  // "am" data path (progress thread, inside ucp_worker_progress).
+  static ucs_status_t OnAmPut(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAmAck(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param);
+  AmStatus ApplyAmPut(const AmPutHeader& header, const void* data, size_t length, bool* batch_done);
+  void SendAmAck(ucp_ep_h reply_ep, uint64_t batch, AmStatus status);
+  void ReleaseAck(Batch& batch);
+  // Whether a region of this kind at this address is written with puts even on the "am" path.
+  bool IsDirectRegion(const spi::MemoryRegion& region, bool ucx_allocated) const;
 
   const UcxOptions options_;
   std::shared_ptr<UcxContext> context_;
   UcpWorkerPtr worker_;
-  std::vector<uint8_t> endpoint_blob_;  // magic + worker address
-  int worker_fd_ = -1;                  // owned by the worker
-  int wake_fd_ = -1;                    // eventfd, owned
-  int epoll_fd_ = -1;                   // owned
+  std::vector<uint8_t> worker_address_;
+  bool am_target_ = false;  // this process takes "am" messages as a target (ucx.data_path)
+  int worker_fd_ = -1;      // owned by the worker
+  int wake_fd_ = -1;        // eventfd, owned
+  int epoll_fd_ = -1;       // owned
 
   // Shared with API threads.
   Mutex mu_;
@@ -226,8 +295,26 @@ class UcxTransport final : public spi::Transport {
   spi::PeerId next_peer_ ABSL_GUARDED_BY(mu_) = 1;
   spi::TargetId next_target_ ABSL_GUARDED_BY(mu_) = 1;
   std::set<spi::TargetId> targets_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int> direct_regions_{0};  // registered regions peers write with puts
 
   // Progress thread only.
+  // "am" targets: open connections, and how far each batch of theirs got.
+  struct AmBatchProgress {
+    uint32_t expected = 0;
+    uint32_t received = 0;
+    AmStatus status = kAmOk;
+  };
+  struct AmTarget {
+    bool fenced = false;
+    std::unordered_map<uint64_t, AmBatchProgress> batches;
+  };
+  std::unordered_map<spi::TargetId, AmTarget> am_targets_;
+  struct AmRegion {
+    uintptr_t addr;
+    uint64_t length;
+  };
+  std::vector<AmRegion> am_regions_;  // host memory "am" messages may write (not direct)
+  std::unordered_map<uint64_t, Batch*> awaiting_ack_;  // by batch seq
   std::unordered_map<spi::PeerId, std::unique_ptr<PeerState>> peer_states_;
   uint64_t last_seq_ = 0;                // seq of the last accepted batch
   std::set<uint64_t> outstanding_seqs_;  // seqs of batches not yet completed

@@ -108,17 +108,26 @@ void CheckSeeds(const std::vector<std::string>& transport, const char* fault_kin
 
 #if defined(PDLIB_CHAOS_HAVE_UCX)
 
+// UCX's default data path for the engine's (malloc'ed) pools is pdlib's own active messages:
+// decode applies them itself and fences a frozen prefill's connection (backends/ucx/README.md).
 TEST_CASE("ucx shm: 1P1D and 2P2D under kill -9 and SIGSTOP, seeds 1-5, no stale write") {
   CheckSeeds({"--backend", "ucx", "--backend-option", "ucx.tls=shm"}, "kill,stop");
 }
 
-// Freezes only over tcp: a decode frozen while a prefill is killed with emulated puts queued in
-// decode's socket aborts inside UCX 1.13 when it resumes (ucp_put_handler: "Fatal: unexpected
-// error"), a crash pdlib cannot prevent while it uses UCX's emulated puts (backends/ucx/README.md).
-TEST_CASE("ucx tcp: 1P1D and 2P2D under SIGSTOP, seeds 1-5, no stale write") {
+// tcp with kills and freezes: with UCX's emulated puts (ucx.data_path=put) a decode frozen while
+// a prefill is killed with puts queued in its socket aborted inside UCX 1.13 when it resumed;
+// pdlib's active messages cannot abort it.
+TEST_CASE("ucx tcp: 1P1D and 2P2D under kill -9 and SIGSTOP, seeds 1-5, no stale write") {
   CheckSeeds({"--backend", "ucx", "--backend-option", "ucx.tls=tcp", "--backend-option",
               "ucx.net_devices=lo"},
-             "stop");
+             "kill,stop");
+}
+
+// UCX puts (shm): decode cannot fence and quarantines the pages until prefill drains or dies.
+TEST_CASE("ucx shm, put path: 1P1D and 2P2D under kill -9 and SIGSTOP, seeds 1-5, no stale write") {
+  CheckSeeds({"--backend", "ucx", "--backend-option", "ucx.tls=shm", "--backend-option",
+              "ucx.data_path=put"},
+             "kill,stop");
 }
 
 #endif  // PDLIB_CHAOS_HAVE_UCX

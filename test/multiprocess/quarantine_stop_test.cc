@@ -6,11 +6,12 @@
 //      the last one (RUN ... transferring, two chunks); the first chunk lands;
 //   2. SIGSTOP prefill, queue "RESUME" on its stdin (it reads it when it wakes), and let decode
 //      fail the room through its liveness timeout;
-//   3. quarantine (UCX shm, tcp: capabilities().fences is false): the pages stay not reusable for
+//   3. quarantine (UCX puts, ucx.data_path=put: capabilities().fences is false): the pages stay not
+//   reusable for
 //      as long as prefill is frozen; SIGCONT; prefill wakes, may still write the last page (into
 //      the quarantined page: harmless), drains, and only then are the pages reusable;
-//      fence (verbs, in the Soft-RoCE VM): decode fences the connection, so the pages are
-//      reusable while prefill is still frozen; only then SIGCONT;
+//      fence (UCX's am path, and verbs in the Soft-RoCE VM): decode fences the connection, so the
+//      pages are reusable while prefill is still frozen; only then SIGCONT;
 //   4. the engine reuses the pages (a new pattern in every KV page and the metadata slot), and
 //      not one byte of it may change afterwards, whatever prefill does.
 #include <sys/wait.h>
@@ -227,12 +228,23 @@ void FrozenPrefillNeverWritesReusedPages(const std::string& backend,
 
 }  // namespace
 
-TEST_CASE("quarantine over ucx shm: a frozen prefill never writes into a reused page") {
-  FrozenPrefillNeverWritesReusedPages("ucx", {"ucx.tls=shm"}, false);
+// UCX's default data path for memory the engine allocated is pdlib's own active messages, which
+// decode fences; with UCX puts (ucx.data_path=put) it cannot and quarantines instead.
+TEST_CASE("fence over ucx shm (am path): a frozen prefill never writes into a reused page") {
+  FrozenPrefillNeverWritesReusedPages("ucx", {"ucx.tls=shm"}, true);
 }
 
-TEST_CASE("quarantine over ucx tcp: a frozen prefill never writes into a reused page") {
-  FrozenPrefillNeverWritesReusedPages("ucx", {"ucx.tls=tcp", "ucx.net_devices=lo"}, false);
+TEST_CASE("fence over ucx tcp (am path): a frozen prefill never writes into a reused page") {
+  FrozenPrefillNeverWritesReusedPages("ucx", {"ucx.tls=tcp", "ucx.net_devices=lo"}, true);
+}
+
+TEST_CASE("quarantine over ucx shm (put path): a frozen prefill never writes into a reused page") {
+  FrozenPrefillNeverWritesReusedPages("ucx", {"ucx.tls=shm", "ucx.data_path=put"}, false);
+}
+
+TEST_CASE("quarantine over ucx tcp (put path): a frozen prefill never writes into a reused page") {
+  FrozenPrefillNeverWritesReusedPages(
+      "ucx", {"ucx.tls=tcp", "ucx.net_devices=lo", "ucx.data_path=put"}, false);
 }
 
 // Needs an RDMA device: run in the Soft-RoCE VM (test/verbs, quarantine_stop_rxe).

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backends/ucx/put_window.h"
+#include "backends/ucx/ucx_context.h"
 #include "pdlib/spi/transport.h"
 
 namespace spi = pdlib::spi;
@@ -119,6 +120,7 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
                        {"ucx.config.RNDV_THRESH", "8k"}, {"ucx.max_inflight_bytes", "16M"},
                        {"ucx.chunk_bytes", "256k"},      {"ucx.busy_poll_us", "5"},
                        {"ucx.stall_timeout_ms", "0"},    {"ucx.flush", "worker"},
+                       {"ucx.data_path", "put"},         {"ucx.am_chunk_bytes", "8k"},
                        {"other.backend.key", "ignored"}};
     env["UCX_TLS"] = "tcp";
     auto parsed = ucx::ParseUcxOptions(options, lookup);
@@ -133,6 +135,29 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
     CHECK(parsed->busy_poll_us == 5);
     CHECK(parsed->stall_timeout_ms == 0);
     CHECK(parsed->flush == ucx::FlushMode::kWorker);
+    CHECK(parsed->data_path == ucx::DataPath::kPut);
+    CHECK(parsed->am_chunk_bytes == uint64_t{8} << 10);
+  }
+
+  SECTION("the data path and byte sizes are checked") {
+    for (auto [key, value] :
+         std::vector<std::pair<std::string, std::string>>{{"ucx.data_path", "rdma"},
+                                                          {"ucx.am_chunk_bytes", "0"},
+                                                          {"ucx.chunk_bytes", "0"},
+                                                          {"ucx.am_chunk_bytes", "lots"}}) {
+      INFO(key << "=" << value);
+      spi::TransportOptions options;
+      options.options = {{key, value}};
+      auto parsed = ucx::ParseUcxOptions(options, lookup);
+      REQUIRE_FALSE(parsed.ok());
+      CHECK(parsed.status().code() == StatusCode::kInvalidArgument);
+      CHECK(std::string(parsed.status().message()).find(key) != std::string::npos);
+    }
+    spi::TransportOptions none;
+    auto parsed = ucx::ParseUcxOptions(none, lookup);
+    REQUIRE(parsed.ok());
+    CHECK(parsed->data_path == ucx::DataPath::kAuto);
+    CHECK(parsed->am_chunk_bytes == uint64_t{32} << 10);
   }
 
   SECTION("defaults for a transport that UCX_TLS leaves out are not applied") {
@@ -228,4 +253,18 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
     CHECK_FALSE(ucx::ParseByteSize("99999999999999999999").ok());
     CHECK_FALSE(ucx::ParseByteSize("17179869184g").ok());
   }
+}
+
+TEST_CASE("ucx reads the transports of a context from ucp_context_print_info") {
+  const char* info =
+      "#\n# UCP context\n#\n#     component 0  :  self\n"
+      "#            md 1  :  component 1  tcp \n"
+      "#      resource 0  :  md 0  dev 0  flags -- self/memory0\n"
+      "#      resource 1  :  md 1  dev 1  flags -- tcp/lo\n"
+      "#      resource 3  :  md 2  dev 3  flags -- posix/memory\n"
+      "#      resource 7  :  md 5  dev 4  flags -- rc_mlx5/mlx5_0:1\n"
+      "#      resource 8  :  md 5  dev 4  flags -- nothing\n";
+  CHECK(ucx::ParseResourceTransports(info) ==
+        std::vector<std::string>{"self", "tcp", "posix", "rc_mlx5"});
+  CHECK(ucx::ParseResourceTransports("").empty());
 }

@@ -135,6 +135,10 @@ TEST_CASE("ucx writes are byte-exact for random layouts over shm and tcp") {
       {"shm", {{"ucx.chunk_bytes", "48k"}, {"ucx.max_inflight_bytes", "160k"}}},
       {"tcp", {{"ucx.chunk_bytes", "48k"}, {"ucx.max_inflight_bytes", "160k"}}},
       {"shm", {{"ucx.flush", "worker"}}},
+      // UCX puts (emulated here) instead of pdlib's active messages; odd message sizes.
+      {"shm", {{"ucx.data_path", "put"}}},
+      {"tcp", {{"ucx.data_path", "put"}}},
+      {"tcp", {{"ucx.am_chunk_bytes", "5000"}, {"ucx.max_inflight_bytes", "64k"}}},
   };
   constexpr size_t kSources = 3, kSourceBytes = size_t{4} << 20;
   constexpr size_t kBatches = 8, kDestBytes = size_t{4} << 20;
@@ -192,6 +196,92 @@ TEST_CASE("ucx writes are byte-exact for random layouts over shm and tcp") {
       }
     }
   }
+}
+
+// The "am" data path (the default here: no RDMA transport): the target applies each message
+// itself, so it refuses what lies outside memory it registered, and a fence drops everything
+// the initiator sends afterwards. Neither holds for puts, which the target does not see.
+TEST_CASE("ucx am path: the target refuses writes outside its memory and fences a peer") {
+  for (std::string tls : {"shm", "tcp"}) {
+    INFO("tls " << tls);
+    Link link = Connect(MakeUcx(tls), MakeUcx(tls));
+    CHECK(link.target->capabilities().fences);
+    constexpr size_t kBytes = 65536;
+    std::vector<uint8_t> src(2 * kBytes), dst(2 * kBytes, 0);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + 1);
+    spi::Blob unused;
+    auto src_id = link.initiator->RegisterMemory({src.data(), src.size()}, &unused);
+    REQUIRE(src_id.ok());
+    // The target registers the first half only; the initiator is told (falsely) it may write
+    // both halves, as a buggy or hostile prefill would believe.
+    spi::Blob key;
+    auto local = link.target->RegisterMemory({dst.data(), kBytes}, &key);
+    REQUIRE(local.ok());
+    auto forged = link.initiator->ImportRemoteRegion(
+        link.peer, {reinterpret_cast<uint64_t>(dst.data()), 2 * kBytes, key});
+    REQUIRE(forged.ok());
+
+    {  // inside: lands
+      Completions done;
+      spi::WriteOp op{*src_id, 0, *forged, 0, kBytes};
+      REQUIRE(link.initiator->PostWrites(link.peer, std::span(&op, 1), done.Callback()).ok());
+      REQUIRE(done.Wait(1));
+      CHECK(done.statuses()[0].ok());
+      CHECK(std::memcmp(dst.data(), src.data(), kBytes) == 0);
+    }
+    {  // straddling the end of the registered half: refused, and not a byte past it written
+      Completions done;
+      spi::WriteOp op{*src_id, 0, *forged, kBytes - 4096, 3 * 4096};
+      REQUIRE(link.initiator->PostWrites(link.peer, std::span(&op, 1), done.Callback()).ok());
+      REQUIRE(done.Wait(1));
+      const Status st = done.statuses()[0];
+      INFO(st.ToString());
+      CHECK_FALSE(st.ok());
+      CHECK(std::string(st.message()).find("outside its registered memory") != std::string::npos);
+      CHECK(std::all_of(dst.begin() + kBytes, dst.end(), [](uint8_t b) { return b == 0; }));
+    }
+    // Fenced: nothing lands any more and no batch completes OK; the connection is failed.
+    REQUIRE(link.target->FenceTarget(link.target_id).ok());
+    std::fill(dst.begin(), dst.end(), 0);
+    Completions done;
+    int posted = 0;
+    for (int i = 0; i < 4; ++i) {
+      spi::WriteOp op{*src_id, 0, *forged, 0, kBytes};
+      posted += link.initiator->PostWrites(link.peer, std::span(&op, 1), done.Callback()).ok();
+    }
+    REQUIRE(done.Wait(posted, std::chrono::seconds(20)));
+    for (const Status& st : done.statuses()) {
+      INFO(st.ToString());
+      CHECK_FALSE(st.ok());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    CHECK(std::all_of(dst.begin(), dst.end(), [](uint8_t b) { return b == 0; }));
+  }
+}
+
+TEST_CASE("ucx claims to fence only where no peer writes its memory directly") {
+  CHECK_FALSE(MakeUcx("shm", {{"ucx.data_path", "put"}})->capabilities().fences);
+  {
+    auto t = MakeUcx("shm", {{"ucx.data_path", "put"}});
+    auto ep = t->CreateTargetEndpoint();
+    REQUIRE(ep.ok());
+    CHECK(t->FenceTarget(ep->id).code() == StatusCode::kUnimplemented);
+  }
+  // A pool UCX allocated over posix/sysv is memcpy'd into by the peer itself: puts, no fence.
+  auto t = MakeUcx("shm");
+  CHECK(t->capabilities().fences);
+  auto pool = pdlib::AllocateKVPool("ucx", 1 << 20, pdlib::MemoryKind::kHost, {{"ucx.tls", "shm"}});
+  REQUIRE(pool.ok());
+  spi::Blob key;
+  auto id = t->RegisterMemory({(*pool)->data(), (*pool)->size()}, &key);
+  REQUIRE(id.ok());
+  CHECK_FALSE(t->capabilities().fences);
+  auto ep = t->CreateTargetEndpoint();
+  REQUIRE(ep.ok());
+  CHECK(t->FenceTarget(ep->id).code() == StatusCode::kFailedPrecondition);
+  REQUIRE(t->DeregisterMemory(*id).ok());
+  CHECK(t->capabilities().fences);
+  t.reset();
 }
 
 // KV pools allocated with the transports' options share their UCP context, so registering a
