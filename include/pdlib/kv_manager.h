@@ -18,10 +18,12 @@
 // request's pages were sent to:
 //   - that rank reported that it drained the room (no write in flight, none to come), or
 //   - the connection was fenced (transports with capabilities().fences, e.g. verbs: the QPs go
-//     to the error state, so late writes are dropped by the NIC), or
+//     to the error state, so late writes are dropped by the NIC; ucx on its "am" data path:
+//     decode's handler drops the connection's messages), or
 //   - that prefill manager is known gone: another instance answers at its address, or nothing
 //     listens there any more.
-// A paused prefill therefore holds the pages (quarantine) until it resumes and drains, or dies.
+// Where the connection cannot be fenced, a paused prefill therefore holds the pages
+// (quarantine) until it resumes and drains, or dies.
 // KVManagerMetrics counts quarantined pages; one held longer than
 // KVManagerOptions::quarantine_warn_after is logged at ERROR with the prefill rank named. It is
 // never released by time alone. A sender's PagesReusable() says the same of its source pages:
