@@ -9,6 +9,9 @@ set(PDLIB_WITH_CUDA AUTO CACHE STRING "Build the CUDA model kernels and CUDA mem
 set_property(CACHE PDLIB_WITH_UCX PROPERTY STRINGS AUTO ON OFF)
 set_property(CACHE PDLIB_WITH_VERBS PROPERTY STRINGS AUTO ON OFF)
 set_property(CACHE PDLIB_WITH_CUDA PROPERTY STRINGS AUTO ON OFF)
+set(PDLIB_WITH_PYTHON AUTO CACHE STRING
+    "Build the Python package (pybind11; AUTO: with Python 3 and pybind11, without sanitizers)")
+set_property(CACHE PDLIB_WITH_PYTHON PROPERTY STRINGS AUTO ON OFF)
 option(PDLIB_BUILD_TESTS "Build the Catch2 tests" ON)
 option(PDLIB_BUILD_BENCH "Build the benchmarks" ON)
 option(PDLIB_BUILD_EXAMPLES "Build the examples" ON)
@@ -64,6 +67,24 @@ else()
   set(ibverbs_found FALSE)
 endif()
 pdlib_resolve_option(PDLIB_WITH_VERBS "${ibverbs_found}" "libibverbs (libibverbs-dev)")
+
+# The Python package (python/). Debian's interpreter unless Python3_EXECUTABLE says otherwise:
+# its numpy and torch (python3-numpy, python3-torch) are the ones the tests import, and a pyenv
+# or other interpreter first on PATH has none of them. Sanitizer builds leave it out: the
+# interpreter is not instrumented (ASan needs to be loaded first, TSan sees its threads blind).
+set(python_found FALSE)
+if(NOT PDLIB_WITH_PYTHON STREQUAL "OFF" AND NOT PDLIB_SANITIZE)
+  if(NOT Python3_EXECUTABLE AND EXISTS /usr/bin/python3)
+    set(Python3_EXECUTABLE /usr/bin/python3)
+  endif()
+  find_package(Python3 COMPONENTS Interpreter Development.Module QUIET)
+  if(Python3_FOUND)
+    find_package(pybind11 CONFIG QUIET)
+    set(python_found ${pybind11_FOUND})
+  endif()
+endif()
+pdlib_resolve_option(PDLIB_WITH_PYTHON "${python_found}"
+                     "Python 3 and pybind11 (python3-dev, pybind11-dev; not with sanitizers)")
 
 set(cuda_found FALSE)
 if(NOT PDLIB_WITH_CUDA STREQUAL "OFF")

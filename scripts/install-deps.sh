@@ -19,6 +19,9 @@ PACKAGES=(
   ibverbs-providers perftest
   # valgrind_* tests (memcheck over two processes); openssl makes the TLS test's certificates.
   valgrind openssl
+  # The Python package (python/): pybind11 for the module; numpy, torch and pytest for its tests,
+  # the example engine pair and the benchmark.
+  python3-dev pybind11-dev python3-pybind11 python3-numpy python3-pytest python3-torch
 )
 
 missing=()

@@ -1,0 +1,311 @@
+"""Benchmarks of pdlib's Python binding against the issue #14 targets, in one run:
+
+  poll      cost of KVReceiver.poll() (and pdlib.sglang's poll()) from Python   target <= 1 us
+  send      Python-side time of KVSender.send() with 1,000 page indices        target <= 20 us
+  transfer  the KV-shaped two-process transfer driven from Python (32 layers, 32 KiB items,
+            16 scattered pages, 64 requests, concurrency 4) over UCX shm and tcp, next to
+            pdlib-transfer-bench (C++) with the same shape in the same run: >= 95% of its GB/s
+
+    PYTHONPATH=build/release/python python3 bench/python/pdlib_py_bench.py \
+        [--cxx-bench build/release/bench/transfer/pdlib-transfer-bench] [--json out.json]
+
+Prints a table, then the same figures as one JSON object. Everything runs on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+import pdlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_pair(pages: int, item: int = 64):
+    port = free_port()
+    managers, keep = [], []
+    for mode in (pdlib.Mode.Prefill, pdlib.Mode.Decode):
+        o = pdlib.KVManagerOptions(mode=mode, backend="fake",
+                                   control_plane=pdlib.ControlPlane.InProcess)
+        buf = np.zeros((pages, item), np.uint8)
+        keep.append(buf)
+        o.args.kv.add(buf)
+        o.args.kv.add(np.zeros((pages, item), np.uint8))
+        aux = pdlib.MetadataBuffers(8)
+        keep.append(aux)
+        o.args.aux = aux.describe()
+        o.args.page_size = 16
+        o.args.fingerprint = pdlib.ModelFingerprint(1, 1, 1, 1, 1, "bench")
+        o.bootstrap_port = port
+        o.start_bootstrap_server = mode == pdlib.Mode.Prefill
+        managers.append(pdlib.KVManager.create(o))
+    return managers[0], managers[1], f"127.0.0.1:{port}", keep
+
+
+def bench_poll(n: int = 1_000_000) -> Dict[str, float]:
+    from pdlib import sglang as pd
+
+    prefill, decode, address, _ = fake_pair(16)
+    receiver = decode.create_receiver(address, 1)
+    poll = receiver.poll
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(n):
+            poll()
+        best = min(best, (time.perf_counter() - start) / n)
+
+    class Wrapped(pd._Handle):  # pdlib.sglang's poll() over the same handle
+        def __init__(self, handle):
+            self.handle = handle
+            self.bootstrap_room = 1
+
+    wpoll = Wrapped(receiver).poll
+    best_sglang = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(n):
+            wpoll()
+        best_sglang = min(best_sglang, (time.perf_counter() - start) / n)
+    start = time.perf_counter()
+    for _ in range(n):
+        pass
+    loop = (time.perf_counter() - start) / n
+    decode.close()
+    prefill.close()
+    return {"poll_us": best * 1e6, "sglang_poll_us": best_sglang * 1e6, "loop_us": loop * 1e6}
+
+
+def bench_send(pages: int = 1000, rounds: int = 300) -> Dict[str, float]:
+    prefill, decode, address, _ = fake_pair(pages + 8)
+    indices = np.arange(pages, dtype=np.int32)
+    rng = np.random.default_rng(1)
+    times: List[float] = []
+    for room in range(1, rounds + 1):
+        sender = prefill.create_sender(room)
+        receiver = decode.create_receiver(address, room)
+        receiver.init(indices, None)
+        while sender.poll() < pdlib.KVPoll.WaitingForInput:
+            time.sleep(0.0001)
+        sender.init(pages, None)
+        src = rng.permutation(pages).astype(np.int32)
+        start = time.perf_counter()
+        sender.send(src, True)
+        times.append(time.perf_counter() - start)
+        while not receiver.poll().is_terminal:
+            time.sleep(0.0001)
+        sender.close()
+        receiver.close()
+    decode.close()
+    prefill.close()
+    times.sort()
+    return {"send_1000_median_us": statistics.median(times) * 1e6,
+            "send_1000_p90_us": times[int(0.9 * len(times))] * 1e6}
+
+
+# --- the two-process transfer --------------------------------------------------------------
+
+
+def transfer_options(mode: pdlib.Mode, a: Dict[str, Any], port: int, keep: List[Any]
+                     ) -> pdlib.KVManagerOptions:
+    backend_options = dict(a["backend_options"])
+    o = pdlib.KVManagerOptions(mode=mode, backend="ucx", backend_options=backend_options)
+    buffers = 2 * a["layers"]
+    buffer_bytes = a["pool_pages"] * a["item_bytes"]
+    # One backend-allocated pool carved into the K and V buffers, as pdlib-transfer-bench's
+    # default --pool-alloc backend does (UCX shm writes directly into such memory).
+    pool = pdlib.allocate_kv_pool("ucx", buffers * buffer_bytes, pdlib.MemoryKind.Host,
+                                  backend_options)
+    keep.append(pool)
+    for b in range(buffers):
+        o.args.kv.ptrs.append(pool.data_ptr + b * buffer_bytes)
+        o.args.kv.lens.append(buffer_bytes)
+        o.args.kv.item_lens.append(a["item_bytes"])
+    aux = pdlib.MetadataBuffers(2 * a["concurrency"] + 4)
+    keep.append(aux)
+    o.args.aux = aux.describe()
+    o.args.aux_room_buffer = -1  # the benchmark does not fill aux slots
+    o.args.page_size = 16
+    o.args.fingerprint = pdlib.ModelFingerprint(a["layers"], 8, 128, 2, 1, "bench")
+    o.bootstrap_port = port
+    o.start_bootstrap_server = mode == pdlib.Mode.Prefill
+    return o
+
+
+def run_prefill(a: Dict[str, Any]) -> int:
+    """The prefill process: sends every room as soon as decode's pages are known."""
+    keep: List[Any] = []
+    manager = pdlib.KVManager.create(transfer_options(pdlib.Mode.Prefill, a, a["port"], keep))
+    print("READY", flush=True)
+    rng = random.Random(7)
+    total = a["warmup"] + a["requests"]
+    pending = list(range(1, total + 1))
+    live: Dict[int, Any] = {}
+    done = 0
+    while done < total:
+        while pending and len(live) < 2 * a["concurrency"]:
+            room = pending.pop(0)
+            live[room] = [manager.create_sender(room), False]
+        for room in list(live):
+            sender, sent = live[room]
+            state = sender.poll()
+            if not sent and state == pdlib.KVPoll.WaitingForInput:
+                pages = np.asarray(rng.sample(range(a["pool_pages"]), a["pages"]), np.int32)
+                sender.init(a["pages"], None)
+                sender.send(pages, True)
+                live[room][1] = True
+            elif state.is_terminal:
+                sender.close()
+                del live[room]
+                done += 1
+        time.sleep(0.00002)
+    sys.stdin.readline()  # decode says when it has read everything
+    manager.close()
+    return 0
+
+
+def run_decode(a: Dict[str, Any]) -> Dict[str, float]:
+    port = free_port()
+    a = dict(a, port=port)
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "prefill",
+                              "--config", json.dumps(a)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "READY"
+        keep: List[Any] = []
+        manager = pdlib.KVManager.create(transfer_options(pdlib.Mode.Decode, a, port, keep))
+        rng = random.Random(11)
+        address = f"127.0.0.1:{port}"
+
+        def batch(first: int, count: int) -> float:
+            pending = list(range(first, first + count))
+            live: Dict[int, Any] = {}
+            start = time.perf_counter()
+            while pending or live:
+                while pending and len(live) < a["concurrency"]:
+                    room = pending.pop(0)
+                    r = manager.create_receiver(address, room)
+                    r.init(np.asarray(rng.sample(range(a["pool_pages"]), a["pages"]), np.int32),
+                           None)
+                    live[room] = r
+                for room in list(live):
+                    state = live[room].poll()
+                    if state.is_terminal:
+                        if state != pdlib.KVPoll.Success:
+                            raise RuntimeError(f"room {room}: {live[room].failure_reason()}")
+                        live[room].close()
+                        del live[room]
+                time.sleep(0.00002)
+            return time.perf_counter() - start
+
+        batch(1, a["warmup"])
+        seconds = batch(a["warmup"] + 1, a["requests"])
+        manager.close()
+    finally:
+        try:
+            child.stdin.write("\n")
+            child.stdin.flush()
+            child.wait(30)
+        except Exception:  # noqa: BLE001 - the child is killed below anyway
+            pass
+        if child.poll() is None:
+            child.kill()
+    payload = a["requests"] * a["pages"] * 2 * a["layers"] * a["item_bytes"]
+    return {"seconds": seconds, "gbytes_per_s": payload / seconds / 1e9}
+
+
+def run_cxx(binary: str, a: Dict[str, Any]) -> Optional[float]:
+    cmd = [binary, "--backend", "ucx", "--layers", str(a["layers"]), "--item-bytes",
+           str(a["item_bytes"]), "--pages", str(a["pages"]), "--layout", "scattered",
+           "--pool-pages", str(a["pool_pages"]), "--requests", str(a["requests"]),
+           "--warmup", str(a["warmup"]), "--concurrency", str(a["concurrency"]), "--json"]
+    for k, v in a["backend_options"].items():
+        cmd += ["--backend-option", f"{k}={v}"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"pdlib-transfer-bench failed: {e}", file=sys.stderr)
+        return None
+    for line in out.splitlines():
+        if line.startswith("{"):
+            return float(json.loads(line)["gbytes_per_s"])
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--role", default="bench", help=argparse.SUPPRESS)
+    ap.add_argument("--config", default="{}", help=argparse.SUPPRESS)
+    ap.add_argument("--cxx-bench", default=os.path.join(
+        HERE, "..", "..", "build", "release", "bench", "transfer", "pdlib-transfer-bench"))
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3, help="transfer runs per side; best kept")
+    ap.add_argument("--skip-transfer", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the JSON object to this file")
+    args = ap.parse_args()
+    if args.role == "prefill":
+        return run_prefill(json.loads(args.config))
+
+    results: Dict[str, Any] = {}
+    results.update(bench_poll())
+    results.update(bench_send())
+    rows = [("poll() [pdlib]", f"{results['poll_us']:.3f} us", "<= 1 us",
+             results["poll_us"] <= 1.0),
+            ("poll() [pdlib.sglang]", f"{results['sglang_poll_us']:.3f} us", "<= 1 us",
+             results["sglang_poll_us"] <= 1.0),
+            ("send() 1000 pages, median", f"{results['send_1000_median_us']:.2f} us", "<= 20 us",
+             results["send_1000_median_us"] <= 20.0)]
+    if not args.skip_transfer and "ucx" in pdlib.list_backends():
+        for name, opts in (("shm", {"ucx.tls": "shm"}),
+                           ("tcp", {"ucx.tls": "tcp", "ucx.net_devices": "lo"})):
+            a = dict(layers=32, item_bytes=32768, pages=16, pool_pages=128,
+                     requests=args.requests, warmup=args.warmup, concurrency=4,
+                     backend_options=opts)
+            # Interleaved, best of --repeat each: the two share one machine and its noise.
+            py_runs, cxx_runs = [], []
+            for _ in range(args.repeat):
+                py_runs.append(run_decode(a)["gbytes_per_s"])
+                cxx = run_cxx(args.cxx_bench, a) if os.path.exists(args.cxx_bench) else None
+                if cxx is not None:
+                    cxx_runs.append(cxx)
+            py = max(py_runs)
+            cxx = max(cxx_runs) if cxx_runs else None
+            results[f"transfer_{name}_python_gbytes_per_s"] = py
+            results[f"transfer_{name}_cxx_gbytes_per_s"] = cxx
+            ratio = py / cxx if cxx else None
+            results[f"transfer_{name}_ratio"] = ratio
+            rows.append((f"transfer ucx {name} (Python / C++)",
+                         f"{py:.2f} / {cxx:.2f} GB/s" if cxx else f"{py:.2f} GB/s / n.a.",
+                         ">= 95%", None if ratio is None else ratio >= 0.95))
+    width = max(len(r[0]) for r in rows)
+    print(f"{'benchmark':<{width}}  {'measured':>24}  {'target':>9}  ok")
+    for name, value, target, ok in rows:
+        print(f"{name:<{width}}  {value:>24}  {target:>9}  {'-' if ok is None else ok}")
+    text = json.dumps(results, indent=None, sort_keys=True)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

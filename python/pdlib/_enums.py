@@ -1,0 +1,93 @@
+"""pdlib's enums as IntEnums with the C++ values (include/pdlib/types.h, status.h, log.h).
+
+The values are part of the contract: KVPoll.Failed is 0 so that a MIN all-reduce across ranks
+makes every rank agree on failure, and the C++ extension hands out these very members.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class KVPoll(enum.IntEnum):
+    """Transfer state of one request on one rank; it only moves forward."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (KVPoll.Failed, KVPoll.Success)
+
+
+class Mode(enum.IntEnum):
+    Prefill = 0
+    Decode = 1
+
+
+class StateType(enum.IntEnum):
+    Null = 0  # "None" is a keyword-like name in Python; C++ kNone
+    Mamba = 1
+    Swa = 2
+    Nsa = 3
+
+
+class MemoryKind(enum.IntEnum):
+    Host = 0
+    Cuda = 1
+
+
+class KVLayout(enum.IntEnum):
+    NHD = 0
+    HND = 1
+
+
+class ControlPlane(enum.IntEnum):
+    Grpc = 0
+    InProcess = 1
+
+
+class StatusCode(enum.IntEnum):
+    Ok = 0
+    Cancelled = 1
+    Unknown = 2
+    InvalidArgument = 3
+    DeadlineExceeded = 4
+    NotFound = 5
+    AlreadyExists = 6
+    PermissionDenied = 7
+    ResourceExhausted = 8
+    FailedPrecondition = 9
+    Aborted = 10
+    OutOfRange = 11
+    Unimplemented = 12
+    Internal = 13
+    Unavailable = 14
+    DataLoss = 15
+    Unauthenticated = 16
+
+
+class LogLevel(enum.IntEnum):
+    Debug = 0
+    Info = 1
+    Warning = 2
+    Error = 3
+    Off = 4
+
+
+class MetadataField(enum.IntEnum):
+    """The fields of a metadata slot, in buffer order (SPEC R4.1)."""
+
+    OutputIds = 0
+    CachedTokens = 1
+    OutputTokenLogprobsVal = 2
+    OutputTokenLogprobsIdx = 3
+    OutputTopLogprobsVal = 4
+    OutputTopLogprobsIdx = 5
+    OutputTopkP = 6
+    OutputTopkIndex = 7
+    OutputHiddenStates = 8
+    BootstrapRoom = 9
