@@ -11,6 +11,7 @@
 #include <chrono>
 #include <deque>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "pdlib/pdlib.h"
@@ -282,6 +283,66 @@ TEST_CASE("page reuse: destroyed handles come out of TakeReusableRooms once drai
   for (uint64_t x : dep.decode->TakeReusableRooms()) d.push_back(x);
   CHECK(d == std::vector<uint64_t>{504});  // once
   CHECK(p == std::vector<uint64_t>{504});
+}
+
+// An engine that destroys a failed receiver the moment it sees Failed, before pdlib has marked
+// its pages reusable (a failure before the pages went out: no quarantine), must still get the
+// room from TakeReusableRooms. The reaper fails the rooms (bootstrap timeout) while this thread
+// polls and drops them, so the drop lands anywhere in FailRoom.
+TEST_CASE("page reuse: a receiver dropped as it fails still comes out of TakeReusableRooms") {
+  FOR_EACH_CONTROL_PLANE();
+  Deployment dep;
+  pdlib::KVManagerOptions o;
+  std::vector<uint8_t> pool(64 * 256);
+  auto aux = std::move(*pdlib::MetadataBuffers::Create(8, 0, 0));
+  o.mode = pdlib::Mode::kDecode;
+  o.backend = "held";
+  o.control_plane = g_plane;
+  o.bootstrap_timeout = 50ms;
+  o.connect_timeout = 50ms;
+  o.args.kv = {{reinterpret_cast<uint64_t>(pool.data())}, {pool.size()}, {256}};
+  o.args.aux = aux->Describe();
+  o.args.page_size = 16;
+  o.args.fingerprint = {1, 8, 128, 2, 1, "page-reuse"};
+  auto decode = pdlib::KVManager::Create(o);
+  REQUIRE(decode.ok());
+  // Nothing bootstraps there: every room fails in Bootstrapping, its pages never out.
+  const pdlib::BootstrapAddress nowhere{
+      "127.0.0.1", g_plane == pdlib::ControlPlane::kGrpc ? FreePort() : uint16_t(g_next_local++)};
+  constexpr uint64_t kRooms = 300;
+  std::vector<std::unique_ptr<pdlib::KVReceiver>> live;
+  for (uint64_t room = 1; room <= kRooms; ++room) {
+    auto r = (*decode)->CreateReceiver(nowhere, 9000 + room);
+    REQUIRE(r.ok());
+    live.push_back(std::move(*r));
+  }
+  std::set<uint64_t> dropped_unreusable, taken;
+  size_t reusable_when_seen = 0;
+  const auto end = std::chrono::steady_clock::now() + 20s;
+  while (!live.empty() && std::chrono::steady_clock::now() < end) {
+    for (size_t i = 0; i < live.size();) {
+      if (live[i]->Poll() != KVPoll::kFailed) {
+        ++i;
+        continue;
+      }
+      if (live[i]->PagesReusable()) {
+        ++reusable_when_seen;
+      } else {
+        dropped_unreusable.insert(live[i]->room());
+      }
+      live.erase(live.begin() + std::ptrdiff_t(i));  // destroyed at once
+    }
+  }
+  REQUIRE(live.empty());
+  REQUIRE(WaitFor([&] {
+    for (uint64_t x : (*decode)->TakeReusableRooms()) taken.insert(x);
+    return std::includes(taken.begin(), taken.end(), dropped_unreusable.begin(),
+                         dropped_unreusable.end());
+  }));
+  INFO(dropped_unreusable.size() << " rooms dropped before their pages were reusable, "
+                                 << reusable_when_seen << " reusable when seen");
+  CHECK(taken.size() == kRooms);  // every failed room, exactly the destroyed ones
+  CHECK((*decode)->metrics().quarantined_rooms == 0);
 }
 
 TEST_CASE("page reuse: a prefill manager that is gone ends the quarantine") {

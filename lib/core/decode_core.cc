@@ -526,8 +526,11 @@ void DecodeCore::EnterQuarantine(const std::shared_ptr<Room>& room) {
   const bool open = std::any_of(room->exposed.begin(), room->exposed.end(),
                                 [](const Exposure& e) { return e.open; });
   if (!open) {
-    // Its pages never went out, or every rank they went to is drained, fenced or gone.
+    // Its pages never went out, or every rank they went to is drained, fenced or gone. Failed
+    // was visible before this: an engine may have destroyed the receiver in between, and
+    // ReleaseRoom then found the pages not reusable yet; TakeReusableRooms reports it now.
     room->state->MarkReusable();
+    if (room->released) released_.Add(room->state->room());
     return;
   }
   room->quarantined = true;
