@@ -430,33 +430,37 @@ py::list PollAndAllReduce(py::sequence handles, py::object group) {
   return out;
 }
 
+// The counters of KVManagerMetrics, one X(name) each (failed_by_cause, a map, goes separately).
+#define PDLIB_PY_SCALAR_METRICS(X) \
+  X(live_rooms)                    \
+  X(bootstrap_queue_size)          \
+  X(transfer_queue_size)           \
+  X(rooms_succeeded)               \
+  X(rooms_failed)                  \
+  X(bootstrap_failed_reqs)         \
+  X(transfer_failed_reqs)          \
+  X(bytes_transferred)             \
+  X(pages_transferred)             \
+  X(write_batches)                 \
+  X(connections)                   \
+  X(requests_total)                \
+  X(transfer_latency_us_sum)       \
+  X(transfer_latency_count)        \
+  X(quarantined_rooms)             \
+  X(quarantined_pages)             \
+  X(quarantine_oldest_ms)          \
+  X(quarantine_max_hold_ms)        \
+  X(quarantine_released_drained)   \
+  X(quarantine_released_fenced)    \
+  X(quarantine_released_gone)      \
+  X(fenced_connections)
+
 py::dict MetricsDict(const pdlib::KVManagerMetrics& m) {
   py::dict d;
-#define PDLIB_PY_METRIC(name) d[#name] = m.name
-  PDLIB_PY_METRIC(live_rooms);
-  PDLIB_PY_METRIC(bootstrap_queue_size);
-  PDLIB_PY_METRIC(transfer_queue_size);
-  PDLIB_PY_METRIC(rooms_succeeded);
-  PDLIB_PY_METRIC(rooms_failed);
-  PDLIB_PY_METRIC(bootstrap_failed_reqs);
-  PDLIB_PY_METRIC(transfer_failed_reqs);
-  PDLIB_PY_METRIC(bytes_transferred);
-  PDLIB_PY_METRIC(pages_transferred);
-  PDLIB_PY_METRIC(write_batches);
-  PDLIB_PY_METRIC(connections);
-  PDLIB_PY_METRIC(requests_total);
-  PDLIB_PY_METRIC(failed_by_cause);
-  PDLIB_PY_METRIC(transfer_latency_us_sum);
-  PDLIB_PY_METRIC(transfer_latency_count);
-  PDLIB_PY_METRIC(quarantined_rooms);
-  PDLIB_PY_METRIC(quarantined_pages);
-  PDLIB_PY_METRIC(quarantine_oldest_ms);
-  PDLIB_PY_METRIC(quarantine_max_hold_ms);
-  PDLIB_PY_METRIC(quarantine_released_drained);
-  PDLIB_PY_METRIC(quarantine_released_fenced);
-  PDLIB_PY_METRIC(quarantine_released_gone);
-  PDLIB_PY_METRIC(fenced_connections);
+#define PDLIB_PY_METRIC(name) d[#name] = m.name;
+  PDLIB_PY_SCALAR_METRICS(PDLIB_PY_METRIC)
 #undef PDLIB_PY_METRIC
+  d["failed_by_cause"] = m.failed_by_cause;
   return d;
 }
 
@@ -465,29 +469,8 @@ pdlib::KVManagerMetrics MetricsFromDict(py::dict d) {
   auto get = [&](const char* name, uint64_t* field) {
     if (d.contains(name)) *field = ToU64(d[name], std::string("metrics['") + name + "']");
   };
-#define PDLIB_PY_METRIC(name) get(#name, &m.name)
-  PDLIB_PY_METRIC(live_rooms);
-  PDLIB_PY_METRIC(bootstrap_queue_size);
-  PDLIB_PY_METRIC(transfer_queue_size);
-  PDLIB_PY_METRIC(rooms_succeeded);
-  PDLIB_PY_METRIC(rooms_failed);
-  PDLIB_PY_METRIC(bootstrap_failed_reqs);
-  PDLIB_PY_METRIC(transfer_failed_reqs);
-  PDLIB_PY_METRIC(bytes_transferred);
-  PDLIB_PY_METRIC(pages_transferred);
-  PDLIB_PY_METRIC(write_batches);
-  PDLIB_PY_METRIC(connections);
-  PDLIB_PY_METRIC(requests_total);
-  PDLIB_PY_METRIC(transfer_latency_us_sum);
-  PDLIB_PY_METRIC(transfer_latency_count);
-  PDLIB_PY_METRIC(quarantined_rooms);
-  PDLIB_PY_METRIC(quarantined_pages);
-  PDLIB_PY_METRIC(quarantine_oldest_ms);
-  PDLIB_PY_METRIC(quarantine_max_hold_ms);
-  PDLIB_PY_METRIC(quarantine_released_drained);
-  PDLIB_PY_METRIC(quarantine_released_fenced);
-  PDLIB_PY_METRIC(quarantine_released_gone);
-  PDLIB_PY_METRIC(fenced_connections);
+#define PDLIB_PY_METRIC(name) get(#name, &m.name);
+  PDLIB_PY_SCALAR_METRICS(PDLIB_PY_METRIC)
 #undef PDLIB_PY_METRIC
   if (d.contains("failed_by_cause")) {
     for (auto [k, v] : py::reinterpret_borrow<py::dict>(d["failed_by_cause"])) {
