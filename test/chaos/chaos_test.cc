@@ -51,10 +51,16 @@ int64_t Field(const std::string& json, std::string_view name) {
 
 #if defined(PDLIB_CHAOS_SANITIZED)
 // Sanitizer builds start processes and run gRPC several times slower: fewer requests, the same
-// number of faults.
+// number of faults, and timeouts that a starved (not dead) process still meets: under TSan with
+// two runs side by side, 1 s liveness and 3 s bootstrap timeouts failed healthy probes.
 constexpr const char* kRequests = "100";
+const std::vector<std::string> kTimeouts = {
+    "--liveness-ms",          "3000", "--connect-timeout-ms", "4000",
+    "--bootstrap-timeout-ms", "6000", "--waiting-timeout-ms", "6000",
+    "--transfer-timeout-ms",  "6000"};
 #else
 constexpr const char* kRequests = "150";
+const std::vector<std::string> kTimeouts;
 #endif
 
 // Every figure that must be zero is zero, and the chaos did happen.
@@ -97,6 +103,7 @@ void CheckSeeds(const std::vector<std::string>& transport, const char* fault_kin
                           fault_kinds, "--seed", seed, "--min-faults", "3"}) {
       args.push_back(a);
     }
+    args.insert(args.end(), kTimeouts.begin(), kTimeouts.end());
     const RunResult r = RunChaos(args);
     CheckClean(r);
     INFO(r.json);
