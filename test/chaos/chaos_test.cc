@@ -85,8 +85,11 @@ void CheckClean(const RunResult& r) {
 }  // namespace
 
 TEST_CASE("fake backend: 1P1D and 2P2D under kill -9 and SIGSTOP, no hang and no leak") {
-  const RunResult r = RunChaos({"--backend", "fake", "--requests", kRequests, "--fault-interval-ms",
-                                "400", "--seed", "11", "--min-faults", "3"});
+  std::vector<std::string> args = {"--backend",           "fake", "--requests", kRequests,
+                                   "--fault-interval-ms", "400",  "--seed",     "11",
+                                   "--min-faults",        "3"};
+  args.insert(args.end(), kTimeouts.begin(), kTimeouts.end());
+  const RunResult r = RunChaos(args);
   CheckClean(r);
 }
 
