@@ -29,6 +29,13 @@ from pdlib import sglang as pd
 from common import Model, first_token, head_slice, kv_pools, page_content, requests
 
 
+def report_failure(rank: int, receiver: pd.KVReceiver) -> None:
+    try:
+        receiver.failure_exception()
+    except pd.KVTransferError as e:
+        print(f"decode rank {rank}: {e}", file=sys.stderr)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
@@ -90,6 +97,9 @@ def main() -> int:
             if state == pdlib.KVPoll.Failed:
                 prealloc.remove(req)
                 failed += 1
+                req["receiver"].abort()  # failed on some rank: drop it here too
+                report_failure(a.rank, req["receiver"])
+                req["receiver"].clear()
             elif state == pdlib.KVPoll.WaitingForInput and len(free) >= req["pages"]:
                 prealloc.remove(req)
                 req["kv_pages"] = rng.sample(free, req["pages"])
@@ -118,10 +128,7 @@ def main() -> int:
             else:
                 failed += 1
                 req["receiver"].abort()  # failed on some rank: drop it here too
-                try:
-                    req["receiver"].failure_exception()
-                except pd.KVTransferError as e:
-                    print(f"decode rank {a.rank}: {e}", file=sys.stderr)
+                report_failure(a.rank, req["receiver"])
             # pdlib's page-reuse rule: a failed request's pages wait until reusable.
             while not req["receiver"].pages_reusable():
                 time.sleep(0.001)

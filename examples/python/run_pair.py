@@ -11,12 +11,25 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> bool:
+    """True once something accepts on 127.0.0.1:port; False if proc exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            time.sleep(0.1)
+    return False
 
 
 def main() -> int:
@@ -32,6 +45,12 @@ def main() -> int:
     if a.backend:
         common += ["--backend", a.backend]
     procs = [subprocess.Popen([sys.executable, os.path.join(here, "prefill.py")] + common)]
+    # As in a deployment, decode starts once prefill's bootstrap server is up (importing torch
+    # alone takes seconds on a busy machine: longer than a receiver's bootstrap timeout).
+    if not wait_for_port(bootstrap, procs[0], a.timeout):
+        procs[0].kill()
+        print(f"run_pair: FAILED (prefill's bootstrap server never came up on port {bootstrap})")
+        return 1
     procs += [subprocess.Popen([sys.executable, os.path.join(here, "decode.py"), "--rank",
                                 str(r), "--world", "2", "--dist-port", str(dist_port)] + common)
               for r in range(2)]
