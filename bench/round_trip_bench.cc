@@ -7,6 +7,9 @@
 //
 //   pdlib_micro_bench --benchmark_filter=RoundTrip
 //
+// BM_SendCall times only the KVSender::Send() call of one chunk of N pages (fake backend): the
+// C++ baseline for bench/python/pdlib_py_bench.py's send() figure, measured the same way.
+//
 // Args: {pages per request, item bytes}. Pages are distinct and at random in each side's pool,
 // so almost no write coalesces. The ucx variants run only when the ucx backend is built.
 #include <benchmark/benchmark.h>
@@ -28,7 +31,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kLayers = 8;
-constexpr uint64_t kPoolPages = 256;  // per buffer
+constexpr uint64_t kPoolPages = 256;  // per buffer, unless Setup() is given more
 constexpr int kPageSets = 64;         // page lists cycled through
 
 // A prefill and a decode manager connected through the in-process control plane.
@@ -36,11 +39,11 @@ class RoundTrip {
  public:
   // Returns "" or why the pair could not be set up.
   std::string Setup(const std::string& backend, const std::map<std::string, std::string>& options,
-                    uint64_t pages, uint64_t item) {
+                    uint64_t pages, uint64_t item, uint64_t pool_pages = kPoolPages) {
     static uint16_t next_bootstrap = 1000;  // in-process control plane: only a key
     bootstrap_ = next_bootstrap++;
     pages_ = pages;
-    const uint64_t buffer_bytes = kPoolPages * item;
+    const uint64_t buffer_bytes = pool_pages * item;
     for (int side = 0; side < 2; ++side) {
       auto pool = pdlib::AllocateKVPool(backend, 2 * kLayers * buffer_bytes,
                                         pdlib::MemoryKind::kHost, options);
@@ -70,7 +73,7 @@ class RoundTrip {
       managers_[side] = std::move(*manager);
     }
     std::mt19937_64 rng(42);
-    std::vector<int32_t> all(kPoolPages);
+    std::vector<int32_t> all(pool_pages);
     for (size_t p = 0; p < all.size(); ++p) all[p] = int32_t(p);
     for (auto* sets : {&src_, &dst_}) {
       for (int s = 0; s < kPageSets; ++s) {
@@ -81,8 +84,13 @@ class RoundTrip {
     return "";
   }
 
-  // One request; returns the time from the receiver's Init() to Success, or an error.
-  std::string Run(uint64_t i, std::chrono::duration<double>* elapsed) {
+  // What Run() times.
+  enum class Timed { kTransfer, kSendCall };
+
+  // One request; returns the time from the receiver's Init() to Success (or of the Send() call
+  // alone), or an error.
+  std::string Run(uint64_t i, std::chrono::duration<double>* elapsed,
+                  Timed timed = Timed::kTransfer) {
     const uint64_t room = ++room_;
     const uint32_t slot = uint32_t(room % 8);
     aux_[0]->bootstrap_room(slot)[0] = room;  // decode checks it (SPEC R4.4)
@@ -99,9 +107,11 @@ class RoundTrip {
     if (auto s = (*receiver)->Init(dst, slot); !s.ok()) return s.ToString();
     if (!WaitFor(**sender, pdlib::KVPoll::kWaitingForInput)) return Why(**sender);
     if (auto s = (*sender)->Init(src.size(), slot); !s.ok()) return s.ToString();
+    const auto send_start = Clock::now();
     if (auto s = (*sender)->Send(src, true); !s.ok()) return s.ToString();
+    if (timed == Timed::kSendCall) *elapsed = Clock::now() - send_start;
     if (!WaitFor(**receiver, pdlib::KVPoll::kSuccess)) return Why(**receiver);
-    *elapsed = Clock::now() - start;
+    if (timed == Timed::kTransfer) *elapsed = Clock::now() - start;
 
     if (!WaitFor(**sender, pdlib::KVPoll::kSuccess)) return Why(**sender);
     return "";
@@ -157,6 +167,33 @@ void BM_KVRoundTrip(benchmark::State& state, const char* backend,
   }
   state.SetBytesProcessed(int64_t(state.iterations() * pages * 2 * kLayers * item));
 }
+
+// The Send() call of one 1,000-page chunk (the whole request), fake backend, 4 KiB items.
+void BM_SendCall(benchmark::State& state) {
+  pdlib::SetLogLevel(pdlib::LogLevel::kError);
+  const uint64_t pages = uint64_t(state.range(0));
+  RoundTrip trip;
+  if (std::string e = trip.Setup("fake", {}, pages, 4096, pages + 8); !e.empty()) {
+    state.SkipWithError(e.c_str());
+    return;
+  }
+  uint64_t i = 0;
+  std::vector<double> us;
+  for (auto _ : state) {
+    std::chrono::duration<double> elapsed{};
+    if (std::string e = trip.Run(i++, &elapsed, RoundTrip::Timed::kSendCall); !e.empty()) {
+      state.SkipWithError(e.c_str());
+      return;
+    }
+    state.SetIterationTime(elapsed.count());
+    us.push_back(elapsed.count() * 1e6);
+  }
+  if (us.empty()) return;
+  std::sort(us.begin(), us.end());  // the Python bench reports medians: so does this
+  state.counters["median_us"] = us[us.size() / 2];
+  state.counters["p90_us"] = us[us.size() * 9 / 10];
+}
+BENCHMARK(BM_SendCall)->ArgName("pages")->Arg(1000)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void RoundTripArgs(benchmark::internal::Benchmark* b) {
   b->ArgNames({"pages", "item_bytes"});
