@@ -2,10 +2,12 @@
 // byte), the page allocator, the failure categories and the leftover count from METRICS.
 #include <catch2/catch.hpp>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "tools/chaos/chaos_accounting.h"
 #include "tools/chaos/chaos_pattern.h"
+#include "tools/chaos/chaos_report.h"
 
 using pdlib_chaos::Outcome;
 
@@ -127,4 +129,24 @@ TEST_CASE("leftovers from a METRICS line") {
   CHECK(l.at("aux_slots") == 2);
   CHECK(l.at("pages") == 6);
   CHECK(l.at("connections") == 1);
+}
+
+TEST_CASE("a child's log with UCX 1.13's wireup assertion is a known UCX abort, nothing else is") {
+  // The head of what a decode process printed when a prefill was killed while connecting.
+  const std::string ucx_abort =
+      "[vm:25505:0:25521] ucp_request.c:684  Assertion `(req->send.wireup.type == "
+      "UCP_WIREUP_MSG_EP_REMOVED) || (req->send.wireup.type == UCP_WIREUP_MSG_EP_CHECK) || "
+      "(req->send.wireup.type == UCP_WIREUP_MSG_ACK)' failed: req 0x7b44 ep 0x7f69: got REP "
+      "message\n==== backtrace (tid:  25521) ====\n"
+      " 4  /lib/x86_64-linux-gnu/libucp.so.0(ucp_request_send_state_ff+0x44f) [0x7f69ea53497f]\n"
+      " 5  /lib/x86_64-linux-gnu/libuct.so.0(uct_tcp_ep_pending_purge+0x71) [0x7f69e96c79e1]\n";
+  CHECK(pdlib_chaos::IsKnownUcxAbort(ucx_abort));
+  CHECK(pdlib_chaos::IsKnownUcxAbort("READY\nQUARANTINE 3 2\n" + ucx_abort));
+  // Any other abort stays a crash: another assertion, a segfault, an ASan report.
+  CHECK_FALSE(pdlib_chaos::IsKnownUcxAbort(
+      "[vm:1:0:1] ucp_ep.c:12  Assertion `ep->flags' failed\n==== backtrace ====\n"
+      " 4  libucp.so.0(ucp_request_send_state_ff+0x44f)\n"));
+  CHECK_FALSE(pdlib_chaos::IsKnownUcxAbort(ucx_abort.substr(0, ucx_abort.find("===="))));
+  CHECK_FALSE(pdlib_chaos::IsKnownUcxAbort("==1==ERROR: AddressSanitizer: heap-use-after-free"));
+  CHECK_FALSE(pdlib_chaos::IsKnownUcxAbort(""));
 }

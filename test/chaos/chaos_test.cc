@@ -77,6 +77,12 @@ void CheckClean(const RunResult& r) {
   CHECK(Field(r.json, "leaked") == 0);
   CHECK(Field(r.json, "stale_writes") == 0);
   CHECK(Field(r.json, "crashes") == 0);
+  // UCX 1.13's wireup abort (tcp; a peer killed mid-connect) is counted apart: see
+  // backends/ucx/README.md. Shown, so that a run where it happened says so.
+  if (Field(r.json, "ucx_known_aborts") > 0) {
+    WARN(Field(r.json, "ucx_known_aborts")
+         << " process(es) aborted inside UCX 1.13 (openucx/ucx#8175)");
+  }
   CHECK(Field(r.json, "unclean_exits") == 0);
   CHECK(Field(r.json, "probes_failed") == 0);
   CHECK(Field(r.json, "succeeded") > 0);
@@ -96,10 +102,10 @@ TEST_CASE("fake backend: 1P1D and 2P2D under kill -9 and SIGSTOP, no hang and no
   CheckClean(r);
 }
 
-// Kills and freezes, seeds 1-5 per transport (1-3 under sanitizers; issue #13): a prefill frozen while its
-// writes were in flight wakes up and completes them after decode failed the room; the pages stay
-// quarantined until that prefill drains or is gone, so no write lands in a page decode handed
-// out again (stale_writes 0), and every quarantine ends (leaked 0).
+// Kills and freezes, seeds 1-5 per transport (1-3 under sanitizers; issue #13): a prefill frozen
+// while its writes were in flight wakes up and completes them after decode failed the room; the
+// pages stay quarantined until that prefill drains or is gone, so no write lands in a page decode
+// handed out again (stale_writes 0), and every quarantine ends (leaked 0).
 void CheckSeeds(const std::vector<std::string>& transport, const char* fault_kinds,
                 const char* requests = kRequests) {
   for (const char* seed : kSeeds) {

@@ -348,11 +348,17 @@ class Topology {
         p.state = Proc::State::kDown;
         continue;
       }
-      ++t_.crashes;
-      Problem(p.name() + " generation " + std::to_string(p.generation) +
-              " died on its own with status " + std::to_string(*status) + "; log " + LogPath(p) +
-              ":\n" + TailOfFile(LogPath(p), 1500));
-      Lose(p, "crashed", now);
+      if (IsKnownUcxAbort(TailOfFile(LogPath(p), 16384))) {
+        ++t_.ucx_known_aborts;
+        Note(p.name() + " aborted inside UCX 1.13 (openucx/ucx#8175); log " + LogPath(p));
+        Lose(p, "aborted inside UCX", now);
+      } else {
+        ++t_.crashes;
+        Problem(p.name() + " generation " + std::to_string(p.generation) +
+                " died on its own with status " + std::to_string(*status) + "; log " + LogPath(p) +
+                ":\n" + TailOfFile(LogPath(p), 1500));
+        Lose(p, "crashed", now);
+      }
       p.restart_at = now + milliseconds(200);
     }
   }
