@@ -22,6 +22,8 @@ PACKAGES=(
   # The Python package (python/): pybind11 for the module; numpy, torch and pytest for its tests,
   # the example engine pair and the benchmark.
   python3-dev pybind11-dev python3-pybind11 python3-numpy python3-pytest python3-torch
+  # mypy type-checks the package and its stubs (ctest "python: mypy --strict").
+  mypy
 )
 
 missing=()

@@ -109,7 +109,7 @@ class TorchProcessGroup:
     def __init__(self, group: Any = None, device: str = "cpu"):
         import torch.distributed as dist
 
-        self._dist = dist
+        self._dist: Any = dist  # torch.distributed: untyped for mypy
         self._group = group
         self._device = device
         self.rank = dist.get_rank(group)
@@ -143,4 +143,19 @@ def log_to_python_logging(logger_name: str = "pdlib") -> None:
     set_log_sink(sink)
 
 
-__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "atexit", "Any")]
+# Spelled out, so that type checkers (mypy --strict) see what the package exports.
+__all__ = [
+    'AUX_ROOM_BUFFER_AUTO', 'AbortedError', 'AlreadyExistsError', 'BootstrapServer',
+    'BufferFamily', 'CancelledError', 'ClosedError', 'ControlPlane', 'DataLossError',
+    'DeadlineExceededError', 'Error', 'FailedPreconditionError', 'InternalError',
+    'InvalidArgumentError', 'KVArgs', 'KVLayout', 'KVManager', 'KVManagerOptions', 'KVPoll',
+    'KVPool', 'KVReceiver', 'KVSender', 'LogLevel', 'MemoryKind', 'MetadataBuffers',
+    'MetadataField', 'MetadataSlotAllocator', 'Mode', 'ModelFingerprint', 'NotFoundError',
+    'OutOfRangeError', 'ParallelConfig', 'PermissionDeniedError', 'ProcessGroup',
+    'ResourceExhaustedError', 'StateType', 'StatusCode', 'TorchProcessGroup',
+    'UnauthenticatedError', 'UnavailableError', 'UnimplementedError', 'UnknownError',
+    'allocate_kv_pool', 'buffer_address', 'builtin_backends', 'get_log_level',
+    'in_process_group', 'list_backends', 'log_to_python_logging', 'page_count',
+    'parse_bootstrap_address', 'poll_and_all_reduce', 'render_prometheus', 'set_log_level',
+    'set_log_sink', 'token_indices_to_page_indices',
+]

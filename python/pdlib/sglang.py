@@ -231,7 +231,7 @@ class KVManager:
         self.manager.close()
 
 
-def _indices(values: Any, what: str) -> Optional[np.ndarray]:
+def _indices(values: Any, what: str) -> Optional[np.ndarray[Any, np.dtype[np.int32]]]:
     """int32, contiguous, range-checked: what pdlib takes without another copy."""
     if values is None:
         return None
@@ -252,7 +252,7 @@ def _indices(values: Any, what: str) -> Optional[np.ndarray]:
     return np.ascontiguousarray(array.reshape(-1), dtype=np.int32)
 
 
-def _state_indices(values: Any) -> Optional[np.ndarray]:
+def _state_indices(values: Any) -> Optional[np.ndarray[Any, np.dtype[np.int32]]]:
     if values is None:
         return None
     if isinstance(values, (list, tuple)) and values and isinstance(values[0], (list, tuple,
@@ -297,6 +297,8 @@ class _Handle:
 class KVSender(_Handle):
     """KVSender(mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank): prefill."""
 
+    handle: pdlib.KVSender
+
     def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int,
                  dest_tp_ranks: Optional[List[int]] = None, pp_rank: int = 0, *_: Any,
                  **__: Any):
@@ -335,6 +337,8 @@ class KVReceiver(_Handle):
     shape until it split it in two); init(prefill_dp_rank) + send_metadata(kv_indices,
     aux_index, state_indices) (the newer shape) is accepted too.
     """
+
+    handle: pdlib.KVReceiver
 
     def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None,
                  prefill_dp_rank: Optional[int] = None, *_: Any, **__: Any):

@@ -23,6 +23,15 @@ def test_enums_have_the_cpp_values():
     assert pdlib.MetadataField.BootstrapRoom == 9
 
 
+def test_all_lists_every_public_name():
+    # __all__ is spelled out for type checkers: a public name added without it fails here.
+    public = {n for n, v in vars(pdlib).items()
+              if not n.startswith("_") and n not in ("annotations", "atexit", "Any", "sglang")
+              and not isinstance(v, type(pdlib))}
+    assert sorted(pdlib.__all__) == sorted(public)
+    assert len(pdlib.__all__) == len(set(pdlib.__all__))
+
+
 def test_list_backends():
     names = pdlib.list_backends()
     assert "fake" in names and names == sorted(names)
