@@ -1,6 +1,7 @@
 // pdlib-demo-fake: one prefill and one decode KVManager in one process over the fake backend,
 // driving one request to Success and printing every state each side passes through. The
-// smallest complete example of the API; `make demo` runs it.
+// smallest complete example of the API: build/release/examples/pdlib-demo-fake (`make demo` runs
+// pd-demo, the disaggregated example model, not this).
 #include <chrono>
 #include <cstdio>
 #include <thread>

@@ -24,8 +24,9 @@ bool HaveUcx() {
 }
 
 // Runs scenario `name`; with `corrupt_room`, prefill spoils one byte of that room and decode must
-// report exactly that room (on the ranks that own the byte) as bad.
-void RunScenario(const std::string& name, int64_t corrupt_room = -1) {
+// report exactly that room (on the ranks that own the byte) as bad. With `wrong_aux_room`,
+// prefill writes that room's aux slot as another room's, and pdlib itself must fail the room.
+void RunScenario(const std::string& name, int64_t corrupt_room = -1, int64_t wrong_aux_room = -1) {
   if (!HaveUcx()) {
     WARN("SKIP: this build has no ucx backend (PDLIB_WITH_UCX=OFF or libucx-dev missing)");
     return;
@@ -46,6 +47,10 @@ void RunScenario(const std::string& name, int64_t corrupt_room = -1) {
     pargs.push_back("--corrupt-room");
     pargs.push_back(std::to_string(corrupt_room));
   }
+  if (wrong_aux_room >= 0) {
+    pargs.push_back("--wrong-aux-room");
+    pargs.push_back(std::to_string(wrong_aux_room));
+  }
   PeerProcess& prefill = scene.Start("prefill", pargs, PDLIB_PLANNER_PEER_BINARY);
   SCENE_REQUIRE(scene, prefill.started());
   SCENE_REQUIRE(scene, !prefill.WaitReady().empty());
@@ -55,12 +60,22 @@ void RunScenario(const std::string& name, int64_t corrupt_room = -1) {
   auto done = decode.Expect("DONE", std::chrono::milliseconds(90000));
   SCENE_REQUIRE(scene, done.has_value());
   const auto fields = pdlib_test::ParseCounters(*done);
-  if (corrupt_room >= 0) {
+  if (corrupt_room >= 0 || wrong_aux_room >= 0) {
     const auto& rooms = decode.rooms();
-    auto bad = rooms.find(static_cast<uint64_t>(corrupt_room));
+    const int64_t failed_room = corrupt_room >= 0 ? corrupt_room : wrong_aux_room;
+    auto bad = rooms.find(static_cast<uint64_t>(failed_room));
     SCENE_REQUIRE(scene, bad != rooms.end());
     SCENE_CHECK(scene, bad->second.state == "Failed");
-    SCENE_CHECK(scene, bad->second.reason.find("bad-byte kv") != std::string::npos);
+    if (corrupt_room >= 0) {
+      SCENE_CHECK(scene, bad->second.reason.find("bad-byte kv") != std::string::npos);
+    } else {
+      // pdlib's own check failed it (the engine never saw Success), naming both rooms.
+      SCENE_CHECK(scene, bad->second.reason.find("DATA_LOSS: room " + std::to_string(failed_room) +
+                                                 ": metadata slot") != std::string::npos);
+      SCENE_CHECK(scene, bad->second.reason.find("holds bootstrap_room " +
+                                                 std::to_string(failed_room + 1000000)) !=
+                             std::string::npos);
+    }
     SCENE_CHECK(scene, fields.at("failed") >= 1);
     SCENE_CHECK(scene,
                 fields.at("ok") + fields.at("failed") == static_cast<uint64_t>(s->rooms * ranks));
@@ -109,4 +124,8 @@ TEST_CASE("planner e2e state mamba 2P1D: split and replicated state slots arrive
 }
 TEST_CASE("planner e2e negative control: one spoiled prefill byte fails its room on decode") {
   RunScenario("tp_2p1d_nhd", 1002);
+}
+// Issue #20 / SPEC R4.4: the decode-side bootstrap_room check of the aux slot, over ucx shm.
+TEST_CASE("planner e2e room check: an aux slot written for another room fails that room") {
+  RunScenario("tp_2p1d_nhd", -1, 1003);
 }

@@ -5,6 +5,7 @@
 //   pdlib_planner_peer --role prefill|decode --scenario NAME --bootstrap-port P
 //                      [--backend ucx] [--backend-option k=v]... [--first-room R]
 //                      [--corrupt-room R]   (prefill: flip one KV byte of room R)
+//                      [--wrong-aux-room R] (prefill: write room R's aux slot as another room's)
 //
 // Prefill: rank (tp 0, pp 0) runs the bootstrap server. Every rank fills its pools with the
 // scenario's pattern for each room before sending it in `chunks` chunks, then prints
@@ -46,7 +47,12 @@ struct Flags {
   uint16_t bootstrap_port = 0;
   uint64_t first_room = 1000;
   int64_t corrupt_room = -1;  // prefill: spoil one KV byte of this room (negative control)
+  // prefill: write this room's aux slot as if it were room + kWrongRoomOffset's (the decode-side
+  // bootstrap_room check, SPEC R4.4, must fail it)
+  int64_t wrong_aux_room = -1;
 };
+
+constexpr uint64_t kWrongRoomOffset = 1000000;
 
 // One rank: its pools, aux slots and manager.
 class Rank {
@@ -176,7 +182,8 @@ class Rank {
       }
     }
     const uint32_t aux = AuxSlot(room);
-    aux_->bootstrap_room(aux)[0] = room;
+    aux_->bootstrap_room(aux)[0] =
+        static_cast<int64_t>(room) == f_.wrong_aux_room ? room + kWrongRoomOffset : room;
     aux_->output_ids(aux)[0] = static_cast<int32_t>(AuxWord(room));
 
     auto sender = manager_->CreateSender(room);
@@ -274,7 +281,7 @@ int Usage(const std::string& why) {
   std::cerr << "pdlib_planner_peer: " << why
             << "\nusage: pdlib_planner_peer --role prefill|decode --scenario NAME "
                "--bootstrap-port P [--backend B] [--backend-option k=v]... [--first-room R] "
-               "[--corrupt-room R]\n";
+               "[--corrupt-room R] [--wrong-aux-room R]\n";
   return 2;
 }
 
@@ -300,6 +307,8 @@ int main(int argc, char** argv) {
       f.bootstrap_port = static_cast<uint16_t>(std::stoi(v));
     } else if (arg == "--corrupt-room") {
       f.corrupt_room = std::stoll(v);
+    } else if (arg == "--wrong-aux-room") {
+      f.wrong_aux_room = std::stoll(v);
     } else if (arg == "--first-room") {
       f.first_room = std::stoull(v);
     } else {
