@@ -39,9 +39,10 @@ class RoundTrip {
  public:
   // Returns "" or why the pair could not be set up.
   std::string Setup(const std::string& backend, const std::map<std::string, std::string>& options,
-                    uint64_t pages, uint64_t item, uint64_t pool_pages = kPoolPages) {
+                    uint64_t pages, uint64_t item, uint64_t pool_pages = kPoolPages,
+                    pdlib::ControlPlane plane = pdlib::ControlPlane::kInProcess) {
     static uint16_t next_bootstrap = 1000;  // in-process control plane: only a key
-    bootstrap_ = next_bootstrap++;
+    bootstrap_ = plane == pdlib::ControlPlane::kInProcess ? next_bootstrap++ : 0;
     pages_ = pages;
     const uint64_t buffer_bytes = pool_pages * item;
     for (int side = 0; side < 2; ++side) {
@@ -53,8 +54,9 @@ class RoundTrip {
       if (!aux.ok()) return aux.status().ToString();
       pdlib::KVManagerOptions o;
       o.mode = side == 0 ? pdlib::Mode::kPrefill : pdlib::Mode::kDecode;
-      o.control_plane = pdlib::ControlPlane::kInProcess;
-      o.bootstrap_port = bootstrap_;
+      o.control_plane = plane;
+      o.bootstrap_port = bootstrap_;  // gRPC: prefill's bootstrap server takes a free port
+      o.start_bootstrap_server = side == 0;
       o.backend = backend;
       o.backend_options = options;
       auto* base = static_cast<uint8_t*>((*pool)->data());
@@ -68,6 +70,10 @@ class RoundTrip {
       o.args.fingerprint = {int32_t(kLayers), 8, 128, 2, 1, "round-trip-bench"};
       auto manager = pdlib::KVManager::Create(o);
       if (!manager.ok()) return manager.status().ToString();
+      if (side == 0 && plane == pdlib::ControlPlane::kGrpc) {
+        const std::string where = (*manager)->bootstrap_endpoint();
+        bootstrap_ = uint16_t(std::stoi(where.substr(where.rfind(':') + 1)));
+      }
       pools_[side] = std::move(*pool);
       aux_[side] = std::move(*aux);
       managers_[side] = std::move(*manager);
@@ -84,8 +90,14 @@ class RoundTrip {
     return "";
   }
 
+  // Decode's warm-up (KVManager::Connect) to the prefill deployment.
+  std::string Connect() {
+    pdlib::Status s = managers_[1]->Connect({"127.0.0.1", bootstrap_}, std::chrono::seconds(10));
+    return s.ok() ? "" : s.ToString();
+  }
+
   // What Run() times.
-  enum class Timed { kTransfer, kSendCall };
+  enum class Timed { kTransfer, kSendCall, kFromCreate };
 
   // One request; returns the time from the receiver's Init() to Success (or of the Send() call
   // alone), or an error.
@@ -97,6 +109,7 @@ class RoundTrip {
     const auto set = (i % kPageSets) * pages_;
     const std::span<const int32_t> src(src_.data() + set, pages_);
     const std::span<const int32_t> dst(dst_.data() + set, pages_);
+    const auto created = Clock::now();
     auto sender = managers_[0]->CreateSender(room);
     if (!sender.ok()) return sender.status().ToString();
     auto receiver = managers_[1]->CreateReceiver({"127.0.0.1", bootstrap_}, room);
@@ -112,6 +125,7 @@ class RoundTrip {
     if (timed == Timed::kSendCall) *elapsed = Clock::now() - send_start;
     if (!WaitFor(**receiver, pdlib::KVPoll::kSuccess)) return Why(**receiver);
     if (timed == Timed::kTransfer) *elapsed = Clock::now() - start;
+    if (timed == Timed::kFromCreate) *elapsed = Clock::now() - created;
 
     if (!WaitFor(**sender, pdlib::KVPoll::kSuccess)) return Why(**sender);
     return "";
@@ -194,6 +208,42 @@ void BM_SendCall(benchmark::State& state) {
   state.counters["p90_us"] = us[us.size() * 9 / 10];
 }
 BENCHMARK(BM_SendCall)->ArgName("pages")->Arg(1000)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// The first request of a fresh decode manager to a fresh prefill deployment (gRPC control plane,
+// fake backend), from CreateSender/CreateReceiver to Success: with connect:1 decode called
+// KVManager::Connect() first (its warm-up, issue #20), with connect:0 the request pays the
+// bootstrap lookup and the connection set-up.
+void BM_FirstRequest(benchmark::State& state) {
+  pdlib::SetLogLevel(pdlib::LogLevel::kError);
+  const bool connect = state.range(0) != 0;
+  for (auto _ : state) {
+    RoundTrip trip;
+    if (std::string e = trip.Setup("fake", {}, 16, 4096, kPoolPages, pdlib::ControlPlane::kGrpc);
+        !e.empty()) {
+      state.SkipWithError(e.c_str());
+      return;
+    }
+    if (connect) {
+      if (std::string e = trip.Connect(); !e.empty()) {
+        state.SkipWithError(e.c_str());
+        return;
+      }
+    }
+    std::chrono::duration<double> elapsed{};
+    if (std::string e = trip.Run(0, &elapsed, RoundTrip::Timed::kFromCreate); !e.empty()) {
+      state.SkipWithError(e.c_str());
+      return;
+    }
+    state.SetIterationTime(elapsed.count());
+  }
+}
+BENCHMARK(BM_FirstRequest)
+    ->ArgName("connect")
+    ->Arg(0)
+    ->Arg(1)
+    ->Iterations(20)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 void RoundTripArgs(benchmark::internal::Benchmark* b) {
   b->ArgNames({"pages", "item_bytes"});

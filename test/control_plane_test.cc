@@ -6,9 +6,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <mutex>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "pdlib/pdlib.h"
 
@@ -326,10 +330,76 @@ TEST_CASE("mismatched page size or fingerprint is refused with both values") {
     REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
     std::string msg((*r)->FailureReason().message());
     CHECK(msg.find("fingerprint mismatch") != std::string::npos);
-    CHECK(msg.find("kv_heads 4") != std::string::npos);
-    CHECK(msg.find("kv_heads 8") != std::string::npos);
+    CHECK(msg.find("num_kv_heads 4 vs 8") != std::string::npos);
     CHECK(dep.decode->metrics().connections == 0);
   }
+  // Issue #20: same element size, another element type. Before, bf16 and fp16 connected.
+  SECTION("kv element type, same size") {
+    Deployment dep([](auto& p, auto& d) {
+      p.args.fingerprint.kv_dtype = "bf16";
+      d.args.fingerprint.kv_dtype = "fp16";
+    });
+    auto r = dep.decode->CreateReceiver(dep.addr(), 1);
+    REQUIRE(r.ok());
+    REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
+    std::string msg((*r)->FailureReason().message());
+    CHECK(msg.find("kv_dtype 'fp16' vs 'bf16'") != std::string::npos);
+    CHECK(dep.decode->metrics().connections == 0);
+  }
+  SECTION("a stated element type against an unstated one, the page layout, the engine tag") {
+    Deployment dep([](auto& p, auto& d) {
+      p.args.fingerprint.state_dtype = "fp32";
+      p.args.fingerprint.page_layout = "nhd";
+      d.args.fingerprint.page_layout = "hnd";
+      d.args.fingerprint.engine_tag = "engine-2";
+    });
+    auto r = dep.decode->CreateReceiver(dep.addr(), 1);
+    REQUIRE(r.ok());
+    REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
+    std::string msg((*r)->FailureReason().message());
+    CHECK(msg.find("state_dtype '' vs 'fp32'") != std::string::npos);
+    CHECK(msg.find("page_layout 'hnd' vs 'nhd'") != std::string::npos);
+    CHECK(msg.find("engine_tag 'engine-2' vs ''") != std::string::npos);
+  }
+  SECTION("the same element types, layout and tag connect") {
+    Deployment dep([](auto& p, auto& d) {
+      for (auto* o : {&p, &d}) {
+        o->args.fingerprint.kv_dtype = "fp8_e4m3";
+        o->args.fingerprint.dtype_bytes = 1;
+        o->args.fingerprint.page_layout = "nhd";
+        o->args.fingerprint.engine_tag = "engine-1";
+      }
+    });
+    auto r = dep.decode->CreateReceiver(dep.addr(), 1);
+    REQUIRE(r.ok());
+    REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kWaitingForInput; }));
+  }
+}
+
+TEST_CASE("a fingerprint's element types are checked at Create") {
+  Pools pools;
+  pdlib::KVManagerOptions o = Options(pdlib::Mode::kPrefill, 0, pools);
+  o.args.fingerprint.kv_dtype = "bfloat16";
+  auto m = pdlib::KVManager::Create(o);
+  REQUIRE_FALSE(m.ok());
+  CHECK(m.status().code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(m.status().message()),
+             Catch::Contains("kv_dtype 'bfloat16'") && Catch::Contains("fp8_e5m2"));
+  o.args.fingerprint.kv_dtype = "fp8_e5m2";
+  o.args.fingerprint.dtype_bytes = 2;
+  m = pdlib::KVManager::Create(o);
+  REQUIRE_FALSE(m.ok());
+  CHECK_THAT(std::string(m.status().message()),
+             Catch::Contains("1-byte elements but dtype_bytes is 2"));
+  o.args.fingerprint.state_dtype = "float";
+  o.args.fingerprint.dtype_bytes = 1;
+  m = pdlib::KVManager::Create(o);
+  REQUIRE_FALSE(m.ok());
+  CHECK_THAT(std::string(m.status().message()), Catch::Contains("state_dtype 'float'"));
+  CHECK(pdlib::ElementTypeBytes("bf16") == 2);
+  CHECK(pdlib::ElementTypeBytes("fp32") == 4);
+  CHECK(pdlib::ElementTypeBytes("nope") == 0);
+  CHECK(pdlib::ElementTypeNames().size() == 7);
 }
 
 TEST_CASE("timeouts fail rooms in every waiting state, with the state named") {
@@ -344,7 +414,10 @@ TEST_CASE("timeouts fail rooms in every waiting state, with the state named") {
   REQUIRE(s.ok());
   REQUIRE(WaitFor([&] { return (*s)->Poll() == KVPoll::kFailed; }, 3000ms));
   CHECK((*s)->FailureReason().code() == StatusCode::kDeadlineExceeded);
-  CHECK(std::string((*s)->FailureReason().message()).find("Bootstrapping") != std::string::npos);
+  // The format include/pdlib/kv_manager.h shows as its example (issue #20: it did not match).
+  CHECK((*s)->FailureReason().ToString() ==
+        "DEADLINE_EXCEEDED: room 1: timed out after 100 ms in state Bootstrapping "
+        "(bootstrap_timeout)");
 
   auto r = dep.decode->CreateReceiver(dep.addr(), 2);  // never Init()ed
   REQUIRE(r.ok());
@@ -609,4 +682,179 @@ TEST_CASE("opaque KV (no kv_head_num) with different TP sizes is refused, naming
   REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
   CHECK_THAT(std::string((*r)->FailureReason().message()),
              Catch::Contains("prefill TP 1 -> decode TP 2 needs kv_head_num"));
+}
+
+// Issue #20: an engine need not pick the bootstrap port itself.
+TEST_CASE("bootstrap port 0: the embedded bootstrap server binds a free port and says which") {
+  g_plane = pdlib::ControlPlane::kGrpc;
+  Pools ppools, dpools, p2pools;
+  auto p = Options(pdlib::Mode::kPrefill, 0, ppools);
+  auto pm = pdlib::KVManager::Create(p);
+  REQUIRE(pm.ok());
+  const std::string where = (*pm)->bootstrap_endpoint();
+  REQUIRE(where.rfind("127.0.0.1:", 0) == 0);
+  const int port = std::stoi(where.substr(where.find(':') + 1));
+  CHECK(port > 0);
+  CHECK(port < 65536);
+  // A second prefill rank cannot take port 0: it must be told where to register.
+  auto p2 = Options(pdlib::Mode::kPrefill, 0, p2pools);
+  p2.start_bootstrap_server = false;
+  auto refused = pdlib::KVManager::Create(p2);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(refused.status().message()), Catch::Contains("start_bootstrap_server"));
+  // Decode finds the deployment at the reported address; a request goes through.
+  auto dm =
+      pdlib::KVManager::Create(Options(pdlib::Mode::kDecode, static_cast<uint16_t>(port), dpools));
+  REQUIRE(dm.ok());
+  auto sender = (*pm)->CreateSender(7);
+  auto receiver = (*dm)->CreateReceiver({"127.0.0.1", static_cast<uint16_t>(port)}, 7);
+  REQUIRE((sender.ok() && receiver.ok()));
+  REQUIRE(WaitFor([&] { return (*receiver)->Poll() == KVPoll::kWaitingForInput; }));
+  std::vector<int32_t> pages = {1, 2};
+  REQUIRE((*receiver)->Init(pages, 1).ok());
+  REQUIRE(WaitFor([&] { return (*sender)->Poll() == KVPoll::kWaitingForInput; }));
+  REQUIRE((*sender)->Init(2, 1).ok());
+  REQUIRE((*sender)->Send(pages, true).ok());
+  REQUIRE(WaitFor([&] { return (*receiver)->Poll() == KVPoll::kSuccess; }));
+  CHECK((*dm)->bootstrap_endpoint().empty());  // decode runs none
+  g_plane = pdlib::ControlPlane::kInProcess;
+}
+
+// Issue #20 / SPEC R10.3: one room can be followed through both sides' info lines; with
+// room_log_every N only rooms whose id is a multiple of N are logged, the same ones on each side.
+TEST_CASE("per-room log anchors at info level, sampled the same way on both sides") {
+  FOR_EACH_CONTROL_PLANE();
+  std::mutex mu;
+  std::vector<std::string> lines;
+  const pdlib::LogLevel old_level = pdlib::GetLogLevel();
+  pdlib::SetLogLevel(pdlib::LogLevel::kInfo);
+  pdlib::SetLogSink([&](pdlib::LogLevel, std::string_view, int, std::string_view m) {
+    std::lock_guard<std::mutex> lock(mu);
+    lines.emplace_back(m);
+  });
+  {
+    Deployment dep([](auto& p, auto& d) { p.room_log_every = d.room_log_every = 10; });
+    for (uint64_t room : {40, 43}) {
+      auto sender = dep.prefill->CreateSender(room);
+      auto receiver = dep.decode->CreateReceiver(dep.addr(), room);
+      REQUIRE((sender.ok() && receiver.ok()));
+      std::vector<int32_t> pages = {1, 2};
+      REQUIRE((*receiver)->Init(pages, 1).ok());
+      REQUIRE(WaitFor([&] { return (*sender)->Poll() == KVPoll::kWaitingForInput; }));
+      REQUIRE((*sender)->Init(2, 1).ok());
+      REQUIRE((*sender)->Send(pages, true).ok());
+      REQUIRE(WaitFor([&] { return (*receiver)->Poll() == KVPoll::kSuccess; }));
+      REQUIRE(WaitFor([&] { return (*sender)->Poll() == KVPoll::kSuccess; }));
+    }
+  }
+  pdlib::SetLogSink(nullptr);
+  pdlib::SetLogLevel(old_level);
+  std::lock_guard<std::mutex> lock(mu);
+  auto logged = [&](const std::string& text) {
+    return std::any_of(lines.begin(), lines.end(),
+                       [&](const std::string& l) { return l.find(text) != std::string::npos; });
+  };
+  for (const char* anchor :
+       {"prefill: room 40 created", "decode: room 40 created", "decode: room 40 bound to prefill",
+        "prefill: room 40 registered: TransferInfo from 1 decode rank(s)",
+        "prefill: room 40 transferred", "decode: room 40 received"}) {
+    INFO(anchor);
+    CHECK(logged(anchor));
+  }
+  CHECK_FALSE(logged("room 43"));  // not a multiple of 10: nothing on either side
+}
+
+namespace {
+
+// A local address that drops SYNs: a listener with a full accept queue that never accepts.
+// Connections to it neither succeed nor fail until the client gives up.
+class Blackhole {
+ public:
+  Blackhole() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    REQUIRE(bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+    REQUIRE(getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+    REQUIRE(listen(fd_, 0) == 0);
+    port_ = ntohs(a.sin_port);
+    for (int i = 0; i < 4; ++i) {  // fill the accept queue (backlog 0 holds one or two)
+      int c = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+      connect(c, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+      fillers_.push_back(c);
+    }
+  }
+  ~Blackhole() {
+    for (int c : fillers_) close(c);
+    close(fd_);
+  }
+  uint16_t port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  uint16_t port_ = 0;
+  std::vector<int> fillers_;
+};
+
+}  // namespace
+
+// Issue #20: cache misses for different bootstrap addresses resolve independently. Before, one
+// thread resolved them in turn: a room whose bootstrap address drops SYNs held every other
+// deployment's new rooms for connect_timeout (here 20 s).
+TEST_CASE("a bootstrap address that does not answer does not hold up rooms of other deployments") {
+  g_plane = pdlib::ControlPlane::kGrpc;
+  Blackhole hole;
+  Deployment dep([](auto&, auto& d) {
+    d.connect_timeout = 20000ms;
+    d.bootstrap_timeout = 60000ms;
+  });
+  auto stuck = dep.decode->CreateReceiver({"127.0.0.1", hole.port()}, 900);
+  REQUIRE(stuck.ok());
+  std::this_thread::sleep_for(50ms);  // a worker is inside the blackholed lookup now
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::unique_ptr<pdlib::KVReceiver>> healthy;
+  for (uint64_t room = 901; room <= 904; ++room) {
+    auto r = dep.decode->CreateReceiver(dep.addr(), room);
+    REQUIRE(r.ok());
+    healthy.push_back(std::move(*r));
+  }
+  for (auto& r : healthy) {
+    REQUIRE(WaitFor([&] { return r->Poll() == KVPoll::kWaitingForInput; }, 10000ms));
+  }
+  const auto took = std::chrono::steady_clock::now() - start;
+  INFO("healthy rooms bootstrapped in "
+       << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms");
+  CHECK(took < 10000ms);                              // far below the blackholed lookup's 20 s
+  CHECK((*stuck)->Poll() == KVPoll::kBootstrapping);  // still trying, not failed
+  (*stuck)->Abort("test over");
+  g_plane = pdlib::ControlPlane::kInProcess;
+}
+
+// Issue #20: warm-up. Decode connects to the deployment before its first request.
+TEST_CASE("Connect() warms up: every needed prefill rank is connected before the first request") {
+  FOR_EACH_CONTROL_PLANE();
+  Deployment dep;
+  CHECK(dep.decode->metrics().connections == 0);
+  REQUIRE(dep.decode->Connect(dep.addr(), 5000ms).ok());
+  CHECK(dep.decode->metrics().connections == 1);
+  REQUIRE(dep.decode->Connect(dep.addr(), 5000ms).ok());  // again: nothing new
+  CHECK(dep.decode->metrics().connections == 1);
+  auto r = dep.decode->CreateReceiver(dep.addr(), 77);
+  REQUIRE(r.ok());
+  REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kWaitingForInput; }));
+  CHECK(dep.decode->metrics().connections == 1);
+
+  // Nothing there: a reason naming the address, within the timeout (plus one attempt).
+  const uint16_t nobody = g_plane == pdlib::ControlPlane::kGrpc ? FreePort() : g_next_bootstrap++;
+  const auto start = std::chrono::steady_clock::now();
+  pdlib::Status s = dep.decode->Connect({"127.0.0.1", nobody}, 300ms);
+  CHECK_FALSE(s.ok());
+  CHECK_THAT(
+      std::string(s.message()),
+      Catch::Contains("connecting to the deployment at 127.0.0.1:" + std::to_string(nobody)));
+  CHECK(std::chrono::steady_clock::now() - start < 5000ms);
+  CHECK(dep.prefill->Connect(dep.addr(), 100ms).code() == StatusCode::kFailedPrecondition);
 }

@@ -41,19 +41,38 @@ def free_port() -> int:
 
 
 class Backoff:
-    """An engine loop's idle wait, as pdlib-transfer-bench's drivers do it: a pass that changed
-    nothing sleeps twice as long as the last one (20 us up to 1 ms), one that did resets it. A
-    loop that polls every 20 us keeps a core busy that pdlib's progress threads need (2 cores)."""
+    """An engine loop's idle wait, the same as pdlib-transfer-bench's drivers (Idler in
+    bench/transfer/bench_ranks.cc): a pass that changed nothing yields (64 times), then sleeps,
+    each sleep twice as long as the last (20 us up to 1 ms); a pass that did resets it. The
+    thread's timer slack is 1 us, so that short sleeps stay short (Linux's default, 50 us, makes
+    a 20 us sleep last 70). A loop that polls every 20 us keeps a core busy that pdlib's
+    progress threads need (2 cores)."""
 
-    def __init__(self, first: float = 20e-6, most: float = 1e-3) -> None:
+    def __init__(self, first: float = 20e-6, most: float = 1e-3, spins: int = 64) -> None:
         self.first, self.most, self.delay = first, most, first
+        self.spins, self.idle = spins, 0
+        _set_timer_slack_ns(1000)
 
     def wait(self, progressed: bool) -> None:
         if progressed:
-            self.delay = self.first
+            self.delay, self.idle = self.first, 0
+            return
+        self.idle += 1
+        if self.idle <= self.spins:
+            os.sched_yield()
             return
         time.sleep(self.delay)
         self.delay = min(self.delay * 2, self.most)
+
+
+def _set_timer_slack_ns(ns: int) -> None:
+    """prctl(PR_SET_TIMERSLACK, ns) for the calling thread; nothing where that is unavailable."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(29, ctypes.c_ulong(ns), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def fake_pair(pages: int, item: int = 64):

@@ -65,6 +65,9 @@ struct HostOptions {
   std::chrono::milliseconds transfer_timeout{30000};
   std::chrono::milliseconds liveness_timeout{5000};
   std::chrono::milliseconds connect_timeout{5000};
+  // Decode: prefill deployments ("host:port" of their bootstrap servers) to connect to at start
+  // (KVManager::Connect), so that their first requests pay no connection set-up.
+  std::vector<std::string> connect;
 
   // Scheduler.
   int32_t num_pages = 512;  // KV pages per rank (page_size tokens each)

@@ -103,7 +103,14 @@ std::string HostUsage(Role program) {
        "  --transfer-timeout-ms N  a transfer not done within N ms fails (default 30000)\n"
        "  --liveness-timeout-ms N  a silent peer is declared dead after N ms, >= 1000 (default "
        "5000)\n"
-       "  --connect-timeout-ms N   connection set-up gives up after N ms (default 5000)\n"
+       "  --connect-timeout-ms N   connection set-up gives up after N ms (default 5000)\n";
+  if (!prefill) {
+    u += "  --connect HOST:PORT      warm up: connect to the prefill deployment whose bootstrap "
+         "server\n"
+         "                           is there before the first request (repeatable; a failure "
+         "is logged)\n";
+  }
+  u += ""
        "  --idle-poll-us N         sleep between steps that only wait on the network (default "
        "500)\n"
        "  --verbose                pdlib info logs on stderr\n"
@@ -216,6 +223,16 @@ StatusOr<HostFlags> ParseHostFlags(Role program, std::span<const std::string_vie
     } else if (arg == "--idle-poll-us") {
       int32_t us = 0;
       if (s = int_flag(0, 1000000, &us); s.ok()) o.idle_poll = std::chrono::microseconds(us);
+    } else if (!prefill && arg == "--connect") {
+      int32_t port = 0;
+      if (s = take(); !s.ok()) {
+      } else if (const size_t colon = value.rfind(':');
+                 colon == std::string_view::npos || colon == 0 ||
+                 !ParseInt<int32_t>(value.substr(colon + 1), 1, 65535, &port)) {
+        s = Status::InvalidArgument("--connect wants HOST:PORT, got '" + std::string(value) + "'");
+      } else {
+        o.connect.emplace_back(value);
+      }
     } else if (!prefill && (arg == "--bootstrap-host" || arg == "--bootstrap-port")) {
       s = Status::InvalidArgument(std::string(arg) +
                                   ": decode takes the prefill bootstrap address from each "

@@ -1,6 +1,8 @@
 #include "examples/hosts/host_rank.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <utility>
@@ -215,6 +217,16 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
     if (!manager.ok()) return fail(manager.status(), "KVManager::Create");
     rep->manager = std::move(*manager);
     rep->transport = std::make_unique<sched::KVManagerTransport>(rep->manager.get());
+    // Warm-up: a prefill deployment named at start is connected to before the first request.
+    for (const std::string& where : options.connect) {
+      const size_t colon = where.rfind(':');
+      BootstrapAddress address{where.substr(0, colon),
+                               static_cast<uint16_t>(std::atoi(where.c_str() + colon + 1))};
+      if (Status s = rep->manager->Connect(address, options.connect_timeout); !s.ok()) {
+        std::fprintf(stderr, "pd-decode: warm-up of %s failed (requests will connect): %s\n",
+                     where.c_str(), s.ToString().c_str());
+      }
+    }
   } else {
     rep->colocated = std::make_unique<ColocatedTransport>(
         rep->model.get(), rep->metadata.get(), std::max(1, options.chunked_prefill_size));

@@ -13,4 +13,8 @@
 #define PDLIB_VERSION_MINOR 1
 #define PDLIB_VERSION_PATCH 0
 
+// The version of pdlib's wire protocol (control messages and the KV layout they describe). It
+// travels in every fingerprint; a peer with another version is refused when it registers.
+#define PDLIB_WIRE_VERSION 2
+
 #endif  // PDLIB_EXPORT_H_

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "pdlib/types.h"
@@ -40,15 +41,41 @@ struct ParallelConfig {
 };
 
 // Describes the model's KV shape so that two sides that would corrupt each other's memory
-// refuse to connect (SPEC R6.4). Both sides must agree on every field.
+// refuse to connect (SPEC R6.4). A decode rank whose fingerprint differs from its prefill's is
+// refused when it registers, with both values named; prefill ranks of one deployment must agree
+// with each other the same way.
+//
+// Compared exactly: every field below, except model_name (compared only when both sides set
+// it, for engines that name the same weights differently). "" is a value: a side that states
+// kv_dtype "bf16" and one that leaves it empty are refused, since one of them cannot tell.
+// What may differ between the sides is everything outside the fingerprint: TP/PP sizes and
+// ranks, pool sizes, page indices, backends' options (the planner maps one layout onto the
+// other; SPEC R5).
 struct ModelFingerprint {
   int32_t num_layers = 0;      // total layers of the model (not this PP stage's share)
   int32_t num_kv_heads = 0;    // total KV heads before TP sharding
   int32_t head_dim = 0;        // elements per head
   int32_t dtype_bytes = 0;     // bytes per KV element (2 for bf16/fp16, 1 for fp8)
-  int32_t layout_version = 1;  // bumped when pdlib's wire layout of KV changes
+  int32_t layout_version = 1;  // the engine's own KV layout version (bump when it changes)
   std::string model_name;      // free-form, compared verbatim when both sides set it
+  // Element type of the KV cache and of the state buffers by name: one of ElementTypeNames()
+  // ("fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8", "uint8"), or "" (not stated). A
+  // name whose size disagrees with dtype_bytes (when that is set) is refused at Create().
+  std::string kv_dtype{};
+  std::string state_dtype{};
+  // The attention backend's page layout, e.g. "nhd" or "hnd" (free-form).
+  std::string page_layout{};
+  // Anything else the engine wants both sides to agree on, e.g. "sglang-0.4.6/flashinfer".
+  std::string engine_tag{};
+  // pdlib's wire protocol version. pdlib sends its own (PDLIB_WIRE_VERSION) whatever this
+  // holds; on a received fingerprint it is the peer's.
+  int32_t wire_version = PDLIB_WIRE_VERSION;
 };
+
+// The element type names ModelFingerprint::kv_dtype and state_dtype accept, and their sizes in
+// bytes (0 for a name that is not one of them).
+PDLIB_EXPORT std::vector<std::string> ElementTypeNames();
+PDLIB_EXPORT int32_t ElementTypeBytes(std::string_view name);
 
 // The buffers and shapes of one rank (SPEC R3.1).
 struct KVArgs {
@@ -129,6 +156,8 @@ struct KVManagerOptions {
   uint16_t bootstrap_port = 8998;
   // Prefill: run the bootstrap server inside this manager, on bootstrap_host:bootstrap_port
   // (typically on one rank of the deployment; pdlib-bootstrap is the standalone alternative).
+  // With bootstrap_port 0 it binds a free port: KVManager::bootstrap_endpoint() names it (give
+  // that to the other ranks and to decode). Port 0 needs start_bootstrap_server (gRPC).
   bool start_bootstrap_server = false;
 
   // A silent peer (frozen process, cut network) is declared dead after this long and every
@@ -163,6 +192,12 @@ struct KVManagerOptions {
   std::string tls_ca_file;
   // Threads that turn queued chunks into write batches (prefill).
   int32_t transfer_workers = 2;
+  // Per-room log lines at info level (SPEC R10.3: created, bound/registered, transferred; a
+  // failure is a warning and always logged) for rooms whose id is a multiple of this: 1 logs
+  // every room; N > 1 one room in N, the same rooms on prefill and decode, so that a sampled
+  // room can be followed end to end. Nothing is formatted when info is off (the default level
+  // is warning). >= 1.
+  uint32_t room_log_every = 1;
 
   // Probability in [0, 1] that a transfer is failed on purpose, to exercise failure paths
   // (SPEC R7.3). Negative: read PDLIB_TEST_FAILURE_PROB from the environment (unset: 0).

@@ -53,8 +53,8 @@ class PDLIB_EXPORT KVPollable {
   virtual ~KVPollable() = default;
   // Wait-free: the current state, never moving backwards (SPEC R2.2, R2.3).
   virtual KVPoll Poll() const = 0;
-  // OK unless Poll() is kFailed; then the reason, e.g. DEADLINE_EXCEEDED: "room 7: no
-  // TransferInfo from decode within 30000 ms (state Bootstrapping)".
+  // OK unless Poll() is kFailed; then the reason, e.g. (ToString()) "DEADLINE_EXCEEDED: room 7:
+  // timed out after 30000 ms in state Bootstrapping (bootstrap_timeout)".
   virtual Status FailureReason() const = 0;
   // The request's bootstrap_room.
   virtual uint64_t room() const = 0;
@@ -149,9 +149,24 @@ class PDLIB_EXPORT KVManager {
   virtual Mode mode() const = 0;
   // Prefill: "host:port" of this rank's control endpoint.
   virtual std::string endpoint() const = 0;
+  // Prefill with start_bootstrap_server (gRPC control plane): "host:port" of the bootstrap
+  // server this manager runs, with the port it bound (a free one when bootstrap_port was 0).
+  // "" otherwise.
+  virtual std::string bootstrap_endpoint() const { return ""; }
 
   // Prefill only. Fails with kAlreadyExists when `room` is live on this manager.
   virtual StatusOr<std::unique_ptr<KVSender>> CreateSender(uint64_t room) = 0;
+  // Decode only: warm-up. Connects to every prefill rank this decode rank needs in the
+  // deployment behind `bootstrap` (all its DP groups), so that the first request pays no
+  // connection set-up. Returns OK once every such rank is connected and has accepted this
+  // rank's registration; otherwise the reason (a rank not registered within `timeout`, a
+  // fingerprint mismatch, ...). Retries what may succeed later until `timeout`; one attempt may
+  // run past it by up to connect_timeout. Safe to call again (cheap once connected).
+  virtual Status Connect(const BootstrapAddress& bootstrap, std::chrono::milliseconds timeout) {
+    (void)bootstrap;
+    (void)timeout;
+    return Status::FailedPrecondition("Connect() is for decode managers");
+  }
   // Decode only. `prefill_dp_rank` overrides the default room % prefill_dp_size (SPEC R5.7).
   virtual StatusOr<std::unique_ptr<KVReceiver>> CreateReceiver(
       const BootstrapAddress& bootstrap, uint64_t room,

@@ -15,8 +15,9 @@ namespace control {
 
 namespace {
 
-constexpr size_t kMaxHostLength = 255;        // DNS name limit
-constexpr size_t kMaxModelNameLength = 1024;  // generous; bounds what a peer can make us store
+constexpr size_t kMaxHostLength = 255;  // DNS name limit
+constexpr size_t kMaxModelNameLength =
+    1024;  // each fingerprint string; bounds what a peer can make us store
 
 Status CheckSize(const char* field, int32_t size) {
   if (size < 1 || size > kMaxParallelSize) {
@@ -90,10 +91,15 @@ Status ValidateRankRegistration(const RankRegistration& reg) {
                    CheckNonNegative("fingerprint.layout_version", fp.layout_version)}) {
     if (!s.ok()) return s;
   }
-  if (fp.model_name.size() > kMaxModelNameLength) {
-    return Status::InvalidArgument(
-        absl::StrFormat("fingerprint.model_name of %d bytes is longer than %d bytes",
-                        fp.model_name.size(), kMaxModelNameLength));
+  for (const auto& [field, text] :
+       {std::pair{"model_name", &fp.model_name}, std::pair{"kv_dtype", &fp.kv_dtype},
+        std::pair{"state_dtype", &fp.state_dtype}, std::pair{"page_layout", &fp.page_layout},
+        std::pair{"engine_tag", &fp.engine_tag}}) {
+    if (text->size() > kMaxModelNameLength) {
+      return Status::InvalidArgument(
+          absl::StrFormat("fingerprint.%s of %d bytes is longer than %d bytes", field, text->size(),
+                          kMaxModelNameLength));
+    }
   }
   return Status::OK();
 }

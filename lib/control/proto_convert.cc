@@ -17,6 +17,11 @@ void ToProto(const ModelFingerprint& in, pb::ModelFingerprint* out) {
   out->set_dtype_bytes(in.dtype_bytes);
   out->set_layout_version(in.layout_version);
   out->set_model_name(in.model_name);
+  out->set_kv_dtype(in.kv_dtype);
+  out->set_state_dtype(in.state_dtype);
+  out->set_page_layout(in.page_layout);
+  out->set_engine_tag(in.engine_tag);
+  out->set_wire_version(PDLIB_WIRE_VERSION);  // always this library's, whatever `in` holds
 }
 
 ModelFingerprint FromProto(const pb::ModelFingerprint& in) {
@@ -27,6 +32,11 @@ ModelFingerprint FromProto(const pb::ModelFingerprint& in) {
   out.dtype_bytes = in.dtype_bytes();
   out.layout_version = in.layout_version();
   out.model_name = in.model_name();
+  out.kv_dtype = in.kv_dtype();
+  out.state_dtype = in.state_dtype();
+  out.page_layout = in.page_layout();
+  out.engine_tag = in.engine_tag();
+  out.wire_version = in.wire_version();
   return out;
 }
 

@@ -222,14 +222,30 @@ StatusOr<std::shared_ptr<RoomState>> DecodeCore::CreateRoom(uint64_t room_id) {
     return Status::Unavailable("decode manager is shutting down");
   }
   room_data_[room_id] = std::make_shared<Room>(*state);
-  PDLIB_LOG(kDebug, "decode: room %d created", room_id);
+  PDLIB_ROOM_LOG(options_.room_log_every, room_id, "decode: room %d created", room_id);
   return state;
 }
+
+namespace {
+
+// "prefill 127.0.0.1:4000 (tp 0), prefill 127.0.0.1:4001 (tp 1, dummy)" for a room's log line.
+std::string BoundString(const std::vector<BoundPrefill>& prefills) {
+  std::string out;
+  for (const BoundPrefill& p : prefills) {
+    if (!out.empty()) out += ", ";
+    out += absl::StrFormat("prefill %s%s", p.key, p.target.dummy ? " (dummy)" : "");
+  }
+  return out.empty() ? "no prefill rank" : out;
+}
+
+}  // namespace
 
 void DecodeCore::BindRoom(uint64_t room_id, std::vector<BoundPrefill> prefills) {
   auto room = FindRoom(room_id);
   if (!room) return;
   const bool inject = injector_.Roll(FailureStage::kBootstrap);
+  PDLIB_ROOM_LOG(options_.room_log_every, room_id, "decode: room %d bound to %s", room_id,
+                 BoundString(prefills));
   bool initialized = false;
   {
     MutexLock lock(&room->mu);
@@ -381,7 +397,7 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
   room->state->MarkReusable();
   if (room->state->Advance(KVPoll::kSuccess)) {
     counters_.CountSuccess(*room->state);
-    PDLIB_LOG(kInfo, "decode: room %d received", msg.room);
+    PDLIB_ROOM_LOG(options_.room_log_every, msg.room, "decode: room %d received", msg.room);
   }
 }
 

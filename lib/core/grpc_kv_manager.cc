@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
 #include "lib/base/log_internal.h"
 #include "lib/base/mutex.h"
@@ -32,21 +33,24 @@ control::ControlSecurity Security(const KVManagerOptions& o) {
 
 class GrpcPrefillManager final : public PrefillManagerBase {
  public:
-  static StatusOr<std::unique_ptr<KVManager>> Create(const KVManagerOptions& o,
+  static StatusOr<std::unique_ptr<KVManager>> Create(const KVManagerOptions& options,
                                                      std::unique_ptr<spi::Transport> transport) {
     std::unique_ptr<GrpcPrefillManager> m(new GrpcPrefillManager());
-    auto core = PrefillCore::Create(o, std::move(transport));
-    if (!core.ok()) return core.status();
-    m->core_ = *core;
+    KVManagerOptions o = options;
     if (o.start_bootstrap_server) {
       control::BootstrapServerOptions bo;
       bo.host = o.bootstrap_host;
-      bo.port = o.bootstrap_port;
+      bo.port = o.bootstrap_port;  // 0: a free port, which every later use below then names
       bo.security = Security(o);
       auto server = control::BootstrapServer::Start(bo);
       if (!server.ok()) return server.status().WithPrefix("starting the bootstrap server");
       m->bootstrap_server_ = std::move(*server);
+      o.bootstrap_port = static_cast<uint16_t>(m->bootstrap_server_->port());
+      m->bootstrap_endpoint_ = control::JoinHostPort(o.bootstrap_host, o.bootstrap_port);
     }
+    auto core = PrefillCore::Create(o, std::move(transport));
+    if (!core.ok()) return core.status();
+    m->core_ = *core;
     control::PeerServerOptions po;
     po.host = o.listen_host;
     po.port = o.listen_port;
@@ -124,6 +128,7 @@ class GrpcPrefillManager final : public PrefillManagerBase {
   }
 
   std::string endpoint() const override { return endpoint_; }
+  std::string bootstrap_endpoint() const override { return bootstrap_endpoint_; }
 
  private:
   GrpcPrefillManager() = default;
@@ -133,6 +138,7 @@ class GrpcPrefillManager final : public PrefillManagerBase {
   std::unique_ptr<BootstrapClient> bootstrap_;
   control::RankRegistration registration_;
   std::string endpoint_;
+  std::string bootstrap_endpoint_;  // "host:port" of bootstrap_server_, "" without one
   std::thread register_thread_;
 };
 
@@ -150,7 +156,9 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     auto core = DecodeCore::Create(o, std::move(transport), session);
     if (!core.ok()) return core.status();
     std::unique_ptr<GrpcDecodeManager> m(new GrpcDecodeManager(o, *core));
-    m->worker_ = std::thread([mgr = m.get()] { mgr->BootstrapLoop(); });
+    for (int i = 0; i < kBootstrapWorkers; ++i) {
+      m->workers_.emplace_back([mgr = m.get()] { mgr->BootstrapLoop(); });
+    }
     m->prober_ = std::thread([mgr = m.get()] { mgr->ProbeLoop(); });
     return std::unique_ptr<KVManager>(std::move(m));
   }
@@ -163,7 +171,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     }
     cv_.SignalAll();
     probe_cv_.SignalAll();
-    worker_.join();
+    for (std::thread& t : workers_) t.join();
     prober_.join();
     core_->Shutdown();
   }
@@ -172,13 +180,41 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     return absl::StrFormat("decode/%016x", core_->session());
   }
 
+  Status Connect(const BootstrapAddress& bootstrap, std::chrono::milliseconds timeout) override {
+    using Clock = std::chrono::steady_clock;
+    const std::string addr = AddrKey(bootstrap);
+    const auto deadline = Clock::now() + timeout;
+    {  // The address is this call's while it runs: the workers leave its rooms queued.
+      MutexLock lock(&mu_);
+      while (resolving_.contains(addr) && !stopping_ && Clock::now() < deadline) {
+        cv_.WaitFor(&mu_, std::chrono::milliseconds(10));
+      }
+      if (stopping_) return Status::Unavailable("decode manager is shutting down");
+      if (resolving_.contains(addr)) {
+        return Status::DeadlineExceeded(
+            absl::StrFormat("connecting to %s: another lookup of it took longer than %d ms", addr,
+                            timeout.count()));
+      }
+      resolving_.insert(addr);
+    }
+    Status result = ConnectAll(bootstrap, addr, deadline);
+    {
+      MutexLock lock(&mu_);
+      resolving_.erase(addr);
+      if (!result.ok()) deployments_.erase(addr);
+    }
+    cv_.SignalAll();
+    if (result.ok()) PDLIB_LOG(kInfo, "decode: connected to the deployment at %s", addr);
+    return result;
+  }
+
   StatusOr<std::unique_ptr<KVReceiver>> CreateReceiver(const BootstrapAddress& bootstrap,
                                                        uint64_t room,
                                                        std::optional<int32_t> dp) override {
     auto state = core_->CreateRoom(room);
     if (!state.ok()) return state.status();
     auto handle = std::make_unique<CoreReceiver>(core_, *state);
-    Pending p{room, bootstrap, dp};
+    Pending p{room, bootstrap, dp, AddrKey(bootstrap)};
     // Fast path: the prefill ranks are known and connected; no thread hop.
     if (auto prefills = CachedConnected(p); !prefills.empty()) {
       core_->BindRoom(room, std::move(prefills));
@@ -197,6 +233,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     uint64_t room;
     BootstrapAddress bootstrap;
     std::optional<int32_t> dp;
+    std::string addr;  // AddrKey(bootstrap)
     std::chrono::steady_clock::time_point first_try{};
     std::chrono::steady_clock::time_point next_try{};
     std::chrono::milliseconds backoff{20};
@@ -233,9 +270,16 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     return prefills;
   }
 
-  // Resolves and connects pending rooms one at a time. A lookup that may succeed later (no
-  // such rank registered yet, bootstrap or prefill unreachable) is retried with backoff until
-  // connect_timeout has passed since the room's first try; other errors fail the room at once.
+  // Workers that resolve and connect pending rooms (cache misses). Each takes a due room whose
+  // bootstrap address no other worker is resolving: rooms of one deployment go one at a time
+  // (the first fills the cache for the rest), and a deployment whose bootstrap server or prefill
+  // ranks do not answer holds one worker for up to connect_timeout while the others serve every
+  // other deployment. Bounded: at most this many stalled addresses stall everything.
+  static constexpr int kBootstrapWorkers = 4;
+
+  // One worker. A lookup that may succeed later (no such rank registered yet, bootstrap or
+  // prefill unreachable) is retried with backoff until connect_timeout has passed since the
+  // room's first try; other errors fail the room at once.
   void BootstrapLoop() {
     using Clock = std::chrono::steady_clock;
     while (true) {
@@ -247,7 +291,10 @@ class GrpcDecodeManager final : public DecodeManagerBase {
           auto now = Clock::now();
           auto due = queue_.end();
           auto earliest = Clock::time_point::max();
+          bool any_free = false;
           for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+            if (resolving_.contains(it->addr)) continue;  // another worker's
+            any_free = true;
             if (it->next_try <= now) {
               due = it;
               break;
@@ -257,9 +304,10 @@ class GrpcDecodeManager final : public DecodeManagerBase {
           if (due != queue_.end()) {
             p = std::move(*due);
             queue_.erase(due);
+            resolving_.insert(p.addr);
             break;
           }
-          if (queue_.empty()) {
+          if (!any_free) {  // nothing, or only addresses other workers hold: wait for a change
             cv_.Wait(&mu_);
           } else {
             cv_.WaitFor(&mu_, earliest - now);
@@ -269,14 +317,17 @@ class GrpcDecodeManager final : public DecodeManagerBase {
       auto now = Clock::now();
       if (p.first_try == Clock::time_point{}) p.first_try = now;
       auto key = Resolve(p);
+      {
+        // The address is free for the next worker; a failed lookup or connection purges what
+        // we cached about this deployment (R6.2).
+        MutexLock lock(&mu_);
+        resolving_.erase(p.addr);
+        if (!key.ok()) deployments_.erase(p.addr);
+      }
+      cv_.SignalAll();  // rooms of this address may be due for a waiting worker
       if (key.ok()) {
         core_->BindRoom(p.room, std::move(*key));
         continue;
-      }
-      {
-        // A failed lookup or connection purges what we cached about this deployment (R6.2).
-        MutexLock lock(&mu_);
-        deployments_.erase(AddrKey(p.bootstrap));
       }
       StatusCode code = key.status().code();
       bool retryable = code == StatusCode::kNotFound || code == StatusCode::kUnavailable ||
@@ -292,6 +343,39 @@ class GrpcDecodeManager final : public DecodeManagerBase {
       core_->FailRoomWith(p.room, key.status().WithPrefix(absl::StrFormat(
                                       "room %d: bootstrap via %s", p.room, AddrKey(p.bootstrap))));
     }
+  }
+
+  // Connect(): every DP group's prefill ranks, each lookup retried like a room's until
+  // `deadline`.
+  Status ConnectAll(const BootstrapAddress& bootstrap, const std::string& addr,
+                    std::chrono::steady_clock::time_point deadline) {
+    auto backoff = std::chrono::milliseconds(20);
+    int32_t dp_size = 1;
+    for (int32_t dp = 0; dp < dp_size; ++dp) {
+      while (true) {
+        Pending p{0, bootstrap, dp, addr};
+        auto bound = Resolve(p);
+        if (bound.ok()) {
+          MutexLock lock(&mu_);
+          dp_size = deployments_[addr].info.dp_size;
+          break;
+        }
+        const StatusCode code = bound.status().code();
+        const bool retryable = code == StatusCode::kNotFound || code == StatusCode::kUnavailable ||
+                               code == StatusCode::kDeadlineExceeded;
+        if (!retryable || std::chrono::steady_clock::now() + backoff >= deadline) {
+          return bound.status().WithPrefix(
+              absl::StrFormat("connecting to the deployment at %s (dp group %d)", addr, dp));
+        }
+        {
+          MutexLock lock(&mu_);
+          if (stopping_) return Status::Unavailable("decode manager is shutting down");
+        }
+        std::this_thread::sleep_for(backoff);
+        backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+      }
+    }
+    return Status::OK();
   }
 
   KVPoll RoomPoll(uint64_t room) const { return core_->RoomPoll(room); }
@@ -426,7 +510,9 @@ class GrpcDecodeManager final : public DecodeManagerBase {
   absl::flat_hash_map<std::string, Deployment> deployments_ ABSL_GUARDED_BY(mu_);
   // Every prefill rank ever resolved, by key (bounded by the deployment's ranks).
   absl::flat_hash_map<std::string, control::PeerClientOptions> addresses_ ABSL_GUARDED_BY(mu_);
-  std::thread worker_;
+  std::vector<std::thread> workers_;  // kBootstrapWorkers BootstrapLoop()s
+  // Bootstrap addresses a worker is resolving now (guarded by mu_).
+  absl::flat_hash_set<std::string> resolving_ ABSL_GUARDED_BY(mu_);
   std::thread prober_;
 };
 

@@ -9,8 +9,11 @@ inline namespace v1 {
 
 StatusOr<std::unique_ptr<KVManager>> KVManager::Create(const KVManagerOptions& options) {
   if (Status s = ValidateOptions(options); !s.ok()) return s;
-  if (options.control_plane == ControlPlane::kInProcess) return CreateLocalKVManager(options);
-  return CreateGrpcKVManager(options);
+  // The wire version is this library's, not the engine's (in-process peers compare it too).
+  KVManagerOptions o = options;
+  o.args.fingerprint.wire_version = PDLIB_WIRE_VERSION;
+  if (o.control_plane == ControlPlane::kInProcess) return CreateLocalKVManager(o);
+  return CreateGrpcKVManager(o);
 }
 
 }  // namespace v1

@@ -1,7 +1,10 @@
 #include "lib/core/local_kv_manager.h"
 
 #include <atomic>
+#include <chrono>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -77,6 +80,14 @@ class LocalHub {
     BoundPrefill bound;
     std::weak_ptr<PrefillCore> core;
   };
+  // The DP size of the deployment behind `b`, if any rank of it is registered.
+  std::optional<int32_t> DpSize(const BootstrapAddress& b) {
+    MutexLock lock(&mu_);
+    auto it = prefills_.find(absl::StrFormat("%s:%d", b.host, b.port));
+    if (it == prefills_.end() || it->second.empty()) return std::nullopt;
+    return it->second.front().parallel.dp_size;
+  }
+
   StatusOr<std::vector<Found>> FindPrefills(const BootstrapAddress& b, uint64_t room,
                                             std::optional<int32_t> dp_override,
                                             const DecodeCore& decode) {
@@ -242,29 +253,55 @@ class LocalDecodeManager final : public DecodeManagerBase {
     auto state = core_->CreateRoom(room);
     if (!state.ok()) return state.status();
     auto handle = std::make_unique<CoreReceiver>(core_, *state);
-    // Bootstrap: resolve the prefill ranks, connect once per rank (cached), bind the room.
-    auto found = LocalHub::Get().FindPrefills(bootstrap, room, dp, *core_);
-    Status s = found.status();
-    std::vector<BoundPrefill> bound;
-    if (s.ok()) {
-      for (const auto& f : *found) {
-        std::weak_ptr<PrefillCore> prefill = f.core;
-        std::weak_ptr<DecodeCore> self = core_;
-        s = core_->EnsureConnected(f.bound.key, [&]() -> StatusOr<std::shared_ptr<PrefillLink>> {
-          return std::shared_ptr<PrefillLink>(
-              std::make_shared<LocalPrefillLink>(prefill, self, f.bound.key));
-        });
-        if (!s.ok()) break;
-        bound.push_back(f.bound);
-      }
-    }
-    if (s.ok()) s = core_->CheckStageCoverage(bound);
-    if (s.ok()) {
-      core_->BindRoom(room, std::move(bound));
+    auto bound = ConnectRanks(bootstrap, room, dp);
+    if (bound.ok()) {
+      core_->BindRoom(room, std::move(*bound));
     } else {
-      core_->FailRoomWith(room, s.WithPrefix(absl::StrFormat("room %d: bootstrap", room)));
+      core_->FailRoomWith(room,
+                          bound.status().WithPrefix(absl::StrFormat("room %d: bootstrap", room)));
     }
     return std::unique_ptr<KVReceiver>(std::move(handle));
+  }
+
+  Status Connect(const BootstrapAddress& bootstrap, std::chrono::milliseconds timeout) override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (int32_t dp = 0; dp < LocalHub::Get().DpSize(bootstrap).value_or(1); ++dp) {
+      while (true) {
+        auto bound = ConnectRanks(bootstrap, static_cast<uint64_t>(dp), dp);
+        if (bound.ok()) break;
+        if (bound.status().code() != StatusCode::kUnavailable ||
+            std::chrono::steady_clock::now() >= deadline) {
+          return bound.status().WithPrefix(
+              absl::StrFormat("connecting to the deployment at %s:%d (dp group %d)", bootstrap.host,
+                              bootstrap.port, dp));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+    return Status::OK();
+  }
+
+ private:
+  // Bootstrap: resolves the prefill ranks of `room` (or of DP group `dp`) and connects to each
+  // once (cached).
+  StatusOr<std::vector<BoundPrefill>> ConnectRanks(const BootstrapAddress& bootstrap, uint64_t room,
+                                                   std::optional<int32_t> dp) {
+    auto found = LocalHub::Get().FindPrefills(bootstrap, room, dp, *core_);
+    if (!found.ok()) return found.status();
+    std::vector<BoundPrefill> bound;
+    for (const auto& f : *found) {
+      std::weak_ptr<PrefillCore> prefill = f.core;
+      std::weak_ptr<DecodeCore> self = core_;
+      Status s =
+          core_->EnsureConnected(f.bound.key, [&]() -> StatusOr<std::shared_ptr<PrefillLink>> {
+            return std::shared_ptr<PrefillLink>(
+                std::make_shared<LocalPrefillLink>(prefill, self, f.bound.key));
+          });
+      if (!s.ok()) return s;
+      bound.push_back(f.bound);
+    }
+    if (Status s = core_->CheckStageCoverage(bound); !s.ok()) return s;
+    return bound;
   }
 };
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_format.h"
 #include "lib/base/log_internal.h"
+#include "lib/control/bootstrap_types.h"
 #include "lib/core/transfer_layout.h"
 #include "lib/core/validate.h"
 
@@ -160,18 +161,10 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
     return refuse(Status::FailedPrecondition(absl::StrFormat(
         "page size mismatch: decode %d, prefill %d", msg.page_size, mine.page_size)));
   }
-  const ModelFingerprint& a = msg.fingerprint;
-  const ModelFingerprint& b = mine.fingerprint;
-  if (a.num_layers != b.num_layers || a.num_kv_heads != b.num_kv_heads ||
-      a.head_dim != b.head_dim || a.dtype_bytes != b.dtype_bytes ||
-      a.layout_version != b.layout_version ||
-      (!a.model_name.empty() && !b.model_name.empty() && a.model_name != b.model_name)) {
-    return refuse(Status::FailedPrecondition(absl::StrFormat(
-        "model fingerprint mismatch: decode {layers %d, kv_heads %d, head_dim %d, dtype_bytes "
-        "%d, layout v%d, model '%s'} vs prefill {layers %d, kv_heads %d, head_dim %d, "
-        "dtype_bytes %d, layout v%d, model '%s'}",
-        a.num_layers, a.num_kv_heads, a.head_dim, a.dtype_bytes, a.layout_version, a.model_name,
-        b.num_layers, b.num_kv_heads, b.head_dim, b.dtype_bytes, b.layout_version, b.model_name)));
+  if (const std::string diff = control::FingerprintDifference(msg.fingerprint, mine.fingerprint);
+      !diff.empty()) {
+    return refuse(Status::FailedPrecondition(
+        absl::StrFormat("model fingerprint mismatch (decode's value first): %s", diff)));
   }
   if (Status st = CheckOpaqueCompatible(mine.kv_head_num, mine.parallel.tp_size, mine.is_mla,
                                         msg.kv_head_num, msg.parallel.tp_size, msg.is_mla);
@@ -360,6 +353,7 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
     return reject(injector_.Injected(FailureStage::kTransferInfo, msg.room));
   }
   bool ready = false;
+  size_t ready_infos = 0;
   Status refused;
   {
     MutexLock lock(&room->mu);
@@ -385,6 +379,7 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
       room->infos.push_back(msg);
       room->peers.push_back(peer);
       ready = room->infos.size() >= room->infos.front().required_dst_info_num;
+      ready_infos = room->infos.size();
     }
   }
   if (!refused.ok()) return reject(std::move(refused));
@@ -395,7 +390,10 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
     return;
   }
   if (ready && room->state->Advance(KVPoll::kWaitingForInput)) {
-    PDLIB_LOG(kDebug, "prefill: room %d: every TransferInfo arrived", msg.room);
+    PDLIB_ROOM_LOG(options_.room_log_every, msg.room,
+                   "prefill: room %d registered: TransferInfo from %d decode rank(s), last from "
+                   "session %d",
+                   msg.room, ready_infos, msg.session);
   }
 }
 
@@ -527,7 +525,7 @@ StatusOr<std::shared_ptr<RoomState>> PrefillCore::CreateRoom(uint64_t room_id) {
       early_aborts_.erase(a);
     }
   }
-  PDLIB_LOG(kDebug, "prefill: room %d created", room_id);
+  PDLIB_ROOM_LOG(options_.room_log_every, room_id, "prefill: room %d created", room_id);
   if (aborted) {
     FailRoom(room, std::move(*aborted));
     return state;
@@ -804,7 +802,8 @@ void PrefillCore::FinalizeTail(const std::shared_ptr<Room>& room) {
     if (room->state->Poll() != KVPoll::kFailed) room->state->MarkReusable();
     if (room->state->Advance(KVPoll::kSuccess)) {
       self->counters_.CountSuccess(*room->state);
-      PDLIB_LOG(kInfo, "prefill: room %d transferred", room->state->room());
+      PDLIB_ROOM_LOG(self->options_.room_log_every, room->state->room(),
+                     "prefill: room %d transferred", room->state->room());
       self->SendStatusToDecode(room, Status::OK());
     }
   };

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "lib/control/security.h"
@@ -55,6 +58,48 @@ Status ValidateIndices(std::span<const int32_t> indices, uint64_t capacity, std:
   return Status::OK();
 }
 
+namespace {
+
+constexpr std::pair<std::string_view, int32_t> kElementTypes[] = {
+    {"fp16", 2},     {"bf16", 2}, {"fp32", 4}, {"fp8_e4m3", 1},
+    {"fp8_e5m2", 1}, {"int8", 1}, {"uint8", 1}};
+
+Status ValidateElementType(std::string_view field, std::string_view name) {
+  if (name.empty() || ElementTypeBytes(name) != 0) return Status::OK();
+  std::string known;
+  for (const auto& [n, bytes] : kElementTypes)
+    known += (known.empty() ? "" : ", ") + std::string(n);
+  return Status::InvalidArgument(absl::StrFormat(
+      "fingerprint.%s '%s' is not an element type pdlib knows (%s, or empty)", field, name, known));
+}
+
+}  // namespace
+
+std::vector<std::string> ElementTypeNames() {
+  std::vector<std::string> names;
+  for (const auto& [name, bytes] : kElementTypes) names.emplace_back(name);
+  return names;
+}
+
+int32_t ElementTypeBytes(std::string_view name) {
+  for (const auto& [n, bytes] : kElementTypes) {
+    if (n == name) return bytes;
+  }
+  return 0;
+}
+
+Status ValidateFingerprint(const ModelFingerprint& fp) {
+  if (Status s = ValidateElementType("kv_dtype", fp.kv_dtype); !s.ok()) return s;
+  if (Status s = ValidateElementType("state_dtype", fp.state_dtype); !s.ok()) return s;
+  if (!fp.kv_dtype.empty() && fp.dtype_bytes != 0 &&
+      ElementTypeBytes(fp.kv_dtype) != fp.dtype_bytes) {
+    return Status::InvalidArgument(
+        absl::StrFormat("fingerprint.kv_dtype '%s' has %d-byte elements but dtype_bytes is %d",
+                        fp.kv_dtype, ElementTypeBytes(fp.kv_dtype), fp.dtype_bytes));
+  }
+  return Status::OK();
+}
+
 Status ValidateKVArgs(const KVArgs& args) {
   if (Status s = ValidateFamily(args.kv, "kv"); !s.ok()) return s;
   if (Status s = ValidateFamily(args.aux, "aux"); !s.ok()) return s;
@@ -83,7 +128,7 @@ Status ValidateKVArgs(const KVArgs& args) {
   if (args.memory_kind != MemoryKind::kHost && args.memory_kind != MemoryKind::kCuda) {
     return Status::InvalidArgument("memory_kind must be host or cuda");
   }
-  return Status::OK();
+  return ValidateFingerprint(args.fingerprint);
 }
 
 Status ValidateOptions(const KVManagerOptions& options) {
@@ -113,6 +158,15 @@ Status ValidateOptions(const KVManagerOptions& options) {
   if (options.control_plane != ControlPlane::kGrpc &&
       options.control_plane != ControlPlane::kInProcess) {
     return Status::InvalidArgument("control_plane must be kGrpc or kInProcess");
+  }
+  if (options.mode == Mode::kPrefill && options.control_plane == ControlPlane::kGrpc &&
+      options.bootstrap_port == 0 && !options.start_bootstrap_server) {
+    return Status::InvalidArgument(
+        "bootstrap_port 0 (a free port) needs start_bootstrap_server: a rank that registers "
+        "with another's bootstrap server must be given its port");
+  }
+  if (options.room_log_every < 1) {
+    return Status::InvalidArgument("room_log_every 0 must be >= 1 (1: every room)");
   }
   if (options.liveness_timeout < std::chrono::milliseconds(1000)) {
     return Status::InvalidArgument(absl::StrFormat("liveness_timeout %d ms must be >= 1000 ms",

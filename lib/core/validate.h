@@ -26,6 +26,8 @@ Status ValidateIndices(std::span<const int32_t> indices, uint64_t capacity, std:
                        std::string_view side);
 
 // Checks a whole KVArgs for a manager of the given mode.
+// kv_dtype and state_dtype are known names (or empty), and kv_dtype agrees with dtype_bytes.
+Status ValidateFingerprint(const ModelFingerprint& fp);
 Status ValidateKVArgs(const KVArgs& args);
 Status ValidateOptions(const KVManagerOptions& options);
 

@@ -152,7 +152,9 @@ class ParallelConfig:
 
 @dataclasses.dataclass
 class ModelFingerprint:
-    """The model's KV shape; both sides must agree on every field or they refuse to connect."""
+    """The model's KV shape; both sides must agree on every field or they refuse to connect
+    (model_name only when both set it). kv_dtype/state_dtype: one of pdlib.element_type_names()
+    ("fp16", "bf16", "fp8_e4m3", ...) or ""; wire_version is pdlib's own (set by pdlib)."""
 
     num_layers: int = 0
     num_kv_heads: int = 0
@@ -160,6 +162,10 @@ class ModelFingerprint:
     dtype_bytes: int = 0
     layout_version: int = 1
     model_name: str = ""
+    kv_dtype: str = ""
+    state_dtype: str = ""
+    page_layout: str = ""
+    engine_tag: str = ""
 
 
 AUX_ROOM_BUFFER_AUTO = -2
@@ -222,6 +228,7 @@ class KVManagerOptions:
     tls_key_file: str = ""
     tls_ca_file: str = ""
     transfer_workers: int = 2
+    room_log_every: int = 1
     failure_injection_prob: float = -1.0
     failure_injection_stages: str = ""
 

@@ -95,6 +95,9 @@ class KVArgs:
         # KVManager). Both sides must end up with the same values.
         self.num_layers: Optional[int] = None
         self.model_name: str = ""
+        # The KV element type by name (pdlib.element_type_names()); "": server_args's
+        # kv_cache_dtype when it names one ("fp8_e4m3", "bf16", ...; not "auto").
+        self.kv_dtype: str = ""
         self.kv_layout: pdlib.KVLayout = pdlib.KVLayout.NHD  # SGLang's pools: [token][head][dim]
         self.memory_kind: Optional[pdlib.MemoryKind] = None
 
@@ -204,10 +207,17 @@ class KVManager:
         item = int(a.kv_item_lens[0]) if a.kv_item_lens else 0
         # head_dim * dtype bytes of one head, as bytes: both sides derive the same number.
         head_bytes = item // max(1, a.page_size * max(heads_here, 1))
+        kv_dtype = str(a.kv_dtype or "")
+        if not kv_dtype:
+            named = str(get(s, "kv_cache_dtype", "") or "")
+            kv_dtype = named if named in pdlib.element_type_names() else ""
+        # Sizes in bytes unless the element type is known (a bf16 and an fp16 side would agree
+        # on bytes alone; the name tells them apart).
+        elem = pdlib.element_type_bytes(kv_dtype) if kv_dtype else 1
         o.args.fingerprint = pdlib.ModelFingerprint(
             num_layers=int(layers), num_kv_heads=1 if self.is_mla_backend else total_heads,
-            head_dim=int(head_bytes), dtype_bytes=1, layout_version=1,
-            model_name=str(a.model_name or ""))
+            head_dim=int(head_bytes) // elem, dtype_bytes=elem, layout_version=1,
+            model_name=str(a.model_name or ""), kv_dtype=kv_dtype)
         o.args.device_id = int(a.gpu_id or 0)
         if a.memory_kind is not None:
             o.args.memory_kind = a.memory_kind

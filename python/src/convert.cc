@@ -331,6 +331,10 @@ pdlib::KVManagerOptions ToOptions(py::handle options) {
     args.fingerprint.dtype_bytes = f.I32("dtype_bytes");
     args.fingerprint.layout_version = f.I32("layout_version");
     args.fingerprint.model_name = f.Str("model_name");
+    args.fingerprint.kv_dtype = f.Str("kv_dtype");
+    args.fingerprint.state_dtype = f.Str("state_dtype");
+    args.fingerprint.page_layout = f.Str("page_layout");
+    args.fingerprint.engine_tag = f.Str("engine_tag");
   }
   out.control_plane = o.Enum<pdlib::ControlPlane>("control_plane", 0, 1);
   out.backend = o.Str("backend");
@@ -358,6 +362,7 @@ pdlib::KVManagerOptions ToOptions(py::handle options) {
   out.tls_key_file = o.Str("tls_key_file");
   out.tls_ca_file = o.Str("tls_ca_file");
   out.transfer_workers = o.I32("transfer_workers");
+  out.room_log_every = o.U32("room_log_every");  // 0 is refused by KVManager::Create
   out.failure_injection_prob = o.Float("failure_injection_prob");
   out.failure_injection_stages = o.Str("failure_injection_stages");
   return out;

@@ -260,6 +260,12 @@ void BindExtras(py::module_& m) {
     return pdlib::ListBackends();
   });
   m.def("builtin_backends", [] { return pdlib::BuiltinBackends(); });
+  m.def(
+      "element_type_names", [] { return pdlib::ElementTypeNames(); },
+      "The names ModelFingerprint.kv_dtype and state_dtype accept.");
+  m.def(
+      "element_type_bytes", [](const std::string& name) { return pdlib::ElementTypeBytes(name); },
+      py::arg("name"), "Bytes per element of a named type; 0 for a name pdlib does not know.");
 }
 
 }  // namespace pdlib_py

@@ -286,12 +286,27 @@ class PyManager {
     return py::cast(std::make_unique<Sender>(state_, std::move(*sender)));
   }
 
-  py::object CreateReceiver(py::handle bootstrap, py::handle room_obj, py::handle dp_rank_obj) {
+  static pdlib::BootstrapAddress ParseAddress(py::handle bootstrap) {
     pdlib::BootstrapAddress address;
     py::tuple parsed =
         py::module_::import("pdlib._options").attr("parse_bootstrap_address")(bootstrap);
     address.host = parsed[0].cast<std::string>();
     address.port = parsed[1].cast<uint16_t>();
+    return address;
+  }
+
+  void Connect(py::handle bootstrap, double timeout) {
+    const pdlib::BootstrapAddress address = ParseAddress(bootstrap);
+    if (!(timeout >= 0) || timeout > 1e6) {
+      throw py::value_error("timeout " + std::to_string(timeout) + " must be in [0, 1e6] s");
+    }
+    const auto ms = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
+    pdlib::Status st = WithManager([&](pdlib::KVManager* m) { return m->Connect(address, ms); });
+    if (!st.ok()) ThrowStatus(st);
+  }
+
+  py::object CreateReceiver(py::handle bootstrap, py::handle room_obj, py::handle dp_rank_obj) {
+    const pdlib::BootstrapAddress address = ParseAddress(bootstrap);
     const uint64_t room = ToU64(room_obj, "room");
     std::optional<int32_t> dp_rank;
     if (!dp_rank_obj.is_none()) {
@@ -575,6 +590,13 @@ void BindManager(py::module_& m) {
       .def_property_readonly(
           "mode", [](PyManager& pm) { return types().mode(static_cast<int>(pm.state_->mode())); })
       .def_property_readonly(
+          "bootstrap_endpoint",
+          [](PyManager& pm) {
+            return pm.WithManager([](pdlib::KVManager* m) { return m->bootstrap_endpoint(); });
+          },
+          "Prefill with start_bootstrap_server: host:port of its bootstrap server (the bound "
+          "port, also when bootstrap_port was 0); '' otherwise.")
+      .def_property_readonly(
           "endpoint",
           [](PyManager& pm) {
             return pm.WithManager([](pdlib::KVManager* m) { return m->endpoint(); });
@@ -583,6 +605,9 @@ void BindManager(py::module_& m) {
       .def("create_sender", &PyManager::CreateSender, py::arg("room"))
       .def("create_receiver", &PyManager::CreateReceiver, py::arg("bootstrap"), py::arg("room"),
            py::arg("prefill_dp_rank") = py::none())
+      .def("connect", &PyManager::Connect, py::arg("bootstrap"), py::arg("timeout") = 30.0,
+           "Decode warm-up: connects to every prefill rank this rank needs behind `bootstrap` "
+           "before the first request (KVManager::Connect); raises the reason on failure.")
       .def("metrics",
            [](PyManager& pm) {
              auto metrics = pm.WithManager([](pdlib::KVManager* m) { return m->metrics(); });

@@ -64,6 +64,23 @@ def test_full_transfer_and_metrics(fake_pair):
     assert decode.take_reusable_rooms() == []
 
 
+def test_fingerprint_element_types_are_compared_by_name():
+    port = free_port()
+    po, pbufs = fake_options(pdlib.Mode.Prefill, port)
+    do, dbufs = fake_options(pdlib.Mode.Decode, port)
+    po.args.fingerprint.kv_dtype = "fp8_e4m3"
+    do.args.fingerprint.kv_dtype = "fp8_e5m2"  # the same size: only the name tells them apart
+    with pdlib.KVManager.create(po) as prefill, pdlib.KVManager.create(do) as decode:
+        receiver = decode.create_receiver(f"127.0.0.1:{port}", 3)
+        assert wait_terminal([receiver]) == [pdlib.KVPoll.Failed]
+        assert "kv_dtype 'fp8_e5m2' vs 'fp8_e4m3'" in str(receiver.failure_reason())
+        assert prefill.metrics()["live_rooms"] == 0
+    assert "bf16" in pdlib.element_type_names()
+    do.args.fingerprint.kv_dtype = "bfloat16"
+    with pytest.raises(pdlib.InvalidArgumentError, match="kv_dtype 'bfloat16'"):
+        pdlib.KVManager.create(do)
+
+
 def test_failure_reason_reaches_python_intact(fake_pair):
     prefill, decode, address, _, _ = fake_pair
     sender = prefill.create_sender(11)
@@ -343,6 +360,34 @@ def test_prefill_registers_with_a_python_bootstrap_server():
         po.start_bootstrap_server = False
         with pdlib.KVManager.create(po):
             wait_for(lambda: server.ranks_registered == 1, 10, "registration")
+
+
+def test_bootstrap_port_0_picks_a_free_port_and_reports_it():
+    po, _ = fake_options(pdlib.Mode.Prefill, 0, control_plane=pdlib.ControlPlane.Grpc)
+    with pdlib.KVManager.create(po) as prefill:
+        host, port = prefill.bootstrap_endpoint.rsplit(":", 1)
+        assert host == "127.0.0.1" and 0 < int(port) < 65536
+        do, _ = fake_options(pdlib.Mode.Decode, int(port), control_plane=pdlib.ControlPlane.Grpc)
+        with pdlib.KVManager.create(do) as decode:
+            assert decode.bootstrap_endpoint == ""
+            receiver = decode.create_receiver(prefill.bootstrap_endpoint, 5)
+            wait_for(lambda: receiver.poll() == pdlib.KVPoll.WaitingForInput, 10, "bootstrap")
+    po.start_bootstrap_server = False
+    with pytest.raises(pdlib.InvalidArgumentError, match="start_bootstrap_server"):
+        pdlib.KVManager.create(po)
+
+
+def test_connect_warms_up_and_fails_with_a_reason(fake_pair):
+    prefill, decode, address, _, _ = fake_pair
+    assert decode.metrics()["connections"] == 0
+    decode.connect(address, timeout=5.0)
+    assert decode.metrics()["connections"] == 1
+    with pytest.raises(pdlib.UnavailableError, match="connecting to the deployment at"):
+        decode.connect(("127.0.0.1", free_port()), timeout=0.2)
+    with pytest.raises(pdlib.FailedPreconditionError):
+        prefill.connect(address, timeout=0.1)
+    with pytest.raises(ValueError):
+        decode.connect(address, timeout=-1)
 
 
 def test_logging_sink_and_level():

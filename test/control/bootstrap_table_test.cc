@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "test/control/bootstrap_test_util.h"
 
 namespace pdlib::control {
@@ -273,6 +274,22 @@ TEST_CASE("fingerprint comparison and description") {
   CHECK_FALSE(FingerprintsMatch(a, b));
   CHECK(FingerprintDifference(a, b) == "num_layers 32 vs 40, model_name 'test-model' vs 'other'");
   CHECK_THAT(FingerprintString(a), Catch::Contains("num_layers 32"));
+  // Issue #20: element types by name, page layout, engine tag and wire version, exactly.
+  b = a;
+  b.kv_dtype = "bf16";
+  CHECK(FingerprintDifference(a, b) == "kv_dtype '' vs 'bf16'");
+  a.kv_dtype = "fp16";
+  CHECK(FingerprintDifference(a, b) == "kv_dtype 'fp16' vs 'bf16'");
+  b = a;
+  b.state_dtype = "fp32";
+  b.page_layout = "hnd";
+  b.engine_tag = "x";
+  b.wire_version = a.wire_version + 1;
+  CHECK(FingerprintDifference(a, b) ==
+        absl::StrFormat("wire_version %d vs %d, state_dtype '' vs 'fp32', page_layout '' vs "
+                        "'hnd', engine_tag '' vs 'x'",
+                        a.wire_version, b.wire_version));
+  CHECK_THAT(FingerprintString(b), Catch::Contains("page_layout 'hnd'"));
 }
 
 }  // namespace

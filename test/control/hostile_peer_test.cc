@@ -123,6 +123,7 @@ struct DecodeIdentity {
     fp->set_dtype_bytes(kFingerprint.dtype_bytes);
     fp->set_layout_version(kFingerprint.layout_version);
     fp->set_model_name(kFingerprint.model_name);
+    fp->set_wire_version(PDLIB_WIRE_VERSION);  // a Register without it is an older pdlib
     r->set_page_size(16);
     r->set_transport("fake");
     auto endpoint = fake->CreateTargetEndpoint();
@@ -192,9 +193,16 @@ TEST_CASE("hostile decode: Registers with wrong shapes are refused naming both v
   };
   const std::vector<Case> cases = {
       {"fingerprint", [](wire::Register* r) { r->mutable_fingerprint()->set_num_layers(3); },
-       "model fingerprint mismatch: decode {layers 3"},
+       "model fingerprint mismatch (decode's value first): num_layers 3 vs"},
       {"model name", [](wire::Register* r) { r->mutable_fingerprint()->set_model_name("other"); },
-       "model 'other'"},
+       "model_name 'other' vs"},
+      {"wire version", [](wire::Register* r) { r->mutable_fingerprint()->set_wire_version(1); },
+       "wire_version 1 vs " + std::to_string(PDLIB_WIRE_VERSION)},
+      {"kv element type", [](wire::Register* r) { r->mutable_fingerprint()->set_kv_dtype("int8"); },
+       "kv_dtype 'int8' vs ''"},
+      {"a long engine tag is cut in the message",
+       [](wire::Register* r) { r->mutable_fingerprint()->set_engine_tag(std::string(5000, 'x')); },
+       "engine_tag '" + std::string(64, 'x') + "...' vs ''"},
       {"page size", [](wire::Register* r) { r->set_page_size(32); },
        "page size mismatch: decode 32, prefill 16"},
       {"transport", [](wire::Register* r) { r->set_transport("ucx"); },

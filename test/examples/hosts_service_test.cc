@@ -210,6 +210,20 @@ TEST_CASE("hosts flags: parsing and defaults and refusals") {
   REQUIRE(c.ok());
   CHECK(c->host.role == Role::kColocated);
 
+  // Issue #20: decode warms up its connections to the deployments it is given.
+  auto w = Parse(Role::kDecode, {"--connect", "127.0.0.1:9000", "--connect=10.0.0.2:8998"});
+  INFO(w.status().ToString());
+  REQUIRE(w.ok());
+  CHECK(w->host.connect == std::vector<std::string>{"127.0.0.1:9000", "10.0.0.2:8998"});
+  for (std::string_view bad : {"nohost", "127.0.0.1:0", ":9000", "127.0.0.1:x"}) {
+    auto b = Parse(Role::kDecode, {"--connect", bad});
+    INFO(bad);
+    CHECK(b.status().code() == StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(b.status().message()), Catch::Contains("--connect wants HOST:PORT"));
+  }
+  CHECK(Parse(Role::kPrefill, {"--connect", "127.0.0.1:9000"}).status().code() ==
+        StatusCode::kInvalidArgument);
+
   auto tp = Parse(Role::kDecode, {"--tp", "2"});
   CHECK(tp.status().code() == StatusCode::kInvalidArgument);
   CHECK(std::string(tp.status().message()).find("pd-decode runs TP 1 and PP 1 only") !=
