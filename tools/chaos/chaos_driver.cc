@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <random>
@@ -58,6 +59,7 @@ struct Proc {
   std::map<std::string, uint64_t> metrics;
   bool metrics_fresh = false;
   bool quitting = false;
+  bool stacks_dumped = false;  // DumpStacks ran for this generation
 
   std::string name() const { return (prefill ? "prefill" : "decode") + std::to_string(index); }
   // What a router sees: a frozen process still takes requests, a dead one does not.
@@ -157,6 +159,7 @@ class Topology {
   void Spawn(size_t slot) {
     Proc& p = procs_[slot];
     ++p.generation;
+    p.stacks_dumped = false;
     PeerConfig c = o_.peer;
     c.mode = p.prefill ? pdlib::Mode::kPrefill : pdlib::Mode::kDecode;
     c.bootstrap_port = uint16_t(bootstrap_->port());
@@ -567,7 +570,21 @@ class Topology {
       Problem("probe room " + std::to_string(id) + " " + procs_[r.prefill].name() + " -> " +
               procs_[r.decode].name() + " did not succeed: prefill " + r.p.detail + "; decode " +
               r.d.detail);
+      for (size_t slot : {r.prefill, r.decode}) DumpStacks(procs_[slot]);
     }
+  }
+
+  // A failed probe between live processes means one of them is stuck: every thread's stack,
+  // taken with gdb (when installed) into the log directory, says where.
+  void DumpStacks(Proc& p) {
+    if (!p.child || p.stacks_dumped || ::access("/usr/bin/gdb", X_OK) != 0) return;
+    const std::string out = LogPath(p) + ".stacks.txt";
+    const std::string cmd = "timeout 60 /usr/bin/gdb -p " + std::to_string(p.child->pid()) +
+                            " -batch -ex 'thread apply all bt' > '" + out + "' 2>&1";
+    if (std::system(cmd.c_str()) == 0) {
+      Problem(p.name() + ": every thread's stack is in " + out);
+    }
+    p.stacks_dumped = true;
   }
 
   // What each process still holds once nothing is in flight. Asked until clean or until the
