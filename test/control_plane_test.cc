@@ -311,24 +311,26 @@ TEST_CASE("handles release their rooms when destroyed") {
   CHECK(dep.prefill->CreateSender(11).ok());  // the id is free again
 }
 
+// The reason decode's first request to `dep` failed with (it must fail).
+static std::string RefusalOf(Deployment& dep) {
+  auto r = dep.decode->CreateReceiver(dep.addr(), 1);
+  REQUIRE(r.ok());
+  REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
+  return std::string((*r)->FailureReason().message());
+}
+
 TEST_CASE("mismatched page size or fingerprint is refused with both values") {
   FOR_EACH_CONTROL_PLANE();
   SECTION("page size") {
     Deployment dep([](auto&, auto& d) { d.args.page_size = 32; });
-    auto r = dep.decode->CreateReceiver(dep.addr(), 1);
-    REQUIRE(r.ok());
-    REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
-    std::string msg((*r)->FailureReason().message());
+    const std::string msg = RefusalOf(dep);
     CHECK(msg.find("page size mismatch") != std::string::npos);
     CHECK(msg.find("16") != std::string::npos);
     CHECK(msg.find("32") != std::string::npos);
   }
   SECTION("fingerprint") {
     Deployment dep([](auto&, auto& d) { d.args.fingerprint.num_kv_heads = 4; });
-    auto r = dep.decode->CreateReceiver(dep.addr(), 1);
-    REQUIRE(r.ok());
-    REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
-    std::string msg((*r)->FailureReason().message());
+    const std::string msg = RefusalOf(dep);
     CHECK(msg.find("fingerprint mismatch") != std::string::npos);
     CHECK(msg.find("num_kv_heads 4 vs 8") != std::string::npos);
     CHECK(dep.decode->metrics().connections == 0);
@@ -339,10 +341,7 @@ TEST_CASE("mismatched page size or fingerprint is refused with both values") {
       p.args.fingerprint.kv_dtype = "bf16";
       d.args.fingerprint.kv_dtype = "fp16";
     });
-    auto r = dep.decode->CreateReceiver(dep.addr(), 1);
-    REQUIRE(r.ok());
-    REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
-    std::string msg((*r)->FailureReason().message());
+    const std::string msg = RefusalOf(dep);
     CHECK(msg.find("kv_dtype 'fp16' vs 'bf16'") != std::string::npos);
     CHECK(dep.decode->metrics().connections == 0);
   }
@@ -353,10 +352,7 @@ TEST_CASE("mismatched page size or fingerprint is refused with both values") {
       d.args.fingerprint.page_layout = "hnd";
       d.args.fingerprint.engine_tag = "engine-2";
     });
-    auto r = dep.decode->CreateReceiver(dep.addr(), 1);
-    REQUIRE(r.ok());
-    REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
-    std::string msg((*r)->FailureReason().message());
+    const std::string msg = RefusalOf(dep);
     CHECK(msg.find("state_dtype '' vs 'fp32'") != std::string::npos);
     CHECK(msg.find("page_layout 'hnd' vs 'nhd'") != std::string::npos);
     CHECK(msg.find("engine_tag 'engine-2' vs ''") != std::string::npos);
