@@ -367,14 +367,16 @@ std::vector<std::string> RmaLanes(const std::string& ep_cfg) {
 // receives unless its destination-GID check is off (UCX 1.13 expects another layout of the RoCE
 // v2 IPv4 header than rdma_rxe delivers), and everything runs under emulation in the VM on a
 // busy machine: a process start can take tens of seconds and a 1 s gRPC keepalive would declare
-// a starved peer dead, so the pair gets minutes and a 10 s liveness timeout.
+// a starved peer dead, so the pair gets minutes, a 10 s liveness timeout and 20 s to connect
+// (under TSan a first bootstrap lookup in the VM missed 3 s while the host was busy).
 Transport RcVerbs(const std::string& device) {
   Transport t{{"ucx.tls=rc_verbs,ud_verbs:aux", "ucx.net_devices=" + device}};
   if (device.starts_with("rxe")) {
     t.ucx_options.push_back("ucx.config.ETH_DGID_CHECK=n");
     t.start = milliseconds(90000);
     t.run = milliseconds(120000);
-    t.peer_args = {"--liveness-ms", "10000", "--max-seconds", "300"};
+    t.peer_args = {"--liveness-ms", "10000",         "--connect-timeout-ms",
+                   "20000",         "--max-seconds", "300"};
   }
   return t;
 }
