@@ -47,6 +47,8 @@ constexpr char kUsage[] =
     "  --warmup W                requests run before them, not measured (500)\n"
     "  --concurrency C[,C...]    requests in flight at decode (256)\n"
     "  --transfer-workers N      prefill's KVManagerOptions::transfer_workers (2)\n"
+    "  --room-log-every N        both sides' KVManagerOptions::room_log_every (1); the per-room\n"
+    "                            info lines cost only with PDLIB_LOG_LEVEL=info\n"
     "  --in-process              both ranks as threads of this process (in-process control\n"
     "                            plane) instead of two processes over gRPC\n"
     "  --idle-spins N            idle passes that yield before a driver sleeps (64)\n"
@@ -221,6 +223,9 @@ bool ParseArgs(int argc, char** argv, Options* o) {
     } else if (arg == "--transfer-workers") {
       ok = ParseU64(value, &n) && n >= 1 && n <= 64;
       b.transfer_workers = int32_t(n);
+    } else if (arg == "--room-log-every") {
+      ok = ParseU64(value, &n) && n >= 1 && n <= UINT32_MAX;
+      b.room_log_every = uint32_t(n);
     } else if (arg == "--idle-spins") {
       ok = ParseU64(value, &b.idle_spins);
     } else if (arg == "--idle-sleep-us") {
@@ -275,6 +280,8 @@ std::vector<std::string> ChildArgs(const BenchConfig& c, std::string_view role) 
                                 std::string(LayoutName(c.layout)),
                                 "--transfer-workers",
                                 std::to_string(c.transfer_workers),
+                                "--room-log-every",
+                                std::to_string(c.room_log_every),
                                 "--idle-spins",
                                 std::to_string(c.idle_spins),
                                 "--idle-sleep-us",

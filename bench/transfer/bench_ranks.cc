@@ -81,6 +81,7 @@ struct Rank {
     o.bootstrap_port = c.bootstrap_port;
     o.start_bootstrap_server = start_bootstrap;
     o.transfer_workers = c.transfer_workers;
+    o.room_log_every = c.room_log_every;
     for (uint64_t b = 0; b < pool.buffers(); ++b) {
       o.args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(pool.buffer(b)));
       o.args.kv.lens.push_back(pool.buffer_bytes());
