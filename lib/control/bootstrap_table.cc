@@ -16,8 +16,8 @@ namespace control {
 namespace {
 
 constexpr size_t kMaxHostLength = 255;  // DNS name limit
-constexpr size_t kMaxModelNameLength =
-    1024;  // each fingerprint string; bounds what a peer can make us store
+// Each fingerprint string (model name, element types, ...): bounds what a peer makes us store.
+constexpr size_t kMaxFingerprintText = 1024;
 
 Status CheckSize(const char* field, int32_t size) {
   if (size < 1 || size > kMaxParallelSize) {
@@ -95,10 +95,10 @@ Status ValidateRankRegistration(const RankRegistration& reg) {
        {std::pair{"model_name", &fp.model_name}, std::pair{"kv_dtype", &fp.kv_dtype},
         std::pair{"state_dtype", &fp.state_dtype}, std::pair{"page_layout", &fp.page_layout},
         std::pair{"engine_tag", &fp.engine_tag}}) {
-    if (text->size() > kMaxModelNameLength) {
+    if (text->size() > kMaxFingerprintText) {
       return Status::InvalidArgument(
           absl::StrFormat("fingerprint.%s of %d bytes is longer than %d bytes", field, text->size(),
-                          kMaxModelNameLength));
+                          kMaxFingerprintText));
     }
   }
   return Status::OK();

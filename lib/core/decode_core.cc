@@ -228,7 +228,7 @@ StatusOr<std::shared_ptr<RoomState>> DecodeCore::CreateRoom(uint64_t room_id) {
 
 namespace {
 
-// "prefill 127.0.0.1:4000 (tp 0), prefill 127.0.0.1:4001 (tp 1, dummy)" for a room's log line.
+// "prefill 127.0.0.1:4000, prefill 127.0.0.1:4001 (dummy)" for a room's log line.
 std::string BoundString(const std::vector<BoundPrefill>& prefills) {
   std::string out;
   for (const BoundPrefill& p : prefills) {

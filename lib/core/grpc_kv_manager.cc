@@ -23,6 +23,13 @@ namespace {
 using control::BootstrapClient;
 using control::BootstrapClientOptions;
 
+// A bootstrap lookup or connection that failed this way may succeed on a later try: no such
+// rank registered yet, bootstrap or prefill unreachable or slow.
+bool MaySucceedLater(StatusCode code) {
+  return code == StatusCode::kNotFound || code == StatusCode::kUnavailable ||
+         code == StatusCode::kDeadlineExceeded;
+}
+
 control::ControlSecurity Security(const KVManagerOptions& o) {
   return {o.auth_secret, o.tls_cert_file, o.tls_key_file, o.tls_ca_file};
 }
@@ -330,8 +337,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
         continue;
       }
       StatusCode code = key.status().code();
-      bool retryable = code == StatusCode::kNotFound || code == StatusCode::kUnavailable ||
-                       code == StatusCode::kDeadlineExceeded;
+      bool retryable = MaySucceedLater(code);
       if (retryable && now - p.first_try < options_.connect_timeout &&
           !IsTerminal(RoomPoll(p.room))) {
         p.next_try = now + p.backoff;
@@ -361,8 +367,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
           break;
         }
         const StatusCode code = bound.status().code();
-        const bool retryable = code == StatusCode::kNotFound || code == StatusCode::kUnavailable ||
-                               code == StatusCode::kDeadlineExceeded;
+        const bool retryable = MaySucceedLater(code);
         if (!retryable || std::chrono::steady_clock::now() + backoff >= deadline) {
           return bound.status().WithPrefix(
               absl::StrFormat("connecting to the deployment at %s (dp group %d)", addr, dp));
