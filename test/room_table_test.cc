@@ -6,6 +6,8 @@
 #include <thread>
 #include <vector>
 
+#include "lib/core/manager_common.h"
+
 using pdlib::KVPoll;
 using pdlib::RoomState;
 using pdlib::RoomTable;
@@ -104,4 +106,33 @@ TEST_CASE("racing transitions keep the state machine consistent") {
     }
   }
   CHECK(failed == fail_wins.load());
+}
+
+// Issue #20: which rooms get per-room info lines (KVManagerOptions::room_log_every).
+TEST_CASE(
+    "room log sampling: auto logs every room up to the budget, then the same rooms as the peer") {
+  using pdlib::KVManagerOptions;
+  pdlib::RoomLogSampler every(1), tenth(10), auto_(0);
+  for (uint64_t room = 1; room <= 50; ++room) {
+    CHECK(every.SampleAt(room, 0));
+    CHECK(tenth.SampleAt(room, 0) == (room % 10 == 0));
+  }
+  // Auto, second 7: the first kRoomLogAutoPerSecond rooms are logged whatever their ids ...
+  uint64_t room = 1;
+  for (uint32_t i = 0; i < KVManagerOptions::kRoomLogAutoPerSecond; ++room) {
+    if (room % KVManagerOptions::kRoomLogAutoEvery == 0) continue;  // these do not count
+    REQUIRE(auto_.SampleAt(room, 7));
+    ++i;
+  }
+  // ... past the budget only multiples of kRoomLogAutoEvery, which the peer logs too ...
+  size_t logged = 0;
+  for (uint64_t end = room + 10 * KVManagerOptions::kRoomLogAutoEvery; room < end; ++room) {
+    const bool sampled = auto_.SampleAt(room, 7);
+    CHECK(sampled == (room % KVManagerOptions::kRoomLogAutoEvery == 0));
+    logged += sampled;
+  }
+  CHECK(logged == 10);
+  // ... and a new second starts a new budget.
+  CHECK(auto_.SampleAt(room | 1, 8));  // odd: never a multiple of kRoomLogAutoEvery
+  CHECK(auto_.SampleAt((room + 2) | 1, 8));
 }

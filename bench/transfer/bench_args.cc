@@ -47,8 +47,8 @@ constexpr char kUsage[] =
     "  --warmup W                requests run before them, not measured (500)\n"
     "  --concurrency C[,C...]    requests in flight at decode (256)\n"
     "  --transfer-workers N      prefill's KVManagerOptions::transfer_workers (2)\n"
-    "  --room-log-every N        both sides' KVManagerOptions::room_log_every (1); the per-room\n"
-    "                            info lines cost only with PDLIB_LOG_LEVEL=info\n"
+    "  --room-log-every N        both sides' KVManagerOptions::room_log_every (0: auto); the\n"
+    "                            per-room info lines cost only with PDLIB_LOG_LEVEL=info\n"
     "  --in-process              both ranks as threads of this process (in-process control\n"
     "                            plane) instead of two processes over gRPC\n"
     "  --idle-spins N            idle passes that yield before a driver sleeps (64)\n"
@@ -224,7 +224,7 @@ bool ParseArgs(int argc, char** argv, Options* o) {
       ok = ParseU64(value, &n) && n >= 1 && n <= 64;
       b.transfer_workers = int32_t(n);
     } else if (arg == "--room-log-every") {
-      ok = ParseU64(value, &n) && n >= 1 && n <= UINT32_MAX;
+      ok = ParseU64(value, &n) && n <= UINT32_MAX;
       b.room_log_every = uint32_t(n);
     } else if (arg == "--idle-spins") {
       ok = ParseU64(value, &b.idle_spins);

@@ -41,7 +41,7 @@ struct BenchConfig {
   uint64_t seed = 1;
   uint16_t bootstrap_port = 8998;
   int32_t transfer_workers = 2;
-  uint32_t room_log_every = 1;  // KVManagerOptions::room_log_every, both sides
+  uint32_t room_log_every = 0;  // KVManagerOptions::room_log_every, both sides
   // Idle passes over the handles that yield the CPU before the driver starts sleeping.
   uint64_t idle_spins = 64;
   uint64_t idle_sleep_us = 20;        // first sleep; each further idle pass sleeps twice as long

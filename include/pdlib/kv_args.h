@@ -192,12 +192,19 @@ struct KVManagerOptions {
   std::string tls_ca_file;
   // Threads that turn queued chunks into write batches (prefill).
   int32_t transfer_workers = 2;
-  // Per-room log lines at info level (SPEC R10.3: created, bound/registered, transferred; a
-  // failure is a warning and always logged) for rooms whose id is a multiple of this: 1 logs
-  // every room; N > 1 one room in N, the same rooms on prefill and decode, so that a sampled
-  // room can be followed end to end. Nothing is formatted when info is off (the default level
-  // is warning). >= 1.
-  uint32_t room_log_every = 1;
+  // Which rooms get their per-room log lines at info level (SPEC R10.3: created,
+  // bound/registered, transferred; a failure is a warning and always logged). Nothing is
+  // formatted when info is off (the default level is warning).
+  //   0 (auto): every room while this manager creates at most kRoomLogAutoPerSecond rooms in a
+  //     second; past that, for the rest of that second, only rooms whose id is a multiple of
+  //     kRoomLogAutoEvery. At a serving engine's rates every room is logged; at 50k rooms/s
+  //     the lines cost little, and the sampled rooms are the same on prefill and decode.
+  //   1: every room, at any rate.
+  //   N > 1: rooms whose id is a multiple of N, the same rooms on prefill and decode.
+  // A room is chosen when it is created: all of its lines are logged, or none.
+  uint32_t room_log_every = 0;
+  static constexpr uint32_t kRoomLogAutoPerSecond = 1000;
+  static constexpr uint32_t kRoomLogAutoEvery = 64;
 
   // Probability in [0, 1] that a transfer is failed on purpose, to exercise failure paths
   // (SPEC R7.3). Negative: read PDLIB_TEST_FAILURE_PROB from the environment (unset: 0).

@@ -25,15 +25,14 @@ void EmitLog(LogLevel level, const char* file, int line, std::string_view messag
 }  // namespace v1
 }  // namespace pdlib
 
-// A per-room anchor (SPEC R10.3) at info level, for the rooms that `every` selects
-// (KVManagerOptions::room_log_every): the same rooms on both sides.
-#define PDLIB_ROOM_LOG(every, room, ...)                                       \
-  do {                                                                         \
-    if (::pdlib::internal::LogEnabled(::pdlib::LogLevel::kInfo) &&             \
-        ((every) <= 1 || (room) % (every) == 0)) {                             \
-      ::pdlib::internal::EmitLog(::pdlib::LogLevel::kInfo, __FILE__, __LINE__, \
-                                 ::absl::StrFormat(__VA_ARGS__));              \
-    }                                                                          \
+// A per-room anchor (SPEC R10.3) at info level, for a room chosen when it was created
+// (`sampled`: RoomState::logged(), per KVManagerOptions::room_log_every).
+#define PDLIB_ROOM_LOG(sampled, ...)                                            \
+  do {                                                                          \
+    if (::pdlib::internal::LogEnabled(::pdlib::LogLevel::kInfo) && (sampled)) { \
+      ::pdlib::internal::EmitLog(::pdlib::LogLevel::kInfo, __FILE__, __LINE__,  \
+                                 ::absl::StrFormat(__VA_ARGS__));               \
+    }                                                                           \
   } while (0)
 
 #define PDLIB_LOG(level, ...)                                                  \

@@ -216,13 +216,14 @@ StatusOr<std::shared_ptr<RoomState>> DecodeCore::CreateRoom(uint64_t room_id) {
   auto state = rooms_.Insert(room_id);
   if (!state.ok()) return state.status();
   counters_.Add(counters_.requests);
+  (*state)->set_logged(room_log_.Sample(room_id));
   MutexLock lock(&mu_);
   if (stopping_) {
     rooms_.Erase(room_id, state->get());
     return Status::Unavailable("decode manager is shutting down");
   }
   room_data_[room_id] = std::make_shared<Room>(*state);
-  PDLIB_ROOM_LOG(options_.room_log_every, room_id, "decode: room %d created", room_id);
+  PDLIB_ROOM_LOG((*state)->logged(), "decode: room %d created", room_id);
   return state;
 }
 
@@ -244,7 +245,7 @@ void DecodeCore::BindRoom(uint64_t room_id, std::vector<BoundPrefill> prefills) 
   auto room = FindRoom(room_id);
   if (!room) return;
   const bool inject = injector_.Roll(FailureStage::kBootstrap);
-  PDLIB_ROOM_LOG(options_.room_log_every, room_id, "decode: room %d bound to %s", room_id,
+  PDLIB_ROOM_LOG(room->state->logged(), "decode: room %d bound to %s", room_id,
                  BoundString(prefills));
   bool initialized = false;
   {
@@ -397,7 +398,7 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
   room->state->MarkReusable();
   if (room->state->Advance(KVPoll::kSuccess)) {
     counters_.CountSuccess(*room->state);
-    PDLIB_ROOM_LOG(options_.room_log_every, msg.room, "decode: room %d received", msg.room);
+    PDLIB_ROOM_LOG(room->state->logged(), "decode: room %d received", msg.room);
   }
 }
 

@@ -140,6 +140,7 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   // Failed rooms whose pages are not reusable yet (handles may be gone), by Room address.
   absl::flat_hash_map<const Room*, std::shared_ptr<Room>> quarantine_ ABSL_GUARDED_BY(mu_);
   ReleasedRooms released_{"decode"};
+  RoomLogSampler room_log_{options_.room_log_every};
   uint64_t max_hold_ms_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t released_by_[3] ABSL_GUARDED_BY(mu_) = {0, 0, 0};
   uint64_t fenced_connections_ ABSL_GUARDED_BY(mu_) = 0;

@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "lib/base/log_internal.h"
 
 namespace pdlib {
@@ -222,6 +223,23 @@ PeriodicThread::~PeriodicThread() {
   }
   cv_.SignalAll();
   thread_.join();
+}
+
+bool RoomLogSampler::Sample(uint64_t room) {
+  if (!internal::LogEnabled(LogLevel::kInfo)) return false;
+  if (every_ != 0) return SampleAt(room, 0);
+  return SampleAt(room, absl::GetCurrentTimeNanos() / 1'000'000'000);
+}
+
+bool RoomLogSampler::SampleAt(uint64_t room, int64_t now_second) {
+  if (every_ != 0) return room % every_ == 0;
+  if (room % KVManagerOptions::kRoomLogAutoEvery == 0) return true;
+  int64_t seen = second_.load(std::memory_order_relaxed);
+  if (seen != now_second && second_.compare_exchange_strong(seen, now_second)) {
+    in_second_.store(0, std::memory_order_relaxed);
+  }
+  return in_second_.fetch_add(1, std::memory_order_relaxed) <
+         KVManagerOptions::kRoomLogAutoPerSecond;
 }
 
 void ReleasedRooms::Add(uint64_t room) {

@@ -94,6 +94,23 @@ struct MetricCounters {
   std::map<std::string, uint64_t> failed_by_cause_ ABSL_GUARDED_BY(causes_mu_);
 };
 
+// Chooses, when a room is created, whether its per-room info lines are logged, per
+// KVManagerOptions::room_log_every (0: auto, 1: every room, N: id a multiple of N).
+// Thread-safe; the auto budget per second is approximate under concurrent calls.
+class RoomLogSampler {
+ public:
+  explicit RoomLogSampler(uint32_t every) : every_(every) {}
+  // Nothing is counted while info is off: rooms created then are not logged.
+  bool Sample(uint64_t room);
+  // The decision at `now_second` (any monotonic count of seconds), for tests.
+  bool SampleAt(uint64_t room, int64_t now_second);
+
+ private:
+  const uint32_t every_;
+  std::atomic<int64_t> second_{-1};
+  std::atomic<uint32_t> in_second_{0};  // rooms created in second_
+};
+
 // Rooms whose handle was destroyed in state Failed, waiting for KVManager::TakeReusableRooms()
 // once their pages are reusable. Bounded: past kMax the oldest is dropped, with an ERROR log
 // (an engine that destroys failed handles must call TakeReusableRooms). Thread-safe; its lock is

@@ -390,7 +390,7 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
     return;
   }
   if (ready && room->state->Advance(KVPoll::kWaitingForInput)) {
-    PDLIB_ROOM_LOG(options_.room_log_every, msg.room,
+    PDLIB_ROOM_LOG(room->state->logged(),
                    "prefill: room %d registered: TransferInfo from %d decode rank(s), last from "
                    "session %d",
                    msg.room, ready_infos, msg.session);
@@ -505,6 +505,7 @@ StatusOr<std::shared_ptr<RoomState>> PrefillCore::CreateRoom(uint64_t room_id) {
   auto state = rooms_.Insert(room_id);
   if (!state.ok()) return state.status();
   counters_.Add(counters_.requests);
+  (*state)->set_logged(room_log_.Sample(room_id));
   auto room = std::make_shared<Room>(*state);
   std::vector<TransferInfoMsg> early;
   std::optional<Status> aborted;
@@ -525,7 +526,7 @@ StatusOr<std::shared_ptr<RoomState>> PrefillCore::CreateRoom(uint64_t room_id) {
       early_aborts_.erase(a);
     }
   }
-  PDLIB_ROOM_LOG(options_.room_log_every, room_id, "prefill: room %d created", room_id);
+  PDLIB_ROOM_LOG((*state)->logged(), "prefill: room %d created", room_id);
   if (aborted) {
     FailRoom(room, std::move(*aborted));
     return state;
@@ -802,8 +803,7 @@ void PrefillCore::FinalizeTail(const std::shared_ptr<Room>& room) {
     if (room->state->Poll() != KVPoll::kFailed) room->state->MarkReusable();
     if (room->state->Advance(KVPoll::kSuccess)) {
       self->counters_.CountSuccess(*room->state);
-      PDLIB_ROOM_LOG(self->options_.room_log_every, room->state->room(),
-                     "prefill: room %d transferred", room->state->room());
+      PDLIB_ROOM_LOG(room->state->logged(), "prefill: room %d transferred", room->state->room());
       self->SendStatusToDecode(room, Status::OK());
     }
   };

@@ -147,6 +147,7 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   absl::flat_hash_map<uint64_t, std::vector<uint64_t>> pending_drained_ ABSL_GUARDED_BY(mu_);
   size_t pending_drained_count_ ABSL_GUARDED_BY(mu_) = 0;
   ReleasedRooms released_{"prefill"};
+  RoomLogSampler room_log_{options_.room_log_every};
   // Failed rooms whose sender is destroyed but whose writes are still in flight, by room id.
   absl::flat_hash_map<uint64_t, std::shared_ptr<Room>> lingering_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> undrained_{0};  // failed rooms with writes still in flight

@@ -54,6 +54,10 @@ class RoomState {
   bool PagesReusable() const { return reusable_.load(std::memory_order_acquire); }
   void MarkReusable() { reusable_.store(true, std::memory_order_release); }
 
+  // Whether the room's per-room info lines are logged (RoomLogSampler), set when it is created.
+  bool logged() const { return logged_.load(std::memory_order_relaxed); }
+  void set_logged(bool logged) { logged_.store(logged, std::memory_order_relaxed); }
+
   // When the room was created (for latency metrics).
   absl::Time created() const { return absl::FromUnixNanos(created_ns_); }
   // When the room entered its current state (for timeouts).
@@ -67,6 +71,7 @@ class RoomState {
   std::atomic<KVPoll> state_;
   std::atomic<KVPoll> failed_from_{KVPoll::kFailed};
   std::atomic<bool> reusable_{false};
+  std::atomic<bool> logged_{false};
   // Relaxed: only read by the timeout scanner, which tolerates a slightly stale value.
   std::atomic<int64_t> state_since_ns_;
   // Fail() writes the reason and the state under this lock, so FailureReason() (which takes it)

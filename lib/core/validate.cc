@@ -165,9 +165,6 @@ Status ValidateOptions(const KVManagerOptions& options) {
         "bootstrap_port 0 (a free port) needs start_bootstrap_server: a rank that registers "
         "with another's bootstrap server must be given its port");
   }
-  if (options.room_log_every < 1) {
-    return Status::InvalidArgument("room_log_every 0 must be >= 1 (1: every room)");
-  }
   if (options.liveness_timeout < std::chrono::milliseconds(1000)) {
     return Status::InvalidArgument(absl::StrFormat("liveness_timeout %d ms must be >= 1000 ms",
                                                    options.liveness_timeout.count()));

@@ -228,7 +228,7 @@ class KVManagerOptions:
     tls_key_file: str = ""
     tls_ca_file: str = ""
     transfer_workers: int = 2
-    room_log_every: int = 1
+    room_log_every: int = 0
     failure_injection_prob: float = -1.0
     failure_injection_stages: str = ""
 

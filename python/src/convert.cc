@@ -362,7 +362,7 @@ pdlib::KVManagerOptions ToOptions(py::handle options) {
   out.tls_key_file = o.Str("tls_key_file");
   out.tls_ca_file = o.Str("tls_ca_file");
   out.transfer_workers = o.I32("transfer_workers");
-  out.room_log_every = o.U32("room_log_every");  // 0 is refused by KVManager::Create
+  out.room_log_every = o.U32("room_log_every");  // 0: auto
   out.failure_injection_prob = o.Float("failure_injection_prob");
   out.failure_injection_stages = o.Str("failure_injection_stages");
   return out;
