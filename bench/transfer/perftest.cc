@@ -91,7 +91,10 @@ PerftestResult RunUcxPerftest(uint64_t message_bytes, uint64_t iterations,
                                          "-n", std::to_string(iterations),
                                          "-p", std::to_string(port),
                                          "-v"};
-  ChildProcess server("ucx_perftest", args, env);
+  ChildProcess server({.program = "ucx_perftest",
+                       .args = args,
+                       .env = env,
+                       .stderr_mode = pdlib_tools::ChildOptions::Stderr::kMerge});
   if (!server.started()) return {std::nullopt, "cannot start ucx_perftest"};
   const auto listen_deadline = Clock::now() + std::chrono::seconds(10);
   while (!Listening(port)) {
@@ -103,7 +106,10 @@ PerftestResult RunUcxPerftest(uint64_t message_bytes, uint64_t iterations,
   }
   std::vector<std::string> client_args = {"127.0.0.1"};
   client_args.insert(client_args.end(), args.begin(), args.end());
-  ChildProcess client("ucx_perftest", client_args, env);
+  ChildProcess client({.program = "ucx_perftest",
+                       .args = client_args,
+                       .env = env,
+                       .stderr_mode = pdlib_tools::ChildOptions::Stderr::kMerge});
   if (!client.started()) return {std::nullopt, "cannot start the ucx_perftest client"};
   const auto deadline = Clock::now() + std::chrono::seconds(120);
   std::optional<double> mb;

@@ -142,7 +142,7 @@ std::map<std::string, std::string> RunTwoProcesses(BenchConfig c,
   const auto run_deadline = Clock::now() + std::chrono::seconds(60 + (c.requests + c.warmup) / 200);
   for (int attempt = 0; attempt < 3; ++attempt) {
     c.bootstrap_port = UnusedLocalPort();
-    ChildProcess p(ChildArgs(c, "prefill"));
+    ChildProcess p({.self_name = "pdlib-transfer-bench", .args = ChildArgs(c, "prefill")});
     if (!p.started()) return {{"error", "yes"}, {"why", "cannot start the prefill process"}};
     // READY, or a RESULT that says why the rank could not start.
     std::optional<std::string> first;
@@ -156,7 +156,7 @@ std::map<std::string, std::string> RunTwoProcesses(BenchConfig c,
       if (failed["why"].find("bootstrap server") != std::string::npos) continue;
       return {{"error", "yes"}, {"why", "prefill: " + failed["why"]}};
     }
-    ChildProcess d(ChildArgs(c, "decode"));
+    ChildProcess d({.self_name = "pdlib-transfer-bench", .args = ChildArgs(c, "decode")});
     if (!d.started()) return {{"error", "yes"}, {"why", "cannot start the decode process"}};
     auto dres = d.Expect("RESULT ", run_deadline);
     auto pres = p.Expect("RESULT ", dres ? run_deadline : Clock::now());

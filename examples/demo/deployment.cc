@@ -64,7 +64,11 @@ struct Deployment::Impl {
     p.name = name;
     p.log = options.log_dir + "/" + name + ".log";
     std::ofstream(p.log, std::ios::trunc).flush();
-    p.child = std::make_unique<ChildProcess>(bin, args, std::vector<std::string>{}, p.log);
+    p.child = std::make_unique<ChildProcess>(
+        pdlib_tools::ChildOptions{.program = bin,
+                                  .args = args,
+                                  .stderr_mode = pdlib_tools::ChildOptions::Stderr::kAppendToFile,
+                                  .stderr_path = p.log});
     if (!p.child->started()) {
       return Status::Unavailable(name + ": could not start " + bin);
     }

@@ -24,7 +24,8 @@ namespace pb = ::pdlib::serving;
 class Child {
  public:
   explicit Child(std::vector<std::string> argv)
-      : process_(argv[0], std::vector<std::string>(argv.begin() + 1, argv.end()), {}, "-") {
+      : process_(
+            {.program = argv[0], .args = std::vector<std::string>(argv.begin() + 1, argv.end())}) {
     REQUIRE(process_.started());
   }
 

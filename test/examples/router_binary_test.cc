@@ -25,7 +25,7 @@ namespace {
 class RouterProcess {
  public:
   explicit RouterProcess(std::vector<std::string> args)
-      : process_(PDLIB_ROUTER_BINARY, args, {}, "-") {
+      : process_({.program = PDLIB_ROUTER_BINARY, .args = args}) {
     REQUIRE(process_.started());
   }
 

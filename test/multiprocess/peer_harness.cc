@@ -1,26 +1,14 @@
 #include "test/multiprocess/peer_harness.h"
 
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <charconv>
 #include <sstream>
-#include <thread>
 
 extern char** environ;
 
 namespace pdlib_test {
 namespace {
 
-// The child's environment: ours, with TSAN_OPTIONS starting with what a TSan-built child needs
+// What the child's environment changes: TSAN_OPTIONS starting with what a TSan-built child needs
 // with Debian's uninstrumented gRPC (others ignore the variable), and pdlib's log level at
 // "error" unless the test runs with PDLIB_LOG_LEVEL set: the ROOM lines in the transcript carry
 // every failure's reason, and the fault tests fail rooms by the dozen on purpose.
@@ -28,17 +16,14 @@ std::vector<std::string> ChildEnvironment() {
   constexpr std::string_view kTsanOptions = "TSAN_OPTIONS=";
   std::string tsan_options = "TSAN_OPTIONS=ignore_noninstrumented_modules=1";
   bool log_level_set = false;
-  std::vector<std::string> env;
   for (char** entry = environ; *entry != nullptr; ++entry) {
     const std::string_view var(*entry);
     if (var.starts_with(kTsanOptions)) {
       tsan_options += ":" + std::string(var.substr(kTsanOptions.size()));
-    } else {
-      log_level_set |= var.starts_with("PDLIB_LOG_LEVEL=");
-      env.emplace_back(var);
     }
+    log_level_set |= var.starts_with("PDLIB_LOG_LEVEL=");
   }
-  env.push_back(tsan_options);
+  std::vector<std::string> env = {tsan_options};
   if (!log_level_set) env.push_back("PDLIB_LOG_LEVEL=error");
   return env;
 }
@@ -46,78 +31,21 @@ std::vector<std::string> ChildEnvironment() {
 }  // namespace
 
 PeerProcess::PeerProcess(std::string name, std::vector<std::string> args, std::string binary)
-    : name_(std::move(name)), binary_(std::move(binary)) {
-  // A child that dies makes writes to its stdin fail with EPIPE instead of killing the test.
-  ::signal(SIGPIPE, SIG_IGN);
-  int in[2], out[2];
-  if (::pipe2(in, O_CLOEXEC) != 0) return;
-  if (::pipe2(out, O_CLOEXEC) != 0) {
-    ::close(in[0]);
-    ::close(in[1]);
-    return;
-  }
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, in[0], STDIN_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
-  std::vector<char*> argv;
-  argv.push_back(binary_.data());
-  for (std::string& arg : args) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-  std::vector<std::string> env = ChildEnvironment();
-  std::vector<char*> envp;
-  for (std::string& var : env) envp.push_back(var.data());
-  envp.push_back(nullptr);
-  pid_t pid = -1;
-  const int err = posix_spawn(&pid, binary_.c_str(), &actions, nullptr, argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&actions);
-  ::close(in[0]);
-  ::close(out[1]);
-  stdin_fd_ = in[1];
-  stdout_fd_ = out[0];
-  if (err == 0) pid_ = pid;
-  transcript_ += name_ + " $ " + binary_.substr(binary_.rfind('/') + 1);
-  for (size_t i = 1; i + 1 < argv.size(); ++i) transcript_ += std::string(" ") + argv[i];
-  transcript_ += err == 0 ? "\n" : "\n" + name_ + " ! posix_spawn failed\n";
-}
-
-PeerProcess::~PeerProcess() {
-  if (pid_ > 0) {
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-  }
-  if (stdin_fd_ >= 0) ::close(stdin_fd_);
-  if (stdout_fd_ >= 0) ::close(stdout_fd_);
+    : name_(std::move(name)), child_({.program = binary, .args = args, .env = ChildEnvironment()}) {
+  transcript_ += name_ + " $ " + binary.substr(binary.rfind('/') + 1);
+  for (const std::string& arg : args) transcript_ += " " + arg;
+  transcript_ += child_.started() ? "\n" : "\n" + name_ + " ! " + child_.error() + "\n";
 }
 
 std::optional<std::string> PeerProcess::ReadLine(Clock::time_point deadline) {
-  while (true) {
-    if (size_t nl = buffer_.find('\n'); nl != std::string::npos) {
-      std::string line = buffer_.substr(0, nl);
-      buffer_.erase(0, nl + 1);
-      Record(line);
-      return line;
-    }
-    if (eof_ || stdout_fd_ < 0) return std::nullopt;
-    const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count() + 1;
-    if (left <= 0) return std::nullopt;
-    pollfd pfd{stdout_fd_, POLLIN, 0};
-    const int r = ::poll(&pfd, 1, static_cast<int>(left));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      if (Clock::now() >= deadline) return std::nullopt;
-      continue;
-    }
-    char buf[4096];
-    const ssize_t n = ::read(stdout_fd_, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      eof_ = true;
-      transcript_ += name_ + " ! end of output\n";
-      continue;
-    }
-    buffer_.append(buf, size_t(n));
+  auto line = child_.ReadLine(deadline);
+  if (line) {
+    Record(*line);
+  } else if (child_.output_fd() < 0 && !eof_) {
+    eof_ = true;
+    transcript_ += name_ + " ! end of output\n";
   }
+  return line;
 }
 
 void PeerProcess::Record(const std::string& line) {
@@ -139,18 +67,8 @@ std::map<std::string, std::string> PeerProcess::WaitReady(milliseconds timeout) 
 }
 
 bool PeerProcess::Send(std::string_view line) {
-  if (stdin_fd_ < 0) return false;
   transcript_ += name_ + " < " + std::string(line) + "\n";
-  std::string data(line);
-  data += '\n';
-  size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t n = ::write(stdin_fd_, data.data() + done, data.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    done += size_t(n);
-  }
-  return true;
+  return child_.Send(line);
 }
 
 std::optional<std::string> PeerProcess::Expect(std::string_view prefix, milliseconds timeout) {
@@ -204,25 +122,18 @@ int PeerProcess::Quit(milliseconds timeout) {
 }
 
 void PeerProcess::Kill(int signal_number) {
-  if (pid_ > 0) ::kill(pid_, signal_number);
+  child_.Signal(signal_number);
   transcript_ += name_ + " ! sent signal " + std::to_string(signal_number) + "\n";
 }
 
 int PeerProcess::Wait(milliseconds timeout) {
-  if (pid_ <= 0) return -1;
-  const auto deadline = Clock::now() + timeout;
-  while (true) {
-    int status = 0;
-    const pid_t r = ::waitpid(pid_, &status, WNOHANG);
-    if (r == pid_) {
-      pid_ = -1;
-      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      transcript_ += name_ + " ! exited with status " + std::to_string(code) + "\n";
-      return code;
-    }
-    if (Clock::now() >= deadline) return -1;
-    std::this_thread::sleep_for(milliseconds(5));
+  if (!child_.started()) return -1;
+  const bool running = child_.pid() > 0;
+  const int code = child_.Wait(Clock::now() + timeout);
+  if (running && code >= 0) {
+    transcript_ += name_ + " ! exited with status " + std::to_string(code) + "\n";
   }
+  return code;
 }
 
 PeerProcess& Scene::Start(std::string name, std::vector<std::string> args, std::string binary) {
@@ -256,22 +167,6 @@ std::map<std::string, uint64_t> ParseCounters(std::string_view line) {
     if (ec == std::errc() && end == value.data() + value.size()) counters[key] = n;
   }
   return counters;
-}
-
-uint16_t UnusedLocalPort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return 0;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  uint16_t port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  ::close(fd);
-  return port;
 }
 
 std::vector<std::string> PeerArgs(std::string_view role, uint16_t bootstrap_port,

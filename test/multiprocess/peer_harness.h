@@ -1,5 +1,6 @@
-// PeerProcess: a pdlib_test_peer child process (peer_main.cc) that a test drives over its line
-// protocol, and helpers shared by the multi-process tests.
+// PeerProcess: a pdlib_test_peer child process (peer_main.cc, started through
+// pdlib_tools::ChildProcess) that a test drives over its line protocol, with a transcript of
+// every line; and helpers shared by the multi-process tests.
 //
 // Ownership: the test owns each PeerProcess; its destructor kills (SIGKILL) and reaps a child
 // that is still running, so a failed REQUIRE never leaves a process behind.
@@ -18,6 +19,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "tools/common/child_process.h"
 
 namespace pdlib_test {
 
@@ -42,12 +45,12 @@ class PeerProcess {
   // transcript(). Check started() (and the transcript) after construction.
   PeerProcess(std::string name, std::vector<std::string> args,
               std::string binary = PDLIB_TEST_PEER_BINARY);
-  ~PeerProcess();
+  ~PeerProcess() = default;  // child_ kills and reaps a child still running
   PeerProcess(const PeerProcess&) = delete;
   PeerProcess& operator=(const PeerProcess&) = delete;
 
-  bool started() const { return pid_ > 0; }
-  pid_t pid() const { return pid_; }
+  bool started() const { return child_.started(); }
+  pid_t pid() const { return child_.pid(); }
 
   // Waits for the READY line; returns its fields (role, port, endpoint), empty on failure.
   std::map<std::string, std::string> WaitReady(milliseconds timeout = kStartTimeout);
@@ -78,12 +81,8 @@ class PeerProcess {
   void Record(const std::string& line);
 
   std::string name_;
-  std::string binary_;
-  pid_t pid_ = -1;
-  int stdin_fd_ = -1;
-  int stdout_fd_ = -1;
-  bool eof_ = false;
-  std::string buffer_;
+  pdlib_tools::ChildProcess child_;
+  bool eof_ = false;  // "end of output" is in the transcript
   std::string transcript_;
   std::map<uint64_t, RoomOutcome> rooms_;
 };
@@ -117,7 +116,7 @@ std::map<std::string, std::string> ParseFields(std::string_view line);
 std::map<std::string, uint64_t> ParseCounters(std::string_view line);
 
 // A port on 127.0.0.1 that nothing listens on right now (bound to 0, then closed).
-uint16_t UnusedLocalPort();
+using pdlib_tools::UnusedLocalPort;
 
 // Flags of a peer in role `role` on bootstrap port `bootstrap_port`, with short timeouts fit for
 // tests (liveness 1 s), followed by `extra`.

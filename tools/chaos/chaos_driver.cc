@@ -18,12 +18,15 @@
 
 #include "lib/control/bootstrap_server.h"
 #include "tools/chaos/chaos_accounting.h"
-#include "tools/chaos/chaos_child.h"
+#include "tools/common/child_process.h"
 
 namespace pdlib_chaos {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using pdlib_tools::ChildOptions;
+using pdlib_tools::ChildProcess;
+using pdlib_tools::TailOfFile;
 using std::chrono::milliseconds;
 
 constexpr milliseconds kStartTimeout{30000};  // a child's READY (sanitizer builds start slowly)
@@ -165,7 +168,11 @@ class Topology {
     c.bootstrap_port = uint16_t(bootstrap_->port());
     c.dp_size = p.prefill ? int32_t(prefills_) : 1;
     c.dp_rank = p.prefill ? p.index : 0;
-    p.child = std::make_unique<ChildProcess>(PeerArgs(c), std::vector<std::string>{}, LogPath(p));
+    p.child = std::make_unique<ChildProcess>(
+        ChildOptions{.self_name = "pdlib-chaos",
+                     .args = PeerArgs(c),
+                     .stderr_mode = ChildOptions::Stderr::kAppendToFile,
+                     .stderr_path = LogPath(p)});
     p.state = Proc::State::kStarting;
     p.started_at = Clock::now();
     p.metrics.clear();

@@ -1,8 +1,18 @@
-// ChildProcess: this binary started again with other flags (the transfer bench's prefill and
-// decode ranks), or another program (ucx_perftest, the example hosts started by pd-demo), talked
-// to over its stdin and stdout; and UnusedLocalPort for their servers. Shared by the tools,
-// benchmarks and examples (target pdlib_tool_process; not part of the pdlib library).
+// ChildProcess: a program (or this binary again, in another role) started with pipes on its
+// stdin and stdout, for the tools, benchmarks, examples and multi-process tests (target
+// pdlib_tool_process; not part of the pdlib library). The one child-process helper of the tree:
+// the transfer bench's ranks, ucx_perftest, pd-demo's hosts, pdlib-chaos's peers and the test
+// peers all run through it.
 //
+// Two ways to drive it, mixable:
+// - blocking with a deadline: ReadLine / Expect / Wait (benchmarks, tests, the demo);
+// - never blocking, from a poll() loop over many children: output_fd / input_fd_if_pending,
+//   ReadLines, Flush, Reap (pdlib-chaos, where a frozen child must not stall the driver).
+// Input is queued and written as far as the pipe takes it, in both ways; ReadLine writes the
+// rest while it waits.
+//
+// Constructing one ignores SIGPIPE in this process, so that writing to a child that died fails
+// with EPIPE instead of killing the parent.
 // Ownership: the destructor kills (SIGKILL) and reaps a child that is still running.
 // Threads: one thread per object.
 #ifndef PDLIB_TOOLS_COMMON_CHILD_PROCESS_H_
@@ -19,44 +29,88 @@
 
 namespace pdlib_tools {
 
+struct ChildOptions {
+  // The program: looked up on PATH unless it holds a '/'. Empty: this binary
+  // (/proc/self/exe), with `self_name` as its argv[0].
+  std::string program{};
+  std::string self_name = "pdlib-child";
+  std::vector<std::string> args{};
+  // "NAME=value" entries added to this process's environment, replacing those of the same name.
+  std::vector<std::string> env{};
+  enum class Stderr {
+    kInherit,       // this process's stderr
+    kMerge,         // where its stdout goes (read back by ReadLine)
+    kAppendToFile,  // appended to `stderr_path`
+  };
+  Stderr stderr_mode = Stderr::kInherit;
+  std::string stderr_path{};
+};
+
 class ChildProcess {
  public:
   using Clock = std::chrono::steady_clock;
 
-  // Starts /proc/self/exe with `args`; check started().
-  explicit ChildProcess(const std::vector<std::string>& args);
-  // Starts `program` (looked up on PATH unless it holds a '/') with `args` and this process's
-  // environment plus `env` ("NAME=value", overriding). Its stderr goes where its stdout goes
-  // (`stderr_path` ""), stays this process's stderr ("-"), or is appended to the file
-  // `stderr_path`. Check started().
-  ChildProcess(const std::string& program, const std::vector<std::string>& args,
-               const std::vector<std::string>& env, const std::string& stderr_path = "");
+  // Starts the child; check started(), and error() for why it did not.
+  explicit ChildProcess(ChildOptions options);
   ~ChildProcess();
   ChildProcess(const ChildProcess&) = delete;
   ChildProcess& operator=(const ChildProcess&) = delete;
 
-  bool started() const { return pid_ > 0; }
+  bool started() const { return pid_ > 0 || exited_; }
+  const std::string& error() const { return error_; }
   pid_t pid() const { return pid_; }
+
+  // --- Input ---
+  // Queues one line for its stdin and writes what the pipe takes now. False once its stdin is
+  // closed (the child is gone: its exit status tells the rest).
+  bool Send(std::string_view line);
+  // Writes queued input as far as the pipe takes it.
+  void Flush();
+
+  // --- Output, blocking ---
+  // The next line (without '\n'), or nullopt at `deadline` or the end of its output.
+  std::optional<std::string> ReadLine(Clock::time_point deadline);
+  // The next line starting with `prefix` (others are skipped), or nullopt as ReadLine.
+  std::optional<std::string> Expect(std::string_view prefix, Clock::time_point deadline);
+
+  // --- Output, never blocking ---
+  // File descriptors for a poll() loop: output to read (-1 once closed), input to write (-1
+  // when nothing is queued).
+  int output_fd() const { return out_; }
+  int input_fd_if_pending() const { return pending_.empty() ? -1 : in_; }
+  // Reads what is available and appends the complete lines to `lines`. False once its output
+  // is closed (the child exited or was killed).
+  bool ReadLines(std::vector<std::string>* lines);
+
+  // --- Lifetime ---
   // Sends `signal_number` while the child runs (not yet reaped).
   void Signal(int signal_number);
-  // The next line starting with `prefix`, or nullopt at the deadline or the end of its output.
-  std::optional<std::string> Expect(std::string_view prefix, Clock::time_point deadline);
-  // Writes one line to its stdin (ignored when the child is gone: its exit status tells).
-  void Send(std::string_view line);
-  // Exit status (128 + n when killed by signal n), or -1 when still running at the deadline.
+  // The exit status once the child is gone (0..255, or 128 + n when killed by signal n);
+  // nullopt while it runs. Never blocks.
+  std::optional<int> Reap();
+  // The exit status, or -1 when it still runs at `deadline`.
   int Wait(Clock::time_point deadline);
+  // SIGKILL, then reaps, waiting at most `timeout`: the status, or -1 if it would not die.
+  int KillAndReap(std::chrono::milliseconds timeout);
 
  private:
-  void Start(const char* path, bool search_path, const std::vector<std::string>& argv,
-             char* const* envp, bool merge_stderr, const std::string& stderr_path = "");
+  // Reads what the pipe holds into `partial_`; closes the output at its end. False then.
+  bool ReadAvailable();
 
   pid_t pid_ = -1;
+  bool exited_ = false;
+  int status_ = -1;
   int in_ = -1, out_ = -1;
-  std::string buf_;
+  std::string pending_;  // queued input
+  std::string partial_;  // output read after the last newline
+  std::string error_;
 };
 
 // A port on 127.0.0.1 that nothing listens on right now (bound to 0, then closed); 0 on error.
 uint16_t UnusedLocalPort();
+
+// The last `max_bytes` of the file at `path` (empty when unreadable): a child's log.
+std::string TailOfFile(const std::string& path, size_t max_bytes);
 
 }  // namespace pdlib_tools
 
