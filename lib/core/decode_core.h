@@ -5,6 +5,9 @@
 //
 // Threads: engine threads call the room methods; the control plane calls OnStatus and
 // OnPrefillGone. No lock is held while calling into a link.
+//
+// Files: decode_core.cc (connections, rooms, status, timeouts, metrics), decode_quarantine.cc
+// (page reuse: quarantine, Drained, fencing's release); decode_types.h holds the per-room state.
 #ifndef PDLIB_LIB_CORE_DECODE_CORE_H_
 #define PDLIB_LIB_CORE_DECODE_CORE_H_
 

@@ -6,6 +6,10 @@
 // Threads: On* methods are called by the control plane's threads, the Sender* methods by engine
 // threads, completions by the transport's progress thread; a small worker pool builds and posts
 // write batches. No lock is held while calling into a link or the transport.
+//
+// Files, one idea each: prefill_core.cc (lifecycle, rooms, timeouts, metrics), prefill_peers.cc
+// (decode connections and draining), prefill_intake.cc (TransferInfo and Abort), prefill_writes.cc
+// (Send, the write workers, completions); prefill_types.h holds the per-peer and per-room state.
 #ifndef PDLIB_LIB_CORE_PREFILL_CORE_H_
 #define PDLIB_LIB_CORE_PREFILL_CORE_H_
 

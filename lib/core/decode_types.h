@@ -1,0 +1,46 @@
+// The state DecodeCore keeps per room, shared by the files that implement it: decode_core.cc
+// and decode_quarantine.cc.
+#ifndef PDLIB_LIB_CORE_DECODE_TYPES_H_
+#define PDLIB_LIB_CORE_DECODE_TYPES_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "lib/core/decode_core.h"
+
+namespace pdlib {
+inline namespace v1 {
+
+// A prefill connection this room's pages were sent to (in a TransferInfo): until it is closed
+// (drained, fenced, gone) a write for the room may still come from there.
+struct DecodeCore::Exposure {
+  std::string key;
+  uint64_t gen = 0;
+  uint64_t instance = 0;
+  bool open = true;
+};
+
+struct DecodeCore::Room {
+  explicit Room(std::shared_ptr<RoomState> s) : state(std::move(s)) {}
+  const std::shared_ptr<RoomState> state;
+  mutable Mutex mu;
+  std::vector<BoundPrefill> prefills ABSL_GUARDED_BY(mu);  // ranks this room talks to
+  size_t expected ABSL_GUARDED_BY(mu) = 0;  // of them, those that write (not dummies)
+  std::optional<uint32_t> aux_index ABSL_GUARDED_BY(mu);
+  std::vector<planner::RankId> statuses_ok ABSL_GUARDED_BY(mu);  // writers that succeeded
+  bool initialized ABSL_GUARDED_BY(mu) = false;
+  TransferInfoMsg info ABSL_GUARDED_BY(mu);  // what Init() asked for
+  std::vector<Exposure> exposed ABSL_GUARDED_BY(mu);
+  bool quarantined ABSL_GUARDED_BY(mu) = false;  // failed, some exposure still open
+  bool released ABSL_GUARDED_BY(mu) = false;     // the receiver was destroyed meanwhile
+  absl::Time quarantined_at ABSL_GUARDED_BY(mu);
+  absl::Time next_warning ABSL_GUARDED_BY(mu);
+  uint64_t held_pages ABSL_GUARDED_BY(mu) = 0;  // KV pages + aux slot + state slots
+};
+
+}  // namespace v1
+}  // namespace pdlib
+
+#endif  // PDLIB_LIB_CORE_DECODE_TYPES_H_

@@ -1,0 +1,67 @@
+// The state PrefillCore keeps per decode connection and per room, shared by the files that
+// implement it: prefill_core.cc (lifecycle, rooms, timeouts, metrics), prefill_peers.cc (decode
+// connections: Register, loss, draining), prefill_intake.cc (TransferInfo and Abort from decode,
+// early arrivals), prefill_writes.cc (Send, the write workers, completions, the tail).
+#ifndef PDLIB_LIB_CORE_PREFILL_TYPES_H_
+#define PDLIB_LIB_CORE_PREFILL_TYPES_H_
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "lib/core/prefill_core.h"
+
+namespace pdlib {
+inline namespace v1 {
+
+// One connected decode manager.
+struct PrefillCore::Peer {
+  uint64_t session = 0;
+  spi::PeerId peer = 0;
+  RegisterMsg reg;
+  planner::PairPlan plan;              // what this prefill rank writes to that decode rank
+  uint32_t required_dst_info_num = 1;  // TransferInfos per room, when the plan is active
+  std::vector<spi::RemoteRegionId> kv, aux, state;
+  std::shared_ptr<DecodeLink> link;
+};
+
+// Everything prefill tracks for one live request.
+struct PrefillCore::Room {
+  explicit Room(std::shared_ptr<RoomState> s) : state(std::move(s)) {}
+  const std::shared_ptr<RoomState> state;
+  Mutex mu;
+  std::optional<uint64_t> num_kv_pages ABSL_GUARDED_BY(mu);
+  std::optional<uint32_t> aux_index ABSL_GUARDED_BY(mu);
+  // One TransferInfo per decode rank this room writes to, each with its connection.
+  std::vector<TransferInfoMsg> infos ABSL_GUARDED_BY(mu);
+  std::vector<std::shared_ptr<Peer>> peers ABSL_GUARDED_BY(mu);
+  size_t pages_queued ABSL_GUARDED_BY(mu) = 0;
+  bool last_queued ABSL_GUARDED_BY(mu) = false;
+  int outstanding ABSL_GUARDED_BY(mu) = 0;  // chunk batches posted, not yet complete
+  bool finalizing ABSL_GUARDED_BY(mu) = false;
+  std::vector<int32_t> state_src ABSL_GUARDED_BY(mu);
+  bool status_sent ABSL_GUARDED_BY(mu) = false;
+  // Set when a decode rank of this room went away while chunk batches were in flight: the room
+  // fails with the transport's completion error if one comes, else with this once they are done.
+  std::optional<Status> peer_gone ABSL_GUARDED_BY(mu);
+  // aux/state batches in flight, plus one while Finalize is deciding what to post.
+  int tail_outstanding ABSL_GUARDED_BY(mu) = 0;
+  bool drained ABSL_GUARDED_BY(mu) = false;   // terminal, nothing in flight: pages reusable
+  bool released ABSL_GUARDED_BY(mu) = false;  // the sender was destroyed before that
+};
+
+// A decode connection that ended while KV writes to it were in flight. Its transport peer stays
+// up until those writes complete (a dead peer makes them fail with the transport's own error,
+// e.g. an RDMA work-completion status) or `deadline` passes, so that the rooms report the cause
+// rather than only "stream ended".
+struct PrefillCore::DrainingPeer {
+  std::shared_ptr<Peer> peer;
+  absl::Time deadline;
+  Status reason;
+  std::vector<std::shared_ptr<Room>> rooms;
+};
+
+}  // namespace v1
+}  // namespace pdlib
+
+#endif  // PDLIB_LIB_CORE_PREFILL_TYPES_H_

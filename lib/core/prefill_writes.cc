@@ -1,0 +1,304 @@
+// PrefillCore: Send() queues chunks, the write workers turn them into batches of one-sided
+// writes per decode rank, completions finish the room (metadata and state last).
+#include "lib/core/prefill_core.h"
+
+#include <algorithm>
+#include <string>
+
+#include "absl/strings/str_format.h"
+#include "lib/base/log_internal.h"
+#include "lib/core/transfer_layout.h"
+#include "lib/core/validate.h"
+#include "lib/core/prefill_types.h"
+
+namespace pdlib {
+inline namespace v1 {
+
+Status PrefillCore::Send(uint64_t room_id, std::span<const int32_t> pages, bool last,
+                         std::span<const int32_t> state_indices) {
+  auto room = FindRoom(room_id);
+  if (!room) return Status::NotFound(absl::StrFormat("room %d is not live", room_id));
+  KVPoll state = room->state->Poll();
+  if (state == KVPoll::kFailed) return room->state->FailureReason();
+  if (state < KVPoll::kWaitingForInput || state == KVPoll::kSuccess) {
+    return Status::FailedPrecondition(
+        absl::StrFormat("room %d: Send() in state %s (needs the decode side's TransferInfo first)",
+                        room_id, KVPollName(state)));
+  }
+  if (Status s = ValidateIndices(pages, ItemCapacity(options_.args.kv), "kv page", "prefill");
+      !s.ok()) {
+    return s.WithPrefix(absl::StrFormat("room %d", room_id));
+  }
+  if (Status s =
+          ValidateIndices(state_indices, ItemCapacity(options_.args.state), "state", "prefill");
+      !s.ok()) {
+    return s.WithPrefix(absl::StrFormat("room %d", room_id));
+  }
+  Chunk chunk{room, {pages.begin(), pages.end()}, 0, last};
+  {
+    MutexLock lock(&room->mu);
+    if (room->last_queued) {
+      return Status::FailedPrecondition(
+          absl::StrFormat("room %d: Send() after the last chunk", room_id));
+    }
+    // A dummy room (this rank writes to nobody, R5.5) takes any chunk and writes nothing.
+    const TransferInfoMsg* real = nullptr;
+    for (const auto& info : room->infos) {
+      if (info.is_dummy) continue;
+      if (real && info.dst_kv_pages.size() != real->dst_kv_pages.size()) {
+        return Status::FailedPrecondition(
+            absl::StrFormat("room %d: decode ranks disagree on the page count", room_id));
+      }
+      if (!real) real = &info;
+    }
+    size_t total = room->pages_queued + pages.size();
+    size_t dst_count = real ? real->dst_kv_pages.size() : total;
+    if (total > dst_count || (last && total != dst_count)) {
+      return Status::OutOfRange(
+          absl::StrFormat("room %d: %s chunk brings the pages sent to %d but decode expects %d",
+                          room_id, last ? "last" : "non-last", total, dst_count));
+    }
+    if (room->num_kv_pages && total > *room->num_kv_pages) {
+      return Status::OutOfRange(absl::StrFormat("room %d: %d pages sent, Init() announced %d",
+                                                room_id, total, *room->num_kv_pages));
+    }
+    if (real && last && !state_indices.empty() &&
+        state_indices.size() != real->dst_state_indices.size()) {
+      return Status::InvalidArgument(absl::StrFormat("room %d: %d state indices for %d on decode",
+                                                     room_id, state_indices.size(),
+                                                     real->dst_state_indices.size()));
+    }
+    chunk.dst_offset = room->pages_queued;
+    room->pages_queued = total;
+    room->last_queued = last;
+    if (last) room->state_src.assign(state_indices.begin(), state_indices.end());
+    ++room->outstanding;
+  }
+  room->state->Advance(KVPoll::kTransferring);
+  {
+    MutexLock lock(&mu_);
+    queue_.push_back(std::move(chunk));
+  }
+  work_cv_.Signal();
+  return Status::OK();
+}
+
+void PrefillCore::WorkerLoop() {
+  while (true) {
+    Chunk chunk;
+    {
+      MutexLock lock(&mu_);
+      while (!WorkReady()) work_cv_.Wait(&mu_);
+      if (stopping_) return;
+      chunk = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    ProcessChunk(chunk);
+  }
+}
+
+void PrefillCore::ProcessChunk(const Chunk& chunk) {
+  const auto& room = chunk.room;
+  if (IsTerminal(room->state->Poll())) return OnBatchDone(room, 0, 0, Status::OK());
+  if (injector_.Roll(FailureStage::kChunk)) {
+    return OnBatchDone(room, 0, 0, injector_.Injected(FailureStage::kChunk, room->state->room()));
+  }
+  // The decode ranks this rank writes to, with the slice of their pages this chunk covers.
+  struct Target {
+    std::shared_ptr<Peer> peer;
+    std::vector<int32_t> dst;
+  };
+  std::vector<Target> targets;
+  std::optional<Status> gone;
+  {
+    MutexLock lock(&room->mu);
+    gone = room->peer_gone;
+    for (size_t i = 0; i < room->infos.size() && !gone; ++i) {
+      if (room->infos[i].is_dummy || !room->peers[i]->plan.active) continue;
+      const auto& dst = room->infos[i].dst_kv_pages;
+      targets.push_back({room->peers[i], std::vector<int32_t>(dst.begin() + chunk.dst_offset,
+                                                              dst.begin() + chunk.dst_offset +
+                                                                  chunk.src_pages.size())});
+    }
+    // One batch per decode rank; every layer's writes of the chunk go in it (SPEC R5.3). The
+    // chunk was counted once when queued; each batch ends with one OnBatchDone.
+    if (!targets.empty()) room->outstanding += static_cast<int>(targets.size()) - 1;
+  }
+  if (gone) {  // not posted: a decode rank is gone
+    return OnBatchDone(room, 0, 0,
+                       Status(gone->code(), std::string(gone->message()) + " (chunk not sent)"));
+  }
+  if (targets.empty()) return OnBatchDone(room, 0, 0, Status::OK());
+  thread_local planner::PlanOutput plan;
+  for (Target& t : targets) {
+    plan.writes.clear();
+    plan.bytes = 0;
+    Status s = planner::PlanKvWrites(t.peer->plan, {chunk.src_pages, t.dst, chunk.last, -1}, &plan);
+    if (!s.ok()) {
+      OnBatchDone(room, 0, 0, s.WithPrefix(absl::StrFormat("room %d", room->state->room())));
+      continue;
+    }
+    std::vector<spi::WriteOp> ops = ToWriteOps(*t.peer, plan.writes);
+    if (ops.empty()) {  // nothing of this chunk lands on that rank (e.g. an empty chunk)
+      OnBatchDone(room, 0, 0, Status::OK());
+      continue;
+    }
+    const uint64_t bytes = plan.bytes, pages = chunk.src_pages.size();
+    auto self = shared_from_this();
+    s = transport_->PostWrites(t.peer->peer, ops, [self, room, bytes, pages](Status st) {
+      self->OnBatchDone(room, bytes, pages, std::move(st));
+    });
+    if (!s.ok()) OnBatchDone(room, 0, 0, s.WithPrefix("posting KV writes"));
+  }
+}
+
+std::vector<spi::WriteOp> PrefillCore::ToWriteOps(const Peer& peer,
+                                                  std::span<const planner::PlannedWrite> writes) {
+  std::vector<spi::WriteOp> ops;
+  ops.reserve(writes.size());
+  for (const planner::PlannedWrite& w : writes) {
+    const RegisteredFamily* mine = &local_.kv;
+    const std::vector<spi::RemoteRegionId>* theirs = &peer.kv;
+    if (w.kind == planner::RegionKind::kAux) {
+      mine = &local_.aux;
+      theirs = &peer.aux;
+    } else if (w.kind == planner::RegionKind::kState) {
+      mine = &local_.state;
+      theirs = &peer.state;
+    }
+    // The plan's buffer indices come from layouts validated against these very lists.
+    ops.push_back({mine->ids[w.local_buffer], w.local_offset, (*theirs)[w.remote_buffer],
+                   w.remote_offset, w.length});
+  }
+  return ops;
+}
+
+void PrefillCore::OnBatchDone(const std::shared_ptr<Room>& room, uint64_t bytes, uint64_t pages,
+                              Status s) {
+  if (!s.ok()) {
+    FailRoom(room, s);
+  } else if (bytes > 0) {
+    counters_.Add(counters_.bytes, bytes);
+    counters_.Add(counters_.pages, pages);
+    counters_.Add(counters_.batches);
+  }
+  bool finalize = false;
+  std::optional<Status> gone;
+  {
+    MutexLock lock(&room->mu);
+    --room->outstanding;
+    if (room->outstanding == 0 && room->peer_gone) {
+      gone = room->peer_gone;  // every write completed, but a decode rank is gone
+    } else if (room->outstanding == 0 && room->last_queued && !room->finalizing) {
+      room->finalizing = true;
+      room->tail_outstanding = 1;  // Finalize's hold: nothing is drained while it decides
+      finalize = true;
+    }
+  }
+  if (gone) FailRoom(room, *gone);
+  if (finalize) Finalize(room);
+  MaybeDrained(room);
+}
+
+// Every KV write of the room is complete: write aux, then state, then report. Called holding
+// one count of tail_outstanding (set by OnBatchDone), released here.
+void PrefillCore::Finalize(const std::shared_ptr<Room>& room) {
+  FinalizeTail(room);
+  TailDone(room);
+}
+
+void PrefillCore::FinalizeTail(const std::shared_ptr<Room>& room) {
+  if (room->state->Poll() == KVPoll::kFailed) return;
+  {
+    bool has_aux, has_state;
+    {
+      MutexLock lock(&room->mu);
+      has_aux = room->aux_index.has_value();
+      has_state = !room->state_src.empty();
+    }
+    for (auto [stage, has] :
+         {std::pair{FailureStage::kAux, has_aux}, std::pair{FailureStage::kState, has_state}}) {
+      if (has && injector_.Roll(stage)) {
+        return FailRoom(room, injector_.Injected(stage, room->state->room()));
+      }
+    }
+  }
+  std::vector<std::pair<std::shared_ptr<Peer>, std::vector<spi::WriteOp>>> batches;
+  Status planned;
+  {
+    thread_local planner::PlanOutput plan;
+    MutexLock lock(&room->mu);
+    for (size_t i = 0; i < room->infos.size() && planned.ok(); ++i) {
+      const TransferInfoMsg& info = room->infos[i];
+      const Peer& peer = *room->peers[i];
+      if (info.is_dummy || !peer.plan.active) continue;
+      planner::TailInput tail;
+      if (room->aux_index && info.aux_index) {
+        tail.src_aux = *room->aux_index;
+        tail.dst_aux = *info.aux_index;
+      }
+      if (!room->state_src.empty()) {
+        tail.src_state = room->state_src;
+        tail.dst_state = info.dst_state_indices;
+      }
+      tail.request_pages = static_cast<int64_t>(info.dst_kv_pages.size());
+      plan.writes.clear();
+      plan.bytes = 0;
+      planned = planner::PlanTailWrites(peer.plan, tail, &plan);
+      if (planned.ok()) batches.emplace_back(room->peers[i], ToWriteOps(peer, plan.writes));
+    }
+  }
+  if (!planned.ok()) {
+    return FailRoom(room, planned.WithPrefix(absl::StrFormat("room %d", room->state->room())));
+  }
+  // A dummy room (no batch) still ends through one_done, once.
+  auto remaining =
+      std::make_shared<std::atomic<int>>(std::max(1, static_cast<int>(batches.size())));
+  auto self = shared_from_this();
+  auto one_done = [self, room, remaining](Status s) {
+    if (!s.ok()) self->FailRoom(room, s.WithPrefix("writing aux/state"));
+    // acq_rel: the last finisher sees every other finisher's failure before reporting.
+    if (remaining->fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    if (self->injector_.Roll(FailureStage::kStatus)) {
+      return self->FailRoom(room,
+                            self->injector_.Injected(FailureStage::kStatus, room->state->room()));
+    }
+    // Every write of the room is complete; marked before Success is visible (kv_manager.h).
+    if (room->state->Poll() != KVPoll::kFailed) room->state->MarkReusable();
+    if (room->state->Advance(KVPoll::kSuccess)) {
+      self->counters_.CountSuccess(*room->state);
+      PDLIB_ROOM_LOG(room->state->logged(), "prefill: room %d transferred", room->state->room());
+      self->SendStatusToDecode(room, Status::OK());
+    }
+  };
+  if (batches.empty()) return one_done(Status::OK());
+  for (auto& [peer, ops] : batches) {
+    if (ops.empty()) {
+      one_done(Status::OK());
+      continue;
+    }
+    {
+      MutexLock lock(&room->mu);
+      ++room->tail_outstanding;
+    }
+    Status s = transport_->PostWrites(peer->peer, ops, [self, room, one_done](Status st) {
+      one_done(std::move(st));
+      self->TailDone(room);
+    });
+    if (!s.ok()) {
+      one_done(s);
+      TailDone(room);
+    }
+  }
+}
+
+void PrefillCore::TailDone(const std::shared_ptr<Room>& room) {
+  {
+    MutexLock lock(&room->mu);
+    --room->tail_outstanding;
+  }
+  MaybeDrained(room);
+}
+
+}  // namespace v1
+}  // namespace pdlib
