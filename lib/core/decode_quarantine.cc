@@ -1,13 +1,12 @@
 // DecodeCore: page reuse. A failed room whose pages went out stays quarantined until every
 // prefill connection they went to is drained, fenced or gone (kv_manager.h, "Page reuse").
-#include "lib/core/decode_core.h"
-
 #include <algorithm>
 #include <string>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
 #include "lib/base/log_internal.h"
+#include "lib/core/decode_core.h"
 #include "lib/core/decode_types.h"
 
 namespace pdlib {

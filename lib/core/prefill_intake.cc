@@ -1,15 +1,14 @@
 // PrefillCore: TransferInfo and Abort from decode, validated before use, and those that arrive
 // before the engine created their room (bounded in count and bytes).
-#include "lib/core/prefill_core.h"
-
 #include <algorithm>
 #include <string>
 
 #include "absl/strings/str_format.h"
 #include "lib/base/log_internal.h"
+#include "lib/core/prefill_core.h"
+#include "lib/core/prefill_types.h"
 #include "lib/core/transfer_layout.h"
 #include "lib/core/validate.h"
-#include "lib/core/prefill_types.h"
 
 namespace pdlib {
 inline namespace v1 {

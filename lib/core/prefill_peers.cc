@@ -1,16 +1,15 @@
 // PrefillCore: decode connections (Register and its checks, a connection's loss, draining the
 // writes still in flight to it) and the Drained reports that free decode's pages.
-#include "lib/core/prefill_core.h"
-
 #include <algorithm>
 #include <string>
 
 #include "absl/strings/str_format.h"
 #include "lib/base/log_internal.h"
 #include "lib/control/bootstrap_types.h"
+#include "lib/core/prefill_core.h"
+#include "lib/core/prefill_types.h"
 #include "lib/core/transfer_layout.h"
 #include "lib/core/validate.h"
-#include "lib/core/prefill_types.h"
 
 namespace pdlib {
 inline namespace v1 {

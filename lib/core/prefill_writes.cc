@@ -1,15 +1,14 @@
 // PrefillCore: Send() queues chunks, the write workers turn them into batches of one-sided
 // writes per decode rank, completions finish the room (metadata and state last).
-#include "lib/core/prefill_core.h"
-
 #include <algorithm>
 #include <string>
 
 #include "absl/strings/str_format.h"
 #include "lib/base/log_internal.h"
+#include "lib/core/prefill_core.h"
+#include "lib/core/prefill_types.h"
 #include "lib/core/transfer_layout.h"
 #include "lib/core/validate.h"
-#include "lib/core/prefill_types.h"
 
 namespace pdlib {
 inline namespace v1 {
