@@ -5,14 +5,15 @@
 //
 // Each run prints its summary and, on failure, the PROBLEM lines and where the processes' logs
 // were kept (stderr, shown by ctest --output-on-failure).
-#include <sys/wait.h>
-
 #include <catch2/catch.hpp>
 #include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "tools/common/child_process.h"
 
 namespace {
 
@@ -22,17 +23,19 @@ struct RunResult {
 };
 
 RunResult RunChaos(const std::vector<std::string>& args) {
-  std::string command = "'" PDLIB_CHAOS_BINARY "' --json";
-  for (const auto& a : args) command += " '" + a + "'";
+  std::vector<std::string> argv = {"--json"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::string command = PDLIB_CHAOS_BINARY;
+  for (const auto& a : argv) command += " " + a;
   INFO("running " << command);
-  RunResult result;
-  FILE* out = ::popen(command.c_str(), "r");
-  REQUIRE(out != nullptr);
+  // stdout on a pipe, stderr (the summary and the problems) stays the test's.
+  pdlib_tools::ChildProcess chaos({.program = PDLIB_CHAOS_BINARY, .args = argv});
+  REQUIRE(chaos.started());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
   std::string text;
-  char buf[4096];
-  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), out)) > 0;) text.append(buf, n);
-  const int status = ::pclose(out);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  while (auto line = chaos.ReadLine(deadline)) text += *line + "\n";
+  RunResult result;
+  result.exit_code = chaos.Wait(deadline);
   // With --json, stdout is the report alone (the summary goes to stderr).
   if (text.starts_with("{\"requests\":")) result.json = text;
   return result;

@@ -1,10 +1,6 @@
 // The standalone pdlib-bootstrap binary: starts, answers a health check and registrations,
 // and exits 0 on SIGTERM / SIGINT.
-#include <poll.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -16,8 +12,7 @@
 
 #include "lib/control/bootstrap_client.h"
 #include "test/control/bootstrap_test_util.h"
-
-extern char** environ;
+#include "tools/common/child_process.h"
 
 namespace pdlib::control {
 namespace {
@@ -25,73 +20,21 @@ namespace {
 using std::chrono::milliseconds;
 using std::chrono::steady_clock;
 
-// The child's environment: ours, with TSAN_OPTIONS starting with the options this test binary
-// gets from tsan_defaults.cc (a TSan-built child needs them too; others ignore the variable).
-std::vector<std::string> ChildEnvironment() {
-  constexpr std::string_view kTsanOptions = "TSAN_OPTIONS=";
-  std::string tsan_options = "TSAN_OPTIONS=ignore_noninstrumented_modules=1";
-  std::vector<std::string> env;
-  for (char** entry = environ; *entry != nullptr; ++entry) {
-    const std::string_view var(*entry);
-    if (var.starts_with(kTsanOptions)) {
-      tsan_options += " " + std::string(var.substr(kTsanOptions.size()));
-    } else {
-      env.emplace_back(var);
-    }
-  }
-  env.push_back(tsan_options);
-  return env;
-}
-
-// A child process started with posix_spawn (safe in a process that already runs gRPC threads),
-// its stdout on a pipe. The destructor kills and reaps a child the test left running.
+// pdlib-bootstrap with its stdout on a pipe (pdlib_tools::ChildProcess: posix_spawn, safe in a
+// process that already runs gRPC threads). Killed and reaped if the test left it running.
 class Child {
  public:
-  explicit Child(std::vector<std::string> args) {
-    int fds[2];
-    REQUIRE(::pipe(fds) == 0);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-    posix_spawn_file_actions_addclose(&actions, fds[0]);
-    posix_spawn_file_actions_addclose(&actions, fds[1]);
-    std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(PDLIB_BOOTSTRAP_BINARY));
-    for (std::string& arg : args) argv.push_back(arg.data());
-    argv.push_back(nullptr);
-    std::vector<std::string> env = ChildEnvironment();
-    std::vector<char*> envp;
-    for (std::string& var : env) envp.push_back(var.data());
-    envp.push_back(nullptr);
-    const int err =
-        posix_spawn(&pid_, PDLIB_BOOTSTRAP_BINARY, &actions, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    ::close(fds[1]);
-    stdout_fd_ = fds[0];
-    REQUIRE(err == 0);
-  }
-  ~Child() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    if (stdout_fd_ >= 0) ::close(stdout_fd_);
+  explicit Child(std::vector<std::string> args)
+      : process_({.program = PDLIB_BOOTSTRAP_BINARY,
+                  .args = std::move(args),
+                  .env = {pdlib_tools::TsanOptionsForChild()}}) {
+    REQUIRE(process_.started());
   }
 
-  // Reads stdout until `timeout` passes or the child closes it.
+  // One line of stdout with its newline, or "" when none came within `timeout`.
   std::string ReadLine(milliseconds timeout) {
-    std::string line;
-    const auto deadline = steady_clock::now() + timeout;
-    while (line.empty() || line.back() != '\n') {
-      const auto left = std::chrono::duration_cast<milliseconds>(deadline - steady_clock::now());
-      if (left.count() <= 0) break;
-      pollfd pfd{stdout_fd_, POLLIN, 0};
-      if (::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) break;
-      char c;
-      if (::read(stdout_fd_, &c, 1) != 1) break;
-      line.push_back(c);
-    }
-    return line;
+    auto line = process_.ReadLine(steady_clock::now() + timeout);
+    return line ? *line + "\n" : "";
   }
 
   std::string ReadAll(milliseconds timeout) {
@@ -101,25 +44,12 @@ class Child {
   }
 
   // The exit status, or -1 when the child is still running after `timeout`.
-  int Wait(milliseconds timeout) {
-    const auto deadline = steady_clock::now() + timeout;
-    while (steady_clock::now() < deadline) {
-      int status = 0;
-      const pid_t r = ::waitpid(pid_, &status, WNOHANG);
-      if (r == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(milliseconds(10));
-    }
-    return -1;
-  }
+  int Wait(milliseconds timeout) { return process_.Wait(steady_clock::now() + timeout); }
 
-  pid_t pid() const { return pid_; }
+  pid_t pid() const { return process_.pid(); }
 
  private:
-  pid_t pid_ = -1;
-  int stdout_fd_ = -1;
+  pdlib_tools::ChildProcess process_;
 };
 
 constexpr milliseconds kStartTimeout{30000};  // sanitizer builds start slowly

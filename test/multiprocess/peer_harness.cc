@@ -1,30 +1,18 @@
 #include "test/multiprocess/peer_harness.h"
 
 #include <charconv>
+#include <cstdlib>
 #include <sstream>
-
-extern char** environ;
 
 namespace pdlib_test {
 namespace {
 
-// What the child's environment changes: TSAN_OPTIONS starting with what a TSan-built child needs
-// with Debian's uninstrumented gRPC (others ignore the variable), and pdlib's log level at
-// "error" unless the test runs with PDLIB_LOG_LEVEL set: the ROOM lines in the transcript carry
-// every failure's reason, and the fault tests fail rooms by the dozen on purpose.
+// What the child's environment changes: TSAN_OPTIONS for a TSan-built child, and pdlib's log
+// level at "error" unless the test runs with PDLIB_LOG_LEVEL set: the ROOM lines in the
+// transcript carry every failure's reason, and the fault tests fail rooms by the dozen on purpose.
 std::vector<std::string> ChildEnvironment() {
-  constexpr std::string_view kTsanOptions = "TSAN_OPTIONS=";
-  std::string tsan_options = "TSAN_OPTIONS=ignore_noninstrumented_modules=1";
-  bool log_level_set = false;
-  for (char** entry = environ; *entry != nullptr; ++entry) {
-    const std::string_view var(*entry);
-    if (var.starts_with(kTsanOptions)) {
-      tsan_options += ":" + std::string(var.substr(kTsanOptions.size()));
-    }
-    log_level_set |= var.starts_with("PDLIB_LOG_LEVEL=");
-  }
-  std::vector<std::string> env = {tsan_options};
-  if (!log_level_set) env.push_back("PDLIB_LOG_LEVEL=error");
+  std::vector<std::string> env = {pdlib_tools::TsanOptionsForChild()};
+  if (std::getenv("PDLIB_LOG_LEVEL") == nullptr) env.push_back("PDLIB_LOG_LEVEL=error");
   return env;
 }
 

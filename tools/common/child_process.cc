@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -229,6 +230,14 @@ uint16_t UnusedLocalPort() {
   }
   ::close(fd);
   return port;
+}
+
+std::string TsanOptionsForChild() {
+  std::string options = "TSAN_OPTIONS=ignore_noninstrumented_modules=1";
+  if (const char* ours = std::getenv("TSAN_OPTIONS"); ours != nullptr && *ours != '\0') {
+    options += std::string(":") + ours;
+  }
+  return options;
 }
 
 std::string TailOfFile(const std::string& path, size_t max_bytes) {

@@ -109,6 +109,11 @@ class ChildProcess {
 // A port on 127.0.0.1 that nothing listens on right now (bound to 0, then closed); 0 on error.
 uint16_t UnusedLocalPort();
 
+// "TSAN_OPTIONS=ignore_noninstrumented_modules=1[:<this process's TSAN_OPTIONS>]", for
+// ChildOptions::env: what a TSan-built child needs with Debian's uninstrumented gRPC and Abseil
+// (other builds ignore the variable).
+std::string TsanOptionsForChild();
+
 // The last `max_bytes` of the file at `path` (empty when unreadable): a child's log.
 std::string TailOfFile(const std::string& path, size_t max_bytes);
 
