@@ -1,111 +1,72 @@
 // pdlib-bootstrap: a standalone bootstrap server for one prefill deployment (SPEC R6.1).
 //
-//   pdlib-bootstrap [--host H] [--port N] [--auth-secret-file F] [--tls-cert F --tls-key F
-//                   [--tls-ca F]] [--verbose]
+//   pdlib-bootstrap [--host H] [--port N] [--auth_secret_file F] [--tls_cert F --tls_key F
+//                   [--tls_ca F]] [--verbose]      (--help: every flag; - works for _)
 //
 // Prints "pdlib-bootstrap listening on HOST:PORT" once it serves (with --port 0, PORT is the
 // port it picked), and exits 0 after SIGINT or SIGTERM once in-flight calls are done.
 #include <signal.h>
 
 #include <cerrno>
-#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <string>
-#include <string_view>
+#include <vector>
 
+#include "absl/flags/flag.h"
 #include "lib/control/bootstrap_server.h"
 #include "pdlib/log.h"
+#include "tools/common/flags.h"
+
+ABSL_FLAG(std::string, host, "0.0.0.0", "address to bind");
+ABSL_FLAG(int32_t, port, pdlib::control::kDefaultBootstrapPort,
+          "port to listen on; 0 picks a free one (printed on the listening line)");
+ABSL_FLAG(std::string, auth_secret_file, "",
+          "require the shared secret in this file (trailing newline ignored) from every caller: "
+          "the KVManagerOptions::auth_secret of the deployment");
+ABSL_FLAG(std::string, tls_cert, "", "serve TLS with this PEM certificate (needs --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "the PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "", "also require client certificates signed by these PEM roots");
+ABSL_FLAG(bool, verbose, false, "log registrations (same as PDLIB_LOG_LEVEL=info)");
 
 namespace {
 
 constexpr char kUsage[] =
-    "usage: pdlib-bootstrap [--host HOST] [--port PORT] [--auth-secret-file FILE]\n"
-    "                       [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--verbose]\n"
+    "usage: pdlib-bootstrap [--host HOST] [--port PORT] [--auth_secret_file FILE]\n"
+    "                       [--tls_cert FILE --tls_key FILE [--tls_ca FILE]] [--verbose]\n"
     "\n"
     "Serves the pdlib bootstrap service for one prefill deployment: prefill ranks register\n"
     "where they listen, decode ranks look them up. Health: grpc.health.v1.Health/Check.\n"
-    "\n"
-    "  --host HOST   address to bind (default 0.0.0.0)\n"
-    "  --port PORT   port to listen on, 0 picks a free one (default 8998)\n"
-    "  --auth-secret-file FILE  require the shared secret in FILE (trailing newline ignored)\n"
-    "                from every caller: the KVManagerOptions::auth_secret of the deployment\n"
-    "  --tls-cert FILE, --tls-key FILE  serve TLS with this PEM certificate and key\n"
-    "  --tls-ca FILE  also require client certificates signed by these PEM roots\n"
-    "  --verbose     log registrations (same as PDLIB_LOG_LEVEL=info)\n"
-    "  --help        print this help\n"
-    "\n"
     "Stops cleanly on SIGINT or SIGTERM.\n";
 
 struct Args {
-  std::string host = "0.0.0.0";
-  int port = pdlib::control::kDefaultBootstrapPort;
+  std::string host, secret_file, tls_cert, tls_key, tls_ca;
+  int port = 0;
   bool verbose = false;
-  bool help = false;
-  std::string secret_file, tls_cert, tls_key, tls_ca;
 };
 
-bool ParsePort(std::string_view text, int* port) {
-  int value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size() || value < 0 || value > 65535) {
+// The flags, checked. False (after printing why, naming the flag) on bad input.
+bool ParseArgs(int argc, char** argv, Args* args) {
+  const std::vector<std::string> rest = pdlib_tools::ParseFlags(argc, argv, kUsage);
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "pdlib-bootstrap: unexpected argument '%s' (see --help)\n",
+                 rest[1].c_str());
     return false;
   }
-  *port = value;
-  return true;
-}
-
-// Accepts "--flag value" and "--flag=value". Returns false (after printing why) on bad input.
-bool ParseArgs(int argc, char** argv, Args* args) {
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    std::string_view value;
-    bool has_value = false;
-    if (const size_t eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-      has_value = true;
-    }
-    auto take_value = [&]() -> bool {
-      if (has_value) return true;
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "pdlib-bootstrap: %.*s needs a value\n%s",
-                     static_cast<int>(arg.size()), arg.data(), kUsage);
-        return false;
-      }
-      value = argv[++i];
-      return true;
-    };
-    if (arg == "--help" || arg == "-h") {
-      args->help = true;
-    } else if (arg == "--verbose" && !has_value) {
-      args->verbose = true;
-    } else if (arg == "--host") {
-      if (!take_value()) return false;
-      if (value.empty()) {
-        std::fprintf(stderr, "pdlib-bootstrap: --host is empty\n");
-        return false;
-      }
-      args->host = std::string(value);
-    } else if (arg == "--port") {
-      if (!take_value()) return false;
-      if (!ParsePort(value, &args->port)) {
-        std::fprintf(stderr, "pdlib-bootstrap: --port '%.*s' is not a port in [0, 65535]\n",
-                     static_cast<int>(value.size()), value.data());
-        return false;
-      }
-    } else if (arg == "--auth-secret-file" || arg == "--tls-cert" || arg == "--tls-key" ||
-               arg == "--tls-ca") {
-      if (!take_value()) return false;
-      std::string* to = arg == "--auth-secret-file" ? &args->secret_file
-                        : arg == "--tls-cert"       ? &args->tls_cert
-                        : arg == "--tls-key"        ? &args->tls_key
-                                                    : &args->tls_ca;
-      *to = std::string(value);
-    } else {
-      std::fprintf(stderr, "pdlib-bootstrap: unknown argument '%s'\n%s", argv[i], kUsage);
-      return false;
-    }
+  args->host = absl::GetFlag(FLAGS_host);
+  args->port = absl::GetFlag(FLAGS_port);
+  args->secret_file = absl::GetFlag(FLAGS_auth_secret_file);
+  args->tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  args->tls_key = absl::GetFlag(FLAGS_tls_key);
+  args->tls_ca = absl::GetFlag(FLAGS_tls_ca);
+  args->verbose = absl::GetFlag(FLAGS_verbose);
+  if (args->host.empty()) {
+    std::fprintf(stderr, "pdlib-bootstrap: --host is empty\n");
+    return false;
+  }
+  if (args->port < 0 || args->port > 65535) {
+    std::fprintf(stderr, "pdlib-bootstrap: --port %d is not a port in [0, 65535]\n", args->port);
+    return false;
   }
   return true;
 }
@@ -115,10 +76,6 @@ bool ParseArgs(int argc, char** argv, Args* args) {
 int main(int argc, char** argv) {
   Args args;
   if (!ParseArgs(argc, argv, &args)) return 2;
-  if (args.help) {
-    std::fputs(kUsage, stdout);
-    return 0;
-  }
   if (args.verbose) pdlib::SetLogLevel(pdlib::LogLevel::kInfo);
 
   // Block the stop signals before gRPC starts its threads (they inherit the mask), then wait
@@ -142,7 +99,7 @@ int main(int argc, char** argv) {
   if (!args.secret_file.empty()) {
     std::FILE* f = std::fopen(args.secret_file.c_str(), "rb");
     if (f == nullptr) {
-      std::fprintf(stderr, "pdlib-bootstrap: --auth-secret-file '%s': %s\n",
+      std::fprintf(stderr, "pdlib-bootstrap: --auth_secret_file '%s': %s\n",
                    args.secret_file.c_str(), std::strerror(errno));
       return 2;
     }
@@ -152,7 +109,7 @@ int main(int argc, char** argv) {
     std::string secret(buf, n);
     while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r')) secret.pop_back();
     if (secret.empty()) {
-      std::fprintf(stderr, "pdlib-bootstrap: --auth-secret-file '%s' is empty\n",
+      std::fprintf(stderr, "pdlib-bootstrap: --auth_secret_file '%s' is empty\n",
                    args.secret_file.c_str());
       return 2;
     }

@@ -24,10 +24,13 @@ using std::chrono::steady_clock;
 // process that already runs gRPC threads). Killed and reaped if the test left it running.
 class Child {
  public:
-  explicit Child(std::vector<std::string> args)
+  // With `merge_stderr`, its stderr is read with its stdout.
+  explicit Child(std::vector<std::string> args, bool merge_stderr = false)
       : process_({.program = PDLIB_BOOTSTRAP_BINARY,
                   .args = std::move(args),
-                  .env = {pdlib_tools::TsanOptionsForChild()}}) {
+                  .env = {pdlib_tools::TsanOptionsForChild()},
+                  .stderr_mode = merge_stderr ? pdlib_tools::ChildOptions::Stderr::kMerge
+                                              : pdlib_tools::ChildOptions::Stderr::kInherit}) {
     REQUIRE(process_.started());
   }
 
@@ -89,6 +92,32 @@ TEST_CASE("pdlib-bootstrap --help prints usage and exits 0") {
   CHECK_THAT(out, Catch::Contains("usage: pdlib-bootstrap"));
   CHECK_THAT(out, Catch::Contains("default 8998"));
   CHECK(child.Wait(kStartTimeout) == 0);
+}
+
+// Issue #15: flags through Abseil flags (tools/common/flags.h).
+TEST_CASE("pdlib-bootstrap: --help lists every flag from its definition") {
+  Child child({"-h"});
+  const std::string out = child.ReadAll(kStartTimeout);
+  for (const char* flag : {"--host", "--port", "--auth_secret_file", "--tls_cert", "--tls_key",
+                           "--tls_ca", "--verbose"}) {
+    CHECK_THAT(out, Catch::Contains(std::string("  ") + flag + " (default "));
+  }
+  CHECK(child.Wait(kStartTimeout) == 0);
+}
+
+TEST_CASE("pdlib-bootstrap: a wrong flag is refused, naming it; dashed names are accepted") {
+  Child unknown({"--no-such-flag"}, true);
+  CHECK_THAT(unknown.ReadAll(kStartTimeout), Catch::Contains("flag 'no_such_flag'"));
+  CHECK(unknown.Wait(kStartTimeout) == 1);
+  Child bad_value({"--port", "eighty"}, true);
+  CHECK_THAT(bad_value.ReadAll(kStartTimeout),
+             Catch::Contains("'eighty'") && Catch::Contains("flag 'port'"));
+  CHECK(bad_value.Wait(kStartTimeout) == 1);
+  // --auth-secret-file is --auth_secret_file: the missing file is named, exit status 2.
+  Child dashed({"--host", "127.0.0.1", "--port", "0", "--auth-secret-file", "/nonexistent/s"},
+               true);
+  CHECK_THAT(dashed.ReadAll(kStartTimeout), Catch::Contains("--auth_secret_file '/nonexistent/s'"));
+  CHECK(dashed.Wait(kStartTimeout) == 2);
 }
 
 TEST_CASE("pdlib-bootstrap rejects a bad port with exit status 2") {

@@ -1,0 +1,89 @@
+#include "tools/common/flags.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
+#include "absl/flags/commandlineflag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+
+namespace pdlib_tools {
+namespace {
+
+// Abseil's own flags (--flagfile, --helpfull, ...) live in its files; every other flag is the
+// binary's.
+bool NotAbseils(std::string_view file) {
+  return !absl::StrContains(absl::string_view(file.data(), file.size()), "absl/");
+}
+
+}  // namespace
+
+std::vector<std::string> NormalizeFlagNames(std::vector<std::string> args) {
+  for (std::string& arg : args) {
+    if (arg == "--") break;
+    if (arg.size() < 3 || !arg.starts_with("--")) continue;
+    const size_t name_end = std::min(arg.find('='), arg.size());
+    std::replace(arg.begin() + 2, arg.begin() + ptrdiff_t(name_end), '-', '_');
+  }
+  return args;
+}
+
+bool WantsHelp(const std::vector<std::string>& args) {
+  for (const std::string& arg : args) {
+    if (arg == "--") return false;
+    if (arg == "--help" || arg == "-h" || arg == "-help") return true;
+  }
+  return false;
+}
+
+std::string FlagsHelp(std::string_view usage, bool (*ours)(std::string_view file)) {
+  std::vector<const absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (ours(flag->Filename())) flags.push_back(flag);
+  }
+  std::sort(flags.begin(), flags.end(),
+            [](auto* a, auto* b) { return a->Name() < b->Name(); });
+  std::string out(usage);
+  if (!out.empty() && out.back() != '\n') out += '\n';
+  out += "\nFlags (--name value or --name=value; a name may use - for _):\n";
+  for (const absl::CommandLineFlag* flag : flags) {
+    const std::string def = flag->DefaultValue();
+    absl::StrAppendFormat(&out, "  --%s (default %s)\n", flag->Name(),
+                          def.empty() ? "\"\"" : def);
+    // The help text, wrapped at 100 columns.
+    std::string line = "     ";
+    for (absl::string_view word : absl::StrSplit(flag->Help(), ' ', absl::SkipEmpty())) {
+      if (line.size() + 1 + word.size() > 100 && line.size() > 6) {
+        out += line + "\n";
+        line = "     ";
+      }
+      absl::StrAppend(&line, " ", word);
+    }
+    out += line + "\n";
+  }
+  return out;
+}
+
+std::vector<std::string> ParseFlags(int argc, char** argv, std::string_view usage) {
+  std::vector<std::string> args(argv, argv + argc);
+  args = NormalizeFlagNames(std::move(args));
+  absl::SetProgramUsageMessage(absl::string_view(usage.data(), usage.size()));
+  if (WantsHelp(args)) {
+    const std::string help = FlagsHelp(usage, NotAbseils);
+    std::fwrite(help.data(), 1, help.size(), stdout);
+    std::exit(0);
+  }
+  std::vector<char*> raw;
+  for (std::string& a : args) raw.push_back(a.data());
+  raw.push_back(nullptr);
+  std::vector<char*> rest = absl::ParseCommandLine(int(args.size()), raw.data());
+  return std::vector<std::string>(rest.begin(), rest.end());
+}
+
+}  // namespace pdlib_tools

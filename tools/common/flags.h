@@ -1,0 +1,35 @@
+// Command-line flags for pdlib's binaries, through Abseil flags (ABSL_FLAG in the binary's own
+// files; absl::GetFlag to read them). What this adds to absl::ParseCommandLine:
+// - names may be spelled with dashes: --auth-secret-file is --auth_secret_file;
+// - --help (or -h) prints the usage message and every flag of the binary's own files, generated
+//   from their definitions (name, default, help), and exits 0;
+// - a wrong flag or value is one line naming the flag ("ERROR: Unknown command line flag 'x'"),
+//   exit status 1. Checks of a value's range are the binary's, after parsing, also naming the flag.
+// Target pdlib_tool_flags; not part of the pdlib library.
+#ifndef PDLIB_TOOLS_COMMON_FLAGS_H_
+#define PDLIB_TOOLS_COMMON_FLAGS_H_
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace pdlib_tools {
+
+// Parses `argv` (see above) and returns the positional arguments, argv[0] first. `usage` starts
+// with "usage: <program> ..." and says what the program does; --help prints it, then the flags.
+std::vector<std::string> ParseFlags(int argc, char** argv, std::string_view usage);
+
+// Pure pieces, for tests.
+// "--auth-secret-file=x" -> "--auth_secret_file=x": only names after "--" change, not values,
+// positional arguments, or anything after a lone "--".
+std::vector<std::string> NormalizeFlagNames(std::vector<std::string> args);
+// True when --help or -h is among the flags (before "--").
+bool WantsHelp(const std::vector<std::string>& args);
+// `usage`, then one entry per flag defined in a file for which `ours` is true, sorted by name:
+//   --name (default D)
+//       help text
+std::string FlagsHelp(std::string_view usage, bool (*ours)(std::string_view file));
+
+}  // namespace pdlib_tools
+
+#endif  // PDLIB_TOOLS_COMMON_FLAGS_H_
