@@ -1,12 +1,11 @@
 // tools/common/flags.h: what every binary's command line goes through (issue #15).
-#include "tools/common/flags.h"
-
 #include <catch2/catch.hpp>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
+#include "tools/common/flags.h"
 
 ABSL_FLAG(int32_t, zeta_count, 7, "how many zetas");
 ABSL_FLAG(std::string, alpha_name, "", "the alpha's name");
@@ -24,9 +23,9 @@ bool InThisFile(std::string_view file) {
 
 TEST_CASE("flag names may use dashes; values, positionals and what follows -- do not change") {
   CHECK(NormalizeFlagNames(V{"prog", "--auth-secret-file=a-b", "--tls-ca", "x-y", "pos-1", "-5",
-                             "--", "--not-a-flag"}) ==
-        V{"prog", "--auth_secret_file=a-b", "--tls_ca", "x-y", "pos-1", "-5", "--",
-          "--not-a-flag"});
+                             "--", "--not-a-flag"}) == V{"prog", "--auth_secret_file=a-b",
+                                                         "--tls_ca", "x-y", "pos-1", "-5", "--",
+                                                         "--not-a-flag"});
   CHECK(NormalizeFlagNames(V{"prog", "--port"}) == V{"prog", "--port"});
 }
 

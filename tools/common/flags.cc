@@ -47,15 +47,13 @@ std::string FlagsHelp(std::string_view usage, bool (*ours)(std::string_view file
   for (const auto& [name, flag] : absl::GetAllFlags()) {
     if (ours(flag->Filename())) flags.push_back(flag);
   }
-  std::sort(flags.begin(), flags.end(),
-            [](auto* a, auto* b) { return a->Name() < b->Name(); });
+  std::sort(flags.begin(), flags.end(), [](auto* a, auto* b) { return a->Name() < b->Name(); });
   std::string out(usage);
   if (!out.empty() && out.back() != '\n') out += '\n';
   out += "\nFlags (--name value or --name=value; a name may use - for _):\n";
   for (const absl::CommandLineFlag* flag : flags) {
     const std::string def = flag->DefaultValue();
-    absl::StrAppendFormat(&out, "  --%s (default %s)\n", flag->Name(),
-                          def.empty() ? "\"\"" : def);
+    absl::StrAppendFormat(&out, "  --%s (default %s)\n", flag->Name(), def.empty() ? "\"\"" : def);
     // The help text, wrapped at 100 columns.
     std::string line = "     ";
     for (absl::string_view word : absl::StrSplit(flag->Help(), ' ', absl::SkipEmpty())) {
