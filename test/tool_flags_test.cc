@@ -29,6 +29,15 @@ TEST_CASE("flag names may use dashes; values, positionals and what follows -- do
   CHECK(NormalizeFlagNames(V{"prog", "--port"}) == V{"prog", "--port"});
 }
 
+TEST_CASE("a list flag may be repeated: its values are joined where it first stood") {
+  CHECK(pdlib_tools::MergeListFlags(V{"prog", "--prefill", "a", "--port", "1", "--prefill=b,c",
+                                      "--decode", "d", "--", "--prefill", "e"},
+                                    {"prefill", "decode"}) ==
+        V{"prog", "--prefill=a,b,c", "--port", "1", "--decode=d", "--", "--prefill", "e"});
+  CHECK(pdlib_tools::MergeListFlags(V{"prog", "--port", "1"}, {"prefill"}) ==
+        V{"prog", "--port", "1"});
+}
+
 TEST_CASE("--help and -h ask for help, not after --") {
   CHECK(WantsHelp(V{"prog", "--port", "1", "--help"}));
   CHECK(WantsHelp(V{"prog", "-h"}));

@@ -10,46 +10,50 @@
 #include <signal.h>
 
 #include <cerrno>
-#include <charconv>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
-#include <string_view>
 #include <thread>
+#include <utility>
+#include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
 #include "examples/router/router.h"
+#include "tools/common/flags.h"
+
+ABSL_FLAG(std::vector<std::string>, prefill, {},
+          "prefill hosts' gRPC addresses, HOST:PORT (comma-separated, or repeat the flag)");
+ABSL_FLAG(std::vector<std::string>, decode, {},
+          "decode hosts' gRPC addresses, HOST:PORT (comma-separated, or repeat the flag)");
+ABSL_FLAG(std::string, host, "127.0.0.1", "address to serve on");
+ABSL_FLAG(int32_t, port, 0, "gRPC Router service port; 0 picks a free one");
+ABSL_FLAG(int32_t, http_port, 0, "HTTP/JSON port; 0 picks a free one, -1 turns HTTP off");
+ABSL_FLAG(std::string, policy, "power-of-two",
+          "random | power-of-two | least-loaded (see the policies above)");
+ABSL_FLAG(int32_t, max_new_tokens, 16, "default for requests that do not say");
+ABSL_FLAG(std::string, seed, "", "seed for the policies and the bootstrap rooms (\"\": random)");
+ABSL_FLAG(int64_t, request_timeout_ms, 60000, "a request fails after this long");
+ABSL_FLAG(int64_t, startup_timeout_ms, 30000, "wait this long for every host to answer GetLoad");
+ABSL_FLAG(int64_t, load_poll_ms, 500, "GetLoad refresh interval");
+ABSL_FLAG(int64_t, unavailable_backoff_ms, 5000,
+          "how long a host whose RPC failed with UNAVAILABLE is skipped");
 
 namespace {
 
 constexpr char kUsage[] =
-    "usage: pd-router --prefill HOST:PORT [--prefill ...] --decode HOST:PORT [--decode ...]\n"
-    "                 [options]\n"
+    "usage: pd-router --prefill HOST:PORT[,...] --decode HOST:PORT[,...] [flags]\n"
     "\n"
     "Routes each request to one prefill and one decode host of the example deployment (their\n"
     "gRPC Host service), streams decode's tokens back, and reports the outcome.\n"
     "\n"
-    "  --prefill HOST:PORT       a prefill host's gRPC address (repeat for more)\n"
-    "  --decode HOST:PORT        a decode host's gRPC address (repeat for more)\n"
-    "  --host ADDR               address to serve on (default 127.0.0.1)\n"
-    "  --port N                  gRPC Router service port; 0 picks a free one (default 0)\n"
-    "  --http-port N             HTTP/JSON port; 0 picks a free one, -1 turns HTTP off\n"
-    "                            (default 0)\n"
-    "  --policy P                random | power-of-two | least-loaded (default power-of-two),\n"
-    "                            applied to prefill and decode hosts independently. Load is the\n"
-    "                            router's in-flight requests on a host, or the host's running +\n"
-    "                            queued from GetLoad when higher. power-of-two: two distinct\n"
-    "                            random hosts, the less loaded. least-loaded: ties are broken at\n"
-    "                            random. A host whose RPC failed with UNAVAILABLE is skipped\n"
-    "                            for --unavailable-backoff-ms or until it answers GetLoad again.\n"
-    "  --max-new-tokens N        default for requests that do not say (default 16)\n"
-    "  --seed N                  seed for the policies and the bootstrap rooms (default: random)\n"
-    "  --request-timeout-ms MS   a request fails after MS (default 60000)\n"
-    "  --startup-timeout-ms MS   wait this long for every host to answer GetLoad (default 30000)\n"
-    "  --load-poll-ms MS         GetLoad refresh interval (default 500)\n"
-    "  --unavailable-backoff-ms MS  (default 5000)\n"
-    "  --help                    this text\n"
+    "Policies (--policy), applied to prefill and decode hosts independently. Load is the\n"
+    "router's in-flight requests on a host, or the host's running + queued from GetLoad when\n"
+    "higher. power-of-two: two distinct random hosts, the less loaded. least-loaded: ties are\n"
+    "broken at random. A host whose RPC failed with UNAVAILABLE is skipped for\n"
+    "--unavailable_backoff_ms or until it answers GetLoad again.\n"
     "\n"
     "Tokenizer: the example's stand-in is byte-level: prompt text becomes one token per byte\n"
     "(id = byte value) and output ids below 256 are bytes again, others print as \"<id>\".\n"
@@ -66,14 +70,8 @@ bool g_serving = false;  // guarded by g_mu
 int g_stop_signal = 0;   // guarded by g_mu
 
 int Usage(const std::string& why) {
-  std::fprintf(stderr, "pd-router: %s\n\n%s", why.c_str(), kUsage);
+  std::fprintf(stderr, "pd-router: %s (see --help)\n", why.c_str());
   return 2;
-}
-
-template <typename T>
-bool ParseInt(std::string_view s, T* out) {
-  auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
-  return !s.empty() && ec == std::errc() && ptr == s.data() + s.size();
 }
 
 }  // namespace
@@ -83,58 +81,43 @@ int main(int argc, char** argv) {
   options.progress = [](const std::string& line) {
     std::fprintf(stderr, "pd-router: %s\n", line.c_str());
   };
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-    if (i + 1 >= argc) return Usage("missing value after " + std::string(arg));
-    const std::string_view value = argv[++i];
-    int64_t n = 0;
-    uint64_t u = 0;
-    const bool is_int = ParseInt(value, &n);
-    auto ms = [&](std::chrono::milliseconds* out) {
-      if (!is_int || n < 0) return false;
-      *out = std::chrono::milliseconds(n);
-      return true;
-    };
-    bool ok = true;
-    if (arg == "--prefill") {
-      options.prefill_hosts.emplace_back(value);
-    } else if (arg == "--decode") {
-      options.decode_hosts.emplace_back(value);
-    } else if (arg == "--host") {
-      options.host = std::string(value);
-    } else if (arg == "--port") {
-      ok = is_int && n >= 0 && n <= 65535;
-      options.port = static_cast<int32_t>(n);
-    } else if (arg == "--http-port") {
-      ok = is_int && n >= -1 && n <= 65535;
-      options.http_port = static_cast<int32_t>(n);
-    } else if (arg == "--policy") {
-      auto policy = pdlib::router::ParsePolicy(value);
-      if (!policy.ok()) return Usage(std::string(policy.status().message()));
-      options.policy = *policy;
-    } else if (arg == "--max-new-tokens") {
-      ok = is_int && n >= 1 && n <= INT32_MAX;
-      options.default_max_new_tokens = static_cast<int32_t>(n);
-    } else if (arg == "--seed") {
-      ok = ParseInt(value, &u);
-      options.seed = u;
-    } else if (arg == "--request-timeout-ms") {
-      ok = ms(&options.request_timeout) && n > 0;
-    } else if (arg == "--startup-timeout-ms") {
-      ok = ms(&options.startup_timeout);
-    } else if (arg == "--load-poll-ms") {
-      ok = ms(&options.load_poll_interval) && n > 0;
-    } else if (arg == "--unavailable-backoff-ms") {
-      ok = ms(&options.unavailable_backoff);
-    } else {
-      return Usage("unknown option " + std::string(arg));
-    }
-    if (!ok) return Usage("bad value for " + std::string(arg) + ": '" + std::string(value) + "'");
+  const std::vector<std::string> rest =
+      pdlib_tools::ParseFlags(argc, argv, kUsage, {"prefill", "decode"});
+  if (rest.size() > 1) return Usage("unexpected argument '" + rest[1] + "'");
+  options.prefill_hosts = absl::GetFlag(FLAGS_prefill);
+  options.decode_hosts = absl::GetFlag(FLAGS_decode);
+  options.host = absl::GetFlag(FLAGS_host);
+  options.port = absl::GetFlag(FLAGS_port);
+  if (options.port < 0 || options.port > 65535) return Usage("--port must be in [0, 65535]");
+  options.http_port = absl::GetFlag(FLAGS_http_port);
+  if (options.http_port < -1 || options.http_port > 65535) {
+    return Usage("--http_port must be in [-1, 65535]");
   }
+  auto policy = pdlib::router::ParsePolicy(absl::GetFlag(FLAGS_policy));
+  if (!policy.ok()) return Usage("--policy: " + std::string(policy.status().message()));
+  options.policy = *policy;
+  options.default_max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens);
+  if (options.default_max_new_tokens < 1) return Usage("--max_new_tokens must be >= 1");
+  if (const std::string seed = absl::GetFlag(FLAGS_seed); !seed.empty()) {
+    uint64_t u = 0;
+    if (!absl::SimpleAtoi(seed, &u)) return Usage("--seed '" + seed + "' is not a number");
+    options.seed = u;
+  }
+  const std::pair<const char*, int64_t> ms[] = {
+      {"--request_timeout_ms", absl::GetFlag(FLAGS_request_timeout_ms)},
+      {"--startup_timeout_ms", absl::GetFlag(FLAGS_startup_timeout_ms)},
+      {"--load_poll_ms", absl::GetFlag(FLAGS_load_poll_ms)},
+      {"--unavailable_backoff_ms", absl::GetFlag(FLAGS_unavailable_backoff_ms)}};
+  for (const auto& [name, value] : ms) {
+    if (value < 0) return Usage(std::string(name) + " must be >= 0");
+  }
+  if (ms[0].second == 0 || ms[2].second == 0) {
+    return Usage("--request_timeout_ms and --load_poll_ms must be > 0");
+  }
+  options.request_timeout = std::chrono::milliseconds(ms[0].second);
+  options.startup_timeout = std::chrono::milliseconds(ms[1].second);
+  options.load_poll_interval = std::chrono::milliseconds(ms[2].second);
+  options.unavailable_backoff = std::chrono::milliseconds(ms[3].second);
   if (options.prefill_hosts.empty() || options.decode_hosts.empty()) {
     return Usage("give at least one --prefill and one --decode host");
   }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/parse.h"
@@ -30,6 +31,40 @@ std::vector<std::string> NormalizeFlagNames(std::vector<std::string> args) {
     if (arg.size() < 3 || !arg.starts_with("--")) continue;
     const size_t name_end = std::min(arg.find('='), arg.size());
     std::replace(arg.begin() + 2, arg.begin() + ptrdiff_t(name_end), '-', '_');
+  }
+  return args;
+}
+
+std::vector<std::string> MergeListFlags(std::vector<std::string> args,
+                                        const std::vector<std::string>& lists) {
+  for (const std::string& name : lists) {
+    const std::string bare = "--" + name, with_value = bare + "=";
+    std::vector<std::string> out;
+    std::string merged;
+    size_t at = std::string::npos;  // where the merged flag goes in `out`
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (args[i] == "--") {
+        out.insert(out.end(), args.begin() + ptrdiff_t(i), args.end());
+        break;
+      }
+      std::optional<std::string> value;
+      if (args[i].starts_with(with_value)) {
+        value = args[i].substr(with_value.size());
+      } else if (args[i] == bare && i + 1 < args.size()) {
+        value = args[++i];
+      }
+      if (!value) {
+        out.push_back(args[i]);
+        continue;
+      }
+      if (at == std::string::npos) {
+        at = out.size();
+        out.emplace_back();
+      }
+      merged += (merged.empty() ? "" : ",") + *value;
+    }
+    if (at != std::string::npos) out[at] = with_value + merged;
+    args = std::move(out);
   }
   return args;
 }
@@ -68,9 +103,10 @@ std::string FlagsHelp(std::string_view usage, bool (*ours)(std::string_view file
   return out;
 }
 
-std::vector<std::string> ParseFlags(int argc, char** argv, std::string_view usage) {
+std::vector<std::string> ParseFlags(int argc, char** argv, std::string_view usage,
+                                    const std::vector<std::string>& lists) {
   std::vector<std::string> args(argv, argv + argc);
-  args = NormalizeFlagNames(std::move(args));
+  args = MergeListFlags(NormalizeFlagNames(std::move(args)), lists);
   absl::SetProgramUsageMessage(absl::string_view(usage.data(), usage.size()));
   if (WantsHelp(args)) {
     const std::string help = FlagsHelp(usage, NotAbseils);

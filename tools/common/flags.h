@@ -17,12 +17,19 @@ namespace pdlib_tools {
 
 // Parses `argv` (see above) and returns the positional arguments, argv[0] first. `usage` starts
 // with "usage: <program> ..." and says what the program does; --help prints it, then the flags.
-std::vector<std::string> ParseFlags(int argc, char** argv, std::string_view usage);
+// Flags named in `lists` (std::vector<std::string> flags) may be repeated: "--prefill a
+// --prefill b" is "--prefill a,b". Any other flag given twice keeps its last value (Abseil's rule).
+std::vector<std::string> ParseFlags(int argc, char** argv, std::string_view usage,
+                                    const std::vector<std::string>& lists = {});
 
 // Pure pieces, for tests.
 // "--auth-secret-file=x" -> "--auth_secret_file=x": only names after "--" change, not values,
 // positional arguments, or anything after a lone "--".
 std::vector<std::string> NormalizeFlagNames(std::vector<std::string> args);
+// Every occurrence of the flags in `lists` ("--name v" or "--name=v", after NormalizeFlagNames)
+// merged into one "--name=v1,v2" where the first one stood.
+std::vector<std::string> MergeListFlags(std::vector<std::string> args,
+                                        const std::vector<std::string>& lists);
 // True when --help or -h is among the flags (before "--").
 bool WantsHelp(const std::vector<std::string>& args);
 // `usage`, then one entry per flag defined in a file for which `ours` is true, sorted by name:
