@@ -9,6 +9,9 @@
 
 ABSL_FLAG(int32_t, zeta_count, 7, "how many zetas");
 ABSL_FLAG(std::string, alpha_name, "", "the alpha's name");
+ABSL_FLAG(bool, beta_on, false, "whether beta is on");
+ABSL_FLAG(std::vector<std::string>, gamma_hosts, {}, "gamma hosts");
+ABSL_FLAG(pdlib_tools::Repeated, delta_option, {}, "delta options");
 
 namespace {
 
@@ -55,6 +58,32 @@ TEST_CASE("--help is the usage, then the binary's own flags from their definitio
   REQUIRE(zeta != std::string::npos);
   CHECK(alpha < zeta);
   CHECK_FALSE(absl::StrContains(help, "flagfile"));  // Abseil's own flags are left out
+}
+
+// The whole path, as a binary runs it. A bool flag followed by another flag: Abseil must know the
+// flag is a bool (it compares per-type ids across shared libraries; see tools/CMakeLists.txt).
+TEST_CASE("ParseFlags: dashes, a bool flag before another, lists, repeated values, positionals") {
+  std::vector<std::string> argv = {"prog",
+                                   "--beta-on",
+                                   "--zeta-count",
+                                   "9",
+                                   "--gamma-hosts",
+                                   "a:1",
+                                   "pos",
+                                   "--gamma_hosts=b:2,c:3",
+                                   "--delta-option",
+                                   "k=v,w",
+                                   "--delta_option",
+                                   "x=y"};
+  std::vector<char*> raw;
+  for (auto& a : argv) raw.push_back(a.data());
+  const auto rest = pdlib_tools::ParseFlags(int(raw.size()), raw.data(), "usage: prog",
+                                            {"gamma_hosts"}, {"delta_option"});
+  CHECK(rest == V{"prog", "pos"});
+  CHECK(absl::GetFlag(FLAGS_beta_on));
+  CHECK(absl::GetFlag(FLAGS_zeta_count) == 9);
+  CHECK(absl::GetFlag(FLAGS_gamma_hosts) == V{"a:1", "b:2", "c:3"});
+  CHECK(absl::GetFlag(FLAGS_delta_option).values == V{"k=v,w", "x=y"});
 }
 
 }  // namespace

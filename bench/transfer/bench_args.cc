@@ -4,85 +4,93 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_split.h"
+#include "tools/common/flags.h"
+
+ABSL_FLAG(std::string, backend, "fake", "transport backend: fake (moves no bytes), ucx, ...");
+ABSL_FLAG(pdlib_tools::Repeated, backend_option, {},
+          "a backend option K=V, repeatable (e.g. ucx.tls=shm, ucx.tls=tcp with "
+          "ucx.net_devices=lo, ucx.max_inflight_bytes=8M)");
+ABSL_FLAG(std::string, layers, "4", "model layers, a list; each has a K and a V buffer");
+ABSL_FLAG(std::string, item_bytes, "4096", "bytes of one KV page of one buffer, a list");
+ABSL_FLAG(std::string, pages, "4", "KV pages per request, a list");
+ABSL_FLAG(std::string, layout, "scattered",
+          "scattered|contiguous, a list. scattered: each request's pages are distinct pages at "
+          "random in the pool, drawn independently on each side, so almost no write coalesces; "
+          "contiguous: consecutive pages, one write per buffer per request");
+ABSL_FLAG(std::string, pool_bytes, "1g",
+          "KV pool of each side, all 2 x layers buffers together; k, m, g suffixes; pages per "
+          "buffer = N / (2 x layers x item_bytes)");
+ABSL_FLAG(uint64_t, pool_pages, 0, "pages per buffer instead of --pool_bytes (0: from it)");
+ABSL_FLAG(uint64_t, prefill_tp, 1, "prefill TP ranks, as threads of the prefill process");
+ABSL_FLAG(uint64_t, decode_tp, 1,
+          "decode TP ranks, as threads of the decode process; with prefill_tp != decode_tp every "
+          "page is sliced by heads (SPEC R5.4); item_bytes stays the page of the whole model, a "
+          "rank holds 1/TP of it");
+ABSL_FLAG(std::string, kv_layout, "hnd",
+          "hnd|nhd: page layout [head][token][dim] or [token][head][dim]; an NHD head slice is "
+          "page-size pieces per page");
+ABSL_FLAG(uint64_t, kv_heads, 8, "KV heads of the model");
+ABSL_FLAG(uint64_t, page_size, 16, "tokens per page");
+ABSL_FLAG(std::string, pool_alloc, "backend",
+          "backend|malloc. backend: pdlib::AllocateKVPool, which lets the backend allocate (UCX "
+          "maps it for direct shared-memory puts; plain host memory for backends without an "
+          "allocator); malloc: plain malloc");
+ABSL_FLAG(uint64_t, requests, 20000, "measured requests");
+ABSL_FLAG(uint64_t, warmup, 500, "requests run before them, not measured");
+ABSL_FLAG(std::string, concurrency, "256", "requests in flight at decode, a list");
+ABSL_FLAG(uint64_t, transfer_workers, 2, "prefill's KVManagerOptions::transfer_workers");
+ABSL_FLAG(uint32_t, room_log_every, 0,
+          "both sides' KVManagerOptions::room_log_every (0: auto); the per-room info lines cost "
+          "only with PDLIB_LOG_LEVEL=info");
+ABSL_FLAG(bool, in_process, false,
+          "both ranks as threads of this process (in-process control plane) instead of two "
+          "processes over gRPC");
+ABSL_FLAG(uint64_t, idle_spins, 64, "idle passes that yield before a driver sleeps");
+ABSL_FLAG(uint64_t, idle_sleep_us, 20,
+          "a driver's first sleep per idle pass afterwards; each further idle pass sleeps twice "
+          "as long, up to --idle_sleep_max_us");
+ABSL_FLAG(uint64_t, idle_sleep_max_us, 1000, "the longest idle sleep");
+ABSL_FLAG(double, progress_every, 5,
+          "decode prints its progress on stderr every S seconds (0: off)");
+ABSL_FLAG(uint64_t, seed, 1, "pages and room ids derive from it");
+ABSL_FLAG(bool, verify, false,
+          "decode checks every byte of every request at its Success (a correctness run, not for "
+          "figures; needs --concurrency 1)");
+ABSL_FLAG(std::string, baseline, "none",
+          "memcpy|none (run after the ranks have exited). memcpy: copies the same writes (the same "
+          "pages, coalesced into the same runs, every K and V buffer) with memcpy in one thread "
+          "between two pools allocated like the ranks', timed like them; adds baseline_gbps "
+          "(Gbit/s, the unit of gbps), baseline_gbytes_per_s and ratio = gbps / baseline_gbps");
+ABSL_FLAG(bool, compare_perftest, false,
+          "runs ucx_perftest -t ucp_put_bw between two processes on 127.0.0.1 at the most "
+          "frequent write size, with UCX_TLS, UCX_NET_DEVICES and UCX_<NAME> from ucx.tls, "
+          "ucx.net_devices and ucx.config.<NAME> (UCX's defaults otherwise), after the ranks have "
+          "exited; adds perftest_gbytes_per_s (null, with a word on stderr, when ucx_perftest is "
+          "not on PATH)");
+ABSL_FLAG(bool, json, false, "one JSON object per configuration instead of the table");
+ABSL_FLAG(std::string, role, "", "internal: the role of a child process (prefill or decode)");
+ABSL_FLAG(uint64_t, bootstrap_port, 8998, "internal: the bootstrap port of a child process");
 
 namespace pdlib_bench {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: pdlib-transfer-bench [options]\n"
+    "usage: pdlib-transfer-bench [flags]\n"
     "\n"
     "Drives KV transfers through pdlib between a prefill and a decode process and reports, per\n"
-    "configuration, one table row (or one JSON object per line with --json).\n"
-    "\n"
-    "What moves:\n"
-    "  --backend NAME            transport backend: fake (moves no bytes), ucx, ... (fake)\n"
-    "  --backend-option K=V      a backend option, repeatable (e.g. ucx.tls=shm, ucx.tls=tcp\n"
-    "                            with ucx.net_devices=lo, ucx.max_inflight_bytes=8M)\n"
-    "  --layers L[,L...]         model layers; each has a K and a V buffer (4)\n"
-    "  --item-bytes B[,B...]     bytes of one KV page of one buffer (4096)\n"
-    "  --pages P[,P...]          KV pages per request (4)\n"
-    "  --layout scattered|contiguous[,...]\n"
-    "                            scattered: each request's pages are distinct pages at random\n"
-    "                            in the pool, drawn independently on each side, so almost no\n"
-    "                            write coalesces; contiguous: consecutive pages, one write per\n"
-    "                            buffer per request (scattered)\n"
-    "  --pool-bytes N            KV pool of each side, all 2 x layers buffers together; k, m, g\n"
-    "                            suffixes (1g); pages per buffer = N / (2 x layers x item-bytes)\n"
-    "  --pool-pages N            pages per buffer instead (overrides --pool-bytes)\n"
-    "  --prefill-tp M            prefill TP ranks, as threads of the prefill process (1)\n"
-    "  --decode-tp N             decode TP ranks, as threads of the decode process (1); with\n"
-    "                            M != N every page is sliced by heads (SPEC R5.4); item-bytes\n"
-    "                            stays the page of the whole model, a rank holds 1/TP of it\n"
-    "  --kv-layout hnd|nhd       page layout: [head][token][dim] or [token][head][dim] (hnd);\n"
-    "                            an NHD head slice is page-size pieces per page\n"
-    "  --kv-heads H              KV heads of the model (8); --page-size T tokens per page (16)\n"
-    "  --pool-alloc backend|malloc\n"
-    "                            backend: pdlib::AllocateKVPool, which lets the backend allocate\n"
-    "                            (UCX maps it for direct shared-memory puts; plain host memory\n"
-    "                            for backends without an allocator); malloc: plain malloc\n"
-    "                            (backend)\n"
-    "\n"
-    "How it runs:\n"
-    "  --requests R              measured requests (20000)\n"
-    "  --warmup W                requests run before them, not measured (500)\n"
-    "  --concurrency C[,C...]    requests in flight at decode (256)\n"
-    "  --transfer-workers N      prefill's KVManagerOptions::transfer_workers (2)\n"
-    "  --room-log-every N        both sides' KVManagerOptions::room_log_every (0: auto); the\n"
-    "                            per-room info lines cost only with PDLIB_LOG_LEVEL=info\n"
-    "  --in-process              both ranks as threads of this process (in-process control\n"
-    "                            plane) instead of two processes over gRPC\n"
-    "  --idle-spins N            idle passes that yield before a driver sleeps (64)\n"
-    "  --idle-sleep-us N         a driver's first sleep per idle pass afterwards (20); each\n"
-    "                            further idle pass sleeps twice as long, up to\n"
-    "  --idle-sleep-max-us N     (1000)\n"
-    "  --progress-every S        decode prints its progress on stderr every S seconds (5; 0: off)\n"
-    "  --seed S                  pages and room ids derive from it (1)\n"
-    "  --verify                  decode checks every byte of every request at its Success (a\n"
-    "                            correctness run, not for figures; needs --concurrency 1)\n"
-    "\n"
-    "Comparisons (run after the ranks have exited):\n"
-    "  --baseline memcpy         copies the same writes (the same pages, coalesced into the same\n"
-    "                            runs, every K and V buffer) with memcpy in one thread between "
-    "two\n"
-    "                            pools allocated like the ranks', timed like them; adds\n"
-    "                            baseline_gbps (Gbit/s, the unit of gbps), baseline_gbytes_per_s\n"
-    "                            and ratio = gbps / baseline_gbps\n"
-    "  --compare-perftest        runs ucx_perftest -t ucp_put_bw between two processes on\n"
-    "                            127.0.0.1 at the most frequent write size, with UCX_TLS,\n"
-    "                            UCX_NET_DEVICES and UCX_<NAME> from ucx.tls, ucx.net_devices and\n"
-    "                            ucx.config.<NAME> (UCX's defaults otherwise); adds\n"
-    "                            perftest_gbytes_per_s (null, with a word on stderr, when\n"
-    "                            ucx_perftest is not on PATH)\n"
-    "\n"
-    "Output:\n"
-    "  --json                    one JSON object per configuration instead of a table\n"
-    "  --help                    this text\n"
+    "configuration, one table row (or one JSON object per line with --json). List flags\n"
+    "(--layers, --item_bytes, --pages, --layout, --concurrency) take comma-separated values and\n"
+    "every combination runs.\n"
     "\n"
     "Figures (measured at decode): seconds from the first measured CreateReceiver() to the last\n"
     "Success; req_per_s = requests / seconds; p50_us, p99_us, ...: CreateReceiver() to Success\n"
     "per request; decode_cpu_s: CPU seconds of the decode process (all threads) over `seconds`\n"
     "(near zero for the data path when puts land directly, as with UCX shm into a UCX pool);\n"
-    "gbps: KV payload (pages x 2 x layers x item-bytes per request) in Gbit/s\n"
+    "gbps: KV payload (pages x 2 x layers x item_bytes per request) in Gbit/s\n"
     "(10^9 bits), gbytes_per_s: the same in GB/s (10^9 bytes). The fake backend moves no bytes:\n"
     "its figures are the rate at which write batches were validated and completed.\n";
 
@@ -130,126 +138,89 @@ std::string_view LayoutName(Layout l) {
 }
 
 bool ParseArgs(int argc, char** argv, Options* o) {
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    if (arg == "--json") {
-      o->json = true;
-      continue;
-    }
-    if (arg == "--in-process") {
-      o->in_process = true;
-      continue;
-    }
-    if (arg == "--compare-perftest") {
-      o->compare_perftest = true;
-      continue;
-    }
-    if (arg == "--verify") {
-      o->base.verify = true;
-      continue;
-    }
-    if (arg == "--help" || arg == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    }
-    std::string_view value;
-    if (size_t eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      std::fprintf(stderr, "pdlib-transfer-bench: %s needs a value\n%s", argv[i], kUsage);
-      return false;
-    }
-    uint64_t n = 0;
-    bool ok = true;
-    BenchConfig& b = o->base;
-    if (arg == "--backend") {
-      b.backend = value;
-    } else if (arg == "--backend-option") {
-      const size_t eq = value.find('=');
-      ok = eq != std::string_view::npos;
-      if (ok) b.backend_options[std::string(value.substr(0, eq))] = value.substr(eq + 1);
-    } else if (arg == "--requests") {
-      ok = ParseU64(value, &b.requests) && b.requests > 0;
-    } else if (arg == "--warmup") {
-      ok = ParseU64(value, &b.warmup);
-    } else if (arg == "--concurrency") {
-      ok = ParseList(value, &o->concurrency);
-    } else if (arg == "--pages") {
-      ok = ParseList(value, &o->pages);
-    } else if (arg == "--layers") {
-      ok = ParseList(value, &o->layers);
-    } else if (arg == "--item-bytes") {
-      ok = ParseList(value, &o->item_bytes);
-    } else if (arg == "--prefill-tp" || arg == "--decode-tp") {
-      ok = ParseU64(value, &n) && n >= 1 && n <= 64;
-      (arg == "--prefill-tp" ? b.prefill_tp : b.decode_tp) = int32_t(n);
-    } else if (arg == "--kv-layout") {
-      ok = value == "hnd" || value == "nhd";
-      b.kv_layout = value == "nhd" ? pdlib::KVLayout::kNHD : pdlib::KVLayout::kHND;
-    } else if (arg == "--kv-heads") {
-      ok = ParseU64(value, &n) && n >= 1 && n <= 1024;
-      b.kv_heads = int32_t(n);
-    } else if (arg == "--page-size") {
-      ok = ParseU64(value, &n) && n >= 1 && n <= 4096;
-      b.page_size = uint32_t(n);
-    } else if (arg == "--pool-pages") {
-      ok = ParseU64(value, &b.pool_pages);
-    } else if (arg == "--pool-bytes") {
-      ok = ParseBytes(value, &b.pool_bytes);
-    } else if (arg == "--pool-alloc") {
-      ok = value == "backend" || value == "malloc";
-      b.pool_alloc = value == "malloc" ? PoolAlloc::kMalloc : PoolAlloc::kBackend;
-    } else if (arg == "--baseline") {
-      ok = value == "memcpy" || value == "none";
-      o->baseline_memcpy = value == "memcpy";
-    } else if (arg == "--progress-every") {
-      char* end = nullptr;
-      const std::string v(value);
-      b.progress_every_s = std::strtod(v.c_str(), &end);
-      ok = end == v.c_str() + v.size() && b.progress_every_s >= 0;
-    } else if (arg == "--layout") {
-      o->layouts.clear();
-      for (std::string_view rest = value; ok && !rest.empty();) {
-        const size_t comma = rest.find(',');
-        const std::string_view name = rest.substr(0, comma);
-        ok = name == "scattered" || name == "contiguous";
-        o->layouts.push_back(name == "scattered" ? Layout::kScattered : Layout::kContiguous);
-        rest = comma == std::string_view::npos ? "" : rest.substr(comma + 1);
-      }
-      ok = ok && !o->layouts.empty();
-    } else if (arg == "--transfer-workers") {
-      ok = ParseU64(value, &n) && n >= 1 && n <= 64;
-      b.transfer_workers = int32_t(n);
-    } else if (arg == "--room-log-every") {
-      ok = ParseU64(value, &n) && n <= UINT32_MAX;
-      b.room_log_every = uint32_t(n);
-    } else if (arg == "--idle-spins") {
-      ok = ParseU64(value, &b.idle_spins);
-    } else if (arg == "--idle-sleep-us") {
-      ok = ParseU64(value, &b.idle_sleep_us);
-    } else if (arg == "--idle-sleep-max-us") {
-      ok = ParseU64(value, &b.idle_sleep_max_us);
-    } else if (arg == "--seed") {
-      ok = ParseU64(value, &b.seed);
-    } else if (arg == "--role") {
-      o->role = value;
-      ok = value == "prefill" || value == "decode";
-    } else if (arg == "--bootstrap-port") {
-      ok = ParseU64(value, &n) && n > 0 && n < 65536;
-      b.bootstrap_port = uint16_t(n);
-    } else {
-      std::fprintf(stderr, "pdlib-transfer-bench: unknown option %s\n%s", argv[i], kUsage);
-      return false;
-    }
-    if (!ok) {
-      std::fprintf(stderr, "pdlib-transfer-bench: bad value '%.*s' for %.*s\n", int(value.size()),
-                   value.data(), int(arg.size()), arg.data());
-      return false;
-    }
+  const std::vector<std::string> rest =
+      pdlib_tools::ParseFlags(argc, argv, kUsage, {}, {"backend_option"});
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "pdlib-transfer-bench: unexpected argument '%s' (see --help)\n",
+                 rest[1].c_str());
+    return false;
   }
+  // Each check names its flag and the value it refused.
+  auto bad = [](const char* flag, const std::string& value) {
+    std::fprintf(stderr, "pdlib-transfer-bench: bad value '%s' for --%s (see --help)\n",
+                 value.c_str(), flag);
+    return false;
+  };
+  BenchConfig& b = o->base;
+  o->json = absl::GetFlag(FLAGS_json);
+  o->in_process = absl::GetFlag(FLAGS_in_process);
+  o->compare_perftest = absl::GetFlag(FLAGS_compare_perftest);
+  b.verify = absl::GetFlag(FLAGS_verify);
+  b.backend = absl::GetFlag(FLAGS_backend);
+  for (const std::string& kv : absl::GetFlag(FLAGS_backend_option).values) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) return bad("backend_option", kv);
+    b.backend_options[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  b.requests = absl::GetFlag(FLAGS_requests);
+  if (b.requests == 0) return bad("requests", "0");
+  b.warmup = absl::GetFlag(FLAGS_warmup);
+  const std::pair<const char*, std::vector<uint64_t>*> lists[] = {{"concurrency", &o->concurrency},
+                                                                  {"pages", &o->pages},
+                                                                  {"layers", &o->layers},
+                                                                  {"item_bytes", &o->item_bytes}};
+  const std::string list_values[] = {absl::GetFlag(FLAGS_concurrency), absl::GetFlag(FLAGS_pages),
+                                     absl::GetFlag(FLAGS_layers), absl::GetFlag(FLAGS_item_bytes)};
+  for (size_t i = 0; i < 4; ++i) {
+    if (!ParseList(list_values[i], lists[i].second)) return bad(lists[i].first, list_values[i]);
+  }
+  const uint64_t prefill_tp = absl::GetFlag(FLAGS_prefill_tp),
+                 decode_tp = absl::GetFlag(FLAGS_decode_tp);
+  if (prefill_tp < 1 || prefill_tp > 64) return bad("prefill_tp", std::to_string(prefill_tp));
+  if (decode_tp < 1 || decode_tp > 64) return bad("decode_tp", std::to_string(decode_tp));
+  b.prefill_tp = int32_t(prefill_tp);
+  b.decode_tp = int32_t(decode_tp);
+  const std::string kv_layout = absl::GetFlag(FLAGS_kv_layout);
+  if (kv_layout != "hnd" && kv_layout != "nhd") return bad("kv_layout", kv_layout);
+  b.kv_layout = kv_layout == "nhd" ? pdlib::KVLayout::kNHD : pdlib::KVLayout::kHND;
+  const uint64_t kv_heads = absl::GetFlag(FLAGS_kv_heads),
+                 page_size = absl::GetFlag(FLAGS_page_size);
+  if (kv_heads < 1 || kv_heads > 1024) return bad("kv_heads", std::to_string(kv_heads));
+  if (page_size < 1 || page_size > 4096) return bad("page_size", std::to_string(page_size));
+  b.kv_heads = int32_t(kv_heads);
+  b.page_size = uint32_t(page_size);
+  b.pool_pages = absl::GetFlag(FLAGS_pool_pages);
+  const std::string pool_bytes = absl::GetFlag(FLAGS_pool_bytes);
+  if (!ParseBytes(pool_bytes, &b.pool_bytes)) return bad("pool_bytes", pool_bytes);
+  const std::string pool_alloc = absl::GetFlag(FLAGS_pool_alloc);
+  if (pool_alloc != "backend" && pool_alloc != "malloc") return bad("pool_alloc", pool_alloc);
+  b.pool_alloc = pool_alloc == "malloc" ? PoolAlloc::kMalloc : PoolAlloc::kBackend;
+  const std::string baseline = absl::GetFlag(FLAGS_baseline);
+  if (baseline != "memcpy" && baseline != "none") return bad("baseline", baseline);
+  o->baseline_memcpy = baseline == "memcpy";
+  b.progress_every_s = absl::GetFlag(FLAGS_progress_every);
+  if (!(b.progress_every_s >= 0)) return bad("progress_every", std::to_string(b.progress_every_s));
+  o->layouts.clear();
+  const std::string layouts = absl::GetFlag(FLAGS_layout);
+  for (absl::string_view name : absl::StrSplit(layouts, ',')) {
+    if (name != "scattered" && name != "contiguous") return bad("layout", layouts);
+    o->layouts.push_back(name == "scattered" ? Layout::kScattered : Layout::kContiguous);
+  }
+  const uint64_t workers = absl::GetFlag(FLAGS_transfer_workers);
+  if (workers < 1 || workers > 64) return bad("transfer_workers", std::to_string(workers));
+  b.transfer_workers = int32_t(workers);
+  b.room_log_every = absl::GetFlag(FLAGS_room_log_every);
+  b.idle_spins = absl::GetFlag(FLAGS_idle_spins);
+  b.idle_sleep_us = absl::GetFlag(FLAGS_idle_sleep_us);
+  b.idle_sleep_max_us = absl::GetFlag(FLAGS_idle_sleep_max_us);
+  b.seed = absl::GetFlag(FLAGS_seed);
+  o->role = absl::GetFlag(FLAGS_role);
+  if (!o->role.empty() && o->role != "prefill" && o->role != "decode") return bad("role", o->role);
+  const uint64_t bootstrap_port = absl::GetFlag(FLAGS_bootstrap_port);
+  if (bootstrap_port == 0 || bootstrap_port > 65535) {
+    return bad("bootstrap_port", std::to_string(bootstrap_port));
+  }
+  b.bootstrap_port = uint16_t(bootstrap_port);
   return true;
 }
 

@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 
 namespace pdlib_tools {
@@ -36,11 +37,12 @@ std::vector<std::string> NormalizeFlagNames(std::vector<std::string> args) {
 }
 
 std::vector<std::string> MergeListFlags(std::vector<std::string> args,
-                                        const std::vector<std::string>& lists) {
+                                        const std::vector<std::string>& lists, char separator) {
   for (const std::string& name : lists) {
     const std::string bare = "--" + name, with_value = bare + "=";
     std::vector<std::string> out;
     std::string merged;
+    size_t merged_count = 0;
     size_t at = std::string::npos;  // where the merged flag goes in `out`
     for (size_t i = 0; i < args.size(); ++i) {
       if (args[i] == "--") {
@@ -61,7 +63,8 @@ std::vector<std::string> MergeListFlags(std::vector<std::string> args,
         at = out.size();
         out.emplace_back();
       }
-      merged += (merged.empty() ? "" : ",") + *value;
+      if (merged_count++ > 0) merged += separator;
+      merged += *value;
     }
     if (at != std::string::npos) out[at] = with_value + merged;
     args = std::move(out);
@@ -103,10 +106,23 @@ std::string FlagsHelp(std::string_view usage, bool (*ours)(std::string_view file
   return out;
 }
 
+bool AbslParseFlag(absl::string_view text, Repeated* out, std::string* /*error*/) {
+  out->values.clear();
+  if (text.empty()) return true;
+  for (absl::string_view v : absl::StrSplit(text, '\n')) {
+    out->values.emplace_back(v);
+  }
+  return true;
+}
+
+std::string AbslUnparseFlag(const Repeated& r) { return absl::StrJoin(r.values, "\n"); }
+
 std::vector<std::string> ParseFlags(int argc, char** argv, std::string_view usage,
-                                    const std::vector<std::string>& lists) {
+                                    const std::vector<std::string>& lists,
+                                    const std::vector<std::string>& repeated) {
   std::vector<std::string> args(argv, argv + argc);
   args = MergeListFlags(NormalizeFlagNames(std::move(args)), lists);
+  args = MergeListFlags(std::move(args), repeated, '\n');
   absl::SetProgramUsageMessage(absl::string_view(usage.data(), usage.size()));
   if (WantsHelp(args)) {
     const std::string help = FlagsHelp(usage, NotAbseils);

@@ -13,23 +13,37 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/strings/string_view.h"
+
 namespace pdlib_tools {
 
 // Parses `argv` (see above) and returns the positional arguments, argv[0] first. `usage` starts
 // with "usage: <program> ..." and says what the program does; --help prints it, then the flags.
 // Flags named in `lists` (std::vector<std::string> flags) may be repeated: "--prefill a
-// --prefill b" is "--prefill a,b". Any other flag given twice keeps its last value (Abseil's rule).
+// --prefill b" is "--prefill a,b". Flags named in `repeated` (Repeated flags) may be repeated
+// too, each value kept whole, commas included. Any other flag given twice keeps its last value
+// (Abseil's rule).
 std::vector<std::string> ParseFlags(int argc, char** argv, std::string_view usage,
-                                    const std::vector<std::string>& lists = {});
+                                    const std::vector<std::string>& lists = {},
+                                    const std::vector<std::string>& repeated = {});
+
+// The type of a flag that may be given many times, each value whole ("--backend_option
+// ucx.tls=shm,tcp --backend_option k=v"): ABSL_FLAG(pdlib_tools::Repeated, name, {}, "...").
+struct Repeated {
+  std::vector<std::string> values;
+};
+bool AbslParseFlag(absl::string_view text, Repeated* out, std::string* error);
+std::string AbslUnparseFlag(const Repeated& r);
 
 // Pure pieces, for tests.
 // "--auth-secret-file=x" -> "--auth_secret_file=x": only names after "--" change, not values,
 // positional arguments, or anything after a lone "--".
 std::vector<std::string> NormalizeFlagNames(std::vector<std::string> args);
 // Every occurrence of the flags in `lists` ("--name v" or "--name=v", after NormalizeFlagNames)
-// merged into one "--name=v1,v2" where the first one stood.
+// merged into one "--name=v1<separator>v2" where the first one stood.
 std::vector<std::string> MergeListFlags(std::vector<std::string> args,
-                                        const std::vector<std::string>& lists);
+                                        const std::vector<std::string>& lists,
+                                        char separator = ',');
 // True when --help or -h is among the flags (before "--").
 bool WantsHelp(const std::vector<std::string>& args);
 // `usage`, then one entry per flag defined in a file for which `ours` is true, sorted by name:
