@@ -3,9 +3,9 @@
 // every Success must carry the request's bytes, and nothing may be left held at the end.
 //
 //   pdlib-chaos [--requests N] [--topology 1p1d|2p2d|both] [--seed S] [--rate R]
-//       [--fault-interval-ms MS] [--fault-kinds kill,stop|kill|stop|none] [--stop-ms MS]
-//       [--hang-bound-ms MS] [--backend ucx|fake] [--backend-option KEY=VALUE]...
-//       [--json] [--verbose] [--log-dir DIR] [--min-faults N] [...]  (--help lists all)
+//       [--fault_interval_ms MS] [--fault_kinds kill,stop|kill|stop|none] [--stop_ms MS]
+//       [--hang_bound_ms MS] [--backend ucx|fake] [--backend_option KEY=VALUE]...
+//       [--json] [--verbose] [--log_dir DIR] [--min_faults N] [...]  (--help lists all)
 //
 //   e.g.  UCX_TLS=shm pdlib-chaos --requests 1000 --json
 //
@@ -22,7 +22,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -30,11 +29,13 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "pdlib/pdlib.h"
 #include "tools/chaos/chaos_driver.h"
 #include "tools/chaos/chaos_pattern.h"
 #include "tools/chaos/chaos_peer.h"
 #include "tools/chaos/chaos_report.h"
+#include "tools/common/flags.h"
 
 // ThreadSanitizer builds: Debian's gRPC, protobuf and Abseil are not instrumented. Weak, so a
 // definition elsewhere wins; TSAN_OPTIONS from the environment still applies on top.
@@ -44,187 +45,163 @@ extern "C" __attribute__((weak, visibility("default"))) const char* __tsan_defau
 }
 #endif
 
+ABSL_FLAG(uint64_t, requests, 1000, "requests in all (split between topologies)");
+ABSL_FLAG(std::string, topology, "both", "1p1d, 2p2d or both");
+ABSL_FLAG(uint64_t, seed, 1, "seeds the fault schedule and the routing");
+ABSL_FLAG(uint64_t, rate, 50, "requests started per second, 0: unpaced");
+ABSL_FLAG(uint64_t, concurrency, 16, "requests in flight per process at most");
+ABSL_FLAG(int64_t, fault_interval_ms, 700,
+          "mean time between faults, each uniform in [MS/2, 3MS/2]; >= 10");
+ABSL_FLAG(std::string, fault_kinds, "kill,stop", "kill,stop | kill | stop | none");
+ABSL_FLAG(int64_t, stop_ms, 1500, "mean freeze, each uniform in [MS/2, 3MS/2]");
+ABSL_FLAG(int64_t, hang_bound_ms, 0,
+          "a room must be terminal this long after its start or the last fault event of its "
+          "processes (0: bootstrap + waiting + transfer + liveness timeouts + 2000)");
+ABSL_FLAG(std::string, backend, "ucx", "ucx or fake (moves no bytes: bytes are not checked)");
+ABSL_FLAG(pdlib_tools::Repeated, backend_option, {},
+          "a KVManagerOptions::backend_options entry K=V, repeatable, e.g. ucx.tls=shm");
+ABSL_FLAG(int64_t, liveness_ms, 1000, "KVManagerOptions::liveness_timeout; >= 1000");
+ABSL_FLAG(int64_t, connect_timeout_ms, 2000, "KVManagerOptions::connect_timeout");
+ABSL_FLAG(int64_t, bootstrap_timeout_ms, 3000, "KVManagerOptions::bootstrap_timeout");
+ABSL_FLAG(int64_t, waiting_timeout_ms, 3000, "KVManagerOptions::waiting_timeout");
+ABSL_FLAG(int64_t, transfer_timeout_ms, 3000, "KVManagerOptions::transfer_timeout");
+ABSL_FLAG(uint64_t, layers, 2, "layers, a K and a V buffer each");
+ABSL_FLAG(uint64_t, item_bytes, 4096, "bytes per KV page and buffer; >= 8");
+ABSL_FLAG(uint64_t, max_pages, 8, "pages per request, each request 1..P");
+ABSL_FLAG(uint64_t, max_chunks, 3, "Send() calls per request, 1..C");
+ABSL_FLAG(int64_t, prefill_ms, 100,
+          "mean simulated forward pass per request before its chunks go, uniform in [0, 2MS]");
+ABSL_FLAG(bool, json, false, "print one JSON object on stdout (the summary goes to stderr)");
+ABSL_FLAG(bool, verbose, false, "print every fault, restart and failed room on stderr");
+ABSL_FLAG(std::string, log_dir, "",
+          "keep the processes' stderr here (\"\": a temporary directory, removed after a clean "
+          "run)");
+ABSL_FLAG(uint64_t, min_faults, 0, "exit 1 when fewer than N faults were injected");
+ABSL_FLAG(uint64_t, corrupt_kv_one_in, 0,
+          "negative control: prefill spoils one KV byte of about one request in N, which must "
+          "show up as bad_bytes");
+ABSL_FLAG(uint64_t, corrupt_aux_one_in, 0,
+          "negative control: prefill spoils one aux value of about one request in N, which must "
+          "show up as bad_bytes");
+ABSL_FLAG(uint64_t, corrupt_free_one_in, 0,
+          "negative control: decode overwrites a byte of a page it took back from about one "
+          "request in N: must show up as stale_writes");
+ABSL_FLAG(bool, no_verify, false, "internal: decode does not check bytes");
+ABSL_FLAG(std::string, role, "", "internal: prefill or decode, in a process the driver started");
+ABSL_FLAG(uint64_t, bootstrap_port, 0, "internal: the driver's bootstrap port");
+ABSL_FLAG(uint64_t, dp_size, 1, "internal: the prefill deployment's DP size");
+ABSL_FLAG(uint64_t, dp_rank, 0, "internal: this prefill process's DP rank");
+ABSL_FLAG(int64_t, max_seconds, 900, "internal: a process exits after this long");
+
 namespace pdlib_chaos {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: pdlib-chaos [options]\n"
+    "usage: pdlib-chaos [flags]\n"
     "\n"
     "Runs requests between prefill and decode processes while killing (SIGKILL) and freezing\n"
     "(SIGSTOP/SIGCONT) them at random moments; checks that every request ends within the hang\n"
     "bound, that every Success carries the request's bytes, and that nothing is left held.\n"
-    "\n"
-    "  --requests N            requests in all (default 1000; split between topologies)\n"
-    "  --topology T            1p1d, 2p2d or both (default both)\n"
-    "  --seed S                seeds the fault schedule and the routing (default 1)\n"
-    "  --rate R                requests started per second, 0: unpaced (default 50)\n"
-    "  --concurrency C         requests in flight per process at most (default 16)\n"
-    "  --fault-interval-ms MS  mean time between faults, each uniform in [MS/2, 3MS/2]\n"
-    "                          (default 700)\n"
-    "  --fault-kinds K         kill,stop | kill | stop | none (default kill,stop)\n"
-    "  --stop-ms MS            mean freeze, each uniform in [MS/2, 3MS/2] (default 1500)\n"
-    "  --hang-bound-ms MS      a room must be terminal this long after its start or the last\n"
-    "                          fault event of its processes (default: bootstrap + waiting +\n"
-    "                          transfer + liveness timeouts + 2000)\n"
-    "  --backend NAME          ucx (default) or fake (moves no bytes: bytes are not checked)\n"
-    "  --backend-option K=V    a KVManagerOptions::backend_options entry, e.g. ucx.tls=shm\n"
-    "  --liveness-ms MS        KVManagerOptions::liveness_timeout (default 1000)\n"
-    "  --connect-timeout-ms MS connect_timeout (default 2000)\n"
-    "  --bootstrap-timeout-ms MS, --waiting-timeout-ms MS, --transfer-timeout-ms MS\n"
-    "                          the per-state timeouts (default 3000 each)\n"
-    "  --layers L              layers, a K and a V buffer each (default 2)\n"
-    "  --item-bytes B          bytes per KV page and buffer (default 4096)\n"
-    "  --max-pages P           pages per request, each request 1..P (default 8)\n"
-    "  --max-chunks C          Send() calls per request, 1..C (default 3)\n"
-    "  --prefill-ms MS         mean simulated forward pass per request before its chunks go,\n"
-    "                          uniform in [0, 2MS] (default 100)\n"
-    "  --json                  print one JSON object on stdout (the summary goes to stderr)\n"
-    "  --verbose               print every fault, restart and failed room on stderr\n"
-    "  --log-dir DIR           keep the processes' stderr here (default: a temporary\n"
-    "                          directory, removed after a clean run)\n"
-    "  --min-faults N          exit 1 when fewer than N faults were injected (default 0)\n"
-    "  --corrupt-kv-one-in N, --corrupt-aux-one-in N\n"
-    "                          negative controls: prefill spoils one KV byte / one aux value of\n"
-    "                          about one request in N, which must show up as bad_bytes\n"
-    "  --corrupt-free-one-in N negative control: decode overwrites a byte of a page it took\n"
-    "                          back from about one request in N: must show up as stale_writes\n"
-    "  --help                  this text\n";
+    "Flags marked internal are the driver's to the processes it starts.\n";
 
 struct Flags {
   uint64_t requests = 1000;
   std::string topology = "both";
   bool json = false;
   uint64_t min_faults = 0;
-  std::string role;  // hidden: "prefill" or "decode" in the child processes
+  std::string role;  // internal: "prefill" or "decode" in the child processes
   ChaosOptions chaos;
 };
 
-bool ParseU64(std::string_view text, uint64_t* out) {
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
-  return ec == std::errc() && end == text.data() + text.size();
-}
-
-bool ParseI64(std::string_view text, int64_t* out, int64_t min) {
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
-  return ec == std::errc() && end == text.data() + text.size() && *out >= min;
-}
-
-bool ParseSize(std::string_view text, size_t* out, size_t min) {
-  uint64_t v = 0;
-  if (!ParseU64(text, &v) || v < min || v > (uint64_t{1} << 30)) return false;
-  *out = size_t(v);
-  return true;
-}
-
-// Accepts "--flag value" and "--flag=value"; prints why and returns false on bad input.
+// Parses and checks the flags; prints why (naming the flag) and returns false on bad input.
 bool ParseFlags(int argc, char** argv, Flags* f) {
+  const std::vector<std::string> rest =
+      pdlib_tools::ParseFlags(argc, argv, kUsage, {}, {"backend_option"});
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "pdlib-chaos: unexpected argument '%s' (see --help)\n", rest[1].c_str());
+    return false;
+  }
+  auto bad = [](const char* flag, const std::string& value) {
+    std::fprintf(stderr, "pdlib-chaos: bad value '%s' for --%s (see --help)\n", value.c_str(),
+                 flag);
+    return false;
+  };
   ChaosOptions& c = f->chaos;
   PeerConfig& p = c.peer;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    }
-    if (arg == "--json" || arg == "--verbose" || arg == "--no-verify") {
-      (arg == "--json"      ? f->json
-       : arg == "--verbose" ? c.verbose
-                            : p.verify) = arg != "--no-verify";
-      continue;
-    }
-    std::string_view value;
-    if (size_t eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      std::fprintf(stderr, "pdlib-chaos: %s needs a value\n%s", argv[i], kUsage);
-      return false;
-    }
-    uint64_t n = 0;
-    bool ok = true;
-    if (arg == "--requests") {
-      ok = ParseU64(value, &f->requests) && f->requests > 0;
-    } else if (arg == "--topology") {
-      f->topology = value;
-      ok = value == "1p1d" || value == "2p2d" || value == "both";
-    } else if (arg == "--seed") {
-      ok = ParseU64(value, &c.seed);
-    } else if (arg == "--rate") {
-      ok = ParseU64(value, &n);
-      c.rate = double(n);
-    } else if (arg == "--concurrency") {
-      ok = ParseSize(value, &p.concurrency, 1);
-    } else if (arg == "--fault-interval-ms") {
-      ok = ParseI64(value, &c.fault_interval_ms, 10);
-    } else if (arg == "--fault-kinds") {
-      c.kill_faults = value == "kill,stop" || value == "stop,kill" || value == "kill";
-      c.stop_faults = value == "kill,stop" || value == "stop,kill" || value == "stop";
-      ok = c.kill_faults || c.stop_faults || value == "none";
-    } else if (arg == "--stop-ms") {
-      ok = ParseI64(value, &c.stop_ms, 1);
-    } else if (arg == "--hang-bound-ms") {
-      ok = ParseI64(value, &c.hang_bound_ms, 1);
-    } else if (arg == "--backend") {
-      p.backend = value;
-      ok = !value.empty();
-    } else if (arg == "--backend-option") {
-      const size_t eq = value.find('=');
-      ok = eq != std::string_view::npos && eq > 0;
-      if (ok) p.backend_options[std::string(value.substr(0, eq))] = value.substr(eq + 1);
-    } else if (arg == "--liveness-ms") {
-      ok = ParseI64(value, &p.liveness_ms, 1000);
-    } else if (arg == "--connect-timeout-ms") {
-      ok = ParseI64(value, &p.connect_ms, 1);
-    } else if (arg == "--bootstrap-timeout-ms") {
-      ok = ParseI64(value, &p.bootstrap_ms, 1);
-    } else if (arg == "--waiting-timeout-ms") {
-      ok = ParseI64(value, &p.waiting_ms, 1);
-    } else if (arg == "--transfer-timeout-ms") {
-      ok = ParseI64(value, &p.transfer_ms, 1);
-    } else if (arg == "--layers") {
-      ok = ParseSize(value, &p.layers, 1);
-    } else if (arg == "--item-bytes") {
-      ok = ParseSize(value, &p.item_bytes, 8);
-    } else if (arg == "--max-pages") {
-      ok = ParseSize(value, &p.max_pages, 1);
-    } else if (arg == "--max-chunks") {
-      ok = ParseSize(value, &p.max_chunks, 1);
-    } else if (arg == "--prefill-ms") {
-      ok = ParseI64(value, &p.prefill_ms, 0);
-    } else if (arg == "--log-dir") {
-      c.log_dir = value;
-    } else if (arg == "--min-faults") {
-      ok = ParseU64(value, &f->min_faults);
-    } else if (arg == "--corrupt-kv-one-in") {
-      ok = ParseU64(value, &p.corrupt_kv_one_in);
-    } else if (arg == "--corrupt-aux-one-in") {
-      ok = ParseU64(value, &p.corrupt_aux_one_in);
-    } else if (arg == "--corrupt-free-one-in") {
-      ok = ParseU64(value, &p.corrupt_free_one_in);
-    } else if (arg == "--role") {  // the flags below are the driver's to its children
-      f->role = value;
-      ok = value == "prefill" || value == "decode";
-      p.mode = value == "prefill" ? pdlib::Mode::kPrefill : pdlib::Mode::kDecode;
-    } else if (arg == "--bootstrap-port") {
-      ok = ParseU64(value, &n) && n > 0 && n < 65536;
-      p.bootstrap_port = uint16_t(n);
-    } else if (arg == "--dp-size" || arg == "--dp-rank") {
-      ok = ParseU64(value, &n) && n < 1024;
-      (arg == "--dp-size" ? p.dp_size : p.dp_rank) = int32_t(n);
-    } else if (arg == "--max-seconds") {
-      ok = ParseI64(value, &p.max_seconds, 1);
-    } else {
-      std::fprintf(stderr, "pdlib-chaos: unknown option %s\n%s", argv[i], kUsage);
-      return false;
-    }
-    if (!ok) {
-      std::fprintf(stderr, "pdlib-chaos: bad value '%.*s' for %.*s\n", int(value.size()),
-                   value.data(), int(arg.size()), arg.data());
-      return false;
-    }
+  f->json = absl::GetFlag(FLAGS_json);
+  c.verbose = absl::GetFlag(FLAGS_verbose);
+  p.verify = !absl::GetFlag(FLAGS_no_verify);
+  f->requests = absl::GetFlag(FLAGS_requests);
+  if (f->requests == 0) return bad("requests", "0");
+  f->topology = absl::GetFlag(FLAGS_topology);
+  if (f->topology != "1p1d" && f->topology != "2p2d" && f->topology != "both") {
+    return bad("topology", f->topology);
   }
+  c.seed = absl::GetFlag(FLAGS_seed);
+  c.rate = double(absl::GetFlag(FLAGS_rate));
+  const std::string kinds = absl::GetFlag(FLAGS_fault_kinds);
+  c.kill_faults = kinds == "kill,stop" || kinds == "stop,kill" || kinds == "kill";
+  c.stop_faults = kinds == "kill,stop" || kinds == "stop,kill" || kinds == "stop";
+  if (!c.kill_faults && !c.stop_faults && kinds != "none") return bad("fault_kinds", kinds);
+  p.backend = absl::GetFlag(FLAGS_backend);
+  if (p.backend.empty()) return bad("backend", "");
+  for (const std::string& kv : absl::GetFlag(FLAGS_backend_option).values) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) return bad("backend_option", kv);
+    p.backend_options[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  c.log_dir = absl::GetFlag(FLAGS_log_dir);
+  f->min_faults = absl::GetFlag(FLAGS_min_faults);
+  p.corrupt_kv_one_in = absl::GetFlag(FLAGS_corrupt_kv_one_in);
+  p.corrupt_aux_one_in = absl::GetFlag(FLAGS_corrupt_aux_one_in);
+  p.corrupt_free_one_in = absl::GetFlag(FLAGS_corrupt_free_one_in);
+  // Durations and sizes, each with its lower bound.
+  struct Ms {
+    const char* name;
+    int64_t value, min;
+    int64_t* to;
+  };
+  for (const Ms& m :
+       {Ms{"fault_interval_ms", absl::GetFlag(FLAGS_fault_interval_ms), 10, &c.fault_interval_ms},
+        Ms{"stop_ms", absl::GetFlag(FLAGS_stop_ms), 1, &c.stop_ms},
+        Ms{"hang_bound_ms", absl::GetFlag(FLAGS_hang_bound_ms), 0, &c.hang_bound_ms},
+        Ms{"liveness_ms", absl::GetFlag(FLAGS_liveness_ms), 1000, &p.liveness_ms},
+        Ms{"connect_timeout_ms", absl::GetFlag(FLAGS_connect_timeout_ms), 1, &p.connect_ms},
+        Ms{"bootstrap_timeout_ms", absl::GetFlag(FLAGS_bootstrap_timeout_ms), 1, &p.bootstrap_ms},
+        Ms{"waiting_timeout_ms", absl::GetFlag(FLAGS_waiting_timeout_ms), 1, &p.waiting_ms},
+        Ms{"transfer_timeout_ms", absl::GetFlag(FLAGS_transfer_timeout_ms), 1, &p.transfer_ms},
+        Ms{"prefill_ms", absl::GetFlag(FLAGS_prefill_ms), 0, &p.prefill_ms},
+        Ms{"max_seconds", absl::GetFlag(FLAGS_max_seconds), 1, &p.max_seconds}}) {
+    if (m.value < m.min) return bad(m.name, std::to_string(m.value));
+    *m.to = m.value;
+  }
+  struct Size {
+    const char* name;
+    uint64_t value, min;
+    size_t* to;
+  };
+  for (const Size& z : {Size{"concurrency", absl::GetFlag(FLAGS_concurrency), 1, &p.concurrency},
+                        Size{"layers", absl::GetFlag(FLAGS_layers), 1, &p.layers},
+                        Size{"item_bytes", absl::GetFlag(FLAGS_item_bytes), 8, &p.item_bytes},
+                        Size{"max_pages", absl::GetFlag(FLAGS_max_pages), 1, &p.max_pages},
+                        Size{"max_chunks", absl::GetFlag(FLAGS_max_chunks), 1, &p.max_chunks}}) {
+    if (z.value < z.min || z.value > (uint64_t{1} << 30)) {
+      return bad(z.name, std::to_string(z.value));
+    }
+    *z.to = size_t(z.value);
+  }
+  f->role = absl::GetFlag(FLAGS_role);
+  if (!f->role.empty() && f->role != "prefill" && f->role != "decode") return bad("role", f->role);
+  p.mode = f->role == "prefill" ? pdlib::Mode::kPrefill : pdlib::Mode::kDecode;
+  const uint64_t port = absl::GetFlag(FLAGS_bootstrap_port);
+  if (!f->role.empty() && (port == 0 || port > 65535))
+    return bad("bootstrap_port", std::to_string(port));
+  p.bootstrap_port = uint16_t(port);
+  const uint64_t dp_size = absl::GetFlag(FLAGS_dp_size), dp_rank = absl::GetFlag(FLAGS_dp_rank);
+  if (dp_size >= 1024) return bad("dp_size", std::to_string(dp_size));
+  if (dp_rank >= 1024) return bad("dp_rank", std::to_string(dp_rank));
+  p.dp_size = int32_t(dp_size);
+  p.dp_rank = int32_t(dp_rank);
   return true;
 }
 
