@@ -22,7 +22,30 @@
 #include <thread>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "examples/demo/deployment.h"
+#include "tools/common/flags.h"
+
+ABSL_FLAG(int64_t, requests, 16, "prompts in the batch");
+ABSL_FLAG(int64_t, max_new_tokens, 16, "tokens generated per request");
+ABSL_FLAG(std::string, rates, "0",
+          "request rates in requests/s to run the batch at, comma-separated; 0 sends the whole "
+          "batch at once");
+ABSL_FLAG(std::string, model, "small", "small | small-hybrid");
+ABSL_FLAG(int64_t, seed, 1, "model weights and prompts");
+ABSL_FLAG(std::string, backend, "ucx", "pdlib backend of the hosts: ucx | fake | verbs");
+ABSL_FLAG(pdlib_tools::Repeated, backend_option, {}, "K=V passed to every host (repeatable)");
+ABSL_FLAG(int64_t, prefills, 1, "prefill hosts");
+ABSL_FLAG(int64_t, decodes, 1, "decode hosts");
+ABSL_FLAG(int64_t, prefill_tp, 1, "TP ranks per prefill host");
+ABSL_FLAG(int64_t, prefill_pp, 1, "PP stages per prefill host");
+ABSL_FLAG(std::string, policy, "power-of-two",
+          "router policy: random | power-of-two | least-loaded");
+ABSL_FLAG(std::string, log_dir, "",
+          "where each process's log goes (\"\": a new /tmp/pd-demo-* directory)");
+ABSL_FLAG(bool, quiet, false, "no per-request table");
 
 namespace {
 
@@ -32,25 +55,10 @@ using pdlib::demo::Outcome;
 using Clock = std::chrono::steady_clock;
 
 constexpr char kUsage[] =
-    "usage: pd-demo [options]\n"
+    "usage: pd-demo [flags]\n"
     "\n"
     "Runs bootstrap, prefill, decode, a colocated host and the router on 127.0.0.1, sends a\n"
-    "batch of prompts through the router and checks every output against the colocated run.\n"
-    "\n"
-    "  --requests N          prompts in the batch (default 16)\n"
-    "  --max-new-tokens N    tokens generated per request (default 16)\n"
-    "  --rates R[,R...]      request rates in requests/s to run the batch at; 0 sends the whole\n"
-    "                        batch at once (default 0)\n"
-    "  --model M             small | small-hybrid (default small)\n"
-    "  --seed N              model weights and prompts (default 1)\n"
-    "  --backend B           pdlib backend of the hosts: ucx | fake | verbs (default ucx)\n"
-    "  --backend-option K=V  passed to every host (repeatable)\n"
-    "  --prefills N          prefill hosts (default 1)     --decodes N   decode hosts (default 1)\n"
-    "  --prefill-tp N        TP ranks per prefill host      --prefill-pp N  PP stages (default 1)\n"
-    "  --policy P            router policy: random | power-of-two | least-loaded\n"
-    "  --log-dir DIR         where each process's log goes (default: a new /tmp/pd-demo-* dir)\n"
-    "  --quiet               no per-request table\n"
-    "  --help\n";
+    "batch of prompts through the router and checks every output against the colocated run.\n";
 
 struct Args {
   int requests = 16;
@@ -60,78 +68,57 @@ struct Args {
   DeploymentOptions d;
 };
 
+// Reads and checks the flags; prints why (naming the flag) and returns false on bad input.
 bool ParseArgs(int argc, char** argv, Args* a) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&](const char* name) -> const char* {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "pd-demo: %s needs a value\n", name);
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    auto number = [&](const char* name, long lo, long hi) {
-      const char* v = value(name);
-      char* end = nullptr;
-      const long n = std::strtol(v, &end, 10);
-      if (*v == '\0' || *end != '\0' || n < lo || n > hi) {
-        std::fprintf(stderr, "pd-demo: %s '%s' is not a number in [%ld, %ld]\n", name, v, lo, hi);
-        std::exit(2);
-      }
-      return n;
-    };
-    if (arg == "--help" || arg == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    } else if (arg == "--requests") {
-      a->requests = int(number("--requests", 1, 4096));
-    } else if (arg == "--max-new-tokens") {
-      a->max_new_tokens = int(number("--max-new-tokens", 1, 1024));
-    } else if (arg == "--rates") {
-      a->rates.clear();
-      std::string list = value("--rates");
-      for (size_t at = 0; at <= list.size();) {
-        size_t comma = std::min(list.find(',', at), list.size());
-        const std::string item = list.substr(at, comma - at);
-        char* end = nullptr;
-        const double r = std::strtod(item.c_str(), &end);
-        if (item.empty() || *end != '\0' || r < 0) {
-          std::fprintf(stderr, "pd-demo: --rates '%s': '%s' is not a rate >= 0\n", list.c_str(),
-                       item.c_str());
-          return false;
-        }
-        a->rates.push_back(r);
-        at = comma + 1;
-      }
-    } else if (arg == "--model") {
-      a->d.model = value("--model");
-    } else if (arg == "--seed") {
-      a->d.seed = uint64_t(number("--seed", 0, INT32_MAX));
-    } else if (arg == "--backend") {
-      a->d.backend = value("--backend");
-    } else if (arg == "--backend-option") {
-      a->d.backend_options.push_back(value("--backend-option"));
-    } else if (arg == "--prefills") {
-      a->d.prefills.resize(size_t(number("--prefills", 1, 16)), a->d.prefills[0]);
-    } else if (arg == "--decodes") {
-      a->d.decodes = int32_t(number("--decodes", 1, 16));
-    } else if (arg == "--prefill-tp") {
-      const int32_t tp = int32_t(number("--prefill-tp", 1, 8));
-      for (auto& p : a->d.prefills) p.tp = tp;
-    } else if (arg == "--prefill-pp") {
-      const int32_t pp = int32_t(number("--prefill-pp", 1, 4));
-      for (auto& p : a->d.prefills) p.pp = pp;
-    } else if (arg == "--policy") {
-      a->d.policy = value("--policy");
-    } else if (arg == "--log-dir") {
-      a->d.log_dir = value("--log-dir");
-    } else if (arg == "--quiet") {
-      a->quiet = true;
-    } else {
-      std::fprintf(stderr, "pd-demo: unknown argument '%s'\n%s", arg.c_str(), kUsage);
+  const std::vector<std::string> rest =
+      pdlib_tools::ParseFlags(argc, argv, kUsage, {}, {"backend_option"});
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "pd-demo: unexpected argument '%s' (see --help)\n", rest[1].c_str());
+    return false;
+  }
+  auto in_range = [](const char* name, int64_t v, int64_t lo, int64_t hi) {
+    if (v >= lo && v <= hi) return true;
+    std::fprintf(stderr, "pd-demo: --%s %lld is not in [%lld, %lld]\n", name,
+                 static_cast<long long>(v), static_cast<long long>(lo), static_cast<long long>(hi));
+    return false;
+  };
+  const int64_t requests = absl::GetFlag(FLAGS_requests);
+  const int64_t max_new = absl::GetFlag(FLAGS_max_new_tokens);
+  const int64_t prefills = absl::GetFlag(FLAGS_prefills), decodes = absl::GetFlag(FLAGS_decodes);
+  const int64_t tp = absl::GetFlag(FLAGS_prefill_tp), pp = absl::GetFlag(FLAGS_prefill_pp);
+  const int64_t seed = absl::GetFlag(FLAGS_seed);
+  if (!in_range("requests", requests, 1, 4096) || !in_range("max_new_tokens", max_new, 1, 1024) ||
+      !in_range("prefills", prefills, 1, 16) || !in_range("decodes", decodes, 1, 16) ||
+      !in_range("prefill_tp", tp, 1, 8) || !in_range("prefill_pp", pp, 1, 4) ||
+      !in_range("seed", seed, 0, INT32_MAX)) {
+    return false;
+  }
+  a->requests = int(requests);
+  a->max_new_tokens = int(max_new);
+  a->rates.clear();
+  const std::string rates = absl::GetFlag(FLAGS_rates);
+  for (absl::string_view item : absl::StrSplit(rates, ',')) {
+    double r = 0;
+    if (!absl::SimpleAtod(item, &r) || r < 0) {
+      std::fprintf(stderr, "pd-demo: --rates '%s': '%s' is not a rate >= 0\n", rates.c_str(),
+                   std::string(item).c_str());
       return false;
     }
+    a->rates.push_back(r);
   }
+  a->d.model = absl::GetFlag(FLAGS_model);
+  a->d.seed = uint64_t(seed);
+  a->d.backend = absl::GetFlag(FLAGS_backend);
+  a->d.backend_options = absl::GetFlag(FLAGS_backend_option).values;
+  a->d.prefills.resize(size_t(prefills), a->d.prefills[0]);
+  for (auto& p : a->d.prefills) {
+    p.tp = int32_t(tp);
+    p.pp = int32_t(pp);
+  }
+  a->d.decodes = int32_t(decodes);
+  a->d.policy = absl::GetFlag(FLAGS_policy);
+  a->d.log_dir = absl::GetFlag(FLAGS_log_dir);
+  a->quiet = absl::GetFlag(FLAGS_quiet);
   return true;
 }
 
