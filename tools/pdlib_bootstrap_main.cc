@@ -47,12 +47,7 @@ struct Args {
 
 // The flags, checked. False (after printing why, naming the flag) on bad input.
 bool ParseArgs(int argc, char** argv, Args* args) {
-  const std::vector<std::string> rest = pdlib_tools::ParseFlags(argc, argv, kUsage);
-  if (rest.size() > 1) {
-    std::fprintf(stderr, "pdlib-bootstrap: unexpected argument '%s' (see --help)\n",
-                 rest[1].c_str());
-    return false;
-  }
+  pdlib_tools::ParseFlagsNoArguments(argc, argv, kUsage);
   args->host = absl::GetFlag(FLAGS_host);
   args->port = absl::GetFlag(FLAGS_port);
   args->secret_file = absl::GetFlag(FLAGS_auth_secret_file);

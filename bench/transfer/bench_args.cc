@@ -138,13 +138,7 @@ std::string_view LayoutName(Layout l) {
 }
 
 bool ParseArgs(int argc, char** argv, Options* o) {
-  const std::vector<std::string> rest =
-      pdlib_tools::ParseFlags(argc, argv, kUsage, {}, {"backend_option"});
-  if (rest.size() > 1) {
-    std::fprintf(stderr, "pdlib-transfer-bench: unexpected argument '%s' (see --help)\n",
-                 rest[1].c_str());
-    return false;
-  }
+  pdlib_tools::ParseFlagsNoArguments(argc, argv, kUsage, {}, {"backend_option"});
   // Each check names its flag and the value it refused.
   auto bad = [](const char* flag, const std::string& value) {
     std::fprintf(stderr, "pdlib-transfer-bench: bad value '%s' for --%s (see --help)\n",

@@ -70,12 +70,7 @@ struct Args {
 
 // Reads and checks the flags; prints why (naming the flag) and returns false on bad input.
 bool ParseArgs(int argc, char** argv, Args* a) {
-  const std::vector<std::string> rest =
-      pdlib_tools::ParseFlags(argc, argv, kUsage, {}, {"backend_option"});
-  if (rest.size() > 1) {
-    std::fprintf(stderr, "pd-demo: unexpected argument '%s' (see --help)\n", rest[1].c_str());
-    return false;
-  }
+  pdlib_tools::ParseFlagsNoArguments(argc, argv, kUsage, {}, {"backend_option"});
   auto in_range = [](const char* name, int64_t v, int64_t lo, int64_t hi) {
     if (v >= lo && v <= hi) return true;
     std::fprintf(stderr, "pd-demo: --%s %lld is not in [%lld, %lld]\n", name,

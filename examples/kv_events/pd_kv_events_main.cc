@@ -27,11 +27,7 @@ constexpr char kUsage[] =
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::vector<std::string> rest = pdlib_tools::ParseFlags(argc, argv, kUsage);
-  if (rest.size() > 1) {
-    std::fprintf(stderr, "pd-kv-events: unexpected argument '%s' (see --help)\n", rest[1].c_str());
-    return 2;
-  }
+  pdlib_tools::ParseFlagsNoArguments(argc, argv, kUsage);
   pdlib::sched::KVEventSubscribeOptions options;
   options.target = absl::GetFlag(FLAGS_target);
   options.from_seq = absl::GetFlag(FLAGS_from_seq);

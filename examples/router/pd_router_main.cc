@@ -81,9 +81,7 @@ int main(int argc, char** argv) {
   options.progress = [](const std::string& line) {
     std::fprintf(stderr, "pd-router: %s\n", line.c_str());
   };
-  const std::vector<std::string> rest =
-      pdlib_tools::ParseFlags(argc, argv, kUsage, {"prefill", "decode"});
-  if (rest.size() > 1) return Usage("unexpected argument '" + rest[1] + "'");
+  pdlib_tools::ParseFlagsNoArguments(argc, argv, kUsage, {"prefill", "decode"});
   options.prefill_hosts = absl::GetFlag(FLAGS_prefill);
   options.decode_hosts = absl::GetFlag(FLAGS_decode);
   options.host = absl::GetFlag(FLAGS_host);

@@ -113,6 +113,10 @@ TEST_CASE("pdlib-bootstrap: a wrong flag is refused, naming it; dashed names are
   CHECK_THAT(bad_value.ReadAll(kStartTimeout),
              Catch::Contains("'eighty'") && Catch::Contains("flag 'port'"));
   CHECK(bad_value.Wait(kStartTimeout) == 1);
+  Child positional({"--port", "0", "stray"}, true);
+  CHECK_THAT(positional.ReadAll(kStartTimeout),
+             Catch::Contains("pdlib-bootstrap: unexpected argument 'stray'"));
+  CHECK(positional.Wait(kStartTimeout) == 2);
   // --auth-secret-file is --auth_secret_file: the missing file is named, exit status 2.
   Child dashed({"--host", "127.0.0.1", "--port", "0", "--auth-secret-file", "/nonexistent/s"},
                true);

@@ -115,12 +115,7 @@ struct Flags {
 
 // Parses and checks the flags; prints why (naming the flag) and returns false on bad input.
 bool ParseFlags(int argc, char** argv, Flags* f) {
-  const std::vector<std::string> rest =
-      pdlib_tools::ParseFlags(argc, argv, kUsage, {}, {"backend_option"});
-  if (rest.size() > 1) {
-    std::fprintf(stderr, "pdlib-chaos: unexpected argument '%s' (see --help)\n", rest[1].c_str());
-    return false;
-  }
+  pdlib_tools::ParseFlagsNoArguments(argc, argv, kUsage, {}, {"backend_option"});
   auto bad = [](const char* flag, const std::string& value) {
     std::fprintf(stderr, "pdlib-chaos: bad value '%s' for --%s (see --help)\n", value.c_str(),
                  flag);

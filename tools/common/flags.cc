@@ -136,4 +136,15 @@ std::vector<std::string> ParseFlags(int argc, char** argv, std::string_view usag
   return std::vector<std::string>(rest.begin(), rest.end());
 }
 
+void ParseFlagsNoArguments(int argc, char** argv, std::string_view usage,
+                           const std::vector<std::string>& lists,
+                           const std::vector<std::string>& repeated) {
+  const std::vector<std::string> rest = ParseFlags(argc, argv, usage, lists, repeated);
+  if (rest.size() <= 1) return;
+  const std::string& program = rest[0];
+  std::fprintf(stderr, "%s: unexpected argument '%s' (see --help)\n",
+               program.substr(program.rfind('/') + 1).c_str(), rest[1].c_str());
+  std::exit(2);
+}
+
 }  // namespace pdlib_tools

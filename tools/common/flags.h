@@ -27,6 +27,12 @@ std::vector<std::string> ParseFlags(int argc, char** argv, std::string_view usag
                                     const std::vector<std::string>& lists = {},
                                     const std::vector<std::string>& repeated = {});
 
+// ParseFlags for a program that takes no positional argument: one is refused with
+// "<program>: unexpected argument 'x' (see --help)" on stderr, exit status 2.
+void ParseFlagsNoArguments(int argc, char** argv, std::string_view usage,
+                           const std::vector<std::string>& lists = {},
+                           const std::vector<std::string>& repeated = {});
+
 // The type of a flag that may be given many times, each value whole ("--backend_option
 // ucx.tls=shm,tcp --backend_option k=v"): ABSL_FLAG(pdlib_tools::Repeated, name, {}, "...").
 struct Repeated {
