@@ -86,4 +86,46 @@ TEST_CASE("ParseFlags: dashes, a bool flag before another, lists, repeated value
   CHECK(absl::GetFlag(FLAGS_delta_option).values == V{"k=v,w", "x=y"});
 }
 
+// What the hosts use: the same rules, no exit, every flag back to its default first.
+TEST_CASE("TryParseFlags: resets to defaults, reports what was given, one line per error") {
+  using pdlib_tools::TryParseFlags;
+  auto ok = TryParseFlags(V{"--zeta-count=3", "--beta_on", "x", "--gamma-hosts", "a",
+                            "--gamma_hosts", "b", "--delta-option", "k=v,w", "--", "--zeta_count"},
+                          {"gamma_hosts"}, {"delta_option"});
+  INFO(ok.error);
+  REQUIRE(ok.error.empty());
+  CHECK(ok.given == V{"zeta_count", "beta_on", "gamma_hosts", "delta_option"});
+  CHECK(ok.positional == V{"x", "--zeta_count"});
+  CHECK(absl::GetFlag(FLAGS_zeta_count) == 3);
+  CHECK(absl::GetFlag(FLAGS_beta_on));
+  CHECK(absl::GetFlag(FLAGS_gamma_hosts) == V{"a", "b"});
+  CHECK(absl::GetFlag(FLAGS_delta_option).values == V{"k=v,w"});
+
+  // A second parse starts from the defaults, not from the first one's values.
+  auto again = TryParseFlags(V{"--nobeta-on", "--alpha_name", "a"});
+  REQUIRE(again.error.empty());
+  CHECK(again.given == V{"beta_on", "alpha_name"});
+  CHECK(absl::GetFlag(FLAGS_zeta_count) == 7);
+  CHECK_FALSE(absl::GetFlag(FLAGS_beta_on));
+  CHECK(absl::GetFlag(FLAGS_gamma_hosts).empty());
+  CHECK(absl::GetFlag(FLAGS_delta_option).values.empty());
+  CHECK(absl::GetFlag(FLAGS_alpha_name) == "a");
+
+  CHECK(TryParseFlags(V{"--omega", "1"}).error == "unknown flag '--omega' (see --help)");
+  CHECK(TryParseFlags(V{"--zeta_count"}).error == "--zeta_count needs a value");
+  const std::string bad = TryParseFlags(V{"--zeta-count", "many"}).error;
+  CHECK(bad.starts_with("--zeta_count 'many': "));
+  CHECK(TryParseFlags(V{"--flagfile=/etc/passwd"}).error.starts_with("unknown flag"));
+  auto help = TryParseFlags(V{"--zeta_count", "x", "-h"});
+  CHECK((help.help && help.error.empty()));
+}
+
+TEST_CASE("FlagsHelpFor lists only the flags a program takes") {
+  const std::string help = pdlib_tools::FlagsHelpFor(
+      "usage: prog", [](std::string_view name) { return name == "zeta_count"; });
+  CHECK(absl::StrContains(help, "--zeta_count (default 7)"));
+  CHECK_FALSE(absl::StrContains(help, "--alpha_name"));
+  CHECK_FALSE(absl::StrContains(help, "flagfile"));
+}
+
 }  // namespace

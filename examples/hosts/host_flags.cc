@@ -1,26 +1,99 @@
 #include "examples/hosts/host_flags.h"
 
+#include <algorithm>
 #include <charconv>
+#include <cstdint>
 #include <limits>
 #include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "tools/common/flags.h"
+
+// pd-prefill and pd-decode share these definitions (one binary each, one host library); the flags
+// of one role only are refused by the other (kPrefillOnly, kDecodeOnly below). Defaults come from
+// HostOptions, so that the command line and the in-process API agree.
+ABSL_FLAG(std::string, host, pdlib::hosts::HostOptions{}.listen_host,
+          "address for gRPC (pd-prefill: and the ranks' pdlib control endpoints)");
+ABSL_FLAG(int32_t, port, 0, "gRPC port; 0 picks a free one");
+ABSL_FLAG(std::string, model, pdlib::hosts::HostOptions{}.model,
+          "small | small-hybrid (recurrent layers 1 and 3; mamba state)");
+ABSL_FLAG(uint64_t, seed, pdlib::hosts::HostOptions{}.seed,
+          "random-weights seed; prefill and decode must agree");
+ABSL_FLAG(int32_t, tp, 1,
+          "tensor-parallel ranks (threads); each registers 1/N of the KV heads. The model is not "
+          "sharded: every rank computes it whole. pd-decode: 1 only (one rank holds every head and "
+          "layer; pdlib slices prefill's TP/PP shards into it)");
+ABSL_FLAG(int32_t, pp, 1,
+          "pipeline stages; stage s registers layers [s*L/N, (s+1)*L/N). pd-decode: 1 only");
+ABSL_FLAG(int32_t, threads, pdlib::hosts::HostOptions{}.threads_per_rank,
+          "model threads per rank; 0: hardware threads / ranks");
+ABSL_FLAG(bool, colocated, false,
+          "pd-decode: prefill on this host's own model, no pdlib (role colocated); requests' "
+          "bootstrap fields are ignored");
+ABSL_FLAG(std::string, backend, pdlib::hosts::HostOptions{}.backend,
+          "pdlib transport: ucx | fake | verbs. fake moves no bytes: requests complete, tokens are "
+          "wrong (control-plane tests)");
+ABSL_FLAG(pdlib_tools::Repeated, backend_option, {},
+          "KEY=VALUE backend setting, repeatable (e.g. ucx.tls=shm, ucx.net_devices=lo)");
+ABSL_FLAG(std::string, bootstrap_host, pdlib::hosts::HostOptions{}.bootstrap_host,
+          "pd-prefill: bootstrap server the ranks register with");
+ABSL_FLAG(int32_t, bootstrap_port, pdlib::hosts::HostOptions{}.bootstrap_port,
+          "pd-prefill: its port; with --start_bootstrap, 0 picks a free one");
+ABSL_FLAG(bool, start_bootstrap, false,
+          "pd-prefill: run pdlib's bootstrap server in this process (in rank 0's manager; for port "
+          "0 the host runs it); otherwise a pdlib-bootstrap must run");
+ABSL_FLAG(int32_t, num_pages, pdlib::hosts::HostOptions{}.num_pages,
+          "KV pages per rank, 16 tokens each");
+ABSL_FLAG(int32_t, max_running, pdlib::hosts::HostOptions{}.max_running,
+          "requests holding KV at once (pd-decode: as many more may be pre-allocated)");
+ABSL_FLAG(int32_t, chunked_prefill_size, pdlib::hosts::HostOptions{}.chunked_prefill_size,
+          "token budget of one prefill forward");
+ABSL_FLAG(int32_t, max_context_len, pdlib::hosts::HostOptions{}.max_context_len,
+          "longest prompt (pd-decode: prompt + max_new_tokens) accepted");
+ABSL_FLAG(int32_t, reserved_decode_tokens, pdlib::hosts::HostOptions{}.reserved_decode_tokens,
+          "pd-decode: tokens kept free per admitted request");
+ABSL_FLAG(int32_t, bootstrap_timeout_ms,
+          int32_t(pdlib::hosts::HostOptions{}.bootstrap_timeout.count()),
+          "a request not bootstrapped within N ms fails");
+ABSL_FLAG(int32_t, waiting_timeout_ms, int32_t(pdlib::hosts::HostOptions{}.waiting_timeout.count()),
+          "a request waiting for its KV to be sent fails after N ms");
+ABSL_FLAG(int32_t, transfer_timeout_ms,
+          int32_t(pdlib::hosts::HostOptions{}.transfer_timeout.count()),
+          "a transfer not done within N ms fails");
+ABSL_FLAG(int32_t, liveness_timeout_ms,
+          int32_t(pdlib::hosts::HostOptions{}.liveness_timeout.count()),
+          "a silent peer is declared dead after N ms, >= 1000");
+ABSL_FLAG(int32_t, connect_timeout_ms, int32_t(pdlib::hosts::HostOptions{}.connect_timeout.count()),
+          "connection set-up gives up after N ms");
+ABSL_FLAG(std::vector<std::string>, connect, {},
+          "pd-decode: HOST:PORT of a prefill deployment's bootstrap server to connect to before "
+          "the first request (warm-up; repeatable or comma-separated; a failure is logged)");
+ABSL_FLAG(int32_t, idle_poll_us, int32_t(pdlib::hosts::HostOptions{}.idle_poll.count()),
+          "sleep between steps that only wait on the network");
+ABSL_FLAG(bool, verbose, false, "pdlib info logs on stderr");
 
 namespace pdlib::hosts {
 namespace {
 
-template <typename T>
-bool ParseInt(std::string_view text, T min, T max, T* out) {
-  T value{};
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size() || value < min || value > max) {
-    return false;
-  }
-  *out = value;
-  return true;
+constexpr std::string_view kPrefillOnly[] = {"bootstrap_host", "bootstrap_port", "start_bootstrap"};
+constexpr std::string_view kDecodeOnly[] = {"colocated", "reserved_decode_tokens", "connect"};
+
+bool Contains(std::span<const std::string_view> names, std::string_view name) {
+  return std::find(names.begin(), names.end(), name) != names.end();
 }
 
-Status Bad(std::string_view flag, std::string_view value, std::string_view what) {
-  return Status::InvalidArgument(std::string(flag) + " '" + std::string(value) +
-                                 "': " + std::string(what));
+// Whether `program` takes flag `name`.
+bool Takes(Role program, std::string_view name) {
+  return program == Role::kPrefill ? !Contains(kDecodeOnly, name) : !Contains(kPrefillOnly, name);
+}
+
+// The value of int flag `name`, checked to lie in [min, max].
+Status InRange(std::string_view name, int64_t value, int64_t min, int64_t max) {
+  if (value >= min && value <= max) return Status::OK();
+  return Status::InvalidArgument("--" + std::string(name) + " '" + std::to_string(value) +
+                                 "': not an integer in [" + std::to_string(min) + ", " +
+                                 std::to_string(max) + "]");
 }
 
 }  // namespace
@@ -41,209 +114,106 @@ std::string HostUsage(Role program) {
       "on\nstdout: READY role=<role> port=<grpc port>";
   u += prefill ? " bootstrap=<host>:<port>\n" : "\n";
   u += "then serves until SIGINT or SIGTERM (in-flight requests fail with a reason). "
-       "Diagnostics go\nto stderr.\n\n";
-  u += "  --host HOST              address for gRPC";
-  u += prefill ? " and the ranks' pdlib control endpoints\n                          " : "";
-  u += " (default 127.0.0.1)\n"
-       "  --port N                 gRPC port; 0 picks a free one (default 0)\n"
-       "  --model NAME             small | small-hybrid (recurrent layers 1 and 3; mamba state)\n"
-       "                           (default small)\n"
-       "  --seed N                 random-weights seed; prefill and decode must agree (default "
-       "1)\n";
-  if (prefill) {
-    u += "  --tp N                   tensor-parallel ranks (threads); each registers 1/N of the "
-         "KV heads\n"
-         "                           (default 1). The model is not sharded: every rank computes "
-         "it whole\n"
-         "  --pp N                   pipeline stages; stage s registers layers [s*L/N, "
-         "(s+1)*L/N) (default 1)\n";
-  } else {
-    u += "  --tp 1, --pp 1           decode runs TP 1 and PP 1 only (one rank holds every head "
-         "and layer;\n"
-         "                           pdlib slices prefill's TP/PP shards into it)\n";
-  }
-  u += "  --threads N              model threads per rank; 0: hardware threads / ranks (default "
-       "0)\n";
-  if (!prefill) {
-    u += "  --colocated              prefill on this host's own model, no pdlib (role "
-         "colocated);\n"
-         "                           requests' bootstrap fields are ignored\n";
-  }
-  u += "  --backend NAME           pdlib transport: ucx | fake | verbs (default ucx). fake moves "
-       "no\n"
-       "                           bytes: requests complete, tokens are wrong (control-plane "
-       "tests)\n"
-       "  --backend-option K=V     backend setting, repeatable (e.g. ucx.tls=shm, "
-       "ucx.net_devices=lo)\n";
-  if (prefill) {
-    u += "  --bootstrap-host HOST    bootstrap server the ranks register with (default "
-         "127.0.0.1)\n"
-         "  --bootstrap-port N       its port (default 8998); with --start-bootstrap, 0 picks a "
-         "free one\n"
-         "  --start-bootstrap        run pdlib's bootstrap server in this process (in rank 0's "
-         "manager;\n"
-         "                           for port 0 the host runs it); otherwise a pdlib-bootstrap "
-         "must run\n";
-  }
-  u += "  --num-pages N            KV pages per rank, 16 tokens each (default 512)\n"
-       "  --max-running N          requests holding KV at once";
-  u += prefill ? " (default 16)\n"
-               : " (default 16); as many more\n"
-                 "                           may be pre-allocated\n";
-  u += "  --chunked-prefill-size N token budget of one prefill forward (default 512)\n"
-       "  --max-context-len N      longest prompt";
-  u += prefill ? "" : " + max_new_tokens";
-  u += " accepted (default 4096)\n";
-  if (!prefill) {
-    u += "  --reserved-decode-tokens N  tokens kept free per admitted request (default 64)\n";
-  }
-  u += "  --bootstrap-timeout-ms N a request not bootstrapped within N ms fails (default 10000)\n"
-       "  --waiting-timeout-ms N   a request waiting for its KV to be sent fails after N ms "
-       "(default 60000)\n"
-       "  --transfer-timeout-ms N  a transfer not done within N ms fails (default 30000)\n"
-       "  --liveness-timeout-ms N  a silent peer is declared dead after N ms, >= 1000 (default "
-       "5000)\n"
-       "  --connect-timeout-ms N   connection set-up gives up after N ms (default 5000)\n";
-  if (!prefill) {
-    u += "  --connect HOST:PORT      warm up: connect to the prefill deployment whose bootstrap "
-         "server\n"
-         "                           is there before the first request (repeatable; a failure "
-         "is logged)\n";
-  }
-  u += ""
-       "  --idle-poll-us N         sleep between steps that only wait on the network (default "
-       "500)\n"
-       "  --verbose                pdlib info logs on stderr\n"
-       "  --help                   this text\n";
-  return u;
+       "Diagnostics go\nto stderr. Exit status: 0 clean, 1 failure to start, 2 bad command line.\n";
+  return pdlib_tools::FlagsHelpFor(
+      u, [program](std::string_view name) { return Takes(program, name); });
 }
 
 StatusOr<HostFlags> ParseHostFlags(Role program, std::span<const std::string_view> args) {
+  const bool prefill = program == Role::kPrefill;
+  const pdlib_tools::FlagParse parsed = pdlib_tools::TryParseFlags(
+      std::vector<std::string>(args.begin(), args.end()), {"connect"}, {"backend_option"});
   HostFlags f;
+  if (parsed.help) {
+    f.help = true;
+    return f;
+  }
+  if (!parsed.error.empty()) return Status::InvalidArgument(parsed.error);
+  if (!parsed.positional.empty()) {
+    return Status::InvalidArgument("unexpected argument '" + parsed.positional[0] +
+                                   "' (see --help)");
+  }
+  for (const std::string& name : parsed.given) {
+    if (Takes(program, name)) continue;
+    if (!prefill && (name == "bootstrap_host" || name == "bootstrap_port")) {
+      return Status::InvalidArgument("--" + name +
+                                     ": decode takes the prefill bootstrap address from each "
+                                     "request (HostGenerateRequest.bootstrap_host/port)");
+    }
+    return Status::InvalidArgument("--" + name + ": not a flag of " +
+                                   (prefill ? "pd-prefill" : "pd-decode") + " (see --help)");
+  }
+
   HostOptions& o = f.host;
   o.role = program;
-  const bool prefill = program == Role::kPrefill;
-  bool colocated = false;
-  int32_t tp = 1, pp = 1;
-  for (size_t i = 0; i < args.size(); ++i) {
-    std::string_view arg = args[i];
-    std::string_view value;
-    bool has_value = false;
-    if (const size_t eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-      has_value = true;
+  f.verbose = absl::GetFlag(FLAGS_verbose);
+  f.grpc_host = o.listen_host = absl::GetFlag(FLAGS_host);
+  if (f.grpc_host.empty()) return Status::InvalidArgument("--host: empty");
+  f.grpc_port = absl::GetFlag(FLAGS_port);
+  o.model = absl::GetFlag(FLAGS_model);
+  o.seed = absl::GetFlag(FLAGS_seed);
+  o.threads_per_rank = absl::GetFlag(FLAGS_threads);
+  o.backend = absl::GetFlag(FLAGS_backend);
+  for (const std::string& kv : absl::GetFlag(FLAGS_backend_option).values) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return Status::InvalidArgument("--backend_option '" + kv + "': expected KEY=VALUE");
     }
-    auto take = [&]() -> Status {
-      if (has_value) return Status::OK();
-      if (i + 1 >= args.size()) {
-        return Status::InvalidArgument(std::string(arg) + " needs a value");
-      }
-      value = args[++i];
-      return Status::OK();
-    };
-    auto int_flag = [&](int32_t min, int32_t max, int32_t* out) -> Status {
-      if (Status s = take(); !s.ok()) return s;
-      if (!ParseInt<int32_t>(value, min, max, out)) {
-        return Bad(arg, value,
-                   "not an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
-      }
-      return Status::OK();
-    };
-    auto ms_flag = [&](int32_t min, std::chrono::milliseconds* out) -> Status {
-      int32_t ms = 0;
-      if (Status s = int_flag(min, std::numeric_limits<int32_t>::max(), &ms); !s.ok()) return s;
-      *out = std::chrono::milliseconds(ms);
-      return Status::OK();
-    };
-    constexpr int32_t kMax = std::numeric_limits<int32_t>::max();
-    Status s;
-    if (arg == "--help" || arg == "-h") {
-      f.help = true;
-    } else if (arg == "--verbose" && !has_value) {
-      f.verbose = true;
-    } else if (arg == "--colocated" && !has_value && !prefill) {
-      colocated = true;
-    } else if (arg == "--start-bootstrap" && !has_value && prefill) {
-      o.start_bootstrap = true;
-    } else if (arg == "--host") {
-      if (s = take(); s.ok() && value.empty()) s = Bad(arg, value, "empty");
-      f.grpc_host = o.listen_host = std::string(value);
-    } else if (arg == "--port") {
-      s = int_flag(0, 65535, &f.grpc_port);
-    } else if (arg == "--model") {
-      if (s = take(); s.ok()) o.model = std::string(value);
-    } else if (arg == "--seed") {
-      if (s = take(); s.ok() && !ParseInt<uint64_t>(value, 0, UINT64_MAX, &o.seed)) {
-        s = Bad(arg, value, "not an unsigned integer");
-      }
-    } else if (arg == "--tp") {
-      s = int_flag(1, 64, &tp);
-    } else if (arg == "--pp") {
-      s = int_flag(1, 64, &pp);
-    } else if (arg == "--threads") {
-      s = int_flag(0, 1024, &o.threads_per_rank);
-    } else if (arg == "--backend") {
-      if (s = take(); s.ok()) o.backend = std::string(value);
-    } else if (arg == "--backend-option") {
-      if (s = take(); s.ok()) {
-        const size_t eq = value.find('=');
-        if (eq == std::string_view::npos || eq == 0) {
-          s = Bad(arg, value, "expected KEY=VALUE");
-        } else {
-          o.backend_options[std::string(value.substr(0, eq))] = std::string(value.substr(eq + 1));
-        }
-      }
-    } else if (arg == "--bootstrap-host" && prefill) {
-      if (s = take(); s.ok() && value.empty()) s = Bad(arg, value, "empty");
-      o.bootstrap_host = std::string(value);
-    } else if (arg == "--bootstrap-port" && prefill) {
-      int32_t port = 0;
-      if (s = int_flag(0, 65535, &port); s.ok()) o.bootstrap_port = static_cast<uint16_t>(port);
-    } else if (arg == "--num-pages") {
-      s = int_flag(1, kMax, &o.num_pages);
-    } else if (arg == "--max-running") {
-      s = int_flag(1, 1 << 16, &o.max_running);
-    } else if (arg == "--chunked-prefill-size") {
-      s = int_flag(1, kMax, &o.chunked_prefill_size);
-    } else if (arg == "--max-context-len") {
-      s = int_flag(1, kMax, &o.max_context_len);
-    } else if (arg == "--reserved-decode-tokens" && !prefill) {
-      s = int_flag(0, kMax, &o.reserved_decode_tokens);
-    } else if (arg == "--bootstrap-timeout-ms") {
-      s = ms_flag(1, &o.bootstrap_timeout);
-    } else if (arg == "--waiting-timeout-ms") {
-      s = ms_flag(1, &o.waiting_timeout);
-    } else if (arg == "--transfer-timeout-ms") {
-      s = ms_flag(1, &o.transfer_timeout);
-    } else if (arg == "--liveness-timeout-ms") {
-      s = ms_flag(1000, &o.liveness_timeout);
-    } else if (arg == "--connect-timeout-ms") {
-      s = ms_flag(1, &o.connect_timeout);
-    } else if (arg == "--idle-poll-us") {
-      int32_t us = 0;
-      if (s = int_flag(0, 1000000, &us); s.ok()) o.idle_poll = std::chrono::microseconds(us);
-    } else if (!prefill && arg == "--connect") {
-      int32_t port = 0;
-      if (s = take(); !s.ok()) {
-      } else if (const size_t colon = value.rfind(':');
-                 colon == std::string_view::npos || colon == 0 ||
-                 !ParseInt<int32_t>(value.substr(colon + 1), 1, 65535, &port)) {
-        s = Status::InvalidArgument("--connect wants HOST:PORT, got '" + std::string(value) + "'");
-      } else {
-        o.connect.emplace_back(value);
-      }
-    } else if (!prefill && (arg == "--bootstrap-host" || arg == "--bootstrap-port")) {
-      s = Status::InvalidArgument(std::string(arg) +
-                                  ": decode takes the prefill bootstrap address from each "
-                                  "request (HostGenerateRequest.bootstrap_host/port)");
-    } else {
-      s = Status::InvalidArgument("unknown argument '" + std::string(args[i]) + "' (see --help)");
-    }
+    o.backend_options[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  o.bootstrap_host = absl::GetFlag(FLAGS_bootstrap_host);
+  if (o.bootstrap_host.empty()) return Status::InvalidArgument("--bootstrap_host: empty");
+  o.start_bootstrap = absl::GetFlag(FLAGS_start_bootstrap);
+  o.num_pages = absl::GetFlag(FLAGS_num_pages);
+  o.max_running = absl::GetFlag(FLAGS_max_running);
+  o.chunked_prefill_size = absl::GetFlag(FLAGS_chunked_prefill_size);
+  o.max_context_len = absl::GetFlag(FLAGS_max_context_len);
+  o.reserved_decode_tokens = absl::GetFlag(FLAGS_reserved_decode_tokens);
+  o.bootstrap_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_bootstrap_timeout_ms));
+  o.waiting_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_waiting_timeout_ms));
+  o.transfer_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_transfer_timeout_ms));
+  o.liveness_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_liveness_timeout_ms));
+  o.connect_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_connect_timeout_ms));
+  o.idle_poll = std::chrono::microseconds(absl::GetFlag(FLAGS_idle_poll_us));
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  const int32_t tp = absl::GetFlag(FLAGS_tp), pp = absl::GetFlag(FLAGS_pp);
+  const int32_t bootstrap_port = absl::GetFlag(FLAGS_bootstrap_port);
+  for (const Status& s : {
+           InRange("port", f.grpc_port, 0, 65535),
+           InRange("tp", tp, 1, 64),
+           InRange("pp", pp, 1, 64),
+           InRange("threads", o.threads_per_rank, 0, 1024),
+           InRange("bootstrap_port", bootstrap_port, 0, 65535),
+           InRange("num_pages", o.num_pages, 1, kMax),
+           InRange("max_running", o.max_running, 1, 1 << 16),
+           InRange("chunked_prefill_size", o.chunked_prefill_size, 1, kMax),
+           InRange("max_context_len", o.max_context_len, 1, kMax),
+           InRange("reserved_decode_tokens", o.reserved_decode_tokens, 0, kMax),
+           InRange("bootstrap_timeout_ms", o.bootstrap_timeout.count(), 1, kMax),
+           InRange("waiting_timeout_ms", o.waiting_timeout.count(), 1, kMax),
+           InRange("transfer_timeout_ms", o.transfer_timeout.count(), 1, kMax),
+           InRange("liveness_timeout_ms", o.liveness_timeout.count(), 1000, kMax),
+           InRange("connect_timeout_ms", o.connect_timeout.count(), 1, kMax),
+           InRange("idle_poll_us", o.idle_poll.count(), 0, 1000000),
+       }) {
     if (!s.ok()) return s;
   }
-  if (f.help) return f;
-  if (colocated) o.role = Role::kColocated;
+  o.bootstrap_port = static_cast<uint16_t>(bootstrap_port);
+  for (const std::string& address : absl::GetFlag(FLAGS_connect)) {
+    const size_t colon = address.rfind(':');
+    int32_t port = 0;
+    const char* end = address.data() + address.size();
+    bool ok = colon != std::string::npos && colon != 0;
+    if (ok) {
+      const auto [at, ec] = std::from_chars(address.data() + colon + 1, end, port);
+      ok = ec == std::errc() && at == end && port >= 1 && port <= 65535;
+    }
+    if (!ok) {
+      return Status::InvalidArgument("--connect wants HOST:PORT, got '" + address + "'");
+    }
+    o.connect.push_back(address);
+  }
+  if (absl::GetFlag(FLAGS_colocated)) o.role = Role::kColocated;
   if (!prefill && (tp != 1 || pp != 1)) {
     return Status::InvalidArgument(
         "--tp " + std::to_string(tp) + " --pp " + std::to_string(pp) +

@@ -206,6 +206,12 @@ TEST_CASE("hosts flags: parsing and defaults and refusals") {
          p->host.chunked_prefill_size == 64 && p->host.seed == 9));
   CHECK(p->host.transfer_timeout == std::chrono::milliseconds(1234));
 
+  // Every parse starts from the defaults (the flags are process-wide).
+  auto reset = Parse(Role::kPrefill, {});
+  REQUIRE(reset.ok());
+  CHECK((reset->host.num_pages == 512 && reset->host.tp_size == 1 &&
+         reset->host.backend_options.empty() && !reset->host.start_bootstrap));
+
   auto c = Parse(Role::kDecode, {"--colocated"});
   REQUIRE(c.ok());
   CHECK(c->host.role == Role::kColocated);
@@ -235,46 +241,66 @@ TEST_CASE("hosts flags: parsing and defaults and refusals") {
   CHECK(!Parse(Role::kPrefill, {"--tp"}).ok());
   CHECK(!Parse(Role::kPrefill, {"--backend-option", "novalue"}).ok());
   CHECK(!Parse(Role::kPrefill, {"--liveness-timeout-ms", "10"}).ok());
+  // Errors name the flag.
+  CHECK(Parse(Role::kPrefill, {"--port", "70000"}).status().message() ==
+        "--port '70000': not an integer in [0, 65535]");
+  CHECK(Parse(Role::kPrefill, {"--num-pages", "lots"})
+            .status()
+            .message()
+            .starts_with("--num_pages 'lots': "));
+  CHECK(Parse(Role::kPrefill, {"--colocated"}).status().message() ==
+        "--colocated: not a flag of pd-prefill (see --help)");
+  CHECK(Parse(Role::kDecode, {"--bogus"}).status().message() ==
+        "unknown flag '--bogus' (see --help)");
+  CHECK(Parse(Role::kDecode, {"stray"}).status().message() ==
+        "unexpected argument 'stray' (see --help)");
   auto help = Parse(Role::kDecode, {"--help", "--tp", "4"});
   REQUIRE(help.ok());
   CHECK(help->help);
 }
 
-TEST_CASE("hosts flags: --help documents every flag") {
-  const std::vector<std::string> common = {"--host",
-                                           "--port",
-                                           "--model",
-                                           "--seed",
-                                           "--threads",
+TEST_CASE("hosts flags: --help documents every flag, each program only its own") {
+  const std::vector<std::string> common = {"--host ",
+                                           "--port ",
+                                           "--model ",
+                                           "--seed ",
+                                           "--threads ",
                                            "--backend ",
-                                           "--backend-option",
-                                           "--num-pages",
-                                           "--max-running",
-                                           "--chunked-prefill-size",
-                                           "--max-context-len",
-                                           "--bootstrap-timeout-ms",
-                                           "--waiting-timeout-ms",
-                                           "--transfer-timeout-ms",
-                                           "--liveness-timeout-ms",
-                                           "--connect-timeout-ms",
-                                           "--idle-poll-us",
-                                           "--verbose",
-                                           "--help",
+                                           "--backend_option ",
+                                           "--num_pages ",
+                                           "--max_running ",
+                                           "--chunked_prefill_size ",
+                                           "--max_context_len ",
+                                           "--bootstrap_timeout_ms ",
+                                           "--waiting_timeout_ms ",
+                                           "--transfer_timeout_ms ",
+                                           "--liveness_timeout_ms ",
+                                           "--connect_timeout_ms ",
+                                           "--idle_poll_us ",
+                                           "--verbose ",
+                                           "--tp ",
+                                           "--pp ",
                                            "READY role="};
+  const std::vector<std::string> prefill_only = {"--bootstrap_host ", "--bootstrap_port ",
+                                                 "--start_bootstrap "};
+  const std::vector<std::string> decode_only = {"--colocated ", "--reserved_decode_tokens ",
+                                                "--connect "};
   for (Role program : {Role::kPrefill, Role::kDecode}) {
     const std::string usage = HostUsage(program);
     std::vector<std::string> flags = common;
-    if (program == Role::kPrefill) {
-      flags.insert(flags.end(),
-                   {"--tp", "--pp", "--bootstrap-host", "--bootstrap-port", "--start-bootstrap"});
-    } else {
-      flags.insert(flags.end(), {"--colocated", "--reserved-decode-tokens", "--tp 1"});
-    }
+    const auto& own = program == Role::kPrefill ? prefill_only : decode_only;
+    const auto& other = program == Role::kPrefill ? decode_only : prefill_only;
+    flags.insert(flags.end(), own.begin(), own.end());
     for (const std::string& f : flags) {
       INFO(RoleName(program) << ": " << f);
       CHECK(usage.find(f) != std::string::npos);
     }
+    for (const std::string& f : other) {
+      INFO(RoleName(program) << " must not list " << f);
+      CHECK(usage.find(f) == std::string::npos);
+    }
   }
+  CHECK(HostUsage(Role::kDecode).find("pd-decode: 1 only") != std::string::npos);
 }
 
 }  // namespace

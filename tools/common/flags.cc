@@ -80,11 +80,9 @@ bool WantsHelp(const std::vector<std::string>& args) {
   return false;
 }
 
-std::string FlagsHelp(std::string_view usage, bool (*ours)(std::string_view file)) {
-  std::vector<const absl::CommandLineFlag*> flags;
-  for (const auto& [name, flag] : absl::GetAllFlags()) {
-    if (ours(flag->Filename())) flags.push_back(flag);
-  }
+namespace {
+
+std::string HelpOf(std::string_view usage, std::vector<const absl::CommandLineFlag*> flags) {
   std::sort(flags.begin(), flags.end(), [](auto* a, auto* b) { return a->Name() < b->Name(); });
   std::string out(usage);
   if (!out.empty() && out.back() != '\n') out += '\n';
@@ -104,6 +102,95 @@ std::string FlagsHelp(std::string_view usage, bool (*ours)(std::string_view file
     out += line + "\n";
   }
   return out;
+}
+
+}  // namespace
+
+std::string FlagsHelp(std::string_view usage, bool (*ours)(std::string_view file)) {
+  std::vector<const absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (ours(flag->Filename())) flags.push_back(flag);
+  }
+  return HelpOf(usage, std::move(flags));
+}
+
+std::string FlagsHelpFor(std::string_view usage,
+                         const std::function<bool(std::string_view name)>& shown) {
+  std::vector<const absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (NotAbseils(flag->Filename()) && shown(std::string_view(name.data(), name.size()))) {
+      flags.push_back(flag);
+    }
+  }
+  return HelpOf(usage, std::move(flags));
+}
+
+FlagParse TryParseFlags(std::vector<std::string> args, const std::vector<std::string>& lists,
+                        const std::vector<std::string>& repeated) {
+  FlagParse result;
+  if (WantsHelp(args)) {
+    result.help = true;
+    return result;
+  }
+  args = MergeListFlags(NormalizeFlagNames(std::move(args)), lists);
+  args = MergeListFlags(std::move(args), repeated, '\n');
+  std::string error;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (!NotAbseils(flag->Filename())) continue;
+    if (!flag->ParseFrom(flag->DefaultValue(), &error)) {
+      result.error = absl::StrCat("--", name, ": its default does not parse: ", error);
+      return result;
+    }
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string_view arg = args[i];
+    if (arg == "--") {
+      result.positional.insert(result.positional.end(), args.begin() + ptrdiff_t(i) + 1,
+                               args.end());
+      break;
+    }
+    if (arg.size() < 2 || arg[0] != '-') {
+      result.positional.emplace_back(arg);
+      continue;
+    }
+    arg.remove_prefix(arg.starts_with("--") ? 2 : 1);
+    std::optional<std::string> value;
+    if (const size_t eq = arg.find('='); eq != std::string_view::npos) {
+      value = std::string(arg.substr(eq + 1));
+      arg = arg.substr(0, eq);
+    }
+    std::string name(arg);
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if ((flag == nullptr || !NotAbseils(flag->Filename())) && name.starts_with("no") && !value) {
+      // --noverbose: a bool set to false.
+      absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name.substr(2));
+      if (negated != nullptr && negated->IsOfType<bool>() && NotAbseils(negated->Filename())) {
+        flag = negated;
+        name = name.substr(2);
+        value = "false";
+      }
+    }
+    if (flag == nullptr || !NotAbseils(flag->Filename())) {
+      result.error = absl::StrCat("unknown flag '", args[i], "' (see --help)");
+      return result;
+    }
+    if (!value) {
+      if (flag->IsOfType<bool>()) {
+        value = "true";
+      } else if (i + 1 < args.size()) {
+        value = args[++i];
+      } else {
+        result.error = absl::StrCat("--", name, " needs a value");
+        return result;
+      }
+    }
+    if (!flag->ParseFrom(*value, &error)) {
+      result.error = absl::StrCat("--", name, " '", *value, "': ", error);
+      return result;
+    }
+    result.given.push_back(name);
+  }
+  return result;
 }
 
 bool AbslParseFlag(absl::string_view text, Repeated* out, std::string* /*error*/) {

@@ -9,6 +9,7 @@
 #ifndef PDLIB_TOOLS_COMMON_FLAGS_H_
 #define PDLIB_TOOLS_COMMON_FLAGS_H_
 
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -33,6 +34,22 @@ void ParseFlagsNoArguments(int argc, char** argv, std::string_view usage,
                            const std::vector<std::string>& lists = {},
                            const std::vector<std::string>& repeated = {});
 
+// For a program that parses flags more than once, or must not exit on a bad command line (the
+// hosts check their flags in tests): what TryParseFlags found.
+struct FlagParse {
+  std::string error;                    // empty on success: one line naming the flag otherwise
+  bool help = false;                    // --help or -h was given (nothing else is parsed then)
+  std::vector<std::string> given;       // the flags given, by name (underscores), in order
+  std::vector<std::string> positional;  // every other argument, in order
+};
+// Parses `args` (argv without the program name) into the binary's Abseil flags without exiting:
+// first every flag of the binary's own files is set back to its default, then each argument is
+// applied ("--name value", "--name=value", "--name" / "--noname" for a bool). Names may use dashes;
+// `lists` and `repeated` as for ParseFlags. Errors: an unknown flag, a missing value, a value the
+// flag's type refuses ("--port: 'x': ..."). Not thread-safe (flags are process-wide).
+FlagParse TryParseFlags(std::vector<std::string> args, const std::vector<std::string>& lists = {},
+                        const std::vector<std::string>& repeated = {});
+
 // The type of a flag that may be given many times, each value whole ("--backend_option
 // ucx.tls=shm,tcp --backend_option k=v"): ABSL_FLAG(pdlib_tools::Repeated, name, {}, "...").
 struct Repeated {
@@ -56,6 +73,10 @@ bool WantsHelp(const std::vector<std::string>& args);
 //   --name (default D)
 //       help text
 std::string FlagsHelp(std::string_view usage, bool (*ours)(std::string_view file));
+// The same for the flags (of the binary's own files) whose name `shown` accepts: for programs
+// that share one set of flag definitions but take different subsets of them.
+std::string FlagsHelpFor(std::string_view usage,
+                         const std::function<bool(std::string_view name)>& shown);
 
 }  // namespace pdlib_tools
 
