@@ -1,7 +1,9 @@
 // The fake backend (SPEC R8.1): implements the whole transport SPI but moves no bytes. Every
 // batch is validated exactly like a real backend would (regions exist, ops stay inside them)
 // and completes as soon as its progress thread sees it. Used for warm-up, control-plane tests
-// and benchmarks of everything except the wire.
+// and benchmarks of everything except the wire. Its API side is the transport toolkit's
+// (backends/common/tables.h): the same region and peer tables and the same checks of every op
+// as ucx and verbs; it has no wire, so it keeps a plain condition-variable thread of its own.
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -13,6 +15,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "backends/common/tables.h"
 #include "lib/base/log_internal.h"
 #include "lib/registry/builtin_registration.h"
 #include "pdlib/spi/transport.h"
@@ -90,18 +93,14 @@ class FakeTransport final : public spi::Transport {
       return Status::InvalidArgument("fake: cannot register an empty region");
     }
     std::lock_guard lock(mu_);
-    spi::LocalRegionId id = next_region_++;
-    local_regions_[id] = region.length;
+    spi::LocalRegionId id = local_regions_.Add(LocalRegion{region.length});
     if (key_blob) *key_blob = EncodeU64Pair(kEndpointMagic + 1, id);
     return id;
   }
 
   Status DeregisterMemory(spi::LocalRegionId region) override {
     std::lock_guard lock(mu_);
-    if (local_regions_.erase(region) == 0) {
-      return Status::NotFound("fake: local region " + std::to_string(region) + " not registered");
-    }
-    return Status::OK();
+    return local_regions_.Remove(region).status();
   }
 
   StatusOr<spi::TargetEndpoint> CreateTargetEndpoint() override {
@@ -140,9 +139,8 @@ class FakeTransport final : public spi::Transport {
                                      " bytes is not a fake endpoint");
     }
     std::lock_guard lock(mu_);
-    spi::PeerId id = next_peer_++;
-    peers_[id];
-    peer_target_[id] = target;
+    spi::PeerId id = peers_.NextId();
+    peers_.Add(id, PeerEntry{{}, Status(), target});
     return spi::Connection{id, {}};
   }
 
@@ -152,42 +150,25 @@ class FakeTransport final : public spi::Transport {
     if (!DecodeU64Pair(region.key, kEndpointMagic + 1, &key)) {
       return Status::InvalidArgument("fake: remote key blob is not a fake key");
     }
-    if (region.length == 0) return Status::InvalidArgument("fake: empty remote region");
+    if (Status s = toolkit::CheckRemoteRegion("fake", region); !s.ok()) return s;
     std::lock_guard lock(mu_);
-    auto it = peers_.find(peer);
-    if (it == peers_.end()) return Status::NotFound("fake: unknown peer " + std::to_string(peer));
-    it->second.push_back(region.length);
-    return static_cast<spi::RemoteRegionId>(it->second.size() - 1);
+    auto entry = peers_.ForImport(peer);
+    if (!entry.ok()) return entry.status();
+    (*entry)->regions.push_back(RemoteRegion{region.length});
+    return static_cast<spi::RemoteRegionId>((*entry)->regions.size() - 1);
   }
 
   Status PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
                     spi::WriteCallback done) override {
     std::unique_lock lock(mu_);
     if (stopping_) return Status::Cancelled("fake: transport is shutting down");
-    auto it = peers_.find(peer);
-    if (it == peers_.end()) return Status::NotFound("fake: unknown peer " + std::to_string(peer));
-    const std::vector<uint64_t>& remote = it->second;
+    auto entry = peers_.ForWrites(peer);
+    if (!entry.ok()) return entry.status();
     for (size_t i = 0; i < ops.size(); ++i) {
-      const spi::WriteOp& op = ops[i];
-      auto local = local_regions_.find(op.local_region);
-      if (local == local_regions_.end()) {
-        return Status::InvalidArgument("fake: write " + std::to_string(i) +
-                                       " names unregistered local region " +
-                                       std::to_string(op.local_region));
-      }
-      if (op.remote_region >= remote.size()) {
-        return Status::InvalidArgument("fake: write " + std::to_string(i) +
-                                       " names unknown remote region " +
-                                       std::to_string(op.remote_region));
-      }
-      if (op.length > local->second || op.local_offset > local->second - op.length ||
-          op.length > remote[op.remote_region] ||
-          op.remote_offset > remote[op.remote_region] - op.length) {
-        return Status::OutOfRange("fake: write " + std::to_string(i) + " of " +
-                                  std::to_string(op.length) + " bytes leaves its region");
-      }
+      auto resolved = peers_.ResolveWrite(peer, **entry, local_regions_, i, ops[i]);
+      if (!resolved.ok()) return resolved.status();
     }
-    queue_.push_back(Pending{std::move(done), peer_target_[peer]});
+    queue_.push_back(Pending{std::move(done), (*entry)->target});
     lock.unlock();
     cv_.notify_one();
     return Status::OK();
@@ -195,12 +176,22 @@ class FakeTransport final : public spi::Transport {
 
   void Disconnect(spi::PeerId peer) override {
     std::lock_guard lock(mu_);
-    peers_.erase(peer);
-    peer_target_.erase(peer);
+    peers_.Erase(peer);
     // Batches already queued complete normally: the fake has nothing in flight to cancel.
   }
 
  private:
+  struct LocalRegion {
+    uint64_t length = 0;
+  };
+  struct RemoteRegion {
+    uint64_t length = 0;
+  };
+  struct PeerEntry {
+    std::vector<RemoteRegion> regions;
+    Status failure;            // never set: nothing fails on a fake wire
+    spi::TargetId target = 0;  // the endpoint it connected to
+  };
   struct Pending {
     spi::WriteCallback done;
     spi::TargetId target = 0;  // the endpoint the batch's peer connected to
@@ -228,12 +219,9 @@ class FakeTransport final : public spi::Transport {
   std::condition_variable cv_;
   bool stopping_ = false;
   std::deque<Pending> queue_;
-  spi::LocalRegionId next_region_ = 1;
-  spi::PeerId next_peer_ = 1;
-  std::unordered_map<spi::LocalRegionId, uint64_t> local_regions_;
-  std::unordered_map<spi::PeerId, std::vector<uint64_t>> peers_;  // peer -> remote region lengths
+  toolkit::LocalRegions<LocalRegion> local_regions_{"fake"};
+  toolkit::PeerTable<PeerEntry> peers_{"fake"};
   std::unordered_set<spi::TargetId> targets_;
-  std::unordered_map<spi::PeerId, spi::TargetId> peer_target_;  // what each peer connected to
   std::thread progress_;  // last: starts after every member above is constructed
 };
 

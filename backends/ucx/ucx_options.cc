@@ -1,15 +1,14 @@
 #include "backends/ucx/ucx_options.h"
 
-#include <cctype>
-#include <charconv>
 #include <string_view>
+
+#include "backends/common/backend_options.h"
 
 namespace pdlib {
 inline namespace v1 {
 namespace ucx {
 namespace {
 
-constexpr std::string_view kPrefix = "ucx.";
 constexpr std::string_view kConfigPrefix = "ucx.config.";
 
 // Chosen on UCX 1.13.1 (Debian) with in-process loopback measurements; see the issue note.
@@ -82,16 +81,6 @@ bool UserChose(const UcxDefault& d, const std::map<std::string, std::string>& co
   return false;
 }
 
-StatusOr<uint64_t> ParseUnsigned(const std::string& key, const std::string& text, uint64_t max) {
-  uint64_t value = 0;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size() || value > max) {
-    return Status::InvalidArgument("ucx: option " + key + "='" + text +
-                                   "' is not a number in [0, " + std::to_string(max) + "]");
-  }
-  return value;
-}
-
 std::string Join(const std::vector<std::string>& items, char sep) {
   std::string out;
   for (const auto& item : items) {
@@ -105,32 +94,6 @@ std::string Join(const std::vector<std::string>& items, char sep) {
 
 std::span<const UcxDefault> UcxDefaults() { return kDefaults; }
 
-StatusOr<uint64_t> ParseByteSize(const std::string& text) {
-  uint64_t value = 0;
-  const char* begin = text.data();
-  const char* end = text.data() + text.size();
-  auto [p, ec] = std::from_chars(begin, end, value);
-  if (ec != std::errc() || p == begin) {
-    return Status::InvalidArgument("'" + text + "' is not a byte size (e.g. 65536, 64k, 4M)");
-  }
-  int shift = 0;
-  if (p != end) {
-    switch (std::tolower(static_cast<unsigned char>(*p))) {
-      case 'k': shift = 10; break;
-      case 'm': shift = 20; break;
-      case 'g': shift = 30; break;
-      default: return Status::InvalidArgument("'" + text + "' has an unknown unit (k, m or g)");
-    }
-    ++p;
-    if (p != end && std::tolower(static_cast<unsigned char>(*p)) == 'b') ++p;
-    if (p != end) return Status::InvalidArgument("'" + text + "' is not a byte size");
-  }
-  if (shift > 0 && value > (~uint64_t{0} >> shift)) {
-    return Status::InvalidArgument("'" + text + "' does not fit in 64 bits");
-  }
-  return value << shift;
-}
-
 StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
                                      const EnvLookup& getenv_fn) {
   UcxOptions out;
@@ -141,62 +104,35 @@ StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
   out.stall_timeout_ms = 30000;
   out.am_chunk_bytes = uint64_t{32} << 10;
 
-  for (const auto& [key, value] : options.options) {
-    if (key.compare(0, kPrefix.size(), kPrefix) != 0) continue;
-    if (key.compare(0, kConfigPrefix.size(), kConfigPrefix) == 0) {
-      std::string name = key.substr(kConfigPrefix.size());
-      if (name.empty())
-        return Status::InvalidArgument("ucx: option '" + key + "' names no variable");
-      if (name.compare(0, 4, "UCX_") == 0) name = name.substr(4);
-      out.ucx_config[name] = value;
-    } else if (key == "ucx.tls") {
-      out.ucx_config["TLS"] = value;
-    } else if (key == "ucx.net_devices") {
-      out.ucx_config["NET_DEVICES"] = value;
-    } else if (key == "ucx.max_inflight_bytes" || key == "ucx.chunk_bytes" ||
-               key == "ucx.am_chunk_bytes") {
-      auto bytes = ParseByteSize(value);
-      if (!bytes.ok()) return bytes.status().WithPrefix("ucx: option " + key);
-      if (*bytes == 0) return Status::InvalidArgument("ucx: option " + key + " must not be 0");
-      (key == "ucx.chunk_bytes"      ? out.chunk_bytes
-       : key == "ucx.am_chunk_bytes" ? out.am_chunk_bytes
-                                     : out.max_inflight_bytes) = *bytes;
-    } else if (key == "ucx.data_path") {
-      if (value == "auto") {
-        out.data_path = DataPath::kAuto;
-      } else if (value == "am") {
-        out.data_path = DataPath::kAm;
-      } else if (value == "put") {
-        out.data_path = DataPath::kPut;
-      } else {
-        return Status::InvalidArgument("ucx: option ucx.data_path='" + value +
-                                       "' must be 'auto', 'am' or 'put'");
-      }
-    } else if (key == "ucx.busy_poll_us") {
-      auto v = ParseUnsigned(key, value, 1000000);
-      if (!v.ok()) return v.status();
-      out.busy_poll_us = static_cast<uint32_t>(*v);
-    } else if (key == "ucx.stall_timeout_ms") {
-      auto v = ParseUnsigned(key, value, 24u * 3600 * 1000);
-      if (!v.ok()) return v.status();
-      out.stall_timeout_ms = static_cast<uint32_t>(*v);
-    } else if (key == "ucx.flush") {
-      if (value == "ep") {
-        out.flush = FlushMode::kEndpoint;
-      } else if (value == "worker") {
-        out.flush = FlushMode::kWorker;
-      } else {
-        return Status::InvalidArgument("ucx: option ucx.flush='" + value +
-                                       "' must be 'ep' or 'worker'");
-      }
-    } else {
-      return Status::InvalidArgument(
-          "ucx: unknown backend option '" + key +
-          "' (known: ucx.tls, ucx.net_devices, ucx.config.<NAME>, ucx.max_inflight_bytes, "
-          "ucx.chunk_bytes, ucx.busy_poll_us, ucx.stall_timeout_ms, ucx.flush, ucx.data_path, "
-          "ucx.am_chunk_bytes)");
-    }
-  }
+  toolkit::OptionParser parser("ucx");
+  parser.On("ucx.tls", [&](const std::string&, const std::string& value) {
+    out.ucx_config["TLS"] = value;
+    return Status::OK();
+  });
+  parser.On("ucx.net_devices", [&](const std::string&, const std::string& value) {
+    out.ucx_config["NET_DEVICES"] = value;
+    return Status::OK();
+  });
+  parser.OnPrefix(std::string(kConfigPrefix), "ucx.config.<NAME>",
+                  [&](const std::string& key, const std::string& value) {
+                    std::string name = key.substr(kConfigPrefix.size());
+                    if (name.empty()) {
+                      return Status::InvalidArgument("ucx: option '" + key + "' names no variable");
+                    }
+                    if (name.compare(0, 4, "UCX_") == 0) name = name.substr(4);
+                    out.ucx_config[name] = value;
+                    return Status::OK();
+                  });
+  parser.Bytes("ucx.max_inflight_bytes", &out.max_inflight_bytes);
+  parser.Bytes("ucx.chunk_bytes", &out.chunk_bytes);
+  parser.Number("ucx.busy_poll_us", &out.busy_poll_us, 0, 1000000);
+  parser.Number("ucx.stall_timeout_ms", &out.stall_timeout_ms, 0, 24u * 3600 * 1000);
+  parser.Choice("ucx.flush", &out.flush,
+                {{"ep", FlushMode::kEndpoint}, {"worker", FlushMode::kWorker}});
+  parser.Choice("ucx.data_path", &out.data_path,
+                {{"auto", DataPath::kAuto}, {"am", DataPath::kAm}, {"put", DataPath::kPut}});
+  parser.Bytes("ucx.am_chunk_bytes", &out.am_chunk_bytes);
+  if (Status s = parser.Parse(options.options); !s.ok()) return s;
   if (!out.ucx_config.count("NET_DEVICES") && !options.nic_names.empty()) {
     out.ucx_config["NET_DEVICES"] = Join(options.nic_names, ',');
   }

@@ -40,6 +40,7 @@
 #include <span>
 #include <string>
 
+#include "backends/common/backend_options.h"
 #include "pdlib/spi/transport.h"
 #include "pdlib/status.h"
 
@@ -82,8 +83,8 @@ using EnvLookup = std::function<const char*(const char* name)>;
 StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
                                      const EnvLookup& getenv_fn);
 
-// "4M", "64k", "1g", "12345" -> bytes (binary units, as UCX spells them).
-StatusOr<uint64_t> ParseByteSize(const std::string& text);
+// "4M", "64k", "1g", "12345" -> bytes (binary units, as UCX spells them); the toolkit's.
+using toolkit::ParseByteSize;
 
 }  // namespace ucx
 }  // namespace v1

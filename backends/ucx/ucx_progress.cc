@@ -4,7 +4,6 @@
 // fd and the wake fd when there is nothing to do.
 #include <sched.h>
 #include <sys/epoll.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -32,9 +31,7 @@ constexpr int kOutstandingSleepMs = 1;
 }  // namespace
 
 void UcxTransport::ProgressLoop() {
-  Clock::time_point spin_until{};
-  Clock::time_point idle_since{};
-  const auto busy_poll = std::chrono::microseconds(options_.busy_poll_us);
+  toolkit::IdlePolicy idle(std::chrono::microseconds(options_.busy_poll_us));
   while (true) {
     now_ = Clock::now();
     if (DrainCommands()) break;
@@ -44,7 +41,7 @@ void UcxTransport::ProgressLoop() {
     }
     worked |= ReapPeers(now_);
     ReapRetired();
-    if (!completed_.empty() || !orphan_calls_.empty() || !erased_signals_.empty()) {
+    if (!completions_.empty()) {
       worked = true;
       RunCompletions();
     }
@@ -52,16 +49,13 @@ void UcxTransport::ProgressLoop() {
       CheckStalls(now_);
       next_stall_check_ = now_ + kStallCheckPeriod;
     }
-    if (worked) {
-      spin_until = now_ + busy_poll;
-      idle_since = now_;
-    } else if (now_ >= spin_until) {
+    if (idle.ShouldSleep(now_, worked)) {
       // With writes outstanding, keep polling (yielding the core to whoever needs it) for a
       // while before sleeping: UCX does not signal the worker fd when a peer frees room in a
       // shared-memory FIFO or socket, so an armed sleep there lasts until the timeout. With
       // nothing outstanding, sleep until a command or a UCX event arrives.
       const bool outstanding = !outstanding_seqs_.empty();
-      if (outstanding && now_ - idle_since < kOutstandingPollFor) {
+      if (outstanding && now_ - idle.last_work() < kOutstandingPollFor) {
         sched_yield();
       } else {
         SleepUntilWoken(outstanding ? kOutstandingSleepMs : kSleepTimeoutMs);
@@ -72,21 +66,11 @@ void UcxTransport::ProgressLoop() {
 }
 
 bool UcxTransport::DrainCommands() {
-  std::deque<Command> commands;
   bool stop = false;
-  {
-    MutexLock lock(&mu_);
-    commands.swap(commands_);
-    stop = stopping_;
+  if (progress_.RunCommands([this](std::unique_ptr<Batch> b) { AcceptBatch(std::move(b)); },
+                            &stop)) {
+    RunCompletions();
   }
-  for (Command& command : commands) {
-    if (command.batch) {
-      AcceptBatch(std::move(command.batch));
-    } else {
-      command.fn();
-    }
-  }
-  if (!commands.empty()) RunCompletions();
   return stop;
 }
 
@@ -98,21 +82,19 @@ void UcxTransport::AcceptBatch(std::unique_ptr<Batch> owned) {
     owned->status =
         Status::Cancelled("ucx: peer " + std::to_string(owned->peer_id) + " was disconnected");
     outstanding_seqs_.erase(owned->seq);
-    completed_.push_back(std::move(owned));
+    completions_.Add(std::move(owned));
     return;
   }
   PeerState& peer = *it->second;
   if (peer.batches.empty()) peer.last_activity = now_;
   owned->peer = &peer;
-  peer.batches.push_back(std::move(owned));
-  Batch& batch = *peer.batches.back();
-  batch.self = std::prev(peer.batches.end());
+  Batch& batch = peer.batches.Add(std::move(owned));
   if (!peer.failure.ok()) {
-    batch.status = peer.failure;
+    batch.Fail(peer.failure);
   } else if (!batch.ops.empty()) {
     if (batch.am_messages > 0) {  // a reference until the target acknowledges the batch
       batch.awaiting_ack = true;
-      ++batch.pending;
+      batch.AddPart();
       awaiting_ack_.emplace(batch.seq, &batch);
     }
     peer.to_post.push_back(&batch);  // keeps the posting reference until fully posted
@@ -140,8 +122,8 @@ bool UcxTransport::PostChunks(PeerState& peer) {
         continue;
       }
       const uint64_t offset = batch.next_offset;
-      const uint64_t length =
-          ChunkLength(op.length, offset, op.am ? options_.am_chunk_bytes : options_.chunk_bytes);
+      const uint64_t length = toolkit::ChunkLength(
+          op.length, offset, op.am ? options_.am_chunk_bytes : options_.chunk_bytes);
       if (!peer.window.CanPost(length) || !peer.failure.ok()) return posted;
       ucp_request_param_t param{};
       param.op_attr_mask =
@@ -175,7 +157,7 @@ bool UcxTransport::PostChunks(PeerState& peer) {
         Status failed = Status::Unavailable(std::string("ucx: ") + (op.am ? "message" : "put") +
                                             " to peer " + std::to_string(peer.id) +
                                             " failed: " + UcsStatusName(UCS_PTR_STATUS(request)));
-        FailBatch(batch, failed);
+        batch.Fail(failed);
         batch.next_op = batch.ops.size();
         // The target will never count this batch's messages complete: the connection goes.
         if (batch.awaiting_ack) FailPeer(peer, failed);
@@ -184,7 +166,7 @@ bool UcxTransport::PostChunks(PeerState& peer) {
       auto* context = static_cast<RequestContext*>(request);
       context->batch = &batch;
       context->bytes = length;
-      ++batch.pending;
+      batch.AddPart();
       peer.window.OnPosted(length);
     }
     peer.to_post.pop_front();
@@ -204,14 +186,14 @@ void UcxTransport::PostFlush(Batch& batch) {
                                  : ucp_ep_flush_nbx(batch.peer->ep.get(), &param);
   if (request == nullptr) return;
   if (UCS_PTR_IS_ERR(request)) {
-    FailBatch(batch, Status::Unavailable("ucx: flush to peer " + std::to_string(batch.peer_id) +
-                                         " failed: " + UcsStatusName(UCS_PTR_STATUS(request))));
+    batch.Fail(Status::Unavailable("ucx: flush to peer " + std::to_string(batch.peer_id) +
+                                   " failed: " + UcsStatusName(UCS_PTR_STATUS(request))));
     return;
   }
   auto* context = static_cast<RequestContext*>(request);
   context->batch = &batch;
   context->bytes = 0;
-  ++batch.pending;
+  batch.AddPart();
 }
 
 void UcxTransport::OnRequestDone(void* request, ucs_status_t status, void* user_data) {
@@ -230,8 +212,8 @@ void UcxTransport::OnRequestDone(void* request, ucs_status_t status, void* user_
   if (status != UCS_OK) {
     std::string reason =
         "ucx: write to peer " + std::to_string(peer.id) + " failed: " + UcsStatusName(status);
-    self->FailBatch(batch, status == UCS_ERR_CANCELED ? Status::Cancelled(reason)
-                                                      : Status::Unavailable(reason));
+    batch.Fail(status == UCS_ERR_CANCELED ? Status::Cancelled(reason)
+                                          : Status::Unavailable(reason));
   }
   self->ReleaseRef(batch);
 }
@@ -352,7 +334,7 @@ ucs_status_t UcxTransport::OnAmAck(void* arg, const void* header, size_t header_
                           ? "refused a write outside its registered memory"
                           : "refused a malformed message";
     Status failed = Status::Unavailable("ucx: peer " + std::to_string(peer.id) + " " + why);
-    self->FailBatch(batch, failed);
+    batch.Fail(failed);
     if (ack.status == kAmCut) self->FailPeer(peer, failed);
   }
   self->ReleaseAck(batch);
@@ -366,29 +348,21 @@ void UcxTransport::ReleaseAck(Batch& batch) {
   ReleaseRef(batch);
 }
 
-void UcxTransport::FailBatch(Batch& batch, const Status& status) {
-  if (batch.status.ok()) batch.status = status;
-}
-
 void UcxTransport::ReleaseRef(Batch& batch) {
-  if (--batch.pending != 0 || batch.orphaned) return;
+  if (!batch.PartDone() || batch.orphaned) return;
   outstanding_seqs_.erase(batch.seq);
-  PeerState& peer = *batch.peer;
-  std::unique_ptr<Batch> owned = std::move(*batch.self);
-  peer.batches.erase(batch.self);
-  completed_.push_back(std::move(owned));
+  completions_.Add(batch.peer->batches.Remove(batch));
 }
 
 void UcxTransport::FailPeer(PeerState& peer, const Status& status) {
   if (peer.failure.ok()) {
     peer.failure = status;
     MutexLock lock(&mu_);
-    auto it = peers_.find(peer.id);
-    if (it != peers_.end()) it->second.failure = status;  // refuse new batches up front
+    peers_.MarkFailed(peer.id, status);  // refuse new batches up front
   }
   // Only marks: this may run inside UCX calls (the error callback), so nothing is freed here.
   // Unposted chunks are dropped by ReapPeers and PostChunks stops at the failure.
-  for (auto& batch : peer.batches) FailBatch(*batch, peer.failure);
+  for (auto& batch : peer.batches) batch->Fail(peer.failure);
 }
 
 // Closing an endpoint. A healthy one is flushed first, so that the peer has handled every put
@@ -484,7 +458,7 @@ bool UcxTransport::ReapPeers(Clock::time_point now) {
       }
       if (peer.batches.empty() && peer.disconnecting) {
         // Signalled after RunCompletions: Disconnect returns once every callback has run.
-        for (auto& promise : peer.on_erased) erased_signals_.push_back(std::move(promise));
+        for (auto& promise : peer.on_erased) completions_.AddSignal(std::move(promise));
         it = peer_states_.erase(it);
         continue;
       }
@@ -496,15 +470,14 @@ bool UcxTransport::ReapPeers(Clock::time_point now) {
 
 void UcxTransport::OrphanBatches(PeerState& peer) {
   peer.to_post.clear();
-  for (auto& batch : peer.batches) {
+  for (auto& batch : peer.batches.TakeAll()) {
     batch->orphaned = true;
     if (batch->awaiting_ack) awaiting_ack_.erase(batch->seq);
     outstanding_seqs_.erase(batch->seq);
     Status status = batch->status.ok() ? Status::Cancelled("ucx: endpoint closed") : batch->status;
-    orphan_calls_.emplace_back(std::move(batch->done), std::move(status));
+    completions_.AddCall(std::move(batch->done), std::move(status));
     orphans_.push_back(std::move(batch));
   }
-  peer.batches.clear();
 }
 
 void UcxTransport::CheckStalls(Clock::time_point now) {
@@ -527,26 +500,7 @@ void UcxTransport::ReapRetired() {
   std::erase_if(retired_, [oldest](const auto& entry) { return entry.first < oldest; });
 }
 
-void UcxTransport::RunCompletions() {
-  while (!completed_.empty() || !orphan_calls_.empty() || !erased_signals_.empty()) {
-    std::vector<std::unique_ptr<Batch>> done;
-    done.swap(completed_);
-    std::vector<std::pair<spi::WriteCallback, Status>> orphan_calls;
-    orphan_calls.swap(orphan_calls_);
-    for (auto& batch : done) {
-      spi::WriteCallback callback = std::move(batch->done);
-      Status status = std::move(batch->status);
-      batch.reset();
-      if (callback) callback(std::move(status));
-    }
-    for (auto& [callback, status] : orphan_calls) {
-      if (callback) callback(std::move(status));
-    }
-    std::vector<std::promise<void>> signals;
-    signals.swap(erased_signals_);
-    for (auto& signal : signals) signal.set_value();
-  }
-}
+void UcxTransport::RunCompletions() { completions_.Run(); }
 
 void UcxTransport::SleepUntilWoken(int timeout_ms) {
   ucs_status_t st = ucp_worker_arm(worker_.get());
@@ -557,22 +511,10 @@ void UcxTransport::SleepUntilWoken(int timeout_ms) {
     sched_yield();
     return;
   }
-  {
-    MutexLock lock(&mu_);
-    if (stopping_ || !commands_.empty()) return;
-    sleeping_ = true;  // from here on, Enqueue writes the wake fd
-  }
   epoll_event events[2];
-  // Should arming fail otherwise, do not trust the worker fd: nap briefly instead.
-  int n = epoll_wait(epoll_fd_, events, 2, st == UCS_OK ? timeout_ms : 1);
-  (void)n;  // the loop re-checks everything; EINTR and timeouts need no handling
-  {
-    MutexLock lock(&mu_);
-    sleeping_ = false;
-  }
-  uint64_t drained = 0;
-  ssize_t r = read(wake_fd_, &drained, sizeof(drained));  // non-blocking: EAGAIN when not woken
-  (void)r;
+  // Should arming fail otherwise, do not trust the worker fd: nap briefly instead. The loop
+  // re-checks everything afterwards: which fd fired does not matter.
+  progress_.Sleep(st == UCS_OK ? timeout_ms : 1, events);
 }
 
 void UcxTransport::Shutdown() {

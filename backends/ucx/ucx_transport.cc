@@ -2,11 +2,6 @@
 // (whose side lives in ucx_progress.cc).
 #include "backends/ucx/ucx_transport.h"
 
-#include <sys/epoll.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 
@@ -67,9 +62,7 @@ StatusOr<std::span<const uint8_t>> BlobPayload(const spi::Blob& blob, uint32_t m
 }  // namespace
 
 UcxTransport::UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context)
-    : options_(std::move(options)), context_(std::move(context)) {
-  local_regions_.emplace_back();  // region ids start at 1
-}
+    : options_(std::move(options)), context_(std::move(context)) {}
 
 StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const spi::TransportOptions& options) {
   auto parsed = ParseUcxOptions(options, [](const char* name) { return std::getenv(name); });
@@ -132,49 +125,26 @@ Status UcxTransport::Init() {
   if (st != UCS_OK) {
     return Status::Internal("ucx: ucp_worker_get_efd failed: " + UcsStatusName(st));
   }
-  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
-  if (wake_fd_ < 0 || epoll_fd_ < 0) {
-    return Status::Internal(std::string("ucx: cannot create the progress thread's fds: ") +
-                            std::strerror(errno));
-  }
-  for (int fd : {worker_fd_, wake_fd_}) {
-    epoll_event ev{};
-    ev.events = EPOLLIN;
-    ev.data.fd = fd;
-    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
-      return Status::Internal(std::string("ucx: epoll_ctl failed: ") + std::strerror(errno));
-    }
-  }
-  progress_ = std::thread([this] { ProgressLoop(); });
-  progress_id_ = progress_.get_id();
+  const int wire_fds[] = {worker_fd_};
+  if (Status s = progress_.Open(wire_fds); !s.ok()) return s;
+  progress_.Start([this] { ProgressLoop(); });
   return Status::OK();
 }
 
 UcxTransport::~UcxTransport() {
-  if (progress_.joinable()) {
-    {
-      MutexLock lock(&mu_);
-      stopping_ = true;
-    }
-    Wake();
-    progress_.join();  // completes every outstanding batch with kCancelled first (Shutdown)
-  }
+  progress_.Stop();  // completes every outstanding batch with kCancelled first (Shutdown)
   // Teardown order: UCX objects that hang off the worker, the worker, then the mappings; the
   // context goes when the last allocation made through it does.
   peer_states_.clear();
+  progress_.ClearCommands();
   {
     MutexLock lock(&mu_);
-    commands_.clear();
-    peers_.clear();
-    local_regions_.clear();
+    peers_.Clear();
+    local_regions_.Clear();
   }
   retired_.clear();
   worker_.reset();
   orphans_.clear();
-  for (int fd : {wake_fd_, epoll_fd_}) {
-    if (fd >= 0) close(fd);
-  }
 }
 
 spi::TransportCapabilities UcxTransport::capabilities() const {
@@ -186,36 +156,6 @@ spi::TransportCapabilities UcxTransport::capabilities() const {
   caps.max_write_bytes = 0;  // split into ucx.chunk_bytes puts here
   caps.fences = am_target_ && direct_regions_.load() == 0;
   return caps;
-}
-
-void UcxTransport::Wake() {
-  uint64_t one = 1;
-  // Fails only when the counter would overflow, in which case the thread is awake anyway.
-  ssize_t n = write(wake_fd_, &one, sizeof(one));
-  (void)n;
-}
-
-bool UcxTransport::Enqueue(Command command) {
-  bool wake = false;
-  {
-    MutexLock lock(&mu_);
-    if (stopping_) return false;
-    commands_.push_back(std::move(command));
-    wake = sleeping_;
-  }
-  if (wake) Wake();
-  return true;
-}
-
-template <typename R>
-R UcxTransport::RunOnProgressThread(const std::function<R()>& fn) {
-  if (OnProgressThread()) return fn();
-  std::promise<R> promise;
-  std::future<R> result = promise.get_future();
-  if (!Enqueue(Command{nullptr, [&] { promise.set_value(fn()); }})) {
-    return R(Status::Cancelled("ucx: the transport is shutting down"));
-  }
-  return result.get();
 }
 
 StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegion& region,
@@ -277,8 +217,8 @@ StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegio
   if (key_blob != nullptr) *key_blob = std::move(mapped->second);
   if (direct) ++direct_regions_;
   MutexLock lock(&mu_);
-  local_regions_.push_back(LocalRegionEntry{addr, region.length, std::move(mapped->first), direct});
-  return static_cast<spi::LocalRegionId>(local_regions_.size() - 1);
+  return local_regions_.Add(
+      LocalRegionEntry{addr, region.length, std::move(mapped->first), direct});
 }
 
 Status UcxTransport::DeregisterMemory(spi::LocalRegionId region) {
@@ -286,12 +226,10 @@ Status UcxTransport::DeregisterMemory(spi::LocalRegionId region) {
   LocalRegionEntry entry;
   {
     MutexLock lock(&mu_);
-    if (region >= local_regions_.size() || !local_regions_[region]) {
-      return Status::NotFound("ucx: local region " + std::to_string(region) + " not registered");
-    }
-    entry = std::move(*local_regions_[region]);
+    auto removed = local_regions_.Remove(region);
+    if (!removed.ok()) return removed.status();
+    entry = std::move(*removed);
     memh = std::move(entry.memh);
-    local_regions_[region].reset();
   }
   if (entry.direct) --direct_regions_;
   // Batches accepted before this point may still use the mapping: it retires behind them.
@@ -312,8 +250,7 @@ StatusOr<spi::TargetEndpoint> UcxTransport::CreateTargetEndpoint() {
   spi::TargetId id = 0;
   {
     MutexLock lock(&mu_);
-    id = next_target_++;
-    targets_.insert(id);
+    id = targets_.Add(TargetEntry{});
   }
   if (am_target_) {
     Status added = RunOnProgressThread<Status>([&] {
@@ -333,7 +270,7 @@ StatusOr<spi::TargetEndpoint> UcxTransport::CreateTargetEndpoint() {
 void UcxTransport::CloseTargetEndpoint(spi::TargetId target) {
   {
     MutexLock lock(&mu_);
-    if (targets_.erase(target) == 0) return;
+    if (!targets_.Take(target)) return;
   }
   // From now on its "am" messages are refused; UCX's own emulated puts cannot be.
   if (am_target_) {
@@ -394,12 +331,12 @@ StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint
     auto state = std::make_unique<PeerState>();
     {
       MutexLock lock(&mu_);
-      state->id = next_peer_++;
+      state->id = peers_.NextId();
     }
     state->transport = this;
     state->target = target;
     state->am = am;
-    state->window = InflightWindow(options_.max_inflight_bytes);
+    state->window = toolkit::InflightWindow(options_.max_inflight_bytes);
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -417,7 +354,7 @@ StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint
     spi::PeerId id = state->id;
     peer_states_.emplace(id, std::move(state));
     MutexLock lock(&mu_);
-    peers_.emplace(id, PeerEntry{am, {}, Status()});
+    peers_.Add(id, PeerEntry{am, {}, Status()});
     return id;
   });
   if (!connected.ok()) return connected.status();
@@ -435,15 +372,10 @@ StatusOr<spi::RemoteRegionId> UcxTransport::ImportRemoteRegion(spi::PeerId peer,
   uint32_t key_flags = 0;
   std::memcpy(&key_flags, blob->data(), sizeof(key_flags));
   const std::span<const uint8_t> payload = blob->subspan(kKeyPrefix);
-  if (region.length == 0) return Status::InvalidArgument("ucx: empty remote region");
-  if (region.addr + region.length < region.addr) {
-    return Status::InvalidArgument("ucx: remote region wraps around");
-  }
+  if (Status s = toolkit::CheckRemoteRegion("ucx", region); !s.ok()) return s;
   {
     MutexLock lock(&mu_);
-    auto it = peers_.find(peer);
-    if (it == peers_.end()) return Status::NotFound("ucx: unknown peer " + std::to_string(peer));
-    if (!it->second.failure.ok()) return it->second.failure;
+    if (auto entry = peers_.ForImport(peer); !entry.ok()) return entry.status();
   }
   auto unpacked = RunOnProgressThread<StatusOr<ucp_rkey_h>>([&]() -> StatusOr<ucp_rkey_h> {
     auto it = peer_states_.find(peer);
@@ -462,11 +394,11 @@ StatusOr<spi::RemoteRegionId> UcxTransport::ImportRemoteRegion(spi::PeerId peer,
   });
   if (!unpacked.ok()) return unpacked.status();
   MutexLock lock(&mu_);
-  auto it = peers_.find(peer);  // the rkey belongs to the peer's state and goes with it
-  if (it == peers_.end()) return Status::NotFound("ucx: peer " + std::to_string(peer) + " left");
-  it->second.regions.push_back(
+  PeerEntry* entry = peers_.Find(peer);  // the rkey belongs to the peer's state and goes with it
+  if (entry == nullptr) return Status::NotFound("ucx: peer " + std::to_string(peer) + " left");
+  entry->regions.push_back(
       RemoteRegionEntry{region.addr, region.length, *unpacked, (key_flags & kKeyDirect) != 0});
-  return static_cast<spi::RemoteRegionId>(it->second.regions.size() - 1);
+  return static_cast<spi::RemoteRegionId>(entry->regions.size() - 1);
 }
 
 Status UcxTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
@@ -475,46 +407,19 @@ Status UcxTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> 
   batch->peer_id = peer;
   batch->done = std::move(done);
   batch->ops.reserve(ops.size());
-  bool wake = false;
   {
     MutexLock lock(&mu_);
-    if (stopping_) return Status::Cancelled("ucx: the transport is shutting down");
-    auto it = peers_.find(peer);
-    if (it == peers_.end()) {
-      return Status::NotFound("ucx: unknown peer " + std::to_string(peer) +
-                              " (never connected, or disconnected)");
-    }
-    if (!it->second.failure.ok()) return it->second.failure;
-    const std::vector<RemoteRegionEntry>& remote = it->second.regions;
-    const bool peer_am = it->second.am;
+    auto found = peers_.ForWrites(peer);
+    if (!found.ok()) return found.status();
+    const PeerEntry& entry = **found;
     uint64_t am_messages = 0;
     for (size_t i = 0; i < ops.size(); ++i) {
       const spi::WriteOp& op = ops[i];
-      if (op.local_region >= local_regions_.size() || !local_regions_[op.local_region]) {
-        return Status::InvalidArgument("ucx: write " + std::to_string(i) +
-                                       " names unregistered local region " +
-                                       std::to_string(op.local_region));
-      }
-      if (op.remote_region >= remote.size()) {
-        return Status::InvalidArgument(
-            "ucx: write " + std::to_string(i) + " names unknown remote region " +
-            std::to_string(op.remote_region) + " of peer " + std::to_string(peer));
-      }
-      const LocalRegionEntry& local = *local_regions_[op.local_region];
-      const RemoteRegionEntry& dst = remote[op.remote_region];
-      if (op.length > local.length || op.local_offset > local.length - op.length) {
-        return Status::OutOfRange(
-            "ucx: write " + std::to_string(i) + " of " + std::to_string(op.length) +
-            " bytes at offset " + std::to_string(op.local_offset) + " leaves local region " +
-            std::to_string(op.local_region) + " of " + std::to_string(local.length) + " bytes");
-      }
-      if (op.length > dst.length || op.remote_offset > dst.length - op.length) {
-        return Status::OutOfRange(
-            "ucx: write " + std::to_string(i) + " of " + std::to_string(op.length) +
-            " bytes at offset " + std::to_string(op.remote_offset) + " leaves remote region " +
-            std::to_string(op.remote_region) + " of " + std::to_string(dst.length) + " bytes");
-      }
-      const bool am = peer_am && !dst.direct;
+      auto resolved = peers_.ResolveWrite(peer, entry, local_regions_, i, op);
+      if (!resolved.ok()) return resolved.status();
+      const LocalRegionEntry& local = *resolved->first;
+      const RemoteRegionEntry& dst = *resolved->second;
+      const bool am = entry.am && !dst.direct;
       if (op.length == 0) continue;
       if (am) {
         am_messages += (op.length + options_.am_chunk_bytes - 1) / options_.am_chunk_bytes;
@@ -531,10 +436,11 @@ Status UcxTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> 
     }
     batch->am_messages = static_cast<uint32_t>(am_messages);
     batch->am_headers.reserve(am_messages);
-    commands_.push_back(Command{std::move(batch), {}});
-    wake = sleeping_;
+    // Under mu_: a Disconnect of the peer (which takes mu_ first) is queued after it.
+    if (!progress_.Enqueue({std::move(batch), {}})) {
+      return Status::Cancelled("ucx: the transport is shutting down");
+    }
   }
-  if (wake) Wake();
   return Status::OK();
 }
 
@@ -551,7 +457,7 @@ void UcxTransport::SettleIncoming() {
 void UcxTransport::Disconnect(spi::PeerId peer) {
   {
     MutexLock lock(&mu_);
-    if (peers_.erase(peer) == 0) return;
+    if (!peers_.Erase(peer)) return;
   }
   std::promise<void> erased;
   std::future<void> erased_future = erased.get_future();
@@ -566,11 +472,11 @@ void UcxTransport::Disconnect(spi::PeerId peer) {
     state.on_erased.push_back(std::move(erased));
     FailPeer(state, Status::Cancelled("ucx: peer " + std::to_string(peer) + " disconnected"));
   };
-  if (OnProgressThread()) {  // from a completion callback: cannot wait for ourselves
+  if (progress_.OnThread()) {  // from a completion callback: cannot wait for ourselves
     start();
     return;
   }
-  if (!Enqueue(Command{nullptr, start})) return;  // shutting down: the destructor cancels all
+  if (!progress_.Post(start)) return;  // shutting down: the destructor cancels all
   erased_future.wait();
 }
 

@@ -2,12 +2,13 @@
 //
 // One worker per transport, in a UCP context shared with the KV pools and the other transports
 // of the process that have the same UCX configuration (ucx_context.h). One progress thread per
-// transport is the only thread that calls UCX with the worker, its endpoints, rkeys and memory
-// handles: API calls from other threads hand work over through a command queue and wake the
-// thread with an eventfd.
-// The thread loops: run commands -> post puts (paced per endpoint by a window, put_window.h)
-// -> ucp_worker_progress -> run completion callbacks -> busy-poll a little -> ucp_worker_arm ->
-// epoll on the worker's fd and the wake fd.
+// transport (backends/common/progress_thread.h) is the only thread that calls UCX with the
+// worker, its endpoints, rkeys and memory handles: API calls from other threads hand work over
+// through its command queue and wake it with its eventfd.
+// The thread loops: run commands -> post puts (paced per endpoint by a window,
+// backends/common/inflight_window.h) -> ucp_worker_progress -> run completion callbacks ->
+// busy-poll a little -> ucp_worker_arm -> epoll on the worker's fd and the wake fd.
+// Batches, completions and the API-side tables are the toolkit's (backends/common/).
 //
 // Keys and endpoints: RegisterMemory returns the packed rkey (ucp_rkey_pack) as the key blob;
 // CreateTargetEndpoint returns the worker's address; Connect creates an endpoint to it with peer
@@ -60,17 +61,17 @@
 #include <deque>
 #include <functional>
 #include <future>
-#include <list>
 #include <memory>
-#include <optional>
 #include <set>
 #include <string>
-#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
-#include "backends/ucx/put_window.h"
+#include "backends/common/batches.h"
+#include "backends/common/inflight_window.h"
+#include "backends/common/progress_thread.h"
+#include "backends/common/tables.h"
 #include "backends/ucx/ucx_context.h"
 #include "backends/ucx/ucx_handles.h"
 #include "backends/ucx/ucx_options.h"
@@ -153,26 +154,20 @@ class UcxTransport final : public spi::Transport {
   static_assert(sizeof(AmAckHeader) == 16);
   enum AmStatus : uint32_t { kAmOk = 0, kAmCut = 1, kAmBadAddress = 2, kAmBadMessage = 3 };
 
-  // One PostWrites call. Owned by its peer's `batches` list from acceptance to completion.
-  struct Batch {
-    uint64_t seq = 0;
-    spi::PeerId peer_id = 0;
+  // One PostWrites call. Owned by its peer's `batches` list from acceptance to completion. Its
+  // parts (`pending`) are the UCX requests not yet completed, plus one while chunks remain to be
+  // posted, plus one while an ack is awaited. Only the progress thread touches them (UCX calls
+  // request callbacks from ucp_worker_progress, on that thread), so they need no atomic.
+  struct Batch : toolkit::BatchBase<Batch> {
     PeerState* peer = nullptr;
-    spi::WriteCallback done;
     std::vector<ResolvedOp> ops;
     size_t next_op = 0;  // posting cursor: op and offset of the next chunk
     uint64_t next_offset = 0;
-    // UCX requests not yet completed, plus one while chunks remain to be posted. Only the
-    // progress thread reads or writes it (UCX calls request callbacks from
-    // ucp_worker_progress, on that thread), so it needs no atomic.
-    uint32_t pending = 1;
-    Status status;             // the first error
     bool orphaned = false;     // abandoned at a close deadline: only UCX's late callbacks remain
     bool has_puts = false;     // some op travels as puts: a flush ends the batch
     uint32_t am_messages = 0;  // "am" messages in the batch
     std::vector<AmPutHeader> am_headers;  // one per message sent; reserved, so never moved
     bool awaiting_ack = false;            // holds a reference until the target's ack
-    std::list<std::unique_ptr<Batch>>::iterator self;
   };
 
   // Lives in each UCX request (ucp_params_t::request_size): what its completion is for. Written
@@ -194,10 +189,10 @@ class UcxTransport final : public spi::Transport {
     bool am = false;      // the target takes "am" messages for regions it did not mark direct
     UcpEp ep;
     std::vector<UcpRkeyPtr> rkeys;
-    InflightWindow window{0};
-    std::list<std::unique_ptr<Batch>> batches;  // outstanding, oldest first
-    std::deque<Batch*> to_post;                 // batches with chunks still to post, in order
-    Status failure;                             // why the peer is unusable (set once)
+    toolkit::InflightWindow window{0};
+    toolkit::BatchList<Batch> batches;  // outstanding, oldest first
+    std::deque<Batch*> to_post;         // batches with chunks still to post, in order
+    Status failure;                     // why the peer is unusable (set once)
     bool ep_failed = false;      // UCX reported the endpoint failed (or it stalled): no flush
     bool disconnecting = false;  // Disconnect asked: erase once drained
     CloseState close_state = CloseState::kOpen;  // advanced by AdvanceClose once failure is set
@@ -228,21 +223,17 @@ class UcxTransport final : public spi::Transport {
     Status failure;  // non-OK once the endpoint failed: new batches are refused
   };
 
-  // What the progress thread is handed: a batch, or a function to run there.
-  struct Command {
-    std::unique_ptr<Batch> batch;
-    std::function<void()> fn;
-  };
+  // An open target endpoint; "am" targets keep their fence on the progress thread (AmTarget).
+  struct TargetEntry {};
 
   UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context);
   Status Init();
 
   // Runs `fn` on the progress thread and returns its result (inline when already there).
   template <typename R>
-  R RunOnProgressThread(const std::function<R()>& fn);
-  bool Enqueue(Command command);
-  void Wake();
-  bool OnProgressThread() const { return std::this_thread::get_id() == progress_id_; }
+  R RunOnProgressThread(const std::function<R()>& fn) {
+    return progress_.Run(fn);
+  }
 
   // Progress thread (ucx_progress.cc).
   void ProgressLoop();
@@ -252,7 +243,6 @@ class UcxTransport final : public spi::Transport {
   bool PostChunks(PeerState& peer);
   void PostFlush(Batch& batch);
   void ReleaseRef(Batch& batch);
-  void FailBatch(Batch& batch, const Status& status);
   void FailPeer(PeerState& peer, const Status& status);
   void AdvanceClose(PeerState& peer);
   void CloseEndpoint(PeerState& peer, bool force);
@@ -282,19 +272,13 @@ class UcxTransport final : public spi::Transport {
   std::vector<uint8_t> worker_address_;
   bool am_target_ = false;  // this process takes "am" messages as a target (ucx.data_path)
   int worker_fd_ = -1;      // owned by the worker
-  int wake_fd_ = -1;        // eventfd, owned
-  int epoll_fd_ = -1;       // owned
 
-  // Shared with API threads.
+  // Shared with API threads. A batch is queued to the progress thread under mu_, so that it
+  // cannot pass a Disconnect of its peer.
   Mutex mu_;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool sleeping_ ABSL_GUARDED_BY(mu_) = false;  // the progress thread is (about to be) in epoll
-  std::deque<Command> commands_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::optional<LocalRegionEntry>> local_regions_ ABSL_GUARDED_BY(mu_);  // by id
-  std::unordered_map<spi::PeerId, PeerEntry> peers_ ABSL_GUARDED_BY(mu_);
-  spi::PeerId next_peer_ ABSL_GUARDED_BY(mu_) = 1;
-  spi::TargetId next_target_ ABSL_GUARDED_BY(mu_) = 1;
-  std::set<spi::TargetId> targets_ ABSL_GUARDED_BY(mu_);
+  toolkit::LocalRegions<LocalRegionEntry> local_regions_ ABSL_GUARDED_BY(mu_){"ucx"};
+  toolkit::PeerTable<PeerEntry> peers_ ABSL_GUARDED_BY(mu_){"ucx"};
+  toolkit::TargetTable<TargetEntry> targets_ ABSL_GUARDED_BY(mu_){"ucx"};
   std::atomic<int> direct_regions_{0};  // registered regions peers write with puts
 
   // Progress thread only.
@@ -320,15 +304,13 @@ class UcxTransport final : public spi::Transport {
   std::set<uint64_t> outstanding_seqs_;  // seqs of batches not yet completed
   // Deregistered memory handles, unmapped once every batch accepted before (seq <= first) is done.
   std::vector<std::pair<uint64_t, std::shared_ptr<UcpMemh>>> retired_;
-  std::vector<std::unique_ptr<Batch>> completed_;  // callbacks to run at the loop's safe point
-  std::vector<std::pair<spi::WriteCallback, Status>> orphan_calls_;
-  std::vector<std::promise<void>> erased_signals_;  // Disconnect waiters, after the callbacks
-  std::vector<std::unique_ptr<Batch>> orphans_;     // kept until the worker is destroyed
-  Clock::time_point now_;                           // taken once per loop iteration
+  // Callbacks (also of orphaned batches) and Disconnect waiters, run at the loop's safe point.
+  toolkit::Completions<Batch> completions_;
+  std::vector<std::unique_ptr<Batch>> orphans_;  // kept until the worker is destroyed
+  Clock::time_point now_;                        // taken once per loop iteration
   Clock::time_point next_stall_check_;
 
-  std::thread progress_;
-  std::thread::id progress_id_;
+  toolkit::ProgressThread<Batch> progress_{"ucx"};
 };
 
 }  // namespace ucx

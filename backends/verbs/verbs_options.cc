@@ -4,36 +4,12 @@
 #include <charconv>
 #include <string_view>
 
+#include "backends/common/backend_options.h"
+
 namespace pdlib {
 inline namespace v1 {
 namespace verbs {
 namespace {
-
-constexpr std::string_view kPrefix = "verbs.";
-
-StatusOr<uint64_t> ParseNumber(const std::string& key, const std::string& text, uint64_t min,
-                               uint64_t max) {
-  uint64_t value = 0;
-  const char* begin = text.data();
-  const char* end = text.data() + text.size();
-  auto [p, ec] = std::from_chars(begin, end, value);
-  int shift = 0;
-  if (ec == std::errc() && p != begin && p != end) {  // a binary unit: 64k, 4M, 1g
-    switch (std::tolower(static_cast<unsigned char>(*p))) {
-      case 'k': shift = 10; break;
-      case 'm': shift = 20; break;
-      case 'g': shift = 30; break;
-      default: shift = -1;
-    }
-    ++p;
-  }
-  if (ec != std::errc() || p == begin || p != end || shift < 0 ||
-      (shift > 0 && value > (max >> shift)) || (value << shift) < min || (value << shift) > max) {
-    return Status::InvalidArgument("verbs: option " + key + "='" + text + "' is not a number in [" +
-                                   std::to_string(min) + ", " + std::to_string(max) + "]");
-  }
-  return value << shift;
-}
 
 std::string_view Trim(std::string_view s) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
@@ -82,50 +58,36 @@ StatusOr<std::vector<DeviceSpec>> ParseDeviceList(const std::string& text) {
 StatusOr<VerbsOptions> ParseVerbsOptions(const spi::TransportOptions& options) {
   VerbsOptions out;
   bool devices_set = false;
-  for (const auto& [key, value] : options.options) {
-    if (key.compare(0, kPrefix.size(), kPrefix) != 0) continue;
-    auto number = [&](uint64_t min, uint64_t max) { return ParseNumber(key, value, min, max); };
-    StatusOr<uint64_t> n = uint64_t{0};
-    if (key == "verbs.devices") {
-      auto devices = ParseDeviceList(value);
-      if (!devices.ok()) return devices.status();
-      out.devices = std::move(*devices);
-      devices_set = true;
-    } else if (key == "verbs.gid_index") {
-      if (value == "auto") {
-        out.gid_index = -1;
-      } else if ((n = number(0, 65535)).ok()) {
-        out.gid_index = static_cast<int32_t>(*n);
-      }
-    } else if (key == "verbs.sq_depth") {
-      if ((n = number(2, 1u << 20)).ok()) out.sq_depth = static_cast<uint32_t>(*n);
-    } else if (key == "verbs.cq_depth") {
-      if ((n = number(2, 1u << 22)).ok()) out.cq_depth = static_cast<uint32_t>(*n);
-    } else if (key == "verbs.signal_every") {
-      if ((n = number(1, 1u << 20)).ok()) out.signal_every = static_cast<uint32_t>(*n);
-    } else if (key == "verbs.max_sge") {
-      if ((n = number(1, 1024)).ok()) out.max_sge = static_cast<uint32_t>(*n);
-    } else if (key == "verbs.max_message_bytes") {
-      if ((n = number(1, 0xffffffffu)).ok()) out.max_message_bytes = *n;
-    } else if (key == "verbs.max_chain") {
-      if ((n = number(1, 4096)).ok()) out.max_chain = static_cast<uint32_t>(*n);
-    } else if (key == "verbs.busy_poll_us") {
-      if ((n = number(0, 1000000)).ok()) out.busy_poll_us = static_cast<uint32_t>(*n);
-    } else if (key == "verbs.timeout") {
-      if ((n = number(1, 31)).ok()) out.timeout = static_cast<uint8_t>(*n);
-    } else if (key == "verbs.retry_cnt") {
-      if ((n = number(0, 7)).ok()) out.retry_cnt = static_cast<uint8_t>(*n);
-    } else if (key == "verbs.traffic_class") {
-      if ((n = number(0, 255)).ok()) out.traffic_class = static_cast<uint8_t>(*n);
-    } else {
-      return Status::InvalidArgument(
-          "verbs: unknown backend option '" + key +
-          "' (known: verbs.devices, verbs.gid_index, verbs.sq_depth, verbs.cq_depth, "
-          "verbs.signal_every, verbs.max_sge, verbs.max_message_bytes, verbs.max_chain, "
-          "verbs.busy_poll_us, verbs.timeout, verbs.retry_cnt, verbs.traffic_class)");
+  // Every number takes a binary unit ("64k"), as before the toolkit.
+  constexpr auto kUnits = toolkit::Units::kBinary;
+  toolkit::OptionParser parser("verbs");
+  parser.On("verbs.devices", [&](const std::string&, const std::string& value) {
+    auto devices = ParseDeviceList(value);
+    if (!devices.ok()) return devices.status();
+    out.devices = std::move(*devices);
+    devices_set = true;
+    return Status::OK();
+  });
+  parser.On("verbs.gid_index", [&](const std::string& key, const std::string& value) {
+    if (value == "auto") {
+      out.gid_index = -1;
+      return Status::OK();
     }
-    if (!n.ok()) return n.status();
-  }
+    auto n = toolkit::ParseNumber("verbs", key, value, 0, 65535, kUnits);
+    if (n.ok()) out.gid_index = static_cast<int32_t>(*n);
+    return n.status();
+  });
+  parser.Number("verbs.sq_depth", &out.sq_depth, 2, 1u << 20, kUnits);
+  parser.Number("verbs.cq_depth", &out.cq_depth, 2, 1u << 22, kUnits);
+  parser.Number("verbs.signal_every", &out.signal_every, 1, 1u << 20, kUnits);
+  parser.Number("verbs.max_sge", &out.max_sge, 1, 1024, kUnits);
+  parser.Number("verbs.max_message_bytes", &out.max_message_bytes, 1, 0xffffffffu, kUnits);
+  parser.Number("verbs.max_chain", &out.max_chain, 1, 4096, kUnits);
+  parser.Number("verbs.busy_poll_us", &out.busy_poll_us, 0, 1000000, kUnits);
+  parser.Number("verbs.timeout", &out.timeout, 1, 31, kUnits);
+  parser.Number("verbs.retry_cnt", &out.retry_cnt, 0, 7, kUnits);
+  parser.Number("verbs.traffic_class", &out.traffic_class, 0, 255, kUnits);
+  if (Status s = parser.Parse(options.options); !s.ok()) return s;
   if (!devices_set && !options.nic_names.empty()) {
     std::string joined;
     for (const std::string& nic : options.nic_names) joined += (joined.empty() ? "" : ",") + nic;

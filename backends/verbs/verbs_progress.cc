@@ -30,15 +30,14 @@ uint64_t WrId(uint32_t uid, uint64_t seq) { return (uint64_t{uid} << kSeqBits) |
 }  // namespace
 
 void VerbsTransport::ProgressLoop() {
-  Clock::time_point spin_until{};
-  const auto busy_poll = std::chrono::microseconds(options_.busy_poll_us);
+  toolkit::IdlePolicy idle(std::chrono::microseconds(options_.busy_poll_us));
   while (true) {
     now_ = Clock::now();
     if (DrainCommands()) break;
     bool worked = PostReady();
     worked |= PollCqs();
     worked |= ReapPeers(now_);
-    if (!completed_.empty() || !erased_signals_.empty()) {
+    if (!completions_.empty()) {
       worked = true;
       RunCompletions();
     }
@@ -46,31 +45,17 @@ void VerbsTransport::ProgressLoop() {
       HandleAsyncEvents();
       next_async_check_ = now_ + kAsyncCheckPeriod;
     }
-    if (worked) {
-      spin_until = now_ + busy_poll;
-    } else if (now_ >= spin_until) {
-      Sleep();
-    }
+    if (idle.ShouldSleep(now_, worked)) Sleep();
   }
   Shutdown();
 }
 
 bool VerbsTransport::DrainCommands() {
-  std::deque<Command> commands;
   bool stop = false;
-  {
-    MutexLock lock(&mu_);
-    commands.swap(commands_);
-    stop = stopping_;
+  if (progress_.RunCommands([this](std::unique_ptr<Batch> b) { AcceptBatch(std::move(b)); },
+                            &stop)) {
+    RunCompletions();
   }
-  for (Command& command : commands) {
-    if (command.batch) {
-      AcceptBatch(std::move(command.batch));
-    } else {
-      command.fn();
-    }
-  }
-  if (!commands.empty()) RunCompletions();
   return stop;
 }
 
@@ -78,23 +63,21 @@ void VerbsTransport::AcceptBatch(std::unique_ptr<Batch> owned) {
   owned->seq = ++last_seq_;
   auto it = peer_states_.find(owned->peer_id);
   if (it == peer_states_.end()) {  // disconnected after the batch was validated
-    owned->status =
-        Status::Cancelled("verbs: peer " + std::to_string(owned->peer_id) + " was disconnected");
-    completed_.push_back(std::move(owned));
+    owned->Fail(
+        Status::Cancelled("verbs: peer " + std::to_string(owned->peer_id) + " was disconnected"));
+    completions_.Add(std::move(owned));
     return;
   }
   PeerState& peer = *it->second;
   if (!peer.failure.ok()) {
-    owned->status = peer.failure;
-    completed_.push_back(std::move(owned));
+    owned->Fail(peer.failure);
+    completions_.Add(std::move(owned));
     return;
   }
-  peer.batches.push_back(std::move(owned));
-  Batch& batch = *peer.batches.back();
-  batch.self = std::prev(peer.batches.end());
+  Batch& batch = peer.batches.Add(std::move(owned));
   for (size_t k = 0; k < batch.plans.size() && k < peer.pairs.size(); ++k) {
     if (batch.plans[k].wrs.empty()) continue;
-    ++batch.pending;
+    batch.AddPart();
     peer.pairs[k]->to_post.push_back(&batch);
   }
   ReleaseRef(batch, peer);  // the acceptance reference: completes an empty batch at once
@@ -245,10 +228,7 @@ void VerbsTransport::HandleCompletion(const ibv_wc& wc) {
 }
 
 void VerbsTransport::ReleaseRef(Batch& batch, PeerState& peer) {
-  if (--batch.pending != 0) return;
-  std::unique_ptr<Batch> owned = std::move(*batch.self);
-  peer.batches.erase(batch.self);
-  completed_.push_back(std::move(owned));
+  if (batch.PartDone()) completions_.Add(peer.batches.Remove(batch));
 }
 
 void VerbsTransport::ErrorQp(PairState& pair) {
@@ -273,19 +253,17 @@ void VerbsTransport::FailPeer(PeerState& peer, const Status& status) {
   }
   {
     MutexLock lock(&mu_);
-    auto it = peers_.find(peer.id);
-    if (it != peers_.end()) it->second.failure = status;  // refuse new batches up front
+    peers_.MarkFailed(peer.id, status);  // refuse new batches up front
   }
   for (auto& pair : peer.pairs) {
     ErrorQp(*pair);
     pair->to_post.clear();
     pair->batch_ends.clear();
   }
-  for (auto& batch : peer.batches) {
-    if (batch->status.ok()) batch->status = status;
-    completed_.push_back(std::move(batch));
+  for (auto& batch : peer.batches.TakeAll()) {
+    batch->Fail(status);
+    completions_.Add(std::move(batch));
   }
-  peer.batches.clear();
 }
 
 bool VerbsTransport::ReapPeers(Clock::time_point now) {
@@ -364,21 +342,8 @@ void VerbsTransport::HandleAsyncEvents() {
   }
 }
 
-void VerbsTransport::RunCompletions() {
-  while (!completed_.empty() || !erased_signals_.empty()) {
-    std::vector<std::unique_ptr<Batch>> done;
-    done.swap(completed_);
-    for (auto& batch : done) {
-      spi::WriteCallback callback = std::move(batch->done);
-      Status status = std::move(batch->status);
-      batch.reset();  // drops its MR references before the callback may deregister memory
-      if (callback) callback(std::move(status));
-    }
-    std::vector<std::promise<void>> signals;
-    signals.swap(erased_signals_);
-    for (auto& signal : signals) signal.set_value();
-  }
-}
+// Each batch drops its MR references before its callback may deregister memory.
+void VerbsTransport::RunCompletions() { completions_.Run(); }
 
 void VerbsTransport::Sleep() {
   // Arm every CQ, then poll once more: a completion that arrived before arming raised no event.
@@ -388,21 +353,9 @@ void VerbsTransport::Sleep() {
   for (auto& [id, peer] : peer_states_) {
     for (auto& pair : peer->pairs) draining |= !peer->failure.ok() && pair->qp != nullptr;
   }
-  {
-    MutexLock lock(&mu_);
-    if (stopping_ || !commands_.empty()) return;
-    sleeping_ = true;  // from here on, Enqueue writes the wake fd
-  }
   epoll_event events[1 + 2 * kMaxDevices];
-  const int n = epoll_wait(epoll_fd_, events, static_cast<int>(std::size(events)),
-                           draining ? 10 : kIdleSleepMs);
-  {
-    MutexLock lock(&mu_);
-    sleeping_ = false;
-  }
-  uint64_t drained = 0;
-  ssize_t r = read(wake_fd_, &drained, sizeof(drained));  // non-blocking: EAGAIN when not woken
-  (void)r;
+  const int n = progress_.Sleep(draining ? 10 : kIdleSleepMs, events);
+  if (n < 0) return;  // a command is queued: no sleep
   for (const auto& device : devices_) {
     ibv_cq* cq = nullptr;
     void* context = nullptr;

@@ -3,9 +3,6 @@
 #include "backends/verbs/verbs_transport.h"
 
 #include <fcntl.h>
-#include <sys/epoll.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -23,9 +20,7 @@ VerbsTransport::VerbsTransport(VerbsOptions options, std::vector<std::unique_ptr
     : options_(std::move(options)),
       devices_(std::move(devices)),
       psn_rng_(std::random_device{}()),
-      device_outstanding_(devices_.size(), 0) {
-  local_regions_.emplace_back();  // region ids start at 1
-}
+      device_outstanding_(devices_.size(), 0) {}
 
 StatusOr<std::unique_ptr<VerbsTransport>> VerbsTransport::Create(
     const spi::TransportOptions& options) {
@@ -55,12 +50,7 @@ StatusOr<std::unique_ptr<VerbsTransport>> VerbsTransport::Create(
 }
 
 Status VerbsTransport::Init() {
-  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
-  if (wake_fd_ < 0 || epoll_fd_ < 0) {
-    return Status::Internal("verbs: cannot create the progress thread's fds: " + ErrnoText(errno));
-  }
-  std::vector<int> fds = {wake_fd_};
+  std::vector<int> fds;
   for (const auto& d : devices_) {
     fds.push_back(d->channel->fd);
     // Asynchronous events (QP fatal errors, port changes) are read without blocking too.
@@ -72,45 +62,26 @@ Status VerbsTransport::Init() {
     }
     fds.push_back(async_fd);
   }
-  for (int fd : fds) {
-    epoll_event ev{};
-    ev.events = EPOLLIN;
-    ev.data.fd = fd;
-    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
-      return Status::Internal("verbs: epoll_ctl failed: " + ErrnoText(errno));
-    }
-  }
-  MutexLock lock(&mu_);  // published to the progress thread through mu_ (see OnProgressThread)
-  progress_ = std::thread([this] { ProgressLoop(); });
-  progress_id_ = progress_.get_id();
+  if (Status s = progress_.Open(fds); !s.ok()) return s;
+  progress_.Start([this] { ProgressLoop(); });
   return Status::OK();
 }
 
 VerbsTransport::~VerbsTransport() {
-  if (progress_.joinable()) {
-    {
-      MutexLock lock(&mu_);
-      stopping_ = true;
-    }
-    Wake();
-    progress_.join();  // completes every outstanding batch with kCancelled first (Shutdown)
-  }
+  progress_.Stop();  // completes every outstanding batch with kCancelled first (Shutdown)
   // QPs before MRs, both before the devices' CQs, PDs and contexts (members, destroyed last).
   peer_states_.clear();
   {
     MutexLock lock(&targets_mu_);
-    targets_.clear();
+    targets_.Clear();
   }
+  progress_.ClearCommands();
   {
     MutexLock lock(&mu_);
-    commands_.clear();
-    peers_.clear();
-    local_regions_.clear();
+    peers_.Clear();
+    local_regions_.Clear();
   }
-  completed_.clear();
-  for (int fd : {wake_fd_, epoll_fd_}) {
-    if (fd >= 0) close(fd);
-  }
+  completions_.Clear();
 }
 
 spi::TransportCapabilities VerbsTransport::capabilities() const {
@@ -135,25 +106,6 @@ uint32_t VerbsTransport::RandomPsn() {
   return static_cast<uint32_t>(psn_rng_()) & 0xffffff;
 }
 
-void VerbsTransport::Wake() {
-  uint64_t one = 1;
-  // Fails only when the counter would overflow, in which case the thread is awake anyway.
-  ssize_t n = write(wake_fd_, &one, sizeof(one));
-  (void)n;
-}
-
-bool VerbsTransport::Enqueue(Command command) {
-  bool wake = false;
-  {
-    MutexLock lock(&mu_);
-    if (stopping_) return false;
-    commands_.push_back(std::move(command));
-    wake = sleeping_;
-  }
-  if (wake) Wake();
-  return true;
-}
-
 StatusOr<spi::LocalRegionId> VerbsTransport::RegisterMemory(const spi::MemoryRegion& region,
                                                             spi::Blob* key_blob) {
   if (region.addr == nullptr || region.length == 0) {
@@ -173,19 +125,16 @@ StatusOr<spi::LocalRegionId> VerbsTransport::RegisterMemory(const spi::MemoryReg
   }
   if (key_blob != nullptr) *key_blob = EncodeKeys(rkeys);
   MutexLock lock(&mu_);
-  local_regions_.push_back(std::move(entry));
-  return static_cast<spi::LocalRegionId>(local_regions_.size() - 1);
+  return local_regions_.Add(std::move(entry));
 }
 
 Status VerbsTransport::DeregisterMemory(spi::LocalRegionId region) {
   std::shared_ptr<RegionMrs> mrs;
   {
     MutexLock lock(&mu_);
-    if (region >= local_regions_.size() || !local_regions_[region]) {
-      return Status::NotFound("verbs: local region " + std::to_string(region) + " not registered");
-    }
-    mrs = std::move(local_regions_[region]->mrs);
-    local_regions_[region].reset();
+    auto removed = local_regions_.Remove(region);
+    if (!removed.ok()) return removed.status();
+    mrs = std::move(removed->mrs);
   }
   // The MRs are deregistered here unless a batch still holds them; then with its last reference.
   return Status::OK();
@@ -203,8 +152,7 @@ StatusOr<spi::TargetEndpoint> VerbsTransport::CreateTargetEndpoint() {
     entry.psns.push_back(psn);
   }
   MutexLock lock(&targets_mu_);
-  const spi::TargetId id = next_target_++;
-  targets_.emplace(id, std::move(entry));
+  const spi::TargetId id = targets_.Add(std::move(entry));
   return spi::TargetEndpoint{id, EncodeQpAddresses(kEndpointMagic, addresses)};
 }
 
@@ -212,15 +160,9 @@ Status VerbsTransport::CompleteTargetEndpoint(spi::TargetId target, const spi::B
   auto remote = DecodeQpAddresses(reply, kReplyMagic, "reply");
   if (!remote.ok()) return remote.status();
   MutexLock lock(&targets_mu_);
-  auto it = targets_.find(target);
-  if (it == targets_.end()) {
-    return Status::NotFound("verbs: unknown target endpoint " + std::to_string(target));
-  }
-  TargetEntry& entry = it->second;
-  if (entry.fenced) {
-    return Status::FailedPrecondition("verbs: target endpoint " + std::to_string(target) +
-                                      " was fenced");
-  }
+  auto found = targets_.FindUnfenced(target);
+  if (!found.ok()) return found.status();
+  TargetEntry& entry = **found;
   if (entry.connected) {
     return Status::FailedPrecondition("verbs: target endpoint " + std::to_string(target) +
                                       " is already connected");
@@ -239,13 +181,10 @@ Status VerbsTransport::CompleteTargetEndpoint(spi::TargetId target, const spi::B
 }
 
 void VerbsTransport::CloseTargetEndpoint(spi::TargetId target) {
-  TargetEntry closed;
+  std::optional<TargetEntry> closed;
   {
     MutexLock lock(&targets_mu_);
-    auto it = targets_.find(target);
-    if (it == targets_.end()) return;
-    closed = std::move(it->second);
-    targets_.erase(it);
+    closed = targets_.Take(target);
   }
   // The QPs are destroyed here, outside the lock; a target QP never has requests of its own.
 }
@@ -254,11 +193,9 @@ Status VerbsTransport::FenceTarget(spi::TargetId target) {
   // Under targets_mu_, so that CloseTargetEndpoint cannot destroy the QPs meanwhile and
   // CompleteTargetEndpoint cannot connect them afterwards.
   MutexLock lock(&targets_mu_);
-  auto it = targets_.find(target);
-  if (it == targets_.end()) {
-    return Status::NotFound("verbs: unknown target endpoint " + std::to_string(target));
-  }
-  TargetEntry& entry = it->second;
+  auto found = targets_.Find(target);
+  if (!found.ok()) return found.status();
+  TargetEntry& entry = **found;
   if (entry.fenced) return Status::OK();
   // Every QP, even after one fails: each one in the error state is one less path for writes.
   Status first_error;
@@ -308,24 +245,24 @@ StatusOr<spi::Connection> VerbsTransport::Connect(const spi::Blob& target_endpoi
   spi::PeerId id = 0;
   {
     MutexLock lock(&mu_);
-    if (stopping_) return Status::Cancelled("verbs: the transport is shutting down");
-    id = next_peer_++;
+    id = peers_.NextId();
     state->id = id;
-    peers_.emplace(id, std::move(entry));
-    // Under mu_, so the peer reaches the progress thread before any batch posted to it.
+    // Queued under mu_, before the peer is visible: it reaches the progress thread before any
+    // batch posted to it.
     auto shared = std::shared_ptr<PeerState>(std::move(state));
-    commands_.push_back(Command{nullptr, [this, shared] {
-                                  for (auto& pair : shared->pairs) {
-                                    pair->uid = next_pair_uid_++;
-                                  }
-                                  for (size_t k = 0; k < shared->pairs.size(); ++k) {
-                                    pair_owner_[shared->pairs[k]->uid] = {shared->id, k};
-                                  }
-                                  const spi::PeerId peer_id = shared->id;
-                                  auto owned = std::make_unique<PeerState>(std::move(*shared));
-                                  peer_states_.emplace(peer_id, std::move(owned));
-                                }});
-    if (sleeping_) Wake();
+    const bool queued = progress_.Post([this, shared] {
+      for (auto& pair : shared->pairs) {
+        pair->uid = next_pair_uid_++;
+      }
+      for (size_t k = 0; k < shared->pairs.size(); ++k) {
+        pair_owner_[shared->pairs[k]->uid] = {shared->id, k};
+      }
+      const spi::PeerId peer_id = shared->id;
+      auto owned = std::make_unique<PeerState>(std::move(*shared));
+      peer_states_.emplace(peer_id, std::move(owned));
+    });
+    if (!queued) return Status::Cancelled("verbs: the transport is shutting down");
+    peers_.Add(id, std::move(entry));
   }
   return spi::Connection{id, EncodeQpAddresses(kReplyMagic, reply)};
 }
@@ -334,20 +271,17 @@ StatusOr<spi::RemoteRegionId> VerbsTransport::ImportRemoteRegion(spi::PeerId pee
                                                                  const spi::RemoteRegion& region) {
   auto rkeys = DecodeKeys(region.key);
   if (!rkeys.ok()) return rkeys.status();
-  if (region.length == 0) return Status::InvalidArgument("verbs: empty remote region");
-  if (region.addr + region.length < region.addr) {
-    return Status::InvalidArgument("verbs: remote region wraps around");
-  }
+  if (Status s = toolkit::CheckRemoteRegion("verbs", region); !s.ok()) return s;
   MutexLock lock(&mu_);
-  auto it = peers_.find(peer);
-  if (it == peers_.end()) return Status::NotFound("verbs: unknown peer " + std::to_string(peer));
-  if (rkeys->size() != it->second.pair_device.size()) {
+  PeerEntry* entry = peers_.Find(peer);
+  if (entry == nullptr) return Status::NotFound("verbs: unknown peer " + std::to_string(peer));
+  if (rkeys->size() != entry->pair_device.size()) {
     return Status::InvalidArgument("verbs: key blob has " + std::to_string(rkeys->size()) +
                                    " rkeys but peer " + std::to_string(peer) + " has " +
-                                   std::to_string(it->second.pair_device.size()) + " devices");
+                                   std::to_string(entry->pair_device.size()) + " devices");
   }
-  it->second.regions.push_back(RemoteRegionEntry{region.addr, region.length, std::move(*rkeys)});
-  return static_cast<spi::RemoteRegionId>(it->second.regions.size() - 1);
+  entry->regions.push_back(RemoteRegionEntry{region.addr, region.length, std::move(*rkeys)});
+  return static_cast<spi::RemoteRegionId>(entry->regions.size() - 1);
 }
 
 Status VerbsTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
@@ -359,42 +293,17 @@ Status VerbsTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp
   std::vector<size_t> pair_device;
   {
     MutexLock lock(&mu_);
-    if (stopping_) return Status::Cancelled("verbs: the transport is shutting down");
-    auto it = peers_.find(peer);
-    if (it == peers_.end()) {
-      return Status::NotFound("verbs: unknown peer " + std::to_string(peer) +
-                              " (never connected, or disconnected)");
-    }
-    const PeerEntry& entry = it->second;
-    if (!entry.failure.ok()) return entry.failure;
+    auto found = peers_.ForWrites(peer);
+    if (!found.ok()) return found.status();
+    const PeerEntry& entry = **found;
     pair_device = entry.pair_device;
     segments.resize(pair_device.size());
     for (size_t i = 0; i < ops.size(); ++i) {
       const spi::WriteOp& op = ops[i];
-      if (op.local_region >= local_regions_.size() || !local_regions_[op.local_region]) {
-        return Status::InvalidArgument("verbs: write " + std::to_string(i) +
-                                       " names unregistered local region " +
-                                       std::to_string(op.local_region));
-      }
-      if (op.remote_region >= entry.regions.size()) {
-        return Status::InvalidArgument(
-            "verbs: write " + std::to_string(i) + " names unknown remote region " +
-            std::to_string(op.remote_region) + " of peer " + std::to_string(peer));
-      }
-      const LocalRegion& local = *local_regions_[op.local_region];
-      const RemoteRegionEntry& dst = entry.regions[op.remote_region];
-      if (op.length > local.length || op.local_offset > local.length - op.length) {
-        return Status::OutOfRange(
-            "verbs: write " + std::to_string(i) + " of " + std::to_string(op.length) +
-            " bytes at offset " + std::to_string(op.local_offset) + " leaves local region " +
-            std::to_string(op.local_region) + " of " + std::to_string(local.length) + " bytes");
-      }
-      if (op.length > dst.length || op.remote_offset > dst.length - op.length) {
-        return Status::OutOfRange(
-            "verbs: write " + std::to_string(i) + " of " + std::to_string(op.length) +
-            " bytes at offset " + std::to_string(op.remote_offset) + " leaves remote region " +
-            std::to_string(op.remote_region) + " of " + std::to_string(dst.length) + " bytes");
-      }
+      auto resolved = peers_.ResolveWrite(peer, entry, local_regions_, i, op);
+      if (!resolved.ok()) return resolved.status();
+      const LocalRegion& local = *resolved->first;
+      const RemoteRegionEntry& dst = *resolved->second;
       if (op.length == 0) continue;
       // Layers spread over the pairs (devices) by local region.
       const size_t k = op.local_region % pair_device.size();
@@ -412,7 +321,7 @@ Status VerbsTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp
   for (size_t k = 0; k < segments.size(); ++k) {
     PlanWrites(segments[k], devices_[pair_device[k]]->limits, &batch->plans[k]);
   }
-  if (!Enqueue(Command{std::move(batch), {}})) {
+  if (!progress_.Enqueue({std::move(batch), {}})) {
     return Status::Cancelled("verbs: the transport is shutting down");
   }
   return Status::OK();
@@ -421,7 +330,7 @@ Status VerbsTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp
 void VerbsTransport::Disconnect(spi::PeerId peer) {
   {
     MutexLock lock(&mu_);
-    if (peers_.erase(peer) == 0) return;
+    if (!peers_.Erase(peer)) return;
   }
   // On the progress thread: fails the peer's batches (their callbacks run at the loop's next
   // safe point) and signals `erased` once they have run.
@@ -432,15 +341,15 @@ void VerbsTransport::Disconnect(spi::PeerId peer) {
       FailPeer(*it->second,
                Status::Cancelled("verbs: peer " + std::to_string(peer) + " disconnected"));
     }
-    if (erased != nullptr) erased_signals_.push_back(std::move(*erased));
+    if (erased != nullptr) completions_.AddSignal(std::move(*erased));
   };
-  if (OnProgressThread()) {  // from a completion callback: cannot wait for ourselves
+  if (progress_.OnThread()) {  // from a completion callback: cannot wait for ourselves
     begin(nullptr);
     return;
   }
   std::promise<void> erased;
   std::future<void> erased_future = erased.get_future();
-  if (!Enqueue(Command{nullptr, [&] { begin(&erased); }})) return;  // the destructor cancels all
+  if (!progress_.Post([&] { begin(&erased); })) return;  // the destructor cancels all
   erased_future.wait();
 }
 

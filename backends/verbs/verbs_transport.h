@@ -36,26 +36,27 @@
 // CloseTargetEndpoint; CompleteTargetEndpoint on it is refused.
 //
 // Threads: every public method may be called from any thread, also from a completion callback
-// (Disconnect there does not wait). One progress thread per transport is the only one that posts
-// to the initiator QPs and polls the CQs; callbacks run on it, never under a pdlib lock.
+// (Disconnect there does not wait). One progress thread per transport
+// (backends/common/progress_thread.h) is the only one that posts to the initiator QPs and polls
+// the CQs; callbacks run on it, never under a pdlib lock. Batches, completions and the API-side
+// tables are the toolkit's (backends/common/).
 #ifndef PDLIB_BACKENDS_VERBS_VERBS_TRANSPORT_H_
 #define PDLIB_BACKENDS_VERBS_VERBS_TRANSPORT_H_
 
 #include <chrono>
 #include <cstdint>
 #include <deque>
-#include <functional>
 #include <future>
-#include <list>
 #include <memory>
-#include <optional>
 #include <random>
 #include <string>
-#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "backends/common/batches.h"
+#include "backends/common/progress_thread.h"
+#include "backends/common/tables.h"
 #include "backends/verbs/verbs_device.h"
 #include "backends/verbs/verbs_options.h"
 #include "backends/verbs/verbs_wr.h"
@@ -130,17 +131,12 @@ class VerbsTransport final : public spi::Transport {
     bool fenced = false;  // every QP is in the error state (FenceTarget)
   };
 
-  // One PostWrites call. Owned by its peer's `batches` list from acceptance to completion.
-  struct Batch {
-    uint64_t seq = 0;
-    spi::PeerId peer_id = 0;
-    spi::WriteCallback done;
-    std::vector<WrPlan> plans;    // by pair
-    std::vector<size_t> next_wr;  // posting cursor, by pair
-    uint32_t pending = 1;         // pairs with unfinished requests, plus one while accepted
-    Status status;                // the first error
+  // One PostWrites call. Owned by its peer's `batches` list from acceptance to completion. Its
+  // parts (`pending`) are the pairs with unfinished requests, plus one while it is accepted.
+  struct Batch : toolkit::BatchBase<Batch> {
+    std::vector<WrPlan> plans;                        // by pair
+    std::vector<size_t> next_wr;                      // posting cursor, by pair
     std::vector<std::shared_ptr<RegionMrs>> regions;  // keeps the MRs used alive
-    std::list<std::unique_ptr<Batch>>::iterator self;
   };
 
   // One RC QP of a peer, as the progress thread drives it.
@@ -157,26 +153,16 @@ class VerbsTransport final : public spi::Transport {
   struct PeerState {
     spi::PeerId id = 0;
     std::vector<std::unique_ptr<PairState>> pairs;
-    std::list<std::unique_ptr<Batch>> batches;  // outstanding, oldest first
+    toolkit::BatchList<Batch> batches;  // outstanding, oldest first
     Status failure;
     bool disconnecting = false;
     Clock::time_point drain_deadline;
     std::vector<std::promise<void>> on_erased;
   };
 
-  // What the progress thread is handed: a batch, or a function to run there.
-  struct Command {
-    std::unique_ptr<Batch> batch;
-    std::function<void()> fn;
-  };
-
   VerbsTransport(VerbsOptions options, std::vector<std::unique_ptr<Device>> devices);
   Status Init();
   uint32_t RandomPsn();
-
-  bool Enqueue(Command command);
-  void Wake();
-  bool OnProgressThread() const { return std::this_thread::get_id() == progress_id_; }
 
   // Progress thread (verbs_progress.cc).
   void ProgressLoop();
@@ -197,23 +183,16 @@ class VerbsTransport final : public spi::Transport {
 
   const VerbsOptions options_;
   const std::vector<std::unique_ptr<Device>> devices_;
-  int wake_fd_ = -1;   // eventfd, owned
-  int epoll_fd_ = -1;  // owned
 
   // Shared with API threads.
   Mutex mu_;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool sleeping_ ABSL_GUARDED_BY(mu_) = false;  // the progress thread is (about to be) in epoll
-  std::deque<Command> commands_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::optional<LocalRegion>> local_regions_ ABSL_GUARDED_BY(mu_);  // by id
-  std::unordered_map<spi::PeerId, PeerEntry> peers_ ABSL_GUARDED_BY(mu_);
-  spi::PeerId next_peer_ ABSL_GUARDED_BY(mu_) = 1;
+  toolkit::LocalRegions<LocalRegion> local_regions_ ABSL_GUARDED_BY(mu_){"verbs"};
+  toolkit::PeerTable<PeerEntry> peers_ ABSL_GUARDED_BY(mu_){"verbs"};
   std::mt19937 psn_rng_ ABSL_GUARDED_BY(mu_);
 
   // Target endpoints: QP setup is slow (system calls), so it has its own lock.
   Mutex targets_mu_;
-  std::unordered_map<spi::TargetId, TargetEntry> targets_ ABSL_GUARDED_BY(targets_mu_);
-  spi::TargetId next_target_ ABSL_GUARDED_BY(targets_mu_) = 1;
+  toolkit::TargetTable<TargetEntry> targets_ ABSL_GUARDED_BY(targets_mu_){"verbs"};
 
   // Progress thread only.
   std::unordered_map<spi::PeerId, std::unique_ptr<PeerState>> peer_states_;
@@ -224,14 +203,13 @@ class VerbsTransport final : public spi::Transport {
   std::vector<ibv_sge> sge_scratch_;
   uint32_t next_pair_uid_ = 1;
   uint64_t last_seq_ = 0;
-  std::vector<uint64_t> device_outstanding_;        // requests posted and not retired, by device
-  std::vector<std::unique_ptr<Batch>> completed_;   // callbacks to run at the loop's safe point
-  std::vector<std::promise<void>> erased_signals_;  // Disconnect waiters, after the callbacks
+  std::vector<uint64_t> device_outstanding_;  // requests posted and not retired, by device
+  // Callbacks and Disconnect waiters, run at the loop's safe point.
+  toolkit::Completions<Batch> completions_;
   Clock::time_point now_;
   Clock::time_point next_async_check_;
 
-  std::thread progress_;
-  std::thread::id progress_id_;
+  toolkit::ProgressThread<Batch> progress_{"verbs"};
 };
 
 }  // namespace verbs

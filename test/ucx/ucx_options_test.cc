@@ -1,86 +1,20 @@
-// The UCX backend's pure pieces, tested without UCX: chunk splitting, the in-flight window and
-// option parsing (precedence of backend options, the environment and pdlib's defaults).
+// The UCX backend's pure pieces, tested without UCX: option parsing (precedence of backend
+// options, the environment and pdlib's defaults). Chunk splitting and the in-flight window are
+// the transport toolkit's (test/backends/transport_toolkit_test.cc).
 #include "backends/ucx/ucx_options.h"
 
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <map>
-#include <numeric>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "backends/ucx/put_window.h"
 #include "backends/ucx/ucx_context.h"
 #include "pdlib/spi/transport.h"
 
 namespace spi = pdlib::spi;
 namespace ucx = pdlib::ucx;
 using pdlib::StatusCode;
-
-TEST_CASE("ucx chunk splitting covers every byte once") {
-  for (uint64_t chunk : {uint64_t{0}, uint64_t{1}, uint64_t{7}, uint64_t{64}, uint64_t{1} << 20}) {
-    for (uint64_t length = 0; length < 300; ++length) {
-      INFO("length " << length << " chunk " << chunk);
-      uint64_t covered = 0, count = 0;
-      while (covered < length) {
-        uint64_t piece = ucx::ChunkLength(length, covered, chunk);
-        REQUIRE(piece > 0);
-        if (chunk != 0) CHECK(piece <= chunk);
-        if (covered + piece < length && chunk != 0)
-          CHECK(piece == chunk);  // only the last is short
-        covered += piece;
-        ++count;
-      }
-      CHECK(covered == length);
-      CHECK(count == ucx::ChunkCount(length, chunk));
-    }
-  }
-  CHECK(ucx::ChunkCount(uint64_t{16} << 20, uint64_t{1} << 20) == 16);
-  CHECK(ucx::ChunkCount((uint64_t{16} << 20) + 1, uint64_t{1} << 20) == 17);
-  CHECK(ucx::ChunkLength(~uint64_t{0}, 0, 0) == ~uint64_t{0});
-}
-
-TEST_CASE("ucx in-flight window bounds the bytes posted and never blocks forever") {
-  ucx::InflightWindow window(100);
-  CHECK(window.CanPost(1000));  // nothing in flight: an oversized chunk still moves, alone
-  window.OnPosted(1000);
-  CHECK_FALSE(window.CanPost(1));
-  window.OnCompleted(1000);
-  CHECK(window.in_flight() == 0);
-  window.OnPosted(60);
-  CHECK(window.CanPost(40));
-  CHECK_FALSE(window.CanPost(41));
-  window.OnPosted(40);
-  CHECK_FALSE(window.CanPost(1));
-  window.OnCompleted(60);
-  CHECK(window.CanPost(60));
-  window.OnCompleted(1000);  // more than in flight: clamps instead of wrapping
-  CHECK(window.in_flight() == 0);
-
-  ucx::InflightWindow unbounded(0);
-  unbounded.OnPosted(~uint64_t{0} / 2);
-  CHECK(unbounded.CanPost(~uint64_t{0} / 2));
-
-  // A random schedule: in flight never exceeds the limit, except one oversized chunk alone.
-  std::mt19937_64 rng(7);
-  ucx::InflightWindow w(1 << 20);
-  std::vector<uint64_t> posted;
-  for (int step = 0; step < 100000; ++step) {
-    uint64_t size = 1 + rng() % (3 << 19);
-    if (rng() % 2 == 0 && w.CanPost(size)) {
-      w.OnPosted(size);
-      posted.push_back(size);
-    } else if (!posted.empty()) {
-      size_t i = rng() % posted.size();
-      w.OnCompleted(posted[i]);
-      posted.erase(posted.begin() + static_cast<ptrdiff_t>(i));
-    }
-    uint64_t sum = std::accumulate(posted.begin(), posted.end(), uint64_t{0});
-    REQUIRE(w.in_flight() == sum);
-    REQUIRE((sum <= w.limit() || posted.size() == 1));
-  }
-}
 
 TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environment") {
   std::map<std::string, std::string> env;

@@ -1,8 +1,8 @@
-#include "backends/ucx/put_window.h"
+#include "backends/common/inflight_window.h"
 
 namespace pdlib {
 inline namespace v1 {
-namespace ucx {
+namespace toolkit {
 
 uint64_t ChunkCount(uint64_t length, uint64_t chunk_bytes) {
   if (length == 0) return 0;
@@ -15,6 +15,6 @@ uint64_t ChunkLength(uint64_t length, uint64_t offset, uint64_t chunk_bytes) {
   return chunk_bytes == 0 || rest < chunk_bytes ? rest : chunk_bytes;
 }
 
-}  // namespace ucx
+}  // namespace toolkit
 }  // namespace v1
 }  // namespace pdlib
