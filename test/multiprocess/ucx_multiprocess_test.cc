@@ -30,147 +30,28 @@
 #include <string>
 #include <vector>
 
+#include "test/multiprocess/byte_compare_pair.h"
 #include "test/multiprocess/kv_pattern.h"
 #include "test/multiprocess/peer_harness.h"
 
+using pdlib_test::Describe;
+using pdlib_test::Layout;
 using pdlib_test::milliseconds;
-using pdlib_test::PeerArgs;
-using pdlib_test::PeerProcess;
+using pdlib_test::PairResult;
+using pdlib_test::PairTransport;
+using pdlib_test::RunLayouts;
+using pdlib_test::RunPair;
 using pdlib_test::Scene;
 
 namespace {
 
-// One KV shape run by a prefill/decode pair. Pools stay small (at most 32 MiB per side) so that
-// the whole binary runs in well under a minute in a sanitizer build on two busy cores.
-struct Layout {
-  int layers;
-  int item_bytes;
-  int pages_per_pool;
-  int max_pages;  // per request; each room takes 1..max_pages (--vary-layout)
-  int max_chunks;
-  int v_item_bytes = 0;  // 0: item_bytes
-  int state_buffers = 0;
-  int state_item_bytes = 0;
-  int state_per_request = 1;
-  int concurrency = 4;
-  uint64_t layout_seed = 0;  // 0: room shapes from the room ids alone
-};
-
-std::string Describe(const Layout& l) {
-  std::ostringstream out;
-  out << "layers=" << l.layers << " item_bytes=" << l.item_bytes
-      << " v_item_bytes=" << (l.v_item_bytes ? l.v_item_bytes : l.item_bytes)
-      << " pages_per_pool=" << l.pages_per_pool << " max_pages=" << l.max_pages
-      << " max_chunks=" << l.max_chunks << " concurrency=" << l.concurrency;
-  if (l.state_buffers > 0) {
-    out << " state=" << l.state_buffers << "x" << l.state_item_bytes << "B x" << l.state_per_request
-        << "/request";
-  }
-  if (l.layout_seed != 0) out << " layout_seed=" << l.layout_seed;
-  return out.str();
-}
-
+// Pools stay small (at most 32 MiB per side) so that the whole binary runs in well under a
+// minute in a sanitizer build on two busy cores.
 constexpr uint64_t kRooms = 32;
-constexpr milliseconds kRunTimeout{30000};
 
-// The UCX transport a pair runs over, and how long the pair may take.
-struct Transport {
-  std::vector<std::string> ucx_options = {};  // --backend-option values
-  milliseconds start = pdlib_test::kStartTimeout;
-  milliseconds run = kRunTimeout;
-  std::vector<std::string> peer_args = {};  // after every other flag (a later flag wins)
-};
-
-Transport Shm() { return {{"ucx.tls=shm"}}; }
-Transport TcpLo() { return {{"ucx.tls=tcp", "ucx.net_devices=lo"}}; }
-
-std::vector<std::string> VerifyArgs(const Layout& l, const std::vector<std::string>& ucx_options,
-                                    std::vector<std::string> extra = {}) {
-  std::vector<std::string> args = {"--backend",
-                                   "ucx",
-                                   "--verify",
-                                   "--vary-layout",
-                                   "--layers",
-                                   std::to_string(l.layers),
-                                   "--item-bytes",
-                                   std::to_string(l.item_bytes),
-                                   "--pages-per-pool",
-                                   std::to_string(l.pages_per_pool),
-                                   "--pages-per-request",
-                                   std::to_string(l.max_pages),
-                                   "--chunks",
-                                   std::to_string(l.max_chunks),
-                                   "--concurrency",
-                                   std::to_string(l.concurrency)};
-  if (l.v_item_bytes != 0) {
-    args.insert(args.end(), {"--v-item-bytes", std::to_string(l.v_item_bytes)});
-  }
-  if (l.state_buffers > 0) {
-    // Twice the slots the rooms in flight need, so that placement varies.
-    const int slots = 2 * l.concurrency * l.state_per_request;
-    args.insert(args.end(),
-                {"--state-buffers", std::to_string(l.state_buffers), "--state-item-bytes",
-                 std::to_string(l.state_item_bytes), "--state-slots", std::to_string(slots),
-                 "--state-per-request", std::to_string(l.state_per_request)});
-  }
-  if (l.layout_seed != 0) {
-    args.insert(args.end(), {"--layout-seed", std::to_string(l.layout_seed)});
-  }
-  for (const std::string& o : ucx_options) {
-    args.push_back("--backend-option");
-    args.push_back(o);
-  }
-  args.insert(args.end(), extra.begin(), extra.end());
-  return args;
-}
-
-// Runs rooms [first, first + count) through a fresh pair of processes with `layout`; returns
-// decode's ROOM outcomes (room -> "state reason") through `scene`'s peers. prefill_extra goes to
-// prefill only (the corruption flags).
-struct PairResult {
-  std::map<uint64_t, pdlib_test::RoomOutcome> decode_rooms;
-  std::map<uint64_t, pdlib_test::RoomOutcome> prefill_rooms;
-};
-
-PairResult RunPair(Scene& scene, const Layout& l, const Transport& t, uint64_t first,
-                   uint64_t count, std::vector<std::string> prefill_extra = {}) {
-  const uint16_t bootstrap = pdlib_test::UnusedLocalPort();
-  std::vector<std::string> pextra = VerifyArgs(l, t.ucx_options, std::move(prefill_extra));
-  pextra.push_back("--start-bootstrap");
-  pextra.insert(pextra.end(), t.peer_args.begin(), t.peer_args.end());
-  std::vector<std::string> dextra = VerifyArgs(l, t.ucx_options, t.peer_args);
-  PeerProcess& prefill = scene.Start("prefill", PeerArgs("prefill", bootstrap, pextra));
-  SCENE_REQUIRE(scene, prefill.WaitReady(t.start)["role"] == "prefill");
-  PeerProcess& decode = scene.Start("decode", PeerArgs("decode", bootstrap, dextra));
-  SCENE_REQUIRE(scene, decode.WaitReady(t.start)["role"] == "decode");
-
-  const std::string run = "RUN " + std::to_string(first) + " " + std::to_string(count);
-  SCENE_REQUIRE(scene, prefill.Send(run) && decode.Send(run));
-  SCENE_REQUIRE(scene, decode.Expect("DONE first=" + std::to_string(first) + " ", t.run));
-  SCENE_REQUIRE(scene, prefill.Expect("DONE first=" + std::to_string(first) + " ", t.run));
-  SCENE_CHECK(scene, decode.Quit(t.start) == 0);
-  SCENE_CHECK(scene, prefill.Quit(t.start) == 0);
-  return {decode.rooms(), prefill.rooms()};
-}
-
-// Runs `rooms` rooms of every layout through a fresh pair each and checks that every room
-// succeeded on both sides, decode having compared every byte.
-void RunLayouts(const Transport& t, const std::vector<Layout>& layouts, uint64_t rooms = kRooms) {
-  uint64_t first = 0;
-  for (const Layout& l : layouts) {
-    Scene scene;
-    INFO(Describe(l));
-    const PairResult r = RunPair(scene, l, t, first, rooms);
-    for (uint64_t room = first; room < first + rooms; ++room) {
-      auto it = r.decode_rooms.find(room);
-      SCENE_CHECK(scene, it != r.decode_rooms.end() && it->second.state == "Success" &&
-                             it->second.reason == "OK");
-      auto pit = r.prefill_rooms.find(room);
-      SCENE_CHECK(scene, pit != r.prefill_rooms.end() && pit->second.state == "Success");
-    }
-    first += 1000;
-  }
-}
+using Transport = PairTransport;
+Transport Shm() { return {"ucx", {"ucx.tls=shm"}}; }
+Transport TcpLo() { return {"ucx", {"ucx.tls=tcp", "ucx.net_devices=lo"}}; }
 
 // Layer counts 1-64, item sizes 64 B-256 KiB (V buffers sometimes of another size), 1-4096 pages
 // per request, 1-4 chunks, with and without state buffers; each room's page count, placement and
@@ -370,9 +251,9 @@ std::vector<std::string> RmaLanes(const std::string& ep_cfg) {
 // a starved peer dead, so the pair gets minutes, a 10 s liveness timeout and 20 s to connect
 // (under TSan a first bootstrap lookup in the VM missed 3 s while the host was busy).
 Transport RcVerbs(const std::string& device) {
-  Transport t{{"ucx.tls=rc_verbs,ud_verbs:aux", "ucx.net_devices=" + device}};
+  Transport t{"ucx", {"ucx.tls=rc_verbs,ud_verbs:aux", "ucx.net_devices=" + device}};
   if (device.starts_with("rxe")) {
-    t.ucx_options.push_back("ucx.config.ETH_DGID_CHECK=n");
+    t.options.push_back("ucx.config.ETH_DGID_CHECK=n");
     t.start = milliseconds(90000);
     t.run = milliseconds(120000);
     t.peer_args = {"--liveness-ms", "10000",         "--connect-timeout-ms",
@@ -493,12 +374,12 @@ TEST_CASE("ucx byte-compare helper: random layouts stay within their bounds") {
 }
 
 TEST_CASE("ucx 1P1D over shm: every room's KV pages, aux slot and state arrive byte for byte") {
-  RunLayouts(Shm(), FixedLayouts());
+  RunLayouts(Shm(), FixedLayouts(), kRooms);
 }
 
 TEST_CASE(
     "ucx 1P1D over tcp on lo: every room's KV pages, aux slot and state arrive byte for byte") {
-  RunLayouts(TcpLo(), FixedLayouts());
+  RunLayouts(TcpLo(), FixedLayouts(), kRooms);
 }
 
 TEST_CASE("ucx 1P1D over shm, random layouts from seeds: every byte arrives") {
@@ -539,24 +420,13 @@ TEST_CASE(
   const PairResult r =
       RunPair(scene, l, Shm(), 0, 8,
               {"--corrupt-kv-room", "3", "--corrupt-aux-room", "5", "--corrupt-state-room", "6"});
-  for (uint64_t room = 0; room < 8; ++room) {
-    auto it = r.decode_rooms.find(room);
-    SCENE_REQUIRE(scene, it != r.decode_rooms.end());
-    INFO("room " << room << ": " << it->second.state << " " << it->second.reason);
-    if (room == 3) {
-      CHECK(it->second.state == "Failed");
-      CHECK(it->second.reason.starts_with("BADBYTES buffer="));
-    } else if (room == 5) {
-      CHECK(it->second.state == "Failed");
-      CHECK(it->second.reason.starts_with("BADBYTES aux.output_ids[0]="));
-    } else if (room == 6) {
-      // The last state buffer's first slot, last byte.
-      CHECK(it->second.state == "Failed");
-      CHECK(it->second.reason.starts_with("BADBYTES state_buffer=1,slot_pos=0,"));
-      CHECK(it->second.reason.find(",offset=255,") != std::string::npos);
-    } else {
-      CHECK(it->second.state == "Success");
-      CHECK(it->second.reason == "OK");
-    }
-  }
+  // Room 6: the last state buffer's first slot, last byte.
+  pdlib_test::CheckSpoiledRooms(r, 8,
+                                {{3, "BADBYTES buffer="},
+                                 {5, "BADBYTES aux.output_ids[0]="},
+                                 {6, "BADBYTES state_buffer=1,slot_pos=0,"}},
+                                scene);
+  const auto room6 = r.decode_rooms.find(6);
+  REQUIRE(room6 != r.decode_rooms.end());
+  CHECK(room6->second.reason.find(",offset=255,") != std::string::npos);
 }

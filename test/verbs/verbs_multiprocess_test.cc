@@ -21,95 +21,31 @@
 #include <thread>
 #include <vector>
 
+#include "test/multiprocess/byte_compare_pair.h"
 #include "test/multiprocess/peer_harness.h"
 
+using pdlib_test::Layout;
 using pdlib_test::milliseconds;
+using pdlib_test::PairResult;
+using pdlib_test::PairTransport;
 using pdlib_test::PeerArgs;
 using pdlib_test::PeerProcess;
 using pdlib_test::Scene;
 
 namespace {
 
-struct Layout {
-  int layers;
-  int item_bytes;
-  int pages_per_pool;
-  int max_pages;
-  int max_chunks;
-};
-
 constexpr uint64_t kRooms = 24;
 // The VM emulates its CPUs (about 60 MB/s through rxe): generous bounds.
 constexpr milliseconds kRunTimeout{90000};
 
-std::vector<std::string> VerifyArgs(const Layout& l, const std::vector<std::string>& options,
-                                    std::vector<std::string> extra = {}) {
-  std::vector<std::string> args = {"--backend",
-                                   "verbs",
-                                   "--verify",
-                                   "--vary-layout",
-                                   "--layers",
-                                   std::to_string(l.layers),
-                                   "--item-bytes",
-                                   std::to_string(l.item_bytes),
-                                   "--pages-per-pool",
-                                   std::to_string(l.pages_per_pool),
-                                   "--pages-per-request",
-                                   std::to_string(l.max_pages),
-                                   "--chunks",
-                                   std::to_string(l.max_chunks),
-                                   "--concurrency",
-                                   "4",
-                                   "--max-seconds",
-                                   "200"};
-  for (const std::string& o : options) {
-    args.push_back("--backend-option");
-    args.push_back(o);
-  }
-  args.insert(args.end(), extra.begin(), extra.end());
-  return args;
-}
-
-struct PairResult {
-  std::map<uint64_t, pdlib_test::RoomOutcome> decode_rooms;
-  std::map<uint64_t, pdlib_test::RoomOutcome> prefill_rooms;
-};
-
-PairResult RunPair(Scene& scene, const Layout& l, const std::vector<std::string>& options,
-                   uint64_t first, uint64_t count, std::vector<std::string> prefill_extra = {}) {
-  const uint16_t bootstrap = pdlib_test::UnusedLocalPort();
-  std::vector<std::string> pextra = VerifyArgs(l, options, std::move(prefill_extra));
-  pextra.push_back("--start-bootstrap");
-  PeerProcess& prefill = scene.Start("prefill", PeerArgs("prefill", bootstrap, pextra));
-  SCENE_REQUIRE(scene, prefill.WaitReady(milliseconds(60000))["role"] == "prefill");
-  PeerProcess& decode =
-      scene.Start("decode", PeerArgs("decode", bootstrap, VerifyArgs(l, options)));
-  SCENE_REQUIRE(scene, decode.WaitReady(milliseconds(60000))["role"] == "decode");
-  const std::string run = "RUN " + std::to_string(first) + " " + std::to_string(count);
-  SCENE_REQUIRE(scene, prefill.Send(run) && decode.Send(run));
-  SCENE_REQUIRE(scene, decode.Expect("DONE first=" + std::to_string(first) + " ", kRunTimeout));
-  SCENE_REQUIRE(scene, prefill.Expect("DONE first=" + std::to_string(first) + " ", kRunTimeout));
-  SCENE_CHECK(scene, decode.Quit(milliseconds(30000)) == 0);
-  SCENE_CHECK(scene, prefill.Quit(milliseconds(30000)) == 0);
-  return {decode.rooms(), prefill.rooms()};
+// A pair over verbs with `options`.
+PairTransport Verbs(std::vector<std::string> options) {
+  return {"verbs",     std::move(options),  milliseconds(60000),
+          kRunTimeout, milliseconds(30000), {"--max-seconds", "200"}};
 }
 
 void RunLayouts(const std::vector<Layout>& layouts, const std::vector<std::string>& options) {
-  uint64_t first = 0;
-  for (const Layout& l : layouts) {
-    Scene scene;
-    INFO("layers=" << l.layers << " item_bytes=" << l.item_bytes << " max_pages=" << l.max_pages
-                   << " max_chunks=" << l.max_chunks);
-    const PairResult r = RunPair(scene, l, options, first, kRooms);
-    for (uint64_t room = first; room < first + kRooms; ++room) {
-      auto it = r.decode_rooms.find(room);
-      SCENE_CHECK(scene, it != r.decode_rooms.end() && it->second.state == "Success" &&
-                             it->second.reason == "OK");
-      auto pit = r.prefill_rooms.find(room);
-      SCENE_CHECK(scene, pit != r.prefill_rooms.end() && pit->second.state == "Success");
-    }
-    first += 1000;
-  }
+  pdlib_test::RunLayouts(Verbs(options), layouts, kRooms);
 }
 
 // Layer counts 1-32, items 64 B-256 KiB, up to 1024 pages per request, 1-4 chunks. Each layout
@@ -139,23 +75,10 @@ TEST_CASE("verbs 1P1D with two devices per side: layers spread over two QPs") {
 TEST_CASE("verbs byte-compare negative control: a spoiled source byte or aux slot fails the room") {
   Scene scene;
   const Layout l{2, 1024, 256, 8, 2};
-  const PairResult r =
-      RunPair(scene, l, {}, 0, 8, {"--corrupt-kv-room", "3", "--corrupt-aux-room", "5"});
-  for (uint64_t room = 0; room < 8; ++room) {
-    auto it = r.decode_rooms.find(room);
-    SCENE_REQUIRE(scene, it != r.decode_rooms.end());
-    INFO("room " << room << ": " << it->second.state << " " << it->second.reason);
-    if (room == 3) {
-      CHECK(it->second.state == "Failed");
-      CHECK(it->second.reason.starts_with("BADBYTES buffer="));
-    } else if (room == 5) {
-      CHECK(it->second.state == "Failed");
-      CHECK(it->second.reason.starts_with("BADBYTES aux.output_ids[0]="));
-    } else {
-      CHECK(it->second.state == "Success");
-      CHECK(it->second.reason == "OK");
-    }
-  }
+  const PairResult r = pdlib_test::RunPair(scene, l, Verbs({}), 0, 8,
+                                           {"--corrupt-kv-room", "3", "--corrupt-aux-room", "5"});
+  pdlib_test::CheckSpoiledRooms(r, 8, {{3, "BADBYTES buffer="}, {5, "BADBYTES aux.output_ids[0]="}},
+                                scene);
 }
 
 TEST_CASE("verbs kill -9 decode mid-transfer: prefill rooms fail, a restarted decode is served") {
