@@ -1,32 +1,41 @@
 #include "backends/common/tables.h"
 
+#include <string>
+
 namespace pdlib {
 inline namespace v1 {
 namespace toolkit {
 
+namespace {
+
+// "<backend>: write <index>", built only for an error.
+std::string WriteName(std::string_view backend, size_t index) {
+  return std::string(backend) + ": write " + std::to_string(index);
+}
+
+}  // namespace
+
 Status CheckWrite(std::string_view backend, size_t index, const spi::WriteOp& op, spi::PeerId peer,
                   std::optional<uint64_t> local_length, std::optional<uint64_t> remote_length) {
-  const std::string name(backend);
-  const std::string write = name + ": write " + std::to_string(index);
   if (!local_length) {
-    return Status::InvalidArgument(write + " names unregistered local region " +
+    return Status::InvalidArgument(WriteName(backend, index) + " names unregistered local region " +
                                    std::to_string(op.local_region));
   }
   if (!remote_length) {
-    return Status::InvalidArgument(write + " names unknown remote region " +
+    return Status::InvalidArgument(WriteName(backend, index) + " names unknown remote region " +
                                    std::to_string(op.remote_region) + " of peer " +
                                    std::to_string(peer));
   }
   if (op.length > *local_length || op.local_offset > *local_length - op.length) {
-    return Status::OutOfRange(write + " of " + std::to_string(op.length) + " bytes at offset " +
-                              std::to_string(op.local_offset) + " leaves local region " +
-                              std::to_string(op.local_region) + " of " +
+    return Status::OutOfRange(WriteName(backend, index) + " of " + std::to_string(op.length) +
+                              " bytes at offset " + std::to_string(op.local_offset) +
+                              " leaves local region " + std::to_string(op.local_region) + " of " +
                               std::to_string(*local_length) + " bytes");
   }
   if (op.length > *remote_length || op.remote_offset > *remote_length - op.length) {
-    return Status::OutOfRange(write + " of " + std::to_string(op.length) + " bytes at offset " +
-                              std::to_string(op.remote_offset) + " leaves remote region " +
-                              std::to_string(op.remote_region) + " of " +
+    return Status::OutOfRange(WriteName(backend, index) + " of " + std::to_string(op.length) +
+                              " bytes at offset " + std::to_string(op.remote_offset) +
+                              " leaves remote region " + std::to_string(op.remote_region) + " of " +
                               std::to_string(*remote_length) + " bytes");
   }
   return Status::OK();
