@@ -1,11 +1,9 @@
 #include "examples/scheduler/decode_scheduler.h"
 
 #include <algorithm>
-#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "examples/scheduler/page_reuse.h"
 #include "pdlib/page_index.h"
 
 namespace pdlib::sched {
@@ -15,9 +13,7 @@ struct DecodeScheduler::Req {
   std::unique_ptr<KVReceiver> receiver;
   bool bootstrapped = false;  // the receiver reached WaitingForInput (on every TP rank)
   bool transferred = false;   // ... and Success (on every TP rank): pdlib is done with its memory
-  int32_t req_slot = -1;
-  std::optional<uint32_t> aux_slot;
-  int32_t state_slot = -1;
+  RequestMemory mem;
   std::vector<int32_t> output_ids;  // [0] is the first token, from prefill
   int64_t kv_tokens = 0;            // tokens whose KV is in the cache (or in `offloaded`)
   int64_t prealloc_tokens = 0;      // tokens pre-allocated for the transfer
@@ -61,34 +57,28 @@ StatusOr<std::unique_ptr<DecodeScheduler>> DecodeScheduler::Create(
 }
 
 DecodeScheduler::DecodeScheduler(const DecodeSchedulerOptions& options, const DecodeDeps& deps)
-    : options_(options),
-      deps_(deps),
-      page_size_(deps.pages->page_size()),
-      req_slots_(options.max_running_requests, options.pre_alloc_size, options.max_context_len,
-                 page_size_),
-      aux_slots_(deps.metadata->num_slots()),
-      state_slots_(options.num_state_slots, "state slot") {}
+    : SchedulerCore({.name = "decode scheduler",
+                     .quarantine_why = "prefill may still write them",
+                     .polling_interval = options.polling_interval,
+                     .num_state_slots = options.num_state_slots,
+                     .kv_bytes_per_page = options.kv_bytes_per_page,
+                     .group = options.group,
+                     .now_us = options.now_us},
+                    deps.pages, deps.model,
+                    std::make_unique<DecodeReqToTokenPool>(
+                        options.max_running_requests, options.pre_alloc_size,
+                        options.max_context_len, deps.pages->page_size()),
+                    deps.metadata->num_slots()),
+      options_(options),
+      deps_(deps) {}
 
 DecodeScheduler::~DecodeScheduler() {
-  // Shutdown: nothing waits for PagesReusable() (the KVManager goes next); every page and slot
-  // goes back to the pools and every receiver is destroyed (a live one aborts).
+  // Shutdown: every page and slot goes back to the pools (SchedulerCore frees the quarantined
+  // ones) and every receiver is destroyed (a live one aborts).
   for (auto* q : {&prealloc_, &transfer_, &waiting_, &retracted_}) {
-    for (auto& r : *q) Release(*r);
+    for (auto& r : *q) Release(r->mem, r->request.room);
   }
-  for (auto* v : {&running_, &quarantined_}) {
-    for (auto& r : *v) Release(*r);
-  }
-}
-
-int64_t DecodeScheduler::Now() const {
-  if (options_.now_us) return options_.now_us();
-  return std::chrono::duration_cast<std::chrono::microseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-void DecodeScheduler::Check(Status s) {
-  if (!s.ok() && internal_error_.ok()) internal_error_ = s.WithPrefix("decode scheduler");
+  for (auto& r : running_) Release(r->mem, r->request.room);
 }
 
 Status DecodeScheduler::AddRequest(const Request& request) {
@@ -110,91 +100,35 @@ Status DecodeScheduler::AddRequest(const Request& request) {
       return Status::ResourceExhausted(absl::StrFormat(
           "room %d: prompt of %d tokens + max_new_tokens %d needs %d tokens, but the KV cache "
           "holds only %d pages of %d tokens (%d tokens)",
-          request.room, len, request.max_new_tokens, total, deps_.pages->num_pages(), page_size_,
+          request.room, len, request.max_new_tokens, total, deps_.pages->num_pages(), page_size(),
           deps_.pages->capacity_tokens()));
     }
-    if (live_rooms_.count(request.room) > 0) {
-      return Status::AlreadyExists(absl::StrFormat("room %d is already live", request.room));
-    }
-    for (const auto& q : quarantined_) {
-      if (q->request.room == request.room) {
-        return Status::AlreadyExists(absl::StrFormat(
-            "room %d: its failed request's pages are still quarantined (prefill may still write "
-            "them)",
-            request.room));
-      }
-    }
-    return Status::OK();
+    return CheckRoomFree(request.room);
   }();
-  if (!s.ok()) {
-    ++counters_.rejected_reqs;
-    return s;
-  }
+  if (!s.ok()) return Reject(std::move(s));
   auto receiver =
       deps_.receivers->CreateReceiver(request.bootstrap, request.room, request.prefill_dp_rank);
   if (!receiver.ok()) {
-    ++counters_.rejected_reqs;
-    return receiver.status().WithPrefix(absl::StrFormat("room %d: CreateReceiver", request.room));
+    return Reject(
+        receiver.status().WithPrefix(absl::StrFormat("room %d: CreateReceiver", request.room)));
   }
   auto r = std::make_unique<Req>();
   r->request = request;
   r->receiver = std::move(*receiver);
-  live_rooms_.insert(request.room);
+  Admit(request.room);
   prealloc_.push_back(std::move(r));
-  ++counters_.requests_total;
   return Status::OK();
 }
 
-Status DecodeScheduler::Step() {
-  if (steps_++ % static_cast<uint64_t>(options_.polling_interval) == 0) {
-    if (Status s = PollQueues(); !s.ok()) return s;  // the quarantine included
-  } else if (options_.group == nullptr && !quarantined_.empty()) {
-    // One rank agrees with itself: the quarantine is checked on every step, not only on polls.
-    std::vector<KVPoll> reusable;
-    for (const auto& r : quarantined_) reusable.push_back(ReusablePoll(r->receiver.get()).Poll());
-    ReleaseQuarantined(reusable);
-  }
-  ResumeRetracted();
-  PreallocNew();
-  MergeWaiting();
-  RunDecodeBatch();
-  Status s = std::move(internal_error_);
-  internal_error_ = Status::OK();
-  return s;
-}
-
-std::vector<FinishedRequest> DecodeScheduler::TakeFinished() {
-  std::vector<FinishedRequest> out;
-  out.swap(finished_);
-  return out;
-}
-
-Status DecodeScheduler::FailureOf(const Req& r) const {
-  Status why = r.receiver->FailureReason();
-  if (!why.ok()) return why;
-  return Status::Aborted(
-      absl::StrFormat("room %d: the transfer failed on another TP rank", r.request.room));
-}
-
-Status DecodeScheduler::PollQueues() {
-  std::vector<const KVPollable*> handles;
+void DecodeScheduler::AppendPolledHandles(std::vector<const KVPollable*>* handles) const {
   for (const auto* q : {&prealloc_, &transfer_}) {
-    for (const auto& r : *q) handles.push_back(r->receiver.get());
+    for (const auto& r : *q) handles->push_back(r->receiver.get());
   }
-  std::vector<ReusablePoll> reuse;
-  reuse.reserve(quarantined_.size());
-  for (const auto& r : quarantined_) handles.push_back(&reuse.emplace_back(r->receiver.get()));
-  if (handles.empty()) return Status::OK();
-  auto polls = PollAndAllReduce(handles, options_.group);
-  if (!polls.ok()) return polls.status().WithPrefix("decode scheduler: PollAndAllReduce");
-  const size_t np = prealloc_.size();
-  // First, so that this step can hand the memory out again; failures below join the back.
-  ReleaseQuarantined(std::span<const KVPoll>(*polls).subspan(np + transfer_.size()));
+}
 
-  std::deque<std::unique_ptr<Req>> still;
-  for (size_t k = 0; k < transfer_.size(); ++k) {
-    auto& r = transfer_[k];
-    const KVPoll p = (*polls)[np + k];
+void DecodeScheduler::OnPolls(std::span<const KVPoll> polls) {
+  const size_t np = prealloc_.size();
+  SweepQueue(transfer_, polls.subspan(np), [&](std::unique_ptr<Req>& r, KVPoll p) {
     if (p == KVPoll::kSuccess) {
       r->transferred = true;
       if (Status s = CommitTransfer(*r); !s.ok()) {
@@ -203,28 +137,25 @@ Status DecodeScheduler::PollQueues() {
         waiting_.push_back(std::move(r));
       }
     } else if (p == KVPoll::kFailed) {
-      Status why = FailureOf(*r);
+      Status why = FailureOf(*r->receiver);
       Finish(std::move(r), std::move(why), FailStage::kTransfer);
-    } else {
-      still.push_back(std::move(r));
     }
-  }
-  transfer_.swap(still);
-
-  still.clear();
-  for (size_t k = 0; k < np; ++k) {
-    auto& r = prealloc_[k];
-    const KVPoll p = (*polls)[k];
+  });
+  SweepQueue(prealloc_, polls.first(np), [&](std::unique_ptr<Req>& r, KVPoll p) {
     if (p == KVPoll::kFailed) {
-      Status why = FailureOf(*r);
+      Status why = FailureOf(*r->receiver);
       Finish(std::move(r), std::move(why), FailStage::kBootstrap);
-      continue;
+    } else if (p >= KVPoll::kWaitingForInput) {
+      r->bootstrapped = true;
     }
-    if (p >= KVPoll::kWaitingForInput) r->bootstrapped = true;
-    still.push_back(std::move(r));
-  }
-  prealloc_.swap(still);
-  return Status::OK();
+  });
+}
+
+void DecodeScheduler::Schedule() {
+  ResumeRetracted();
+  PreallocNew();
+  MergeWaiting();
+  RunDecodeBatch();
 }
 
 AllocatableTokensInput DecodeScheduler::FormulaInput(bool count_retracted) const {
@@ -251,21 +182,6 @@ int64_t DecodeScheduler::AllocatableTokens() const {
   return sched::AllocatableTokens(FormulaInput(/*count_retracted=*/true));
 }
 
-bool DecodeScheduler::Allocate(Req& r, int64_t kv_tokens) {
-  const int32_t pages = static_cast<int32_t>(
-      PageCount(static_cast<uint64_t>(kv_tokens), static_cast<uint32_t>(page_size_)));
-  if (req_slots_.available() < 1 || deps_.pages->free_pages() < pages ||
-      (options_.num_state_slots > 0 && state_slots_.available() < 1)) {
-    return false;
-  }
-  r.req_slot = *req_slots_.Alloc();
-  if (!deps_.pages->Alloc(pages, r.request.room, &req_slots_.page_table(r.req_slot))) {
-    Check(Status::Internal("page allocation failed with enough free pages"));
-  }
-  if (options_.num_state_slots > 0) r.state_slot = *state_slots_.Alloc();
-  return true;
-}
-
 void DecodeScheduler::ResumeRetracted() {
   if (retracted_.empty()) return;
   int64_t allocatable = sched::AllocatableTokens(FormulaInput(/*count_retracted=*/false));
@@ -273,18 +189,18 @@ void DecodeScheduler::ResumeRetracted() {
   while (!retracted_.empty()) {
     Req& r = *retracted_.front();
     const int64_t required = r.held_tokens() + options_.reserved_decode_tokens;
-    if (required > allocatable || !Allocate(r, r.kv_tokens)) break;
+    if (required > allocatable || !Allocate(r.mem, r.request.room, r.kv_tokens)) break;
     allocatable -= required;
     std::unique_ptr<Req> owned = std::move(retracted_.front());
     retracted_.pop_front();
-    Status s = deps_.model->RestoreKV(owned->offloaded, req_slots_.page_table(owned->req_slot),
-                                      owned->state_slot);
+    Status s =
+        deps_.model->RestoreKV(owned->offloaded, page_table(owned->mem), owned->mem.state_slot);
     owned->offloaded = HostKV{};
     if (!s.ok()) {
       Finish(std::move(owned), s.WithPrefix("restoring retracted KV"), FailStage::kTransfer);
       continue;
     }
-    ++counters_.resumed_reqs;
+    ++counters().resumed_reqs;
     resumed.push_back(std::move(owned));
   }
   // Resumed requests go ahead of newly transferred ones.
@@ -308,18 +224,17 @@ void DecodeScheduler::PreallocNew() {
         PreallocCharge(allocatable, r->prompt_len(),
                        std::min(r->request.max_new_tokens, options_.clip_max_new_tokens),
                        options_.reserved_decode_tokens, retractable);
-    if (!charge || aux_slots_.available() < 1 || !Allocate(*r, r->prompt_len())) {
+    if (!charge || aux_available() < 1 || !Allocate(r->mem, r->request.room, r->prompt_len())) {
       blocked = true;
       still.push_back(std::move(r));
       continue;
     }
     allocatable -= *charge;
-    r->aux_slot = aux_slots_.Alloc();
+    AllocAux(r->mem);
     r->prealloc_tokens = r->prompt_len();
     std::vector<int32_t> state;
-    if (r->state_slot >= 0) state.push_back(r->state_slot);
-    if (Status s = r->receiver->Init(req_slots_.page_table(r->req_slot), r->aux_slot, state);
-        !s.ok()) {
+    if (r->mem.state_slot >= 0) state.push_back(r->mem.state_slot);
+    if (Status s = r->receiver->Init(page_table(r->mem), r->mem.aux_slot, state); !s.ok()) {
       Finish(std::move(r), s.WithPrefix("KVReceiver::Init"), FailStage::kBootstrap);
       continue;
     }
@@ -330,7 +245,7 @@ void DecodeScheduler::PreallocNew() {
 }
 
 Status DecodeScheduler::CommitTransfer(Req& r) {
-  const uint32_t slot = *r.aux_slot;
+  const uint32_t slot = *r.mem.aux_slot;
   // SPEC R4.4: the slot must carry this request's room, or the bytes belong to someone else.
   const uint64_t got = deps_.metadata->bootstrap_room(slot)[0];
   if (got != r.request.room) {
@@ -347,15 +262,10 @@ Status DecodeScheduler::CommitTransfer(Req& r) {
   r.kv_tokens = r.prompt_len();
   r.arrived_us = Now();
   if (options_.on_token) options_.on_token(r.request.room, 0, first);
-  Check(aux_slots_.Free(slot));
-  r.aux_slot.reset();
-  const size_t pages = req_slots_.page_table(r.req_slot).size();
-  r.received_pages = pages;
-  counters_.transferred_pages += pages;
-  counters_.transferred_bytes += pages * options_.kv_bytes_per_page;
-  counters_.transfer_latency_us_sum +=
-      static_cast<uint64_t>(std::max<int64_t>(0, r.arrived_us - r.init_us));
-  ++counters_.transfer_latency_count;
+  FreeAux(r.mem);
+  r.received_pages = page_table(r.mem).size();
+  CountTransferredPages(r.received_pages);
+  CountTransferLatency(r.init_us, r.arrived_us);
   r.prealloc_tokens = 0;
   return Status::OK();
 }
@@ -386,13 +296,13 @@ bool DecodeScheduler::Retract(size_t index) {
   // Only running requests are retracted: their transfer succeeded, so pdlib writes none of their
   // pages again and they can be freed at once.
   Req& r = *running_[index];
-  auto kv = deps_.model->OffloadKV(req_slots_.page_table(r.req_slot), r.kv_tokens, r.state_slot);
+  auto kv = deps_.model->OffloadKV(page_table(r.mem), r.kv_tokens, r.mem.state_slot);
   if (!kv.ok()) return false;
   r.offloaded = std::move(*kv);
-  Release(r);
+  Release(r.mem, r.request.room);
   retracted_.push_back(std::move(running_[index]));
   running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
-  ++counters_.retracted_reqs;
+  ++counters().retracted_reqs;
   return true;
 }
 
@@ -400,8 +310,8 @@ void DecodeScheduler::RunDecodeBatch() {
   if (running_.empty()) return;
   // This step writes each request's last token at position kv_tokens.
   auto needs_page = [&](const Req& r) {
-    return PageCount(static_cast<uint64_t>(r.kv_tokens + 1), static_cast<uint32_t>(page_size_)) >
-           req_slots_.page_table(r.req_slot).size();
+    return PageCount(static_cast<uint64_t>(r.kv_tokens + 1), static_cast<uint32_t>(page_size())) >
+           page_table(r.mem).size();
   };
   auto pages_needed = [&] {
     int32_t n = 0;
@@ -417,8 +327,7 @@ void DecodeScheduler::RunDecodeBatch() {
   }
   std::vector<std::unique_ptr<Req>> batch;
   for (auto& r : running_) {
-    if (needs_page(*r) &&
-        !deps_.pages->Alloc(1, r->request.room, &req_slots_.page_table(r->req_slot))) {
+    if (needs_page(*r) && !deps_.pages->Alloc(1, r->request.room, &page_table(r->mem))) {
       Finish(std::move(r),
              Status::ResourceExhausted(absl::StrFormat(
                  "room %d: no free KV page for token %d and nothing left to retract (%d pages "
@@ -437,23 +346,17 @@ void DecodeScheduler::RunDecodeBatch() {
     chunks.push_back({.room = r->request.room,
                       .tokens = std::span(r->output_ids).last(1),
                       .start_pos = static_cast<int32_t>(r->kv_tokens),
-                      .page_table = req_slots_.page_table(r->req_slot),
-                      .state_slot = r->state_slot});
+                      .page_table = page_table(r->mem),
+                      .state_slot = r->mem.state_slot});
   }
   std::vector<ForwardOutput> results;
-  Status forward = deps_.model->Forward(chunks, &results);
-  if (forward.ok() && results.size() != chunks.size()) {
-    forward = Status::Internal(
-        absl::StrFormat("model returned %d results for %d chunks", results.size(), chunks.size()));
-  }
-  ++counters_.forward_passes;
+  const Status forward = Forward(chunks, &results);
   for (size_t k = 0; k < batch.size(); ++k) {
     auto& r = batch[k];
     if (!forward.ok()) {
       Finish(std::move(r), forward.WithPrefix("decode forward"), FailStage::kTransfer);
       continue;
     }
-    ++counters_.forward_tokens;
     r->kv_tokens += 1;
     r->output_ids.push_back(results[k].token);
     if (options_.on_token) {
@@ -468,47 +371,7 @@ void DecodeScheduler::RunDecodeBatch() {
   }
 }
 
-void DecodeScheduler::Release(Req& r) {
-  if (r.req_slot >= 0) {
-    Check(deps_.pages->Free(req_slots_.page_table(r.req_slot), r.request.room));
-    Check(req_slots_.Free(r.req_slot));
-    r.req_slot = -1;
-  }
-  if (r.aux_slot) Check(aux_slots_.Free(*r.aux_slot));
-  r.aux_slot.reset();
-  if (r.state_slot >= 0) Check(state_slots_.Free(r.state_slot));
-  r.state_slot = -1;
-}
-
-void DecodeScheduler::Retire(std::unique_ptr<Req> r) {
-  const bool holds = r->req_slot >= 0 || r->aux_slot.has_value() || r->state_slot >= 0;
-  // Without a group this rank's answer is the agreed one; with one, a failed request's memory
-  // waits for the next poll, so that every rank frees it on the same step.
-  const bool reusable =
-      r->transferred || (options_.group == nullptr && r->receiver->PagesReusable());
-  if (holds && !reusable) {
-    quarantined_.push_back(std::move(r));
-    return;
-  }
-  Release(*r);
-}
-
-void DecodeScheduler::ReleaseQuarantined(std::span<const KVPoll> reusable) {
-  size_t kept = 0;
-  for (size_t k = 0; k < quarantined_.size(); ++k) {
-    if (k < reusable.size() && reusable[k] == KVPoll::kSuccess) {
-      Release(*quarantined_[k]);
-      quarantined_[k].reset();  // the receiver goes with it
-      continue;
-    }
-    if (kept != k) quarantined_[kept] = std::move(quarantined_[k]);
-    ++kept;
-  }
-  quarantined_.resize(kept);
-}
-
 void DecodeScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage stage) {
-  if (!status.ok() && !IsTerminal(r->receiver->Poll())) r->receiver->Abort(status.ToString());
   FinishedRequest f{.room = r->request.room,
                     .status = std::move(status),
                     .output_ids = {},
@@ -516,29 +379,17 @@ void DecodeScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage st
                     .transfer_start_us = r->init_us,
                     .transfer_end_us = r->arrived_us,
                     .kv_bytes = r->received_pages * options_.kv_bytes_per_page};
-  if (f.status.ok()) {
-    ++counters_.finished_reqs;
-    f.output_ids = std::move(r->output_ids);
-  } else if (stage == FailStage::kBootstrap) {
-    ++counters_.bootstrap_failed_reqs;
-  } else {
-    ++counters_.transfer_failed_reqs;
-  }
-  live_rooms_.erase(r->request.room);
-  finished_.push_back(std::move(f));
-  Retire(std::move(r));
+  if (f.status.ok()) f.output_ids = std::move(r->output_ids);
+  // Tells prefill why before the receiver goes (destroying a live receiver aborts it anyway).
+  FinishRequest(std::move(f), stage, std::move(r->receiver), r->mem, r->transferred);
 }
 
 void DecodeScheduler::FailAll(const Status& why) {
   for (auto* q : {&prealloc_, &transfer_, &waiting_, &retracted_}) {
     const FailStage stage = q == &prealloc_ ? FailStage::kBootstrap : FailStage::kTransfer;
-    std::deque<std::unique_ptr<Req>> all;
-    all.swap(*q);
-    for (auto& r : all) Finish(std::move(r), why, stage);
+    for (auto& r : std::exchange(*q, {})) Finish(std::move(r), why, stage);
   }
-  std::vector<std::unique_ptr<Req>> running;
-  running.swap(running_);
-  for (auto& r : running) Finish(std::move(r), why, FailStage::kTransfer);
+  for (auto& r : std::exchange(running_, {})) Finish(std::move(r), why, FailStage::kTransfer);
 }
 
 bool DecodeScheduler::idle() const {
@@ -565,19 +416,13 @@ std::vector<uint64_t> DecodeScheduler::waiting_rooms() const {
 }
 
 SchedulerMetrics DecodeScheduler::metrics() const {
-  SchedulerMetrics m = counters_;
+  SchedulerMetrics m = CoreMetrics();
   m.prealloc_queue_size = prealloc_.size();
   m.transfer_queue_size = transfer_.size();
   m.waiting_queue_size = waiting_.size();
   m.running_requests = running_.size();
   m.retracted_queue_size = retracted_.size();
   for (const auto& r : transfer_) m.prealloc_tokens += static_cast<uint64_t>(r->prealloc_tokens);
-  m.total_tokens = static_cast<uint64_t>(deps_.pages->capacity_tokens());
-  m.free_tokens = static_cast<uint64_t>(deps_.pages->available_tokens());
-  m.quarantined_requests = quarantined_.size();
-  for (const auto& r : quarantined_) {
-    if (r->req_slot >= 0) m.quarantined_pages += req_slots_.page_table(r->req_slot).size();
-  }
   return m;
 }
 

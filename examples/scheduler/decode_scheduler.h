@@ -36,7 +36,6 @@
 #include <deque>
 #include <functional>
 #include <memory>
-#include <set>
 #include <span>
 #include <vector>
 
@@ -44,6 +43,7 @@
 #include "examples/scheduler/engine.h"
 #include "examples/scheduler/metrics.h"
 #include "examples/scheduler/pools.h"
+#include "examples/scheduler/scheduler_core.h"
 #include "pdlib/metadata_buffers.h"
 #include "pdlib/poll_reduce.h"
 
@@ -86,23 +86,24 @@ struct DecodeDeps {
   ModelRunner* model = nullptr;
 };
 
-class DecodeScheduler {
+// The request lifecycle, polling, page accounting and metrics live in SchedulerCore
+// (scheduler_core.h); this class is the decode policy: pre-allocation, receiving, prebuilt batch,
+// decode steps and retraction.
+class DecodeScheduler final : public SchedulerCore {
  public:
   static StatusOr<std::unique_ptr<DecodeScheduler>> Create(const DecodeSchedulerOptions& options,
                                                            const DecodeDeps& deps);
-  ~DecodeScheduler();
-  DecodeScheduler(const DecodeScheduler&) = delete;
-  DecodeScheduler& operator=(const DecodeScheduler&) = delete;
+  ~DecodeScheduler() override;
 
   // Validates the request and creates its receiver. Refused, with the numbers: an empty prompt,
   // max_new_tokens < 1, prompt + max_new_tokens beyond max_context_len or the whole KV cache,
   // a room already live or still quarantined.
   Status AddRequest(const Request& request);
-  // One loop iteration: (every polling_interval steps) poll, resume retracted requests,
-  // pre-allocate, collect finished transfers; merge the waiting queue into the running batch;
-  // run one decode step (retracting first if pages are short).
-  Status Step();
-  std::vector<FinishedRequest> TakeFinished();
+  // Step() (SchedulerCore) is one loop iteration: (every polling_interval steps) poll; resume
+  // retracted requests, pre-allocate, collect finished transfers; merge the waiting queue into
+  // the running batch; run one decode step (retracting first if pages are short).
+  // TakeFinished() and quarantined_size() come from there too.
+  //
   // Fails every live request with `why` (its receiver is aborted with that reason, so prefill
   // learns it) and frees its pages and slots, or quarantines them like any failed request's;
   // TakeFinished returns them. For a host that shuts down or gives up; `why` must not be OK.
@@ -119,8 +120,6 @@ class DecodeScheduler {
   size_t waiting_queue_size() const { return waiting_.size(); }
   size_t running_size() const { return running_.size(); }
   size_t retracted_queue_size() const { return retracted_.size(); }
-  // Failed requests whose memory waits for PagesReusable().
-  size_t quarantined_size() const { return quarantined_.size(); }
   // Rooms in the running batch / retracted queue, in order (tests and debugging).
   std::vector<uint64_t> running_rooms() const;
   std::vector<uint64_t> retracted_rooms() const;
@@ -128,13 +127,13 @@ class DecodeScheduler {
 
  private:
   struct Req;
-  enum class FailStage { kBootstrap, kTransfer };
 
   DecodeScheduler(const DecodeSchedulerOptions& options, const DecodeDeps& deps);
-  Status PollQueues();
+  void AppendPolledHandles(std::vector<const KVPollable*>* handles) const override;
+  void OnPolls(std::span<const KVPoll> polls) override;
+  void Schedule() override;
   void ResumeRetracted();
   void PreallocNew();
-  bool Allocate(Req& r, int64_t kv_tokens);
   Status CommitTransfer(Req& r);
   void MergeWaiting();
   void RunDecodeBatch();
@@ -142,30 +141,11 @@ class DecodeScheduler {
   bool Done(const Req& r) const;
   AllocatableTokensInput FormulaInput(bool count_retracted) const;
   void Finish(std::unique_ptr<Req> r, Status status, FailStage stage);
-  // Frees a finished request's memory now, or quarantines it until PagesReusable().
-  void Retire(std::unique_ptr<Req> r);
-  // Frees the memory of quarantined_[k] for every k < reusable.size() with reusable[k] ==
-  // kSuccess (ReusablePoll's answer, reduced over the group).
-  void ReleaseQuarantined(std::span<const KVPoll> reusable);
-  void Release(Req& r);
-  void Check(Status s);
-  Status FailureOf(const Req& r) const;
-  int64_t Now() const;
 
   DecodeSchedulerOptions options_;
   DecodeDeps deps_;
-  int32_t page_size_;
-  DecodeReqToTokenPool req_slots_;
-  MetadataSlotAllocator aux_slots_;
-  IndexAllocator state_slots_;
   std::deque<std::unique_ptr<Req>> prealloc_, transfer_, waiting_, retracted_;
   std::vector<std::unique_ptr<Req>> running_;
-  std::vector<std::unique_ptr<Req>> quarantined_;  // finished; memory held, oldest first
-  uint64_t steps_ = 0;
-  std::set<uint64_t> live_rooms_;
-  std::vector<FinishedRequest> finished_;
-  SchedulerMetrics counters_;
-  Status internal_error_;
 };
 
 }  // namespace pdlib::sched

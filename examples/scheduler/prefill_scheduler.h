@@ -37,13 +37,13 @@
 #include <deque>
 #include <functional>
 #include <memory>
-#include <set>
 #include <span>
 #include <vector>
 
 #include "examples/scheduler/engine.h"
 #include "examples/scheduler/metrics.h"
 #include "examples/scheduler/pools.h"
+#include "examples/scheduler/scheduler_core.h"
 #include "pdlib/metadata_buffers.h"
 #include "pdlib/poll_reduce.h"
 
@@ -73,24 +73,23 @@ struct PrefillDeps {
   ModelRunner* model = nullptr;
 };
 
-class PrefillScheduler {
+// The request lifecycle, polling, page accounting and metrics live in SchedulerCore
+// (scheduler_core.h); this class is the prefill policy: bootstrap, chunked prefill, Send.
+class PrefillScheduler final : public SchedulerCore {
  public:
   // kInvalidArgument for a missing dependency or an option out of range (named).
   static StatusOr<std::unique_ptr<PrefillScheduler>> Create(const PrefillSchedulerOptions& options,
                                                             const PrefillDeps& deps);
-  ~PrefillScheduler();
-  PrefillScheduler(const PrefillScheduler&) = delete;
-  PrefillScheduler& operator=(const PrefillScheduler&) = delete;
+  ~PrefillScheduler() override;
 
   // Validates the request and creates its sender. Refused, with the numbers: an empty prompt,
   // one longer than max_context_len or than the whole KV cache, a room already live or still
   // quarantined.
   Status AddRequest(const Request& request);
-  // One loop iteration: poll, admit bootstrapped requests, run one (chunked) prefill batch,
-  // send its KV, release finished transfers. Request failures become FinishedRequests; only
-  // a failed collective or a broken invariant is returned.
-  Status Step();
-  std::vector<FinishedRequest> TakeFinished();
+  // Step() (SchedulerCore) is one loop iteration: poll, admit bootstrapped requests, run one
+  // (chunked) prefill batch, send its KV, release finished transfers. TakeFinished() and
+  // quarantined_size() come from there too.
+  //
   // Fails every live request with `why` (its sender is aborted with that reason, so decode
   // learns it) and frees its pages and slots, or quarantines them like any failed request's;
   // TakeFinished returns them. For a host that shuts down or gives up; `why` must not be OK.
@@ -102,44 +101,25 @@ class PrefillScheduler {
   size_t bootstrap_queue_size() const { return bootstrap_.size(); }
   size_t waiting_queue_size() const { return waiting_.size(); }
   size_t inflight_queue_size() const { return inflight_.size(); }
-  // Failed requests whose memory waits for PagesReusable().
-  size_t quarantined_size() const { return quarantined_.size(); }
 
  private:
   struct Req;
-  enum class FailStage { kBootstrap, kTransfer };
 
   PrefillScheduler(const PrefillSchedulerOptions& options, const PrefillDeps& deps);
+  void AppendPolledHandles(std::vector<const KVPollable*>* handles) const override;
+  void OnPolls(std::span<const KVPoll> polls) override;
+  void Schedule() override { RunPrefillBatch(); }
   void ProcessInflight(std::span<const KVPoll> polls);
   void ProcessWaiting(std::span<const KVPoll> polls);
   void ProcessBootstrap(std::span<const KVPoll> polls);
   void RunPrefillBatch();
-  bool StartRequest(Req& r);
   Status SendChunk(Req& r, const ForwardOutput* last);
   void WriteMetadata(uint32_t slot, uint64_t room, const ForwardOutput& out);
   void Finish(std::unique_ptr<Req> r, Status status, FailStage stage);
-  // Frees a finished request's memory now, or quarantines it until PagesReusable().
-  void Retire(std::unique_ptr<Req> r);
-  // Frees the memory of quarantined_[k] for every k < reusable.size() with reusable[k] ==
-  // kSuccess (ReusablePoll's answer, reduced over the group).
-  void ReleaseQuarantined(std::span<const KVPoll> reusable);
-  void Release(Req& r);
-  void Check(Status s);
-  Status FailureOf(const Req& r) const;
-  int64_t Now() const;
 
   PrefillSchedulerOptions options_;
   PrefillDeps deps_;
-  int32_t page_size_;
-  ReqToTokenPool req_slots_;
-  MetadataSlotAllocator aux_slots_;
-  IndexAllocator state_slots_;
   std::deque<std::unique_ptr<Req>> bootstrap_, waiting_, inflight_;
-  std::vector<std::unique_ptr<Req>> quarantined_;  // finished; memory held, oldest first
-  std::set<uint64_t> live_rooms_;
-  std::vector<FinishedRequest> finished_;
-  SchedulerMetrics counters_;
-  Status internal_error_;
 };
 
 }  // namespace pdlib::sched

@@ -6,10 +6,10 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <map>
-#include <thread>
 
 #include "examples/scheduler/decode_scheduler.h"
 #include "scheduler_fakes.h"
+#include "scheduler_test_rig.h"
 
 namespace pdlib::sched {
 namespace {
@@ -18,11 +18,12 @@ using testing::FakeModel;
 using testing::FakeTransport;
 using testing::NextToken;
 using testing::ReferenceOutput;
+using testing::StepAllRanks;
 
-struct DecodeRig {
+struct DecodeRig : testing::SchedulerRig<DecodeScheduler> {
   DecodeRig(DecodeSchedulerOptions o, int32_t num_pages, int32_t page_size,
             size_t metadata_slots = 64)
-      : pages(num_pages, page_size, &events), model(num_pages, page_size) {
+      : SchedulerRig(num_pages, page_size) {
     metadata = std::move(*MetadataBuffers::Create(metadata_slots, 0, 0));
     o.vocab_size = model.vocab();
     auto s = DecodeScheduler::Create(o, {&pages, metadata.get(), &transport, &model});
@@ -36,9 +37,7 @@ struct DecodeRig {
     for (int32_t i = 0; i < prompt_len; ++i)
       r.prompt.push_back(static_cast<int32_t>((room * 7 + i) % 50));
     r.max_new_tokens = max_new;
-    REQUIRE(sched->AddRequest(r).ok());
-    requests[room] = r;
-    if (connect) transport[room].state = KVPoll::kWaitingForInput;
+    SchedulerRig::Add(r, connect);
   }
 
   // Plays prefill for every receiver that was given pages: KV, metadata slot, Success.
@@ -56,20 +55,6 @@ struct DecodeRig {
       if (h->init_called && h->state == KVPoll::kWaitingForInput) Deliver(room);
     }
   }
-
-  void Step() {
-    REQUIRE(sched->Step().ok());
-    for (FinishedRequest& f : sched->TakeFinished()) finished[f.room] = std::move(f);
-  }
-
-  KVEventPublisher events{4096};
-  PageAllocator pages;
-  FakeModel model;
-  FakeTransport transport;
-  std::unique_ptr<MetadataBuffers> metadata;
-  std::unique_ptr<DecodeScheduler> sched;
-  std::map<uint64_t, Request> requests;
-  std::map<uint64_t, FinishedRequest> finished;
 };
 
 }  // namespace
@@ -382,7 +367,7 @@ TEST_CASE(
   // until prefill drains the room).
   rig.transport[2].abort_quarantines = true;
   rig.sched->FailAll(Status::Unavailable("decode host gives up"));
-  for (FinishedRequest& f : rig.sched->TakeFinished()) rig.finished[f.room] = std::move(f);
+  rig.CollectFinished();
   REQUIRE(rig.finished.size() == 2);
   for (auto& [room, f] : rig.finished) CHECK(f.status.code() == StatusCode::kUnavailable);
   CHECK(rig.transport[2].state == KVPoll::kFailed);
@@ -404,32 +389,15 @@ TEST_CASE("scheduler: decode TP ranks free a quarantined request's memory on the
   // Room 1 fails on rank 0 with its pages quarantined; rank 1's receiver was still transferring
   // and is aborted (reusable at once there). Both ranks hold the memory until rank 0's pages are
   // reusable, so their pools stay the same.
-  auto group = InProcessGroup::Create(2);
-  std::vector<std::unique_ptr<DecodeRig>> rigs;
-  for (int r = 0; r < 2; ++r) {
-    DecodeSchedulerOptions o;
-    o.reserved_decode_tokens = 0;
-    o.group = group[static_cast<size_t>(r)].get();
-    rigs.push_back(std::make_unique<DecodeRig>(o, 8, 4));
-    rigs.back()->Add(1, 8, 2);
-  }
-  auto step_all = [&] {
-    Status results[2];
-    std::thread t0([&] { results[0] = rigs[0]->sched->Step(); });
-    std::thread t1([&] { results[1] = rigs[1]->sched->Step(); });
-    t0.join();
-    t1.join();
-    REQUIRE(results[0].ok());
-    REQUIRE(results[1].ok());
-    for (auto& rig : rigs) {
-      for (FinishedRequest& f : rig->sched->TakeFinished()) rig->finished[f.room] = std::move(f);
-    }
-  };
-  step_all();
+  DecodeSchedulerOptions o;
+  o.reserved_decode_tokens = 0;
+  auto [group, rigs] = testing::MakeTpRanks<DecodeRig>(2, o, 8, 4);
+  for (auto& rig : rigs) rig->Add(1, 8, 2);
+  StepAllRanks(rigs);
   for (auto& rig : rigs) REQUIRE(rig->transport[1].init_called);
   rigs[0]->transport[1].Fail("prefill rank paused", /*quarantined=*/true);
   rigs[1]->transport[1].state = KVPoll::kTransferring;
-  step_all();
+  StepAllRanks(rigs);
   for (int r = 0; r < 2; ++r) {
     INFO("rank " << r);
     REQUIRE(rigs[r]->finished.count(1) == 1);
@@ -439,10 +407,10 @@ TEST_CASE("scheduler: decode TP ranks free a quarantined request's memory on the
   }
   CHECK(rigs[1]->transport[1].state == KVPoll::kFailed);  // aborted
   CHECK(rigs[1]->transport[1].reusable);
-  for (int i = 0; i < 3; ++i) step_all();
+  for (int i = 0; i < 3; ++i) StepAllRanks(rigs);
   for (auto& rig : rigs) CHECK(rig->pages.free_pages() == 6);
   rigs[0]->transport[1].reusable = true;
-  step_all();
+  StepAllRanks(rigs);
   for (int r = 0; r < 2; ++r) {
     INFO("rank " << r);
     CHECK(rigs[r]->sched->quarantined_size() == 0);

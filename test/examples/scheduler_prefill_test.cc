@@ -4,10 +4,10 @@
 // (a failed request's source pages stay quarantined until PagesReusable()).
 #include <catch2/catch.hpp>
 #include <map>
-#include <thread>
 
 #include "examples/scheduler/prefill_scheduler.h"
 #include "scheduler_fakes.h"
+#include "scheduler_test_rig.h"
 
 namespace pdlib::sched {
 namespace {
@@ -15,10 +15,11 @@ namespace {
 using testing::FakeModel;
 using testing::FakeTransport;
 using testing::NextToken;
+using testing::StepAllRanks;
 
-struct PrefillRig {
+struct PrefillRig : testing::SchedulerRig<PrefillScheduler> {
   explicit PrefillRig(PrefillSchedulerOptions o, int32_t num_pages = 32, int32_t page_size = 4)
-      : pages(num_pages, page_size, &events), model(num_pages, page_size) {
+      : SchedulerRig(num_pages, page_size) {
     metadata = std::move(*MetadataBuffers::Create(
         MetadataBuffers::SlotCountFor(static_cast<size_t>(o.max_running_requests)), 0, 0));
     auto s = PrefillScheduler::Create(o, {&pages, metadata.get(), &transport, &model});
@@ -31,24 +32,8 @@ struct PrefillRig {
     r.room = room;
     for (int32_t i = 0; i < prompt_len; ++i)
       r.prompt.push_back(static_cast<int32_t>((room + 3 * i) % 50));
-    REQUIRE(sched->AddRequest(r).ok());
-    requests[room] = r;
-    if (connect) transport[room].state = KVPoll::kWaitingForInput;
+    SchedulerRig::Add(r, connect);
   }
-
-  void Step() {
-    REQUIRE(sched->Step().ok());
-    for (FinishedRequest& f : sched->TakeFinished()) finished[f.room] = std::move(f);
-  }
-
-  KVEventPublisher events{4096};
-  PageAllocator pages;
-  FakeModel model;
-  FakeTransport transport;
-  std::unique_ptr<MetadataBuffers> metadata;
-  std::unique_ptr<PrefillScheduler> sched;
-  std::map<uint64_t, Request> requests;
-  std::map<uint64_t, FinishedRequest> finished;
 };
 
 std::vector<KVEvent> AllEvents(KVEventPublisher& p) {
@@ -219,34 +204,18 @@ TEST_CASE("scheduler: prefill sends the state slot with the last chunk (hybrid m
 TEST_CASE("scheduler: prefill TP ranks agree through PollAndAllReduce") {
   // Two ranks, each with its own scheduler and senders, step in lockstep. Room 2's sender fails
   // on rank 1 only: both ranks fail it; room 1 succeeds on both.
-  auto group = InProcessGroup::Create(2);
-  std::vector<std::unique_ptr<PrefillRig>> rigs;
-  for (int r = 0; r < 2; ++r) {
-    PrefillSchedulerOptions o;
-    o.group = group[static_cast<size_t>(r)].get();
-    rigs.push_back(std::make_unique<PrefillRig>(o));
-    rigs.back()->Add(1, 6);
-    rigs.back()->Add(2, 6);
+  auto [group, rigs] = testing::MakeTpRanks<PrefillRig>(2, PrefillSchedulerOptions{});
+  for (auto& rig : rigs) {
+    rig->Add(1, 6);
+    rig->Add(2, 6);
   }
-  auto step_all = [&] {
-    Status results[2];
-    std::thread t0([&] { results[0] = rigs[0]->sched->Step(); });
-    std::thread t1([&] { results[1] = rigs[1]->sched->Step(); });
-    t0.join();
-    t1.join();
-    REQUIRE(results[0].ok());
-    REQUIRE(results[1].ok());
-    for (auto& rig : rigs) {
-      for (FinishedRequest& f : rig->sched->TakeFinished()) rig->finished[f.room] = std::move(f);
-    }
-  };
-  step_all();
+  StepAllRanks(rigs);
   for (auto& rig : rigs) CHECK(rig->sched->inflight_queue_size() == 2);
   rigs[0]->transport[1].state = KVPoll::kSuccess;
   rigs[1]->transport[1].state = KVPoll::kTransferring;  // rank 1 not done yet
   rigs[1]->transport[2].Fail("rank 1: decode peer gone");
   rigs[0]->transport[2].state = KVPoll::kSuccess;
-  step_all();
+  StepAllRanks(rigs);
   for (int r = 0; r < 2; ++r) {
     INFO("rank " << r);
     CHECK(rigs[r]->finished.count(1) == 0);  // MIN(Success, Transferring) = Transferring
@@ -256,7 +225,7 @@ TEST_CASE("scheduler: prefill TP ranks agree through PollAndAllReduce") {
   CHECK(rigs[1]->finished[2].status.message() == "rank 1: decode peer gone");
   CHECK(rigs[0]->finished[2].status.message() == "room 2: the transfer failed on another TP rank");
   rigs[1]->transport[1].state = KVPoll::kSuccess;
-  step_all();
+  StepAllRanks(rigs);
   for (auto& rig : rigs) {
     REQUIRE(rig->finished.count(1) == 1);
     CHECK(rig->finished[1].status.ok());
@@ -331,7 +300,7 @@ TEST_CASE("scheduler: prefill FailAll quarantines aborted senders; shutdown free
   CHECK(rig.finished[1].status.ok());
   CHECK(rig.pages.free_pages() == 7);
   rig.sched->FailAll(Status::Unavailable("prefill host is shutting down"));
-  for (FinishedRequest& f : rig.sched->TakeFinished()) rig.finished[f.room] = std::move(f);
+  rig.CollectFinished();
   REQUIRE(rig.finished.count(2) == 1);
   CHECK(rig.finished[2].status.code() == StatusCode::kUnavailable);
   CHECK(rig.sched->quarantined_size() == 1);
@@ -344,33 +313,15 @@ TEST_CASE("scheduler: prefill FailAll quarantines aborted senders; shutdown free
 }
 
 TEST_CASE("scheduler: prefill TP ranks free a quarantined request's pages on the same step") {
-  auto group = InProcessGroup::Create(2);
-  std::vector<std::unique_ptr<PrefillRig>> rigs;
-  for (int r = 0; r < 2; ++r) {
-    PrefillSchedulerOptions o;
-    o.group = group[static_cast<size_t>(r)].get();
-    rigs.push_back(std::make_unique<PrefillRig>(o));
-    rigs.back()->Add(1, 6);
-  }
-  auto step_all = [&] {
-    Status results[2];
-    std::thread t0([&] { results[0] = rigs[0]->sched->Step(); });
-    std::thread t1([&] { results[1] = rigs[1]->sched->Step(); });
-    t0.join();
-    t1.join();
-    REQUIRE(results[0].ok());
-    REQUIRE(results[1].ok());
-    for (auto& rig : rigs) {
-      for (FinishedRequest& f : rig->sched->TakeFinished()) rig->finished[f.room] = std::move(f);
-    }
-  };
-  step_all();
+  auto [group, rigs] = testing::MakeTpRanks<PrefillRig>(2, PrefillSchedulerOptions{});
+  for (auto& rig : rigs) rig->Add(1, 6);
+  StepAllRanks(rigs);
   for (auto& rig : rigs) REQUIRE(rig->sched->inflight_queue_size() == 1);
   // Rank 1's sender fails with a write in flight; rank 0's succeeded (reusable there at once).
   rigs[1]->transport[1].Fail("decode rank went away", /*quarantined=*/true);
   rigs[0]->transport[1].state = KVPoll::kSuccess;
-  step_all();
-  for (int i = 0; i < 3; ++i) step_all();
+  StepAllRanks(rigs);
+  for (int i = 0; i < 3; ++i) StepAllRanks(rigs);
   for (int r = 0; r < 2; ++r) {
     INFO("rank " << r);
     REQUIRE(rigs[r]->finished.count(1) == 1);
@@ -379,7 +330,7 @@ TEST_CASE("scheduler: prefill TP ranks free a quarantined request's pages on the
     CHECK(rigs[r]->pages.free_pages() == 30);
   }
   rigs[1]->transport[1].reusable = true;
-  step_all();
+  StepAllRanks(rigs);
   for (int r = 0; r < 2; ++r) {
     INFO("rank " << r);
     CHECK(rigs[r]->sched->quarantined_size() == 0);
