@@ -12,6 +12,10 @@ PACKAGES=(
   libucx-dev ucx-utils
   libibverbs-dev rdma-core ibverbs-utils
   catch2 libbenchmark-dev
+  # JSON (router API, safetensors headers, bench/chaos output) and the router's HTTP/1.1 server
+  # (issue #15: well-kept libraries instead of hand-written parsers). Debian's cpp-httplib is a
+  # compiled library (libcpp-httplib.so, found through pkg-config), not header-only.
+  nlohmann-json3-dev libcpp-httplib-dev
   # The Soft-RoCE VM tests (test/rxe/): qemu boots Debian's stock kernel, whose rdma_rxe module
   # gives a real verbs device; busybox-static and cpio make its initramfs, kmod and iproute2
   # (the rdma tool) set the device up, perftest and ibverbs-providers run on it.

@@ -1,279 +1,159 @@
 #include "json.h"
 
-#include <cstdlib>
+#include <iterator>
 #include <string>
 #include <utility>
+#include <vector>
 
-namespace pdlib::kernels::internal {
-
-const JsonValue* JsonValue::Find(std::string_view key) const {
-  if (type != Type::kObject) return nullptr;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    if (keys[i] == key) return &items[i];
-  }
-  return nullptr;
-}
-
+namespace pdlib::json {
 namespace {
 
-class Parser {
- public:
-  Parser(std::string_view text, int max_depth) : text_(text), max_depth_(max_depth) {}
+using nlohmann::json;
 
-  StatusOr<JsonValue> ParseDocument() {
-    JsonValue value;
-    Status s = ParseValue(0, &value);
-    if (!s.ok()) return s;
-    SkipSpace();
-    if (pos_ != text_.size()) return Error("trailing characters after the JSON value");
-    return value;
+// A char iterator that records how far the parser has read, so that the errors the builder
+// finds itself (a duplicate key, too deep nesting) name a byte offset as the library's own do.
+class TrackedIterator {
+ public:
+  using iterator_category = std::forward_iterator_tag;
+  using value_type = char;
+  using difference_type = std::ptrdiff_t;
+  using pointer = const char*;
+  using reference = const char&;
+
+  TrackedIterator() = default;
+  TrackedIterator(const char* p, const char** read_to) : p_(p), read_to_(read_to) {}
+  reference operator*() const { return *p_; }
+  TrackedIterator& operator++() {
+    *read_to_ = ++p_;
+    return *this;
   }
+  TrackedIterator operator++(int) {
+    TrackedIterator old = *this;
+    ++*this;
+    return old;
+  }
+  bool operator==(const TrackedIterator& o) const { return p_ == o.p_; }
 
  private:
-  Status Error(const std::string& what) const {
-    return Status::InvalidArgument("JSON header: " + what + " at byte " + std::to_string(pos_));
+  const char* p_ = nullptr;
+  const char** read_to_ = nullptr;
+};
+
+// nlohmann's messages start "[json.exception.parse_error.101] parse error at line 1, column 5: "
+// ahead of what went wrong; the byte offset replaces both.
+std::string Describe(std::string_view what) {
+  if (size_t p = what.find("] "); p != std::string_view::npos) what.remove_prefix(p + 2);
+  if (what.rfind("parse error", 0) == 0) {
+    if (size_t p = what.find(": "); p != std::string_view::npos) what.remove_prefix(p + 2);
+  }
+  return std::string(what);
+}
+
+// A SAX handler that builds the document (as nlohmann's own DOM parser does) and enforces the
+// limits above.
+class StrictBuilder {
+ public:
+  StrictBuilder(int max_depth, const char* begin, const char* const* read_to)
+      : max_depth_(max_depth), begin_(begin), read_to_(read_to) {}
+
+  bool null() { return Place(nullptr) != nullptr; }
+  bool boolean(bool v) { return Place(v) != nullptr; }
+  bool number_integer(json::number_integer_t v) { return Place(v) != nullptr; }
+  bool number_unsigned(json::number_unsigned_t v) { return Place(v) != nullptr; }
+  bool number_float(json::number_float_t v, const json::string_t& /*literal*/) {
+    return Place(v) != nullptr;
+  }
+  bool string(json::string_t& s) { return Place(std::move(s)) != nullptr; }
+  bool binary(json::binary_t& /*b*/) { return Fail("binary value"); }  // never in JSON text
+  bool start_object(std::size_t /*size*/) { return Open(json::value_t::object); }
+  bool end_object() { return Close(); }
+  bool start_array(std::size_t /*size*/) { return Open(json::value_t::array); }
+  bool end_array() { return Close(); }
+  bool key(json::string_t& k) {
+    json& object = *open_.back();
+    if (object.contains(k)) return Fail("duplicate key \"" + k.substr(0, 64) + "\"");
+    slot_ = &object[std::move(k)];
+    return true;
+  }
+  bool parse_error(std::size_t position, const std::string& /*last_token*/,
+                   const nlohmann::detail::exception& e) {
+    error_ = Status::InvalidArgument("malformed JSON at byte " + std::to_string(position) + ": " +
+                                     Describe(e.what()));
+    return false;
   }
 
-  void SkipSpace() {
-    while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' ||
-                                   text_[pos_] == '\n' || text_[pos_] == '\r')) {
-      ++pos_;
+  json TakeRoot() { return std::move(root_); }
+  const Status& error() const { return error_; }
+
+ private:
+  // Puts `v` where the document expects the next value; returns where it now lives.
+  json* Place(json v) {
+    if (open_.empty()) {
+      root_ = std::move(v);
+      return &root_;
     }
+    json& parent = *open_.back();
+    if (parent.is_array()) {
+      auto& items = parent.get_ref<json::array_t&>();
+      items.push_back(std::move(v));
+      return &items.back();
+    }
+    *slot_ = std::move(v);
+    return slot_;
   }
 
-  bool Consume(std::string_view literal) {
-    if (text_.substr(pos_, literal.size()) != literal) return false;
-    pos_ += literal.size();
+  bool Open(json::value_t type) {
+    if (static_cast<int>(open_.size()) >= max_depth_) {
+      return Fail("nesting deeper than " + std::to_string(max_depth_) + " levels");
+    }
+    // The parent's later elements are placed only after this container closes, so the pointer
+    // stays valid while it is open.
+    open_.push_back(Place(json(type)));
     return true;
   }
 
-  Status ParseValue(int depth, JsonValue* out) {
-    if (depth > max_depth_) return Error("nesting deeper than " + std::to_string(max_depth_));
-    SkipSpace();
-    if (pos_ >= text_.size()) return Error("unexpected end of input");
-    char c = text_[pos_];
-    if (c == '{') return ParseObject(depth, out);
-    if (c == '[') return ParseArray(depth, out);
-    if (c == '"') {
-      out->type = JsonValue::Type::kString;
-      return ParseString(&out->string);
-    }
-    if (c == '-' || (c >= '0' && c <= '9')) return ParseNumber(out);
-    if (Consume("true")) {
-      out->type = JsonValue::Type::kBool;
-      out->boolean = true;
-      return Status::OK();
-    }
-    if (Consume("false")) {
-      out->type = JsonValue::Type::kBool;
-      return Status::OK();
-    }
-    if (Consume("null")) {
-      out->type = JsonValue::Type::kNull;
-      return Status::OK();
-    }
-    return Error(std::string("unexpected character '") + c + "'");
+  bool Close() {
+    open_.pop_back();
+    return true;
   }
 
-  Status ParseObject(int depth, JsonValue* out) {
-    out->type = JsonValue::Type::kObject;
-    ++pos_;  // '{'
-    SkipSpace();
-    if (pos_ < text_.size() && text_[pos_] == '}') {
-      ++pos_;
-      return Status::OK();
-    }
-    while (true) {
-      SkipSpace();
-      if (pos_ >= text_.size() || text_[pos_] != '"') return Error("expected an object key");
-      std::string key;
-      Status s = ParseString(&key);
-      if (!s.ok()) return s;
-      SkipSpace();
-      if (pos_ >= text_.size() || text_[pos_] != ':') return Error("expected ':'");
-      ++pos_;
-      JsonValue value;
-      s = ParseValue(depth + 1, &value);
-      if (!s.ok()) return s;
-      out->keys.push_back(std::move(key));
-      out->items.push_back(std::move(value));
-      SkipSpace();
-      if (pos_ >= text_.size()) return Error("unterminated object");
-      if (text_[pos_] == ',') {
-        ++pos_;
-        continue;
-      }
-      if (text_[pos_] == '}') {
-        ++pos_;
-        return Status::OK();
-      }
-      return Error("expected ',' or '}'");
-    }
+  bool Fail(const std::string& what) {
+    error_ = Status::InvalidArgument("malformed JSON at byte " +
+                                     std::to_string(*read_to_ - begin_) + ": " + what);
+    return false;
   }
 
-  Status ParseArray(int depth, JsonValue* out) {
-    out->type = JsonValue::Type::kArray;
-    ++pos_;  // '['
-    SkipSpace();
-    if (pos_ < text_.size() && text_[pos_] == ']') {
-      ++pos_;
-      return Status::OK();
-    }
-    while (true) {
-      JsonValue value;
-      Status s = ParseValue(depth + 1, &value);
-      if (!s.ok()) return s;
-      out->items.push_back(std::move(value));
-      SkipSpace();
-      if (pos_ >= text_.size()) return Error("unterminated array");
-      if (text_[pos_] == ',') {
-        ++pos_;
-        continue;
-      }
-      if (text_[pos_] == ']') {
-        ++pos_;
-        return Status::OK();
-      }
-      return Error("expected ',' or ']'");
-    }
-  }
-
-  static void AppendUtf8(uint32_t cp, std::string* out) {
-    if (cp < 0x80) {
-      out->push_back(static_cast<char>(cp));
-    } else if (cp < 0x800) {
-      out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else if (cp < 0x10000) {
-      out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    } else {
-      out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-      out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-      out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-    }
-  }
-
-  Status ParseHex4(uint32_t* out) {
-    if (text_.size() - pos_ < 4) return Error("truncated \\u escape");
-    uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) {
-      char c = text_[pos_++];
-      v <<= 4;
-      if (c >= '0' && c <= '9') {
-        v |= static_cast<uint32_t>(c - '0');
-      } else if (c >= 'a' && c <= 'f') {
-        v |= static_cast<uint32_t>(c - 'a' + 10);
-      } else if (c >= 'A' && c <= 'F') {
-        v |= static_cast<uint32_t>(c - 'A' + 10);
-      } else {
-        return Error("bad hex digit in \\u escape");
-      }
-    }
-    *out = v;
-    return Status::OK();
-  }
-
-  Status ParseString(std::string* out) {
-    ++pos_;  // opening quote
-    while (true) {
-      if (pos_ >= text_.size()) return Error("unterminated string");
-      char c = text_[pos_++];
-      if (c == '"') return Status::OK();
-      if (static_cast<unsigned char>(c) < 0x20) return Error("control character in string");
-      if (c != '\\') {
-        out->push_back(c);
-        continue;
-      }
-      if (pos_ >= text_.size()) return Error("unterminated escape");
-      char e = text_[pos_++];
-      switch (e) {
-        case '"':
-        case '\\':
-        case '/': out->push_back(e); break;
-        case 'b': out->push_back('\b'); break;
-        case 'f': out->push_back('\f'); break;
-        case 'n': out->push_back('\n'); break;
-        case 'r': out->push_back('\r'); break;
-        case 't': out->push_back('\t'); break;
-        case 'u': {
-          uint32_t cp = 0;
-          Status s = ParseHex4(&cp);
-          if (!s.ok()) return s;
-          if (cp >= 0xDC00 && cp <= 0xDFFF) return Error("lone low surrogate");
-          if (cp >= 0xD800 && cp <= 0xDBFF) {
-            if (!Consume("\\u")) return Error("high surrogate without a low surrogate");
-            uint32_t low = 0;
-            s = ParseHex4(&low);
-            if (!s.ok()) return s;
-            if (low < 0xDC00 || low > 0xDFFF) return Error("bad low surrogate");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
-          }
-          AppendUtf8(cp, out);
-          break;
-        }
-        default: return Error(std::string("bad escape '\\") + e + "'");
-      }
-    }
-  }
-
-  Status ParseNumber(JsonValue* out) {
-    size_t start = pos_;
-    bool negative = false;
-    if (text_[pos_] == '-') {
-      negative = true;
-      ++pos_;
-    }
-    auto is_digit = [&](size_t i) {
-      return i < text_.size() && text_[i] >= '0' && text_[i] <= '9';
-    };
-    if (!is_digit(pos_)) return Error("expected a digit");
-    bool fits = true;
-    uint64_t value = 0;
-    if (text_[pos_] == '0') {
-      ++pos_;
-      if (is_digit(pos_)) return Error("leading zero in number");
-    } else {
-      while (is_digit(pos_)) {
-        uint64_t d = static_cast<uint64_t>(text_[pos_] - '0');
-        if (value > (UINT64_MAX - d) / 10) fits = false;
-        if (fits) value = value * 10 + d;
-        ++pos_;
-      }
-    }
-    bool integral = true;
-    if (pos_ < text_.size() && text_[pos_] == '.') {
-      integral = false;
-      ++pos_;
-      if (!is_digit(pos_)) return Error("expected a digit after '.'");
-      while (is_digit(pos_)) ++pos_;
-    }
-    if (pos_ < text_.size() && (text_[pos_] == 'e' || text_[pos_] == 'E')) {
-      integral = false;
-      ++pos_;
-      if (pos_ < text_.size() && (text_[pos_] == '+' || text_[pos_] == '-')) ++pos_;
-      if (!is_digit(pos_)) return Error("expected a digit in exponent");
-      while (is_digit(pos_)) ++pos_;
-    }
-    out->type = JsonValue::Type::kNumber;
-    std::string literal(text_.substr(start, pos_ - start));
-    out->number = std::strtod(literal.c_str(), nullptr);
-    out->is_uint = integral && !negative && fits;
-    out->uint_value = out->is_uint ? value : 0;
-    return Status::OK();
-  }
-
-  std::string_view text_;
-  int max_depth_;
-  size_t pos_ = 0;
+  const int max_depth_;
+  const char* const begin_;
+  const char* const* const read_to_;
+  json root_;
+  std::vector<json*> open_;  // the containers being filled, innermost last
+  json* slot_ = nullptr;     // the value slot of the last key
+  Status error_;
 };
 
 }  // namespace
 
-StatusOr<JsonValue> ParseJson(std::string_view text, int max_depth) {
-  return Parser(text, max_depth).ParseDocument();
+StatusOr<json> ParseStrict(std::string_view text, int max_depth) {
+  const char* read_to = text.data();
+  StrictBuilder builder(max_depth, text.data(), &read_to);
+  const bool ok = json::sax_parse(TrackedIterator(text.data(), &read_to),
+                                  TrackedIterator(text.data() + text.size(), &read_to), &builder);
+  if (!ok) {
+    if (!builder.error().ok()) return builder.error();
+    return Status::InvalidArgument("malformed JSON");  // not reached: every failure says why
+  }
+  return builder.TakeRoot();
 }
 
-}  // namespace pdlib::kernels::internal
+std::optional<int64_t> AsInt64(const json& value) {
+  if (value.is_number_unsigned()) {
+    const uint64_t u = value.get<uint64_t>();
+    if (u > static_cast<uint64_t>(INT64_MAX)) return std::nullopt;
+    return static_cast<int64_t>(u);
+  }
+  if (value.is_number_integer()) return value.get<int64_t>();
+  return std::nullopt;
+}
+
+}  // namespace pdlib::json

@@ -1,38 +1,36 @@
-// A small, strict JSON reader for the safetensors header. It builds a tree, bounds nesting
-// depth, and reports the byte offset of the first error. Integers that fit in uint64 are kept
-// exactly (tensor offsets may exceed 2^53), everything else numeric as a double.
+// pdlib's one JSON reader, for input from outside the process: safetensors headers (kernels)
+// and the router's HTTP request bodies (examples/router). nlohmann-json does the parsing; this
+// adds what both callers need on top of it, so that neither keeps a parser of its own:
+//   - the limits: nesting deeper than `max_depth` is an error, so hostile input cannot make a
+//     document that later recursion (dump, comparison) cannot handle;
+//   - duplicate object keys are an error (nlohmann would keep the last one silently, and a
+//     safetensors header with a tensor twice must be rejected, not half-read);
+//   - every error is an INVALID_ARGUMENT Status "malformed JSON at byte N: what" (N counts the
+//     bytes read up to and including the one in error), never an exception.
+// Integers keep their exact value: non-negative literals that fit in uint64 are
+// `is_number_unsigned()` (tensor offsets may exceed 2^53), negative ones that fit in int64 are
+// `is_number_integer()`, everything else numeric is a double. Strings must be valid UTF-8.
+// Writers use nlohmann::json (or ordered_json, to keep field order) directly.
+// Thread-safe (no shared state).
 #ifndef PDLIB_KERNELS_SRC_JSON_H_
 #define PDLIB_KERNELS_SRC_JSON_H_
 
 #include <cstdint>
-#include <string>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string_view>
-#include <vector>
 
 #include "pdlib/status.h"
 
-namespace pdlib::kernels::internal {
+namespace pdlib::json {
 
-struct JsonValue {
-  enum class Type { kNull, kBool, kNumber, kString, kArray, kObject };
+// Parses exactly one JSON value (surrounding whitespace allowed).
+StatusOr<nlohmann::json> ParseStrict(std::string_view text, int max_depth = 32);
 
-  Type type = Type::kNull;
-  bool boolean = false;
-  double number = 0.0;
-  // For numbers: true when the literal is a non-negative integer that fits in uint64.
-  bool is_uint = false;
-  uint64_t uint_value = 0;
-  std::string string;
-  std::vector<JsonValue> items;   // array elements, or object values
-  std::vector<std::string> keys;  // object keys, parallel to items
-  // The value of `key` in an object, or nullptr (also when this is not an object).
-  const JsonValue* Find(std::string_view key) const;
-};
+// The value as an int64 when it is an integer literal that fits, else nullopt (floats, strings,
+// integers beyond int64 included).
+std::optional<int64_t> AsInt64(const nlohmann::json& value);
 
-// Parses exactly one JSON value (surrounding whitespace allowed). Nesting deeper than
-// `max_depth` is an error, so hostile input cannot exhaust the stack.
-StatusOr<JsonValue> ParseJson(std::string_view text, int max_depth = 32);
-
-}  // namespace pdlib::kernels::internal
+}  // namespace pdlib::json
 
 #endif  // PDLIB_KERNELS_SRC_JSON_H_

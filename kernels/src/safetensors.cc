@@ -12,7 +12,7 @@
 namespace pdlib::kernels {
 namespace {
 
-using internal::JsonValue;
+using nlohmann::json;
 
 Status BadHeader(const std::string& what) {
   return Status::InvalidArgument("safetensors header: " + what);
@@ -25,49 +25,53 @@ bool MulU64(uint64_t a, uint64_t b, uint64_t* out) {
   return true;
 }
 
-Status ParseTensorEntry(const std::string& name, const JsonValue& entry, uint64_t data_bytes,
+// The member `key` of an object, or nullptr.
+const json* Member(const json& object, const char* key) {
+  auto it = object.find(key);
+  return it == object.end() ? nullptr : &*it;
+}
+
+Status ParseTensorEntry(const std::string& name, const json& entry, uint64_t data_bytes,
                         SafetensorsTensor* out) {
-  if (entry.type != JsonValue::Type::kObject) {
-    return BadHeader("entry '" + name + "' is not an object");
-  }
-  const JsonValue* dtype = entry.Find("dtype");
-  const JsonValue* shape = entry.Find("shape");
-  const JsonValue* offsets = entry.Find("data_offsets");
-  if (dtype == nullptr || dtype->type != JsonValue::Type::kString) {
+  if (!entry.is_object()) return BadHeader("entry '" + name + "' is not an object");
+  const json* dtype = Member(entry, "dtype");
+  const json* shape = Member(entry, "shape");
+  const json* offsets = Member(entry, "data_offsets");
+  if (dtype == nullptr || !dtype->is_string()) {
     return BadHeader("tensor '" + name + "' has no string 'dtype'");
   }
-  size_t elem_bytes = SafetensorsDtypeBytes(dtype->string);
+  const std::string& dtype_name = dtype->get_ref<const std::string&>();
+  size_t elem_bytes = SafetensorsDtypeBytes(dtype_name);
   if (elem_bytes == 0) {
-    return BadHeader("tensor '" + name + "' has unknown dtype '" + dtype->string + "'");
+    return BadHeader("tensor '" + name + "' has unknown dtype '" + dtype_name + "'");
   }
-  if (shape == nullptr || shape->type != JsonValue::Type::kArray) {
+  if (shape == nullptr || !shape->is_array()) {
     return BadHeader("tensor '" + name + "' has no 'shape' array");
   }
-  if (offsets == nullptr || offsets->type != JsonValue::Type::kArray ||
-      offsets->items.size() != 2) {
+  if (offsets == nullptr || !offsets->is_array() || offsets->size() != 2) {
     return BadHeader("tensor '" + name + "' needs 'data_offsets' = [begin, end]");
   }
   out->name = name;
-  out->dtype = dtype->string;
+  out->dtype = dtype_name;
   uint64_t numel = 1;
-  for (const JsonValue& dim : shape->items) {
-    if (dim.type != JsonValue::Type::kNumber || !dim.is_uint || dim.uint_value > INT64_MAX) {
+  for (const json& dim : *shape) {
+    if (!dim.is_number_unsigned() || dim.get<uint64_t>() > INT64_MAX) {
       return BadHeader("tensor '" + name +
                        "' has a shape entry that is not a non-negative integer");
     }
-    if (!MulU64(numel, dim.uint_value, &numel)) {
+    if (!MulU64(numel, dim.get<uint64_t>(), &numel)) {
       return BadHeader("tensor '" + name + "' has a shape whose element count overflows");
     }
-    out->shape.push_back(static_cast<int64_t>(dim.uint_value));
+    out->shape.push_back(static_cast<int64_t>(dim.get<uint64_t>()));
   }
-  for (const JsonValue& off : offsets->items) {
-    if (off.type != JsonValue::Type::kNumber || !off.is_uint) {
+  for (const json& off : *offsets) {
+    if (!off.is_number_unsigned()) {
       return BadHeader("tensor '" + name +
                        "' has a data offset that is not a non-negative integer");
     }
   }
-  out->data_begin = offsets->items[0].uint_value;
-  out->data_end = offsets->items[1].uint_value;
+  out->data_begin = (*offsets)[0].get<uint64_t>();
+  out->data_end = (*offsets)[1].get<uint64_t>();
   if (out->data_begin > out->data_end) {
     return BadHeader("tensor '" + name + "' has data_offsets begin " +
                      std::to_string(out->data_begin) + " > end " + std::to_string(out->data_end));
@@ -124,23 +128,22 @@ StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::vector<uint8_t> bytes) {
   std::string_view header(reinterpret_cast<const char*>(bytes.data()) + 8,
                           static_cast<size_t>(header_len));
   // The format pads the header with trailing spaces to align the data section.
-  StatusOr<JsonValue> root = internal::ParseJson(header);
-  if (!root.ok()) return root.status().WithPrefix("safetensors");
-  if (root->type != JsonValue::Type::kObject) return BadHeader("top level is not an object");
+  StatusOr<json> root = pdlib::json::ParseStrict(header);
+  if (!root.ok()) return root.status().WithPrefix("safetensors header");
+  if (!root->is_object()) return BadHeader("top level is not an object");
 
   SafetensorsFile file;
   file.data_start_ = 8 + header_len;
   const uint64_t data_bytes = bytes.size() - file.data_start_;
-  for (size_t i = 0; i < root->keys.size(); ++i) {
-    const std::string& key = root->keys[i];
-    const JsonValue& value = root->items[i];
+  // Tensors come in name order (a JSON object's members have none of their own).
+  for (const auto& [key, value] : root->items()) {
     if (key == "__metadata__") {
-      if (value.type != JsonValue::Type::kObject) return BadHeader("__metadata__ is not an object");
-      for (size_t j = 0; j < value.keys.size(); ++j) {
-        if (value.items[j].type != JsonValue::Type::kString) {
-          return BadHeader("__metadata__ value of '" + value.keys[j] + "' is not a string");
+      if (!value.is_object()) return BadHeader("__metadata__ is not an object");
+      for (const auto& [meta_key, meta_value] : value.items()) {
+        if (!meta_value.is_string()) {
+          return BadHeader("__metadata__ value of '" + meta_key + "' is not a string");
         }
-        file.metadata_[value.keys[j]] = value.items[j].string;
+        file.metadata_[meta_key] = meta_value.get<std::string>();
       }
       continue;
     }
@@ -150,17 +153,9 @@ StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::vector<uint8_t> bytes) {
     file.tensors_.push_back(std::move(tensor));
   }
 
-  // Names must be unique and byte ranges must not overlap.
+  // Byte ranges must not overlap. (Names are unique: ParseStrict rejects a duplicate key.)
   std::vector<const SafetensorsTensor*> order;
   for (const SafetensorsTensor& t : file.tensors_) order.push_back(&t);
-  std::sort(order.begin(), order.end(), [](const SafetensorsTensor* a, const SafetensorsTensor* b) {
-    return a->name < b->name;
-  });
-  for (size_t i = 1; i < order.size(); ++i) {
-    if (order[i]->name == order[i - 1]->name) {
-      return BadHeader("tensor '" + order[i]->name + "' appears twice");
-    }
-  }
   std::sort(order.begin(), order.end(), [](const SafetensorsTensor* a, const SafetensorsTensor* b) {
     return a->data_begin != b->data_begin ? a->data_begin < b->data_begin
                                           : a->data_end < b->data_end;

@@ -11,7 +11,6 @@
 #include "cpu/ops.h"
 #include "cpu/thread_pool.h"
 #include "half_float.h"
-#include "json.h"
 #include "kernel_test_util.h"
 #include "pdlib_kernels/kv_cache.h"
 
@@ -299,25 +298,6 @@ TEST_CASE("bf16 rounds to nearest even and fp16 widens exactly") {
   CHECK(HalfToFloat(0x0001) == std::ldexp(1.0f, -24));
   CHECK(HalfToFloat(0x7BFF) == 65504.0f);
   CHECK(std::isinf(HalfToFloat(0x7C00)));
-}
-
-TEST_CASE("JSON reader accepts valid documents and rejects malformed ones") {
-  StatusOr<JsonValue> v = ParseJson(R"( {"a": [1, 2.5, -3, true, null], "b": {"c": "x\u00e9\n"},
-                                        "big": 18446744073709551615} )");
-  REQUIRE(v.ok());
-  REQUIRE(v->Find("a")->items.size() == 5);
-  CHECK(v->Find("a")->items[0].is_uint);
-  CHECK(!v->Find("a")->items[1].is_uint);
-  CHECK(!v->Find("a")->items[2].is_uint);
-  CHECK(v->Find("b")->Find("c")->string == "x\xc3\xa9\n");
-  CHECK(v->Find("big")->uint_value == 18446744073709551615ull);
-  for (const char* bad : {"", "{", "{\"a\" 1}", "[1,]", "{\"a\":1,}", "01", "\"\\x\"", "tru",
-                          "\"\x01\"", "{} {}", "\"\\ud800\"", "1.", "-", "[1e]"}) {
-    INFO(bad);
-    CHECK(!ParseJson(bad).ok());
-  }
-  std::string deep(100, '[');
-  CHECK(ParseJson(deep + std::string(100, ']')).status().code() == StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -39,6 +39,7 @@ class SafetensorsFile {
   // Reads `path` and parses it. kNotFound when the file cannot be opened.
   static StatusOr<SafetensorsFile> Open(const std::string& path);
 
+  // In name order.
   const std::vector<SafetensorsTensor>& tensors() const { return tensors_; }
   // The free-form "__metadata__" string map (empty when absent).
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
