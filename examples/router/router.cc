@@ -232,22 +232,22 @@ struct Router::Rep {
   std::unique_ptr<HttpServer> http;
   std::once_flag shutdown_once;
 
-  void HandleHttp(const HttpRequest& request, HttpConnection* conn) {
-    const std::string_view path = request.Path();
+  void HandleHttp(const HttpRequest& request, HttpResponder* http) {
+    const std::string_view path = request.path;
     const bool get = request.method == "GET";
     if (path == "/health") {
-      if (!get) return MethodNotAllowed(conn, "GET");
-      conn->Respond(200, "text/plain", "ok\n");
+      if (!get) return MethodNotAllowed(http, "GET");
+      http->Respond(200, "text/plain", "ok\n");
     } else if (path == "/metrics") {
-      if (!get) return MethodNotAllowed(conn, "GET");
+      if (!get) return MethodNotAllowed(http, "GET");
       std::string text;
       core->AppendMetrics(&text);
-      conn->Respond(200, "text/plain; version=0.0.4", text);
+      http->Respond(200, "text/plain; version=0.0.4", std::move(text));
     } else if (path == "/v1/completions") {
-      if (request.method != "POST") return MethodNotAllowed(conn, "POST");
-      Complete(request, conn);
+      if (request.method != "POST") return MethodNotAllowed(http, "POST");
+      Complete(request, http);
     } else {
-      conn->Respond(404, kJson,
+      http->Respond(404, kJson,
                     FormatError(Status::NotFound("no endpoint " + std::string(path) +
                                                  " (try POST /v1/completions, GET /health, "
                                                  "GET /metrics)"),
@@ -255,68 +255,99 @@ struct Router::Rep {
     }
   }
 
-  static void MethodNotAllowed(HttpConnection* conn, std::string_view allowed) {
-    conn->Respond(
+  static void MethodNotAllowed(HttpResponder* http, std::string_view allowed) {
+    http->Respond(
         405, kJson,
         FormatError(Status::InvalidArgument("method not allowed; use " + std::string(allowed)),
                     nullptr));
   }
 
-  void Complete(const HttpRequest& http, HttpConnection* conn) {
-    StatusOr<CompletionRequest> parsed =
-        ParseCompletionRequest(http.body, options.default_max_new_tokens);
-    if (!parsed.ok()) {
-      conn->Respond(400, kJson, FormatError(parsed.status(), nullptr));
-      return;
-    }
-    const bool stream = parsed->stream;
-    auto observer = std::make_shared<QueueObserver>();
-    StatusOr<RequestHandle> handle = core->Submit(std::move(parsed->request), observer);
-    if (!handle.ok()) {
-      conn->Respond(HttpStatusFor(handle.status().code()), kJson,
-                    FormatError(handle.status(), nullptr));
-      return;
-    }
-    const int64_t created = static_cast<int64_t>(std::time(nullptr));
+  // One HTTP completion in progress. The handler waits for its first text (a stream) or its
+  // result; a stream's producer then carries it on, on the same thread, after the head is sent.
+  struct HttpCompletion {
+    std::shared_ptr<QueueObserver> observer = std::make_shared<QueueObserver>();
+    std::optional<RequestHandle> handle;
+    bool stream = false;
+    int64_t created = 0;
     StreamDetokenizer detokenizer;
-    bool started = false, cancelled = false;
-    auto send = [&](const std::string& data) {
-      if (!started) started = conn->StartStream(200, "text/event-stream");
-      if (started && conn->SendStreamData(data)) return;
+    bool cancelled = false;
+
+    void Cancel() {
       if (!cancelled) handle->Cancel(Status::Cancelled("the HTTP client disconnected"));
       cancelled = true;
-    };
-    while (true) {
+    }
+    // Waits up to 100 ms for news: new text (streams only) and, once there, the result.
+    std::optional<RequestResult> Wait(std::string* text) {
       std::vector<int32_t> tokens;
       std::optional<RequestResult> result = observer->Wait(std::chrono::milliseconds(100), &tokens);
       if (stream && !cancelled) {
-        std::string text;
-        for (int32_t id : tokens) text += detokenizer.Feed(id);
-        if (!text.empty()) send(FormatCompletionChunk(handle->room(), created, text));
+        for (int32_t id : tokens) *text += detokenizer.Feed(id);
       }
+      return result;
+    }
+    std::string Chunk(const std::string& text) const {
+      return FormatCompletionChunk(handle->room(), created, text);
+    }
+    // The events that end a stream: the pending `text`, then the last chunk or the error.
+    std::string Ending(const RequestResult& result, const std::string& text) {
+      std::string events = text.empty() ? "" : Chunk(text);
+      if (!result.status.ok())
+        return events + "data: " + FormatError(result.status, &result) + "\n\n";
+      return events + FormatCompletionLastChunk(result, created, detokenizer.Finish());
+    }
+  };
+
+  void Complete(const HttpRequest& request, HttpResponder* http) {
+    StatusOr<CompletionRequest> parsed =
+        ParseCompletionRequest(request.body, options.default_max_new_tokens);
+    if (!parsed.ok()) {
+      http->Respond(400, kJson, FormatError(parsed.status(), nullptr));
+      return;
+    }
+    auto c = std::make_shared<HttpCompletion>();
+    c->stream = parsed->stream;
+    StatusOr<RequestHandle> handle = core->Submit(std::move(parsed->request), c->observer);
+    if (!handle.ok()) {
+      http->Respond(HttpStatusFor(handle.status().code()), kJson,
+                    FormatError(handle.status(), nullptr));
+      return;
+    }
+    c->handle = *std::move(handle);
+    c->created = static_cast<int64_t>(std::time(nullptr));
+    std::string text;
+    while (true) {
+      std::optional<RequestResult> result = c->Wait(&text);
       if (result) {
-        if (!result->status.ok()) {
-          if (started) {
-            if (!cancelled) send("data: " + FormatError(result->status, &*result) + "\n\n");
-          } else {
-            conn->Respond(HttpStatusFor(result->status.code()), kJson,
-                          FormatError(result->status, &*result));
-          }
-        } else if (stream) {
-          if (!cancelled) send(FormatCompletionLastChunk(*result, created, detokenizer.Finish()));
+        if (!result->status.ok() && text.empty()) {
+          http->Respond(HttpStatusFor(result->status.code()), kJson,
+                        FormatError(result->status, &*result));
+        } else if (c->stream) {
+          http->Stream("text/event-stream",
+                       [events = c->Ending(*result, text)](HttpStream* s) { s->Write(events); });
         } else {
-          conn->Respond(200, kJson, FormatCompletion(*result, created));
+          http->Respond(200, kJson, FormatCompletion(*result, c->created));
         }
-        if (!conn->responded()) conn->Respond(503, kJson, FormatError(result->status, &*result));
         return;
       }
+      if (!text.empty()) break;  // a stream's first text: send the head, go on streaming
       // Keep waiting for the result after cancelling: it comes quickly, and the response (or
       // the write that fails) then ends the connection cleanly.
-      if (!cancelled && conn->Gone()) {
-        handle->Cancel(Status::Cancelled("the HTTP client disconnected"));
-        cancelled = true;
-      }
+      if (!c->cancelled && http->Gone()) c->Cancel();
     }
+    http->Stream("text/event-stream", [c, first = std::move(text)](HttpStream* s) {
+      if (!s->Write(c->Chunk(first))) c->Cancel();
+      std::string more;
+      while (true) {
+        std::optional<RequestResult> result = c->Wait(&more);
+        if (result) {
+          if (!c->cancelled) s->Write(c->Ending(*result, more));
+          return;
+        }
+        if (!more.empty() && !c->cancelled && !s->Write(c->Chunk(more))) c->Cancel();
+        more.clear();
+        if (!c->cancelled && s->Gone()) c->Cancel();
+      }
+    });
   }
 };
 
@@ -389,11 +420,11 @@ StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
     http_options.host = options.host;
     http_options.port = options.http_port;
     http_options.max_connections = options.max_http_connections;
-    http_options.limits.max_body_bytes = options.max_http_body_bytes;
+    http_options.max_body_bytes = options.max_http_body_bytes;
     Rep* r = rep.get();
     StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
         http_options,
-        [r](const HttpRequest& request, HttpConnection* conn) { r->HandleHttp(request, conn); });
+        [r](const HttpRequest& request, HttpResponder* http) { r->HandleHttp(request, http); });
     if (!http.ok()) {
       rep->server->Shutdown();
       return http.status();

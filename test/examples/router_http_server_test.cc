@@ -13,14 +13,21 @@
 #include <thread>
 #include <vector>
 
-#include "examples/router/json.h"
 #include "examples/router/router.h"
 #include "examples/router/tokenizer.h"
+#include "kernels/src/json.h"
 #include "router_test_harness.h"
 
 namespace pdlib::router {
 
 using namespace testing;  // NOLINT(build/namespaces): the test deployment's helpers
+using nlohmann::json;
+
+namespace {
+
+StatusOr<json> ParseJson(std::string_view text) { return pdlib::json::ParseStrict(text); }
+
+}  // namespace
 
 TEST_CASE("router http: completions, health, metrics and errors over a socket") {
   Deployment d;
@@ -32,33 +39,34 @@ TEST_CASE("router http: completions, health, metrics and errors over a socket") 
         HttpExchange(port, Post("/v1/completions", R"({"prompt":"Hi there","max_tokens":5})"));
     REQUIRE(reply.status == 200);
     CHECK(Contains(reply.head, "Content-Type: application/json"));
-    StatusOr<JsonValue> body = ParseJson(reply.body);
+    StatusOr<json> body = ParseJson(reply.body);
     REQUIRE(body.ok());
     const std::vector<int32_t> expected = ExpectedTokens("Hi there", 5);
-    CHECK(body->Find("choices")->items.at(0).Find("text")->string == Detokenize(expected));
-    CHECK(body->Find("choices")->items.at(0).Find("finish_reason")->string == "length");
-    CHECK(body->Find("usage")->Find("prompt_tokens")->int_value == 8);
-    CHECK(body->Find("usage")->Find("completion_tokens")->int_value == 5);
-    const JsonValue* pd = body->Find("pdlib");
-    CHECK(pd->Find("prefill")->string == d.prefill[0]->address());
-    CHECK(pd->Find("kv_bytes")->int_value == 800);
-    CHECK(pd->Find("output_ids")->items.size() == 5);
-    CHECK(body->Find("id")->string ==
-          "cmpl-" + std::to_string(d.decode[0]->requests().at(0).room()));
+    CHECK(body->at("choices").at(0).at("text") == Detokenize(expected));
+    CHECK(body->at("choices").at(0).at("finish_reason") == "length");
+    CHECK(body->at("usage").at("prompt_tokens") == 8);
+    CHECK(body->at("usage").at("completion_tokens") == 5);
+    const json& pd = body->at("pdlib");
+    CHECK(pd.at("prefill") == d.prefill[0]->address());
+    CHECK(pd.at("kv_bytes") == 800);
+    CHECK(pd.at("output_ids").size() == 5);
+    CHECK(body->at("id") == "cmpl-" + std::to_string(d.decode[0]->requests().at(0).room()));
   }
   SECTION("token ids in, ids >= 256 out") {
     HttpReply reply =
         HttpExchange(port, Post("/v1/completions", R"({"prompt":[66,73,71],"max_tokens":2})"));
     REQUIRE(reply.status == 200);
-    StatusOr<JsonValue> body = ParseJson(reply.body);
+    StatusOr<json> body = ParseJson(reply.body);
     REQUIRE(body.ok());
-    CHECK(body->Find("choices")->items.at(0).Find("text")->string == "<1000><1001>");
+    CHECK(body->at("choices").at(0).at("text") == "<1000><1001>");
   }
   SECTION("server-sent events") {
     HttpReply reply = HttpExchange(
         port, Post("/v1/completions", R"({"prompt":"stream me","max_tokens":4,"stream":true})"));
     REQUIRE(reply.status == 200);
     CHECK(Contains(reply.head, "text/event-stream"));
+    CHECK(reply.chunked);  // each event its own chunk, on a connection that stays open
+    CHECK_FALSE(Contains(reply.head, "Connection: close"));
     std::string text;
     size_t events = 0, pos = 0;
     bool done = false;
@@ -72,11 +80,11 @@ TEST_CASE("router http: completions, health, metrics and errors over a socket") 
         continue;
       }
       ++events;
-      StatusOr<JsonValue> chunk = ParseJson(data);
+      StatusOr<json> chunk = ParseJson(data);
       REQUIRE(chunk.ok());
-      text += chunk->Find("choices")->items.at(0).Find("text")->string;
-      if (chunk->Find("usage") != nullptr) {
-        CHECK(chunk->Find("choices")->items.at(0).Find("finish_reason")->string == "length");
+      text += chunk->at("choices").at(0).at("text").get<std::string>();
+      if (chunk->contains("usage")) {
+        CHECK(chunk->at("choices").at(0).at("finish_reason") == "length");
       }
     }
     CHECK(done);
@@ -86,9 +94,9 @@ TEST_CASE("router http: completions, health, metrics and errors over a socket") 
   SECTION("a failing host is an error naming the host") {
     HttpReply reply = HttpExchange(port, Post("/v1/completions", R"({"prompt":"PFAIL x"})"));
     CHECK(reply.status == 429);  // the host said RESOURCE_EXHAUSTED
-    StatusOr<JsonValue> body = ParseJson(reply.body);
+    StatusOr<json> body = ParseJson(reply.body);
     REQUIRE(body.ok());
-    const std::string message = body->Find("error")->Find("message")->string;
+    const std::string message = body->at("error").at("message").get<std::string>();
     CHECK(Contains(message, "prefill host " + d.prefill[0]->address() + " failed"));
     reply = HttpExchange(port, Post("/v1/completions", R"({"prompt":"DFAIL x"})"));
     CHECK(reply.status == 502);
@@ -113,9 +121,9 @@ TEST_CASE("router http: completions, health, metrics and errors over a socket") 
       INFO(body);
       HttpReply reply = HttpExchange(port, Post("/v1/completions", body));
       CHECK(reply.status == 400);
-      StatusOr<JsonValue> parsed = ParseJson(reply.body);
+      StatusOr<json> parsed = ParseJson(reply.body);
       REQUIRE(parsed.ok());
-      CHECK_FALSE(parsed->Find("error")->Find("message")->string.empty());
+      CHECK_FALSE(parsed->at("error").at("message").get<std::string>().empty());
     }
     CHECK(HttpExchange(port, "BROKEN\r\n\r\n").status == 400);
     CHECK(
@@ -157,6 +165,115 @@ TEST_CASE("router http: completions, health, metrics and errors over a socket") 
     ::close(fd);
     CHECK(got.rfind("HTTP/1.1 200 OK\r\n", 0) == 0);
   }
+}
+
+TEST_CASE("router http: malformed HTTP gets a clear 4xx or 5xx with a JSON error") {
+  Deployment d;
+  const int port = d.router->http_port();
+  struct Case {
+    std::string data;
+    int status;
+    std::string message;  // in the JSON error's message; empty: any
+  };
+  const std::vector<Case> cases = {
+      {"\r\n\r\n", 400, ""},
+      {"GET\r\n\r\n", 400, ""},
+      {"GET / HTTP/1.1 extra\r\n\r\n", 400, ""},
+      {"G(T / HTTP/1.1\r\n\r\n", 400, ""},
+      {"GET / HTTP/2.0\r\n\r\n", 400, ""},
+      {"POST /v1/completions HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400,
+       "malformed Content-Length"},
+      {"POST /v1/completions HTTP/1.1\r\nContent-Length: 12abc\r\n\r\n", 400,
+       "malformed Content-Length"},
+      {"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999999999999999\r\n\r\n", 400,
+       "malformed Content-Length"},
+      {"POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", 400,
+       "conflicting"},
+      {"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 501,
+       "Content-Length"},
+      {"POST /v1/completions HTTP/1.1\r\nExpect: something-else\r\nContent-Length: 2\r\n\r\n", 417,
+       "unsupported Expect"},
+      // Headers that never end are cut off at the limit (16 KiB + the 1 MiB body limit).
+      {"GET / HTTP/1.1\r\n" + std::string(1100, 'X') + ": " + std::string(1000, 'a') + "\r\n" +
+           [] {
+             std::string many;
+             for (int i = 0; i < 600; ++i)
+               many += "H" + std::to_string(i) + ": " + std::string(2000, 'v') + "\r\n";
+             return many;
+           }(),
+       431, "larger than"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.data.substr(0, 80));
+    HttpReply reply = HttpExchange(port, c.data);
+    CHECK(reply.status == c.status);
+    StatusOr<json> body = ParseJson(reply.body);
+    REQUIRE(body.ok());
+    const std::string message = body->at("error").at("message").get<std::string>();
+    CHECK_FALSE(message.empty());
+    CHECK(Contains(message, c.message));
+  }
+  CHECK(d.prefill[0]->requests().empty());
+  // A POST without Content-Length has an empty body (not one read until the client closes).
+  HttpReply reply = HttpExchange(port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n");
+  CHECK(reply.status == 400);
+  CHECK(Contains(reply.body, "malformed JSON"));
+}
+
+TEST_CASE("router http: one keep-alive connection carries many requests, pipelined too") {
+  Deployment d;
+  const int fd = Connect(d.router->http_port());
+  auto read_response = [&](std::string* data) {
+    const size_t end = ReadUntil(fd, data, "\r\n\r\n");
+    REQUIRE(end != std::string::npos);
+    const std::string head = data->substr(0, end);
+    const size_t at = head.find("Content-Length: ");
+    REQUIRE(at != std::string::npos);
+    const size_t length = std::stoul(head.substr(at + 16));
+    REQUIRE(ReadAtLeast(fd, data, end + 4 + length));
+    std::string body = data->substr(end + 4, length);
+    data->erase(0, end + 4 + length);
+    CHECK(head.rfind("HTTP/1.1 200 OK\r\n", 0) == 0);
+    CHECK_FALSE(Contains(head, "Connection: close"));
+    return body;
+  };
+  std::string data;
+  for (int i = 0; i < 5; ++i) {
+    const std::string prompt = "keep " + std::to_string(i);
+    const std::string req =
+        Post("/v1/completions", R"({"prompt":")" + prompt + R"(","max_tokens":3})");
+    REQUIRE(::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size()));
+    StatusOr<json> body = ParseJson(read_response(&data));
+    REQUIRE(body.ok());
+    CHECK(body->at("choices").at(0).at("text") == Detokenize(ExpectedTokens(prompt, 3)));
+  }
+  // Three requests in one write: three answers, in order.
+  const std::string three = "GET /health HTTP/1.1\r\n\r\nGET /metrics HTTP/1.1\r\n\r\n" +
+                            Post("/v1/completions", R"({"prompt":"pipe","max_tokens":2})");
+  REQUIRE(::send(fd, three.data(), three.size(), MSG_NOSIGNAL) ==
+          static_cast<ssize_t>(three.size()));
+  CHECK(read_response(&data) == "ok\n");
+  CHECK(Contains(read_response(&data), "pdlib_router_requests_total 5"));  // not the 3rd yet
+  StatusOr<json> body = ParseJson(read_response(&data));
+  REQUIRE(body.ok());
+  CHECK(body->at("choices").at(0).at("text") == Detokenize(ExpectedTokens("pipe", 2)));
+  ::close(fd);
+  CHECK(d.decode[0]->requests().size() == 6);
+}
+
+TEST_CASE("router http: connections beyond the pool get a 503 at once") {
+  Deployment d(1, 1, [](RouterOptions* o) { o->max_http_connections = 2; });
+  const int port = d.router->http_port();
+  const int a = Connect(port), b = Connect(port);
+  // Both held by the pool (idle keep-alive connections); the third is turned away.
+  REQUIRE(
+      WaitFor([&] { return HttpExchange(port, "GET /health HTTP/1.1\r\n\r\n").status == 503; }));
+  HttpReply reply = HttpExchange(port, "GET /health HTTP/1.1\r\n\r\n");
+  CHECK(reply.status == 503);
+  CHECK(Contains(reply.body, "too many connections (limit 2)"));
+  ::close(a);
+  ::close(b);
+  CHECK(WaitFor([&] { return HttpExchange(port, "GET /health HTTP/1.1\r\n\r\n").status == 200; }));
 }
 
 TEST_CASE("router http: a timed-out request is a 504") {

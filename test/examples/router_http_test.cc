@@ -1,21 +1,17 @@
-// pd-router's HTTP/JSON layer without sockets: request parsing (every malformed input gets a
-// clear 4xx), the JSON reader and writer, and the /v1/completions bodies.
+// pd-router's /v1/completions bodies without sockets: requests (every bad field named), responses
+// and errors. The JSON reader itself is tested by kernel_json_test, HTTP on the wire by
+// router_http_server_test.
 #include <catch2/catch.hpp>
 #include <string>
 #include <vector>
 
 #include "examples/router/completions.h"
-#include "examples/router/http.h"
-#include "examples/router/json.h"
+#include "kernels/src/json.h"
 
 namespace pdlib::router {
 namespace {
 
-using State = HttpParseResult::State;
-
-HttpParseResult Parse(std::string_view data, HttpLimits limits = {}) {
-  return ParseHttpRequest(data, limits);
-}
+using nlohmann::json;
 
 bool Contains(std::string_view haystack, std::string_view needle) {
   return haystack.find(needle) != std::string_view::npos;
@@ -23,160 +19,18 @@ bool Contains(std::string_view haystack, std::string_view needle) {
 
 }  // namespace
 
-TEST_CASE("router http: a complete POST with a body") {
-  const std::string req =
-      "POST /v1/completions?x=1 HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-      "Content-Length: 13\r\n\r\n{\"prompt\":1}xEXTRA";
-  HttpParseResult r = Parse(req);
-  REQUIRE(r.state == State::kComplete);
-  CHECK(r.request.method == "POST");
-  CHECK(r.request.target == "/v1/completions?x=1");
-  CHECK(r.request.Path() == "/v1/completions");
-  CHECK(r.request.version == "HTTP/1.1");
-  CHECK(r.request.body == "{\"prompt\":1}x");  // exactly Content-Length bytes
-  REQUIRE(r.request.Header("content-type") != nullptr);
-  CHECK(*r.request.Header("content-type") == "application/json");
-  CHECK(r.request.Header("Content-Type") == nullptr);  // names are lower-cased
-}
-
-TEST_CASE("router http: incomplete input asks for more, at every prefix") {
-  const std::string req = "POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello";
-  for (size_t n = 0; n < req.size(); ++n) {
-    HttpParseResult r = Parse(req.substr(0, n));
-    INFO("prefix " << n);
-    CHECK(r.state == State::kIncomplete);
-    CHECK(r.headers_done == (n >= req.size() - 5));
-  }
-  CHECK(Parse(req).state == State::kComplete);
-}
-
-TEST_CASE("router http: bare LF line ends and no body") {
-  HttpParseResult r = Parse("GET /health HTTP/1.0\nAccept: */*\n\n");
-  REQUIRE(r.state == State::kComplete);
-  CHECK(r.request.method == "GET");
-  CHECK(r.request.body.empty());
-}
-
-TEST_CASE("router http: Expect 100-continue is reported once the headers are in") {
-  HttpParseResult r = Parse("POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n");
-  CHECK(r.state == State::kIncomplete);
-  CHECK(r.headers_done);
-  CHECK(r.request.expect_continue);
-  r = Parse("POST / HTTP/1.1\r\nExpect: something-else\r\n\r\n");
-  CHECK(r.state == State::kError);
-  CHECK(r.error_status == 417);
-}
-
-TEST_CASE("router http: malformed requests get a clear 4xx or 5xx") {
-  struct Case {
-    std::string data;
-    int status;
-    std::string message;
-  };
-  const std::vector<Case> cases = {
-      {"\r\n\r\n", 400, "empty request line"},
-      {"GET\r\n\r\n", 400, "malformed request line"},
-      {"GET / HTTP/1.1 extra\r\n\r\n", 400, "malformed request line"},
-      {"G(T / HTTP/1.1\r\n\r\n", 400, "malformed method"},
-      {"GET nope HTTP/1.1\r\n\r\n", 400, "must start with '/'"},
-      {"GET / HTTP/2.0\r\n\r\n", 505, "unsupported HTTP version"},
-      {"GET / HTTP/1.1\r\nNoColon\r\n\r\n", 400, "no ':'"},
-      {"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n", 400, "malformed header name"},
-      {"GET / HTTP/1.1\r\nA: b\r\n folded\r\n\r\n", 400, "folding"},
-      {"GET / HTTP/1.1\r\nA: b\x01\r\n\r\n", 400, "control byte"},
-      {"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400, "malformed Content-Length"},
-      {"POST / HTTP/1.1\r\nContent-Length: 12abc\r\n\r\n", 400, "malformed Content-Length"},
-      {"POST / HTTP/1.1\r\nContent-Length: 99999999999999999999999\r\n\r\n", 400,
-       "malformed Content-Length"},
-      {"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400, "conflicting"},
-      {"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 501, "Content-Length"},
-  };
-  for (const Case& c : cases) {
-    INFO(c.data);
-    HttpParseResult r = Parse(c.data);
-    REQUIRE(r.state == State::kError);
-    CHECK(r.error_status == c.status);
-    CHECK(Contains(r.error_message, c.message));
-  }
-}
-
-TEST_CASE("router http: size limits answer 413 and 431 before buffering it all") {
-  HttpLimits limits;
-  limits.max_header_bytes = 64;
-  limits.max_body_bytes = 10;
-  // The body limit is checked from Content-Length alone, before the body arrives.
-  HttpParseResult r = Parse("POST / HTTP/1.1\r\nContent-Length: 11\r\n\r\n", limits);
-  REQUIRE(r.state == State::kError);
-  CHECK(r.error_status == 413);
-  CHECK(Contains(r.error_message, "limit of 10 bytes"));
-  // Headers that never end are cut off at the limit.
-  r = Parse("GET / HTTP/1.1\r\nX: " + std::string(100, 'a'), limits);
-  REQUIRE(r.state == State::kError);
-  CHECK(r.error_status == 431);
-  r = Parse("GET / HTTP/1.1\r\nX: " + std::string(100, 'a') + "\r\n\r\n", limits);
-  REQUIRE(r.state == State::kError);
-  CHECK(r.error_status == 431);
-}
-
-TEST_CASE("router http: responses carry length, type and Connection: close") {
-  const std::string resp = FormatHttpResponse(404, "application/json", "{}");
-  CHECK(resp ==
-        "HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
-        "Connection: close\r\n\r\n{}");
-  CHECK(Contains(FormatHttpStreamHead(200, "text/event-stream"), "text/event-stream"));
-}
-
-TEST_CASE("router json: values of every type") {
-  StatusOr<JsonValue> v = ParseJson(
-      R"( {"s": "a\"b\\c\n\u00e9\ud83d\ude00", "i": -42, "f": 1.5e2, "t": true, "n": null,
-          "a": [1, [2], {}], "big": 123456789012345678901} )");
-  REQUIRE(v.ok());
-  CHECK(v->type == JsonValue::Type::kObject);
-  CHECK(v->Find("s")->string == "a\"b\\c\n\xc3\xa9\xf0\x9f\x98\x80");
-  CHECK(v->Find("i")->is_int);
-  CHECK(v->Find("i")->int_value == -42);
-  CHECK_FALSE(v->Find("f")->is_int);
-  CHECK(v->Find("f")->number == 150.0);
-  CHECK(v->Find("t")->boolean);
-  CHECK(v->Find("n")->type == JsonValue::Type::kNull);
-  CHECK(v->Find("a")->items.size() == 3);
-  CHECK_FALSE(v->Find("big")->is_int);  // beyond int64: a double only
-  CHECK(v->Find("missing") == nullptr);
-}
-
-TEST_CASE("router json: malformed input is rejected with the byte offset") {
-  const std::vector<std::string> bad = {
-      "",          "{",           "{\"a\" 1}", "{\"a\":1,}", "[1,]",  "[1 2]",
-      "01",        "1.",          "-",         "1e",         "\"abc", "\"\\x\"",
-      "\"\\u12\"", "\"\\ud800\"", "\"a\x01\"", "tru",        "{} {}", "{\"a\":1,\"a\":2}",
-      "nan",       "1e999",       "{1:2}",     "'single'",
-  };
-  for (const std::string& text : bad) {
-    INFO(text);
-    StatusOr<JsonValue> v = ParseJson(text);
-    REQUIRE_FALSE(v.ok());
-    CHECK(v.status().code() == StatusCode::kInvalidArgument);
-    CHECK(Contains(v.status().message(), "malformed JSON at byte"));
-  }
-  // Nesting is bounded, so hostile input cannot exhaust the stack.
-  StatusOr<JsonValue> deep = ParseJson(std::string(100, '[') + std::string(100, ']'));
-  REQUIRE_FALSE(deep.ok());
-  CHECK(Contains(deep.status().message(), "nesting deeper than 32"));
-  CHECK(ParseJson(std::string(32, '[') + std::string(32, ']')).ok());
-}
-
-TEST_CASE("router json: the writer escapes and always emits valid UTF-8") {
-  std::string out;
-  AppendJsonString(&out, "q\"b\\\n\t\x01\x7f \xc3\xa9 \xff \xe2\x82");
-  CHECK(out == "\"q\\\"b\\\\\\n\\t\\u0001\\u007f \xc3\xa9 \xef\xbf\xbd \xef\xbf\xbd\xef\xbf\xbd\"");
-  JsonWriter w;
-  w.BeginObject().Key("a").Int(-1).Key("b").BeginArray().Uint(2).Bool(false).Null().EndArray();
-  w.Key("c").String("x").EndObject();
-  CHECK(w.str() == R"({"a":-1,"b":[2,false,null],"c":"x"})");
-  // What the writer writes, the reader reads back.
-  StatusOr<JsonValue> back = ParseJson(out);
+TEST_CASE("router json: responses are valid UTF-8 and escape what JSON needs") {
+  // Byte-level output can split characters: what is not valid UTF-8 becomes U+FFFD (a lone
+  // byte, or a sequence cut short) and the rest is kept, so a client's parser never fails.
+  const std::string chunk = FormatCompletionChunk(1, 2, "q\"b\\\n\t\x01 \xc3\xa9 \xff \xe2\x82");
+  CHECK(Contains(chunk, R"("text":"q\"b\\\n\t\u0001 )"
+                        "\xc3\xa9 \xef\xbf\xbd \xef\xbf\xbd\""));
+  StatusOr<json> back = pdlib::json::ParseStrict(chunk.substr(6));  // after "data: "
   REQUIRE(back.ok());
-  CHECK(back->string == "q\"b\\\n\t\x01\x7f \xc3\xa9 \xef\xbf\xbd \xef\xbf\xbd\xef\xbf\xbd");
+  CHECK(back->at("choices")[0].at("text").get<std::string>() ==
+        "q\"b\\\n\t\x01 \xc3\xa9 \xef\xbf\xbd \xef\xbf\xbd");
+  // Fields keep the order OpenAI's responses have.
+  CHECK(chunk.rfind(R"(data: {"id":"cmpl-1","object":"text_completion","created":2,)", 0) == 0);
 }
 
 TEST_CASE("router completions: a request with text or ids") {
@@ -240,25 +94,25 @@ TEST_CASE("router completions: the response body") {
   r.latency_us = 20;
   r.transfer_us = 3;
   r.kv_bytes = 4096;
-  StatusOr<JsonValue> body = ParseJson(FormatCompletion(r, 1700000000));
+  StatusOr<json> body = pdlib::json::ParseStrict(FormatCompletion(r, 1700000000));
   REQUIRE(body.ok());
-  CHECK(body->Find("id")->string == "cmpl-77");
-  CHECK(body->Find("object")->string == "text_completion");
-  CHECK(body->Find("model")->string == "pdlib-example");
-  const JsonValue& choice = body->Find("choices")->items.at(0);
-  CHECK(choice.Find("text")->string == "ok<300>");
-  CHECK(choice.Find("finish_reason")->string == "length");
-  CHECK(choice.Find("index")->int_value == 0);
-  const JsonValue* usage = body->Find("usage");
-  CHECK(usage->Find("prompt_tokens")->int_value == 5);
-  CHECK(usage->Find("completion_tokens")->int_value == 3);
-  CHECK(usage->Find("total_tokens")->int_value == 8);
-  const JsonValue* pd = body->Find("pdlib");
-  CHECK(pd->Find("ttft_us")->int_value == 10);
-  CHECK(pd->Find("kv_bytes")->int_value == 4096);
-  CHECK(pd->Find("prefill")->string == "127.0.0.1:1");
-  CHECK(pd->Find("decode")->string == "127.0.0.1:2");
-  CHECK(pd->Find("output_ids")->items.size() == 3);
+  CHECK(body->at("id") == "cmpl-77");
+  CHECK(body->at("object") == "text_completion");
+  CHECK(body->at("model") == "pdlib-example");
+  const json& choice = body->at("choices").at(0);
+  CHECK(choice.at("text") == "ok<300>");
+  CHECK(choice.at("finish_reason") == "length");
+  CHECK(choice.at("index") == 0);
+  const json& usage = body->at("usage");
+  CHECK(usage.at("prompt_tokens") == 5);
+  CHECK(usage.at("completion_tokens") == 3);
+  CHECK(usage.at("total_tokens") == 8);
+  const json& pd = body->at("pdlib");
+  CHECK(pd.at("ttft_us") == 10);
+  CHECK(pd.at("kv_bytes") == 4096);
+  CHECK(pd.at("prefill") == "127.0.0.1:1");
+  CHECK(pd.at("decode") == "127.0.0.1:2");
+  CHECK(pd.at("output_ids") == json::array({'o', 'k', 300}));
 
   r.max_new_tokens = 10;  // ended before the limit
   CHECK(FinishReason(r) == "stop");
@@ -280,15 +134,15 @@ TEST_CASE("router completions: errors map to HTTP statuses with a JSON body") {
   RequestResult r;
   r.room = 9;
   r.prefill_host = "p:1";
-  StatusOr<JsonValue> body =
-      ParseJson(FormatError(Status::Aborted("prefill host p:1 failed: \xff"), &r));
+  StatusOr<json> body =
+      pdlib::json::ParseStrict(FormatError(Status::Aborted("prefill host p:1 failed: \xff"), &r));
   REQUIRE(body.ok());
-  const JsonValue* error = body->Find("error");
-  REQUIRE(error != nullptr);
-  CHECK(Contains(error->Find("message")->string, "prefill host p:1 failed"));
-  CHECK(error->Find("code")->string == "ABORTED");
-  CHECK(error->Find("type")->string == "server_error");
-  CHECK(error->Find("pdlib")->Find("room")->int_value == 9);
+  REQUIRE(body->contains("error"));
+  const json& error = body->at("error");
+  CHECK(Contains(error.at("message").get<std::string>(), "prefill host p:1 failed"));
+  CHECK(error.at("code") == "ABORTED");
+  CHECK(error.at("type") == "server_error");
+  CHECK(error.at("pdlib").at("room") == 9);
 }
 
 }  // namespace pdlib::router

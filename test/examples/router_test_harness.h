@@ -24,7 +24,9 @@
 
 #include <atomic>
 #include <catch2/catch.hpp>
+#include <cctype>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -362,6 +364,8 @@ struct HttpReply {
   int status = 0;
   std::string head;
   std::string body;
+  bool chunked = false;  // Transfer-Encoding: chunked; `body` is the data of its chunks
+  int chunks = 0;        // with `chunked`: how many, the last (empty) one included
 };
 
 inline int Connect(int port) {
@@ -375,7 +379,29 @@ inline int Connect(int port) {
   return fd;
 }
 
-// Sends `raw` to 127.0.0.1:port and reads until the server closes.
+// Reads from `fd` until `data` holds at least `n` bytes or the peer closes; false if it closed.
+inline bool ReadAtLeast(int fd, std::string* data, size_t n) {
+  char buf[4096];
+  while (data->size() < n) {
+    const ssize_t got = ::recv(fd, buf, sizeof(buf), 0);
+    if (got <= 0) return false;
+    data->append(buf, static_cast<size_t>(got));
+  }
+  return true;
+}
+
+// Reads from `fd` until `data` contains `needle`; its position, or npos if the peer closed.
+inline size_t ReadUntil(int fd, std::string* data, std::string_view needle, size_t from = 0) {
+  while (true) {
+    const size_t at = data->find(needle, from);
+    if (at != std::string::npos) return at;
+    if (!ReadAtLeast(fd, data, data->size() + 1)) return std::string::npos;
+  }
+}
+
+// Sends `raw` to 127.0.0.1:port and reads one response: its head, and its body by
+// Content-Length, by chunks (de-chunked into `body`, `chunked` set) or until the server closes.
+// The server keeps connections alive, so the end of the response is not the end of the stream.
 inline HttpReply HttpExchange(int port, const std::string& raw) {
   const int fd = Connect(port);
   size_t sent = 0;
@@ -384,20 +410,40 @@ inline HttpReply HttpExchange(int port, const std::string& raw) {
     if (n <= 0) break;  // the server may answer (413) and close before reading everything
     sent += static_cast<size_t>(n);
   }
+  HttpReply reply;
   std::string data;
-  char buf[4096];
-  while (true) {
-    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) break;
-    data.append(buf, static_cast<size_t>(n));
+  const size_t end = ReadUntil(fd, &data, "\r\n\r\n");
+  if (end == std::string::npos) {
+    ::close(fd);
+    return reply;
+  }
+  reply.head = data.substr(0, end);
+  data.erase(0, end + 4);
+  if (reply.head.rfind("HTTP/1.1 ", 0) == 0) reply.status = std::stoi(reply.head.substr(9, 3));
+  std::string lower = reply.head;
+  for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (lower.find("\r\ntransfer-encoding: chunked") != std::string::npos) {
+    reply.chunked = true;
+    while (true) {  // size line, data, CRLF; a size of 0 ends the body
+      const size_t line_end = ReadUntil(fd, &data, "\r\n");
+      REQUIRE(line_end != std::string::npos);
+      const size_t size = std::stoul(data.substr(0, line_end), nullptr, 16);
+      REQUIRE(ReadAtLeast(fd, &data, line_end + 2 + size + 2));
+      REQUIRE(data.substr(line_end + 2 + size, 2) == "\r\n");
+      reply.body += data.substr(line_end + 2, size);
+      ++reply.chunks;
+      data.erase(0, line_end + 2 + size + 2);
+      if (size == 0) break;
+    }
+  } else if (const size_t at = lower.find("\r\ncontent-length: "); at != std::string::npos) {
+    const size_t length = std::stoul(lower.substr(at + 18));
+    ReadAtLeast(fd, &data, length);
+    reply.body = data.substr(0, length);
+  } else {
+    ReadAtLeast(fd, &data, SIZE_MAX);
+    reply.body = data;
   }
   ::close(fd);
-  HttpReply reply;
-  const size_t end = data.find("\r\n\r\n");
-  if (end == std::string::npos) return reply;
-  reply.head = data.substr(0, end);
-  reply.body = data.substr(end + 4);
-  if (reply.head.rfind("HTTP/1.1 ", 0) == 0) reply.status = std::stoi(reply.head.substr(9, 3));
   return reply;
 }
 
