@@ -97,7 +97,8 @@ std::span<const UcxDefault> UcxDefaults() { return kDefaults; }
 StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
                                      const EnvLookup& getenv_fn) {
   UcxOptions out;
-  // Pacing defaults: see put_window.h for why these exist and the issue note for the figures.
+  // Pacing defaults: see backends/common/inflight_window.h for why these exist and the issue note
+  // for the figures.
   out.max_inflight_bytes = uint64_t{4} << 20;
   out.chunk_bytes = uint64_t{1} << 20;
   out.busy_poll_us = 20;

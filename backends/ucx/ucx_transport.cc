@@ -182,7 +182,7 @@ StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegio
   }
   const bool direct = IsDirectRegion(region, memh != nullptr);
   using Result = StatusOr<std::pair<std::shared_ptr<UcpMemh>, spi::Blob>>;
-  Result mapped = RunOnProgressThread<Result>([&]() -> Result {
+  Result mapped = progress_.Run<Result>([&]() -> Result {
     ucp_context_h ctx = context_->handle.get();
     std::shared_ptr<UcpMemh> handle = memh;
     if (!handle) {
@@ -234,7 +234,7 @@ Status UcxTransport::DeregisterMemory(spi::LocalRegionId region) {
   if (entry.direct) --direct_regions_;
   // Batches accepted before this point may still use the mapping: it retires behind them.
   // "am" messages for the region are refused from now on.
-  return RunOnProgressThread<Status>([&] {
+  return progress_.Run<Status>([&] {
     std::erase_if(am_regions_, [&](const AmRegion& r) {
       return r.addr == entry.addr && r.length == entry.length;
     });
@@ -253,7 +253,7 @@ StatusOr<spi::TargetEndpoint> UcxTransport::CreateTargetEndpoint() {
     id = targets_.Add(TargetEntry{});
   }
   if (am_target_) {
-    Status added = RunOnProgressThread<Status>([&] {
+    Status added = progress_.Run<Status>([&] {
       am_targets_.emplace(id, AmTarget{});
       return Status::OK();
     });
@@ -274,10 +274,12 @@ void UcxTransport::CloseTargetEndpoint(spi::TargetId target) {
   }
   // From now on its "am" messages are refused; UCX's own emulated puts cannot be.
   if (am_target_) {
-    RunOnProgressThread<Status>([&] {
-      am_targets_.erase(target);
-      return Status::OK();
-    }).IgnoreError();
+    progress_
+        .Run<Status>([&] {
+          am_targets_.erase(target);
+          return Status::OK();
+        })
+        .IgnoreError();
   }
 }
 
@@ -293,7 +295,7 @@ Status UcxTransport::FenceTarget(spi::TargetId target) {
         " registered regions are written directly by peers (a KV pool UCX allocated over "
         "posix/sysv shared memory, xpmem, or CUDA memory)");
   }
-  return RunOnProgressThread<Status>([&]() -> Status {
+  return progress_.Run<Status>([&]() -> Status {
     auto it = am_targets_.find(target);
     if (it == am_targets_.end()) {
       return Status::NotFound("ucx: target " + std::to_string(target) +
@@ -327,7 +329,7 @@ StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint
   // UCX wants the address mutable.
   std::vector<uint8_t> address(payload->begin() + kEndpointPrefix, payload->end());
 
-  auto connected = RunOnProgressThread<StatusOr<spi::PeerId>>([&]() -> StatusOr<spi::PeerId> {
+  auto connected = progress_.Run<StatusOr<spi::PeerId>>([&]() -> StatusOr<spi::PeerId> {
     auto state = std::make_unique<PeerState>();
     {
       MutexLock lock(&mu_);
@@ -377,7 +379,7 @@ StatusOr<spi::RemoteRegionId> UcxTransport::ImportRemoteRegion(spi::PeerId peer,
     MutexLock lock(&mu_);
     if (auto entry = peers_.ForImport(peer); !entry.ok()) return entry.status();
   }
-  auto unpacked = RunOnProgressThread<StatusOr<ucp_rkey_h>>([&]() -> StatusOr<ucp_rkey_h> {
+  auto unpacked = progress_.Run<StatusOr<ucp_rkey_h>>([&]() -> StatusOr<ucp_rkey_h> {
     auto it = peer_states_.find(peer);
     if (it == peer_states_.end()) {
       return Status::NotFound("ucx: peer " + std::to_string(peer) + " is disconnected");
@@ -445,13 +447,15 @@ Status UcxTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> 
 }
 
 void UcxTransport::SettleIncoming() {
-  RunOnProgressThread<Status>([this] {
-    const auto deadline = Clock::now() + std::chrono::milliseconds(50);
-    for (int idle = 0; idle < 3 && Clock::now() < deadline;) {
-      idle = ucp_worker_progress(worker_.get()) != 0 ? 0 : idle + 1;
-    }
-    return Status::OK();
-  }).IgnoreError();
+  progress_
+      .Run<Status>([this] {
+        const auto deadline = Clock::now() + std::chrono::milliseconds(50);
+        for (int idle = 0; idle < 3 && Clock::now() < deadline;) {
+          idle = ucp_worker_progress(worker_.get()) != 0 ? 0 : idle + 1;
+        }
+        return Status::OK();
+      })
+      .IgnoreError();
 }
 
 void UcxTransport::Disconnect(spi::PeerId peer) {

@@ -229,12 +229,6 @@ class UcxTransport final : public spi::Transport {
   UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context);
   Status Init();
 
-  // Runs `fn` on the progress thread and returns its result (inline when already there).
-  template <typename R>
-  R RunOnProgressThread(const std::function<R()>& fn) {
-    return progress_.Run(fn);
-  }
-
   // Progress thread (ucx_progress.cc).
   void ProgressLoop();
   bool DrainCommands();
