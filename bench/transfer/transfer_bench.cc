@@ -26,12 +26,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cinttypes>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -219,21 +221,6 @@ std::map<std::string, std::string> RunInProcess(BenchConfig c,
   return ParseResult(ResultLine(dr));
 }
 
-std::string JsonEscape(std::string_view s) {
-  std::string out;
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (static_cast<unsigned char>(ch) < 0x20) {
-      out += ' ';
-    } else {
-      out += ch;
-    }
-  }
-  return out;
-}
-
 double Num(const std::map<std::string, std::string>& m, const std::string& key) {
   auto it = m.find(key);
   return it == m.end() ? 0.0 : std::strtod(it->second.c_str(), nullptr);
@@ -278,36 +265,25 @@ Comparisons Compare(const Options& o, const BenchConfig& c) {
   return cmp;
 }
 
-// Appends "key":value pairs to a JSON object.
+// One configuration's JSON object (nlohmann-json; fields in the order they are set).
 class JsonObject {
  public:
-  void Str(const char* key, std::string_view v) {
-    Key(key);
-    out_ << '"' << JsonEscape(v) << '"';
-  }
+  void Str(const char* key, std::string_view v) { j_[key] = v; }
+  // `v` rounded to `precision` decimals; an integer when `precision` is 0.
   void Num(const char* key, double v, int precision) {
-    Key(key);
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), "%.*f", precision, v);
-    out_ << buf;
+    if (precision == 0) {
+      j_[key] = static_cast<int64_t>(std::llround(v));
+    } else {
+      const double scale = std::pow(10.0, precision);
+      j_[key] = std::round(v * scale) / scale;
+    }
   }
-  void Int(const char* key, uint64_t v) {
-    Key(key);
-    out_ << v;
-  }
-  void Null(const char* key) {
-    Key(key);
-    out_ << "null";
-  }
-  std::string Close() { return out_.str() + "}"; }
+  void Int(const char* key, uint64_t v) { j_[key] = v; }
+  void Null(const char* key) { j_[key] = nullptr; }
+  std::string Close() { return j_.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
 
  private:
-  void Key(const char* key) {
-    out_ << (first_ ? "{" : ",") << '"' << key << "\":";
-    first_ = false;
-  }
-  std::ostringstream out_;
-  bool first_ = true;
+  nlohmann::ordered_json j_;
 };
 
 // Prints one configuration's outcome; returns false when it failed.

@@ -1,62 +1,46 @@
 #include "tools/chaos/chaos_report.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 namespace pdlib_chaos {
 namespace {
 
-std::string Quote(const std::string& s) {
-  std::string out = "\"";
-  for (char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
-    } else {
-      out += ch;
-    }
-  }
-  return out + "\"";
-}
-
-std::string Map(const std::map<std::string, uint64_t>& m) {
-  std::string out = "{";
-  for (const auto& [k, v] : m) {
-    if (out.size() > 1) out += ",";
-    out += Quote(k) + ":" + std::to_string(v);
-  }
-  return out + "}";
-}
-
-std::string TallyFields(const Tally& t) {
-  std::ostringstream o;
-  o << "\"requests\":" << t.requests << ",\"faults\":" << t.faults
-    << ",\"succeeded\":" << t.succeeded << ",\"failed\":" << t.failed << ",\"hung\":" << t.hung
-    << ",\"bad_bytes\":" << t.bad_bytes << ",\"leaked\":" << t.leaked
-    << ",\"stale_writes\":" << t.stale_writes << ",\"failure_reasons\":" << Map(t.failure_reasons)
-    << ",\"faults_by_kind\":" << Map(t.faults_by_kind) << ",\"restarts\":" << t.restarts
-    << ",\"succeeded_after_restart\":" << t.succeeded_after_restart << ",\"crashes\":" << t.crashes
-    << ",\"ucx_known_aborts\":" << t.ucx_known_aborts << ",\"unclean_exits\":" << t.unclean_exits
-    << ",\"restart_failures\":" << t.restart_failures << ",\"probes\":" << t.probes
-    << ",\"probes_failed\":" << t.probes_failed << ",\"leaked_by_kind\":" << Map(t.leaked_by_kind)
-    << ",\"verified_requests\":" << t.verified_requests
-    << ",\"verified_bytes\":" << t.verified_bytes << ",\"harness_errors\":" << t.harness_errors
-    << ",\"max_fault_to_terminal_ms\":" << t.max_fault_to_terminal_ms
-    << ",\"hang_bound_ms\":" << t.hang_bound_ms
-    << ",\"quarantined_requests\":" << t.quarantined_requests
-    << ",\"quarantined_pages\":" << t.quarantined_pages
-    << ",\"quarantine_peak_pages\":" << t.quarantine_peak_pages
-    << ",\"quarantine_max_hold_ms\":" << t.quarantine_max_hold_ms;
-  char seconds[32];
-  std::snprintf(seconds, sizeof(seconds), "%.2f", t.seconds);
-  o << ",\"seconds\":" << seconds;
-  return o.str();
+// The figures of one Tally, in the order the report has always had (the one JSON writer is
+// nlohmann-json; ordered_json keeps insertion order).
+nlohmann::ordered_json TallyFields(const Tally& t) {
+  return {{"requests", t.requests},
+          {"faults", t.faults},
+          {"succeeded", t.succeeded},
+          {"failed", t.failed},
+          {"hung", t.hung},
+          {"bad_bytes", t.bad_bytes},
+          {"leaked", t.leaked},
+          {"stale_writes", t.stale_writes},
+          {"failure_reasons", t.failure_reasons},
+          {"faults_by_kind", t.faults_by_kind},
+          {"restarts", t.restarts},
+          {"succeeded_after_restart", t.succeeded_after_restart},
+          {"crashes", t.crashes},
+          {"ucx_known_aborts", t.ucx_known_aborts},
+          {"unclean_exits", t.unclean_exits},
+          {"restart_failures", t.restart_failures},
+          {"probes", t.probes},
+          {"probes_failed", t.probes_failed},
+          {"leaked_by_kind", t.leaked_by_kind},
+          {"verified_requests", t.verified_requests},
+          {"verified_bytes", t.verified_bytes},
+          {"harness_errors", t.harness_errors},
+          {"max_fault_to_terminal_ms", t.max_fault_to_terminal_ms},
+          {"hang_bound_ms", t.hang_bound_ms},
+          {"quarantined_requests", t.quarantined_requests},
+          {"quarantined_pages", t.quarantined_pages},
+          {"quarantine_peak_pages", t.quarantine_peak_pages},
+          {"quarantine_max_hold_ms", t.quarantine_max_hold_ms},
+          {"seconds", std::round(t.seconds * 100) / 100}};  // to the hundredth
 }
 
 }  // namespace
@@ -108,18 +92,14 @@ bool Tally::Clean() const {
 }
 
 std::string RenderJson(const Report& r) {
-  std::ostringstream o;
-  o << "{" << TallyFields(r.total) << ",\"backend\":" << Quote(r.backend)
-    << ",\"transport\":" << Quote(r.transport)
-    << ",\"bytes_checked\":" << (r.bytes_checked ? "true" : "false") << ",\"seed\":" << r.seed
-    << ",\"topologies\":{";
-  bool first = true;
-  for (const auto& [name, t] : r.by_topology) {
-    o << (first ? "" : ",") << Quote(name) << ":{" << TallyFields(t) << "}";
-    first = false;
-  }
-  o << "}}";
-  return o.str();
+  nlohmann::ordered_json j = TallyFields(r.total);
+  j["backend"] = r.backend;
+  j["transport"] = r.transport;
+  j["bytes_checked"] = r.bytes_checked;
+  j["seed"] = r.seed;
+  j["topologies"] = nlohmann::ordered_json::object();
+  for (const auto& [name, t] : r.by_topology) j["topologies"][name] = TallyFields(t);
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 std::string RenderSummary(const Report& r) {
