@@ -2,6 +2,7 @@
 
 #include <httplib.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -277,6 +278,10 @@ struct HttpServer::Rep {
         ::close(sock);
         return true;
       }
+      // httplib writes a response's head and body separately: without this, Nagle holds the
+      // body back until the client's delayed ACK of the head (40 ms).
+      const int one = 1;
+      ::setsockopt(sock, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       t_connection = &conn;
       const int idle_ms = ToPollMs(rep_->options.keep_alive_timeout);
       bool ok = true;
