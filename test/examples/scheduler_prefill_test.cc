@@ -252,15 +252,7 @@ TEST_CASE("scheduler: prefill quarantines a failed request's source pages until 
   // pdlib may still be reading the pages for a write in flight.
   rig.transport[1].Fail("decode rank went away", /*quarantined=*/true);
   rig.Step();
-  REQUIRE(rig.finished.count(1) == 1);
-  CHECK(rig.finished[1].status.message() == "decode rank went away");
-  CHECK(rig.sched->idle());
-  CHECK(rig.sched->quarantined_size() == 1);
-  CHECK_FALSE(rig.transport.handles.at(1)->destroyed);
-  CHECK(rig.pages.free_pages() == 1);
-  SchedulerMetrics m = rig.sched->metrics();
-  CHECK(m.quarantined_requests == 1);
-  CHECK(m.quarantined_pages == 2);
+  testing::CheckHeld(rig, 1, "decode rank went away", /*free_pages=*/1, /*held_pages=*/2);
   Request again = rig.requests[1];
   CHECK(rig.sched->AddRequest(again).code() == StatusCode::kAlreadyExists);
 
@@ -322,21 +314,10 @@ TEST_CASE("scheduler: prefill TP ranks free a quarantined request's pages on the
   rigs[0]->transport[1].state = KVPoll::kSuccess;
   StepAllRanks(rigs);
   for (int i = 0; i < 3; ++i) StepAllRanks(rigs);
-  for (int r = 0; r < 2; ++r) {
-    INFO("rank " << r);
-    REQUIRE(rigs[r]->finished.count(1) == 1);
-    CHECK_FALSE(rigs[r]->finished[1].status.ok());
-    CHECK(rigs[r]->sched->quarantined_size() == 1);
-    CHECK(rigs[r]->pages.free_pages() == 30);
-  }
+  testing::CheckQuarantinedOnAllRanks(rigs, 1, 30);
   rigs[1]->transport[1].reusable = true;
   StepAllRanks(rigs);
-  for (int r = 0; r < 2; ++r) {
-    INFO("rank " << r);
-    CHECK(rigs[r]->sched->quarantined_size() == 0);
-    CHECK(rigs[r]->pages.free_pages() == 32);
-    CHECK(rigs[r]->transport.handles.at(1)->destroyed);
-  }
+  testing::CheckReleasedOnAllRanks(rigs, 1, 32);
 }
 
 TEST_CASE("scheduler: prefill metrics render as Prometheus text") {

@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 #include <map>
 #include <memory>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -82,6 +83,49 @@ void StepAllRanks(std::vector<std::unique_ptr<Rig>>& rigs) {
   for (std::thread& t : threads) t.join();
   for (const Status& s : results) REQUIRE(s.ok());
   for (auto& rig : rigs) rig->CollectFinished();
+}
+
+// One rank: `room` finished with `reason` at once but its memory is held (quarantined, its
+// handle kept, `free_pages` pages free; the metrics count one request of `held_pages` pages).
+template <typename Rig>
+void CheckHeld(Rig& rig, uint64_t room, std::string_view reason, int32_t free_pages,
+               uint64_t held_pages) {
+  REQUIRE(rig.finished.count(room) == 1);
+  CHECK(rig.finished[room].status.message() == reason);
+  CHECK(rig.sched->idle());
+  CHECK(rig.sched->quarantined_size() == 1);
+  CHECK_FALSE(rig.transport.handles.at(room)->destroyed);
+  CHECK(rig.pages.free_pages() == free_pages);
+  const SchedulerMetrics m = rig.sched->metrics();
+  CHECK(m.quarantined_requests == 1);
+  CHECK(m.quarantined_pages == held_pages);
+}
+
+// Page reuse across TP ranks (the same checks on prefill and decode): every rank finished `room`
+// with an error and holds it quarantined, with `free_pages` pages free.
+template <typename Rig>
+void CheckQuarantinedOnAllRanks(std::vector<std::unique_ptr<Rig>>& rigs, uint64_t room,
+                                int32_t free_pages) {
+  for (size_t r = 0; r < rigs.size(); ++r) {
+    INFO("rank " << r);
+    REQUIRE(rigs[r]->finished.count(room) == 1);
+    CHECK_FALSE(rigs[r]->finished[room].status.ok());
+    CHECK(rigs[r]->sched->quarantined_size() == 1);
+    CHECK(rigs[r]->pages.free_pages() == free_pages);
+  }
+}
+
+// ... and, once every rank's handle is reusable, released it: nothing quarantined, `free_pages`
+// free, the handle destroyed.
+template <typename Rig>
+void CheckReleasedOnAllRanks(std::vector<std::unique_ptr<Rig>>& rigs, uint64_t room,
+                             int32_t free_pages) {
+  for (size_t r = 0; r < rigs.size(); ++r) {
+    INFO("rank " << r);
+    CHECK(rigs[r]->sched->quarantined_size() == 0);
+    CHECK(rigs[r]->pages.free_pages() == free_pages);
+    CHECK(rigs[r]->transport.handles.at(room)->destroyed);
+  }
 }
 
 }  // namespace pdlib::sched::testing
