@@ -51,39 +51,30 @@ std::string Describe(std::string_view what) {
 
 // A SAX handler that builds the document (as nlohmann's own DOM parser does) and enforces the
 // limits above.
-class StrictBuilder {
+class StrictBuilder final : public SaxHandler {
  public:
-  StrictBuilder(int max_depth, const char* begin, const char* const* read_to)
-      : max_depth_(max_depth), begin_(begin), read_to_(read_to) {}
+  explicit StrictBuilder(int max_depth) : max_depth_(max_depth) {}
 
-  bool null() { return Place(nullptr) != nullptr; }
-  bool boolean(bool v) { return Place(v) != nullptr; }
-  bool number_integer(json::number_integer_t v) { return Place(v) != nullptr; }
-  bool number_unsigned(json::number_unsigned_t v) { return Place(v) != nullptr; }
-  bool number_float(json::number_float_t v, const json::string_t& /*literal*/) {
+  bool null() override { return Place(nullptr) != nullptr; }
+  bool boolean(bool v) override { return Place(v) != nullptr; }
+  bool number_integer(json::number_integer_t v) override { return Place(v) != nullptr; }
+  bool number_unsigned(json::number_unsigned_t v) override { return Place(v) != nullptr; }
+  bool number_float(json::number_float_t v, const json::string_t& /*literal*/) override {
     return Place(v) != nullptr;
   }
-  bool string(json::string_t& s) { return Place(std::move(s)) != nullptr; }
-  bool binary(json::binary_t& /*b*/) { return Fail("binary value"); }  // never in JSON text
-  bool start_object(std::size_t /*size*/) { return Open(json::value_t::object); }
-  bool end_object() { return Close(); }
-  bool start_array(std::size_t /*size*/) { return Open(json::value_t::array); }
-  bool end_array() { return Close(); }
-  bool key(json::string_t& k) {
+  bool string(json::string_t& s) override { return Place(std::move(s)) != nullptr; }
+  bool start_object(std::size_t /*size*/) override { return Open(json::value_t::object); }
+  bool end_object() override { return Close(); }
+  bool start_array(std::size_t /*size*/) override { return Open(json::value_t::array); }
+  bool end_array() override { return Close(); }
+  bool key(json::string_t& k) override {
     json& object = *open_.back();
     if (object.contains(k)) return Fail("duplicate key \"" + k.substr(0, 64) + "\"");
     slot_ = &object[std::move(k)];
     return true;
   }
-  bool parse_error(std::size_t position, const std::string& /*last_token*/,
-                   const nlohmann::detail::exception& e) {
-    error_ = Status::InvalidArgument("malformed JSON at byte " + std::to_string(position) + ": " +
-                                     Describe(e.what()));
-    return false;
-  }
 
   json TakeRoot() { return std::move(root_); }
-  const Status& error() const { return error_; }
 
  private:
   // Puts `v` where the document expects the next value; returns where it now lives.
@@ -117,32 +108,46 @@ class StrictBuilder {
     return true;
   }
 
-  bool Fail(const std::string& what) {
-    error_ = Status::InvalidArgument("malformed JSON at byte " +
-                                     std::to_string(*read_to_ - begin_) + ": " + what);
-    return false;
-  }
-
   const int max_depth_;
-  const char* const begin_;
-  const char* const* const read_to_;
   json root_;
   std::vector<json*> open_;  // the containers being filled, innermost last
   json* slot_ = nullptr;     // the value slot of the last key
-  Status error_;
 };
 
 }  // namespace
 
-StatusOr<json> ParseStrict(std::string_view text, int max_depth) {
+bool SaxHandler::binary(json::binary_t& /*b*/) { return Fail("binary value"); }
+
+bool SaxHandler::parse_error(std::size_t position, const std::string& /*last_token*/,
+                             const nlohmann::detail::exception& e) {
+  error_ = Status::InvalidArgument("malformed JSON at byte " + std::to_string(position) + ": " +
+                                   Describe(e.what()));
+  return false;
+}
+
+bool SaxHandler::Fail(std::string_view what) {
+  error_ = Status::InvalidArgument("malformed JSON at byte " + std::to_string(offset()) + ": " +
+                                   std::string(what));
+  return false;
+}
+
+Status SaxParse(std::string_view text, SaxHandler* handler) {
   const char* read_to = text.data();
-  StrictBuilder builder(max_depth, text.data(), &read_to);
+  handler->begin_ = text.data();
+  handler->read_to_ = &read_to;
   const bool ok = json::sax_parse(TrackedIterator(text.data(), &read_to),
-                                  TrackedIterator(text.data() + text.size(), &read_to), &builder);
-  if (!ok) {
-    if (!builder.error().ok()) return builder.error();
+                                  TrackedIterator(text.data() + text.size(), &read_to), handler);
+  handler->read_to_ = &handler->begin_;  // `read_to` dies here
+  if (!ok && handler->error_.ok()) {
     return Status::InvalidArgument("malformed JSON");  // not reached: every failure says why
   }
+  return handler->error_;
+}
+
+StatusOr<json> ParseStrict(std::string_view text, int max_depth) {
+  StrictBuilder builder(max_depth);
+  Status s = SaxParse(text, &builder);
+  if (!s.ok()) return s;
   return builder.TakeRoot();
 }
 

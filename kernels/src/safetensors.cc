@@ -3,8 +3,12 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <set>
 #include <string>
+#include <string_view>
 #include <utility>
+#include <vector>
 
 #include "half_float.h"
 #include "json.h"
@@ -25,71 +29,335 @@ bool MulU64(uint64_t a, uint64_t b, uint64_t* out) {
   return true;
 }
 
-// The member `key` of an object, or nullptr.
-const json* Member(const json& object, const char* key) {
-  auto it = object.find(key);
-  return it == object.end() ? nullptr : &*it;
-}
+// What the header says about one top-level key: the tensor as far as it could be read, and
+// the facts the checks below need (which are made once the whole header has parsed, in name
+// order, so that the first error reported is the one a document walk would find).
+struct HeaderEntry {
+  enum class Field : uint8_t { kMissing, kWrongType, kPresent };
+  enum class ShapeError : uint8_t { kNone, kNotNonNegative, kOverflow };
 
-Status ParseTensorEntry(const std::string& name, const json& entry, uint64_t data_bytes,
-                        SafetensorsTensor* out) {
-  if (!entry.is_object()) return BadHeader("entry '" + name + "' is not an object");
-  const json* dtype = Member(entry, "dtype");
-  const json* shape = Member(entry, "shape");
-  const json* offsets = Member(entry, "data_offsets");
-  if (dtype == nullptr || !dtype->is_string()) {
-    return BadHeader("tensor '" + name + "' has no string 'dtype'");
-  }
-  const std::string& dtype_name = dtype->get_ref<const std::string&>();
-  size_t elem_bytes = SafetensorsDtypeBytes(dtype_name);
-  if (elem_bytes == 0) {
-    return BadHeader("tensor '" + name + "' has unknown dtype '" + dtype_name + "'");
-  }
-  if (shape == nullptr || !shape->is_array()) {
-    return BadHeader("tensor '" + name + "' has no 'shape' array");
-  }
-  if (offsets == nullptr || !offsets->is_array() || offsets->size() != 2) {
-    return BadHeader("tensor '" + name + "' needs 'data_offsets' = [begin, end]");
-  }
-  out->name = name;
-  out->dtype = dtype_name;
+  SafetensorsTensor tensor;  // tensor.name: the key
+  size_t key_offset = 0;     // the bytes read when the key ended (for a duplicate's error)
+  bool is_metadata = false;  // the key is "__metadata__"
+  bool is_object = true;
+  Field dtype = Field::kMissing;
+  Field shape = Field::kMissing;
+  Field offsets = Field::kMissing;
+  ShapeError shape_error = ShapeError::kNone;
+  bool bad_offset = false;  // an element of data_offsets is not a non-negative integer
+  size_t num_offsets = 0;
   uint64_t numel = 1;
-  for (const json& dim : *shape) {
-    if (!dim.is_number_unsigned() || dim.get<uint64_t>() > INT64_MAX) {
+};
+
+// The SAX handler for a safetensors header: fills HeaderEntry records directly rather than a
+// document, with ParseStrict's limits (depth, duplicate keys at every level).
+class HeaderReader final : public pdlib::json::SaxHandler {
+ public:
+  explicit HeaderReader(size_t header_bytes, std::map<std::string, std::string>* metadata)
+      : metadata_(metadata) {
+    // The shortest tensor entry takes ~50 bytes; the cap bounds what padding can make us reserve.
+    entries_.reserve(std::min<size_t>(header_bytes / 64 + 1, 4096));
+    open_.reserve(8);
+  }
+
+  bool null() override { return Other(); }
+  bool boolean(bool /*v*/) override { return Other(); }
+  bool number_integer(json::number_integer_t /*v*/) override { return Other(); }
+  bool number_float(json::number_float_t /*v*/, const json::string_t& /*literal*/) override {
+    return Other();
+  }
+  bool number_unsigned(json::number_unsigned_t v) override {
+    const Slot slot = Next();
+    if (slot == Slot::kShapeDim) {
+      HeaderEntry& e = entries_.back();
+      if (e.shape_error != HeaderEntry::ShapeError::kNone) return true;
+      if (v > static_cast<uint64_t>(INT64_MAX)) {
+        e.shape_error = HeaderEntry::ShapeError::kNotNonNegative;
+      } else if (!MulU64(e.numel, v, &e.numel)) {
+        e.shape_error = HeaderEntry::ShapeError::kOverflow;
+      } else {
+        dims_.push_back(static_cast<int64_t>(v));
+      }
+      return true;
+    }
+    if (slot == Slot::kOffset) {
+      HeaderEntry& e = entries_.back();
+      if (e.num_offsets == 0) e.tensor.data_begin = v;
+      if (e.num_offsets == 1) e.tensor.data_end = v;
+      ++e.num_offsets;
+      return true;
+    }
+    return Other();
+  }
+  bool string(json::string_t& s) override {
+    const Slot slot = Next();
+    if (slot == Slot::kDtype) {
+      entries_.back().dtype = HeaderEntry::Field::kPresent;
+      entries_.back().tensor.dtype = s;
+      return true;
+    }
+    if (slot == Slot::kMetadataValue) {
+      meta_value_->second = s;
+      return true;
+    }
+    return Other();
+  }
+  bool start_object(std::size_t /*size*/) override {
+    switch (Next()) {
+      case Slot::kTop: return Open(Frame::kRoot);
+      case Slot::kTensor: return Open(Frame::kEntry);
+      case Slot::kMetadata: return Open(Frame::kMetadata);
+      default: Other(); return Open(Frame::kSkipObject);
+    }
+  }
+  bool start_array(std::size_t /*size*/) override {
+    switch (Next()) {
+      case Slot::kShape:
+        entries_.back().shape = HeaderEntry::Field::kPresent;
+        dims_.clear();
+        return Open(Frame::kShape);
+      case Slot::kOffsets:
+        entries_.back().offsets = HeaderEntry::Field::kPresent;
+        return Open(Frame::kOffsets);
+      default: Other(); return Open(Frame::kSkipArray);
+    }
+  }
+  bool end_object() override { return Close(); }
+  bool end_array() override { return Close(); }
+
+  bool key(json::string_t& k) override {
+    const std::string_view name = k;  // compared by length first, then inline
+    Container& top = open_.back();
+    switch (top.frame) {
+      case Frame::kRoot: {  // duplicates are found once the parse ends (Finish)
+        HeaderEntry& e = entries_.emplace_back();
+        e.tensor.name = k;  // a copy: the lexer keeps its buffer for the next token
+        e.key_offset = offset();
+        e.is_metadata = name == "__metadata__";
+        slot_ = e.is_metadata ? Slot::kMetadata : Slot::kTensor;
+        return true;
+      }
+      case Frame::kEntry: {
+        unsigned bit = 0;
+        if (name == "dtype") {
+          bit = 1;
+          slot_ = Slot::kDtype;
+        } else if (name == "shape") {
+          bit = 2;
+          slot_ = Slot::kShape;
+        } else if (name == "data_offsets") {
+          bit = 4;
+          slot_ = Slot::kOffsets;
+        } else {
+          slot_ = Slot::kIgnored;
+          return top.keys.insert(k).second || Duplicate(k);
+        }
+        if ((top.known_keys & bit) != 0) return Duplicate(k);
+        top.known_keys |= bit;
+        return true;
+      }
+      case Frame::kMetadata: {
+        auto [it, inserted] = metadata_->try_emplace(k);
+        meta_value_ = it;
+        return inserted || Duplicate(k);
+      }
+      default: return top.keys.insert(k).second || Duplicate(k);
+    }
+  }
+
+  // The checks a document walk made, on what the parse found; OK or the first error.
+  // The outcome of the parse that fed this reader (`parsed`, SaxParse's Status) with the checks
+  // a document walk made: OK, with the tensors appended to `tensors` in name order, or the first
+  // error. A repeated tensor name comes first, as a document parse would have failed there (the
+  // reader defers the check to sort the names once; every key was read before any error).
+  Status Finish(const Status& parsed, uint64_t data_bytes,
+                std::vector<SafetensorsTensor>* tensors) {
+    // Tensors come in name order (a JSON object's members have none of their own).
+    std::vector<HeaderEntry*> order;
+    order.reserve(entries_.size());
+    for (HeaderEntry& e : entries_) order.push_back(&e);
+    std::sort(order.begin(), order.end(), [](const HeaderEntry* a, const HeaderEntry* b) {
+      const int c = a->tensor.name.compare(b->tensor.name);
+      return c != 0 ? c < 0 : a->key_offset < b->key_offset;
+    });
+    // The second of each run of equal names is a duplicate; the first in the text is reported.
+    const HeaderEntry* duplicate = nullptr;
+    for (size_t i = 1; i < order.size(); ++i) {
+      if (order[i]->tensor.name == order[i - 1]->tensor.name &&
+          (i < 2 || order[i - 2]->tensor.name != order[i]->tensor.name) &&
+          (duplicate == nullptr || order[i]->key_offset < duplicate->key_offset)) {
+        duplicate = order[i];
+      }
+    }
+    if (duplicate != nullptr) {
+      return Status::InvalidArgument("safetensors header: malformed JSON at byte " +
+                                     std::to_string(duplicate->key_offset) + ": duplicate key \"" +
+                                     duplicate->tensor.name.substr(0, 64) + "\"");
+    }
+    if (!parsed.ok()) return parsed.WithPrefix("safetensors header");
+    if (!top_is_object_) return BadHeader("top level is not an object");
+
+    tensors->reserve(order.size());
+    for (HeaderEntry* e : order) {
+      if (e->is_metadata) {
+        if (!e->is_object) return BadHeader("__metadata__ is not an object");
+        if (!bad_metadata_key_.empty()) {
+          return BadHeader("__metadata__ value of '" + bad_metadata_key_ + "' is not a string");
+        }
+        continue;
+      }
+      Status s = Check(*e, data_bytes);
+      if (!s.ok()) return s;
+      tensors->push_back(std::move(e->tensor));
+    }
+    return Status::OK();
+  }
+
+ private:
+  // What the next value is.
+  enum class Slot : uint8_t {
+    kTop,
+    kTensor,
+    kMetadata,
+    kDtype,
+    kShape,
+    kOffsets,
+    kShapeDim,
+    kOffset,
+    kMetadataValue,
+    kIgnored
+  };
+  // What an open container is.
+  enum class Frame : uint8_t {
+    kRoot,
+    kEntry,
+    kMetadata,
+    kShape,
+    kOffsets,
+    kSkipObject,
+    kSkipArray
+  };
+  struct Container {
+    Frame frame = Frame::kSkipArray;
+    unsigned known_keys = 0;     // kEntry: the dtype, shape, data_offsets keys seen (bits)
+    std::set<std::string> keys;  // objects: the other keys seen (for duplicates)
+  };
+
+  Slot Next() const {
+    if (open_.empty()) return Slot::kTop;
+    switch (open_.back().frame) {
+      case Frame::kRoot:
+      case Frame::kEntry: return slot_;
+      case Frame::kMetadata: return Slot::kMetadataValue;
+      case Frame::kShape: return Slot::kShapeDim;
+      case Frame::kOffsets: return Slot::kOffset;
+      default: return Slot::kIgnored;
+    }
+  }
+
+  // A value (or a container) of a type the header does not expect where it stands.
+  bool Other() {
+    switch (Next()) {
+      case Slot::kTop: top_is_object_ = false; break;
+      case Slot::kTensor:
+      case Slot::kMetadata: entries_.back().is_object = false; break;
+      case Slot::kDtype: entries_.back().dtype = HeaderEntry::Field::kWrongType; break;
+      case Slot::kShape: entries_.back().shape = HeaderEntry::Field::kWrongType; break;
+      case Slot::kOffsets: entries_.back().offsets = HeaderEntry::Field::kWrongType; break;
+      case Slot::kShapeDim:
+        if (entries_.back().shape_error == HeaderEntry::ShapeError::kNone) {
+          entries_.back().shape_error = HeaderEntry::ShapeError::kNotNonNegative;
+        }
+        break;
+      case Slot::kOffset:
+        entries_.back().bad_offset = true;
+        ++entries_.back().num_offsets;
+        break;
+      case Slot::kMetadataValue:
+        // Walked in key order, the smallest such key is the one reported.
+        if (bad_metadata_key_.empty() || meta_value_->first < bad_metadata_key_) {
+          bad_metadata_key_ = meta_value_->first;
+        }
+        break;
+      case Slot::kIgnored: break;
+    }
+    return true;
+  }
+
+  bool Open(Frame frame) {
+    if (open_.size() >= kMaxDepth) {
+      return Fail("nesting deeper than " + std::to_string(kMaxDepth) + " levels");
+    }
+    open_.emplace_back().frame = frame;
+    return true;
+  }
+
+  bool Close() {
+    // One allocation of the exact size per shape.
+    if (open_.back().frame == Frame::kShape) entries_.back().tensor.shape = dims_;
+    open_.pop_back();
+    return true;
+  }
+
+  bool Duplicate(const std::string& k) { return Fail("duplicate key \"" + k.substr(0, 64) + "\""); }
+
+  static Status Check(const HeaderEntry& e, uint64_t data_bytes) {
+    const std::string& name = e.tensor.name;
+    if (!e.is_object) return BadHeader("entry '" + name + "' is not an object");
+    if (e.dtype != HeaderEntry::Field::kPresent) {
+      return BadHeader("tensor '" + name + "' has no string 'dtype'");
+    }
+    const size_t elem_bytes = SafetensorsDtypeBytes(e.tensor.dtype);
+    if (elem_bytes == 0) {
+      return BadHeader("tensor '" + name + "' has unknown dtype '" + e.tensor.dtype + "'");
+    }
+    if (e.shape != HeaderEntry::Field::kPresent) {
+      return BadHeader("tensor '" + name + "' has no 'shape' array");
+    }
+    if (e.offsets != HeaderEntry::Field::kPresent || e.num_offsets != 2) {
+      return BadHeader("tensor '" + name + "' needs 'data_offsets' = [begin, end]");
+    }
+    if (e.shape_error == HeaderEntry::ShapeError::kNotNonNegative) {
       return BadHeader("tensor '" + name +
                        "' has a shape entry that is not a non-negative integer");
     }
-    if (!MulU64(numel, dim.get<uint64_t>(), &numel)) {
+    if (e.shape_error == HeaderEntry::ShapeError::kOverflow) {
       return BadHeader("tensor '" + name + "' has a shape whose element count overflows");
     }
-    out->shape.push_back(static_cast<int64_t>(dim.get<uint64_t>()));
-  }
-  for (const json& off : *offsets) {
-    if (!off.is_number_unsigned()) {
+    if (e.bad_offset) {
       return BadHeader("tensor '" + name +
                        "' has a data offset that is not a non-negative integer");
     }
+    const uint64_t begin = e.tensor.data_begin, end = e.tensor.data_end;
+    if (begin > end) {
+      return BadHeader("tensor '" + name + "' has data_offsets begin " + std::to_string(begin) +
+                       " > end " + std::to_string(end));
+    }
+    if (end > data_bytes) {
+      return Status::DataLoss("safetensors: tensor '" + name + "' ends at byte " +
+                              std::to_string(end) + " but the data section has only " +
+                              std::to_string(data_bytes) + " bytes (truncated file?)");
+    }
+    uint64_t expected = 0;
+    if (!MulU64(e.numel, elem_bytes, &expected) || expected != end - begin) {
+      return BadHeader("tensor '" + name + "' spans " + std::to_string(end - begin) +
+                       " bytes but its shape and " + e.tensor.dtype + " dtype need " +
+                       std::to_string(e.numel) + " x " + std::to_string(elem_bytes));
+    }
+    return Status::OK();
   }
-  out->data_begin = (*offsets)[0].get<uint64_t>();
-  out->data_end = (*offsets)[1].get<uint64_t>();
-  if (out->data_begin > out->data_end) {
-    return BadHeader("tensor '" + name + "' has data_offsets begin " +
-                     std::to_string(out->data_begin) + " > end " + std::to_string(out->data_end));
-  }
-  if (out->data_end > data_bytes) {
-    return Status::DataLoss("safetensors: tensor '" + name + "' ends at byte " +
-                            std::to_string(out->data_end) + " but the data section has only " +
-                            std::to_string(data_bytes) + " bytes (truncated file?)");
-  }
-  uint64_t expected = 0;
-  if (!MulU64(numel, elem_bytes, &expected) || expected != out->data_end - out->data_begin) {
-    return BadHeader("tensor '" + name + "' spans " +
-                     std::to_string(out->data_end - out->data_begin) + " bytes but its shape and " +
-                     out->dtype + " dtype need " + std::to_string(numel) + " x " +
-                     std::to_string(elem_bytes));
-  }
-  return Status::OK();
-}
+
+  static constexpr size_t kMaxDepth = 32;  // as ParseStrict's default
+
+  std::map<std::string, std::string>* const metadata_;
+  std::map<std::string, std::string>::iterator meta_value_;  // the last metadata key's value
+  std::string bad_metadata_key_;  // the smallest metadata key whose value is not a string
+  bool top_is_object_ = true;
+  std::vector<HeaderEntry> entries_;  // one per top-level key, in document order
+  std::vector<int64_t> dims_;         // the open shape's dimensions
+  std::vector<Container> open_;       // the containers open, innermost last
+  Slot slot_ = Slot::kTop;            // in an object: what the value of the last key is
+};
 
 }  // namespace
 
@@ -128,32 +396,14 @@ StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::vector<uint8_t> bytes) {
   std::string_view header(reinterpret_cast<const char*>(bytes.data()) + 8,
                           static_cast<size_t>(header_len));
   // The format pads the header with trailing spaces to align the data section.
-  StatusOr<json> root = pdlib::json::ParseStrict(header);
-  if (!root.ok()) return root.status().WithPrefix("safetensors header");
-  if (!root->is_object()) return BadHeader("top level is not an object");
-
   SafetensorsFile file;
+  HeaderReader reader(header.size(), &file.metadata_);
   file.data_start_ = 8 + header_len;
-  const uint64_t data_bytes = bytes.size() - file.data_start_;
-  // Tensors come in name order (a JSON object's members have none of their own).
-  for (const auto& [key, value] : root->items()) {
-    if (key == "__metadata__") {
-      if (!value.is_object()) return BadHeader("__metadata__ is not an object");
-      for (const auto& [meta_key, meta_value] : value.items()) {
-        if (!meta_value.is_string()) {
-          return BadHeader("__metadata__ value of '" + meta_key + "' is not a string");
-        }
-        file.metadata_[meta_key] = meta_value.get<std::string>();
-      }
-      continue;
-    }
-    SafetensorsTensor tensor;
-    Status s = ParseTensorEntry(key, value, data_bytes, &tensor);
-    if (!s.ok()) return s;
-    file.tensors_.push_back(std::move(tensor));
-  }
+  Status checked = reader.Finish(pdlib::json::SaxParse(header, &reader),
+                                 bytes.size() - file.data_start_, &file.tensors_);
+  if (!checked.ok()) return checked;
 
-  // Byte ranges must not overlap. (Names are unique: ParseStrict rejects a duplicate key.)
+  // Byte ranges must not overlap. (Names are unique: Finish() found no duplicate.)
   std::vector<const SafetensorsTensor*> order;
   for (const SafetensorsTensor& t : file.tensors_) order.push_back(&t);
   std::sort(order.begin(), order.end(), [](const SafetensorsTensor* a, const SafetensorsTensor* b) {
