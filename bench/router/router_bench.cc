@@ -24,10 +24,9 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "examples/proto/pd_serving.grpc.pb.h"
 #include "tools/common/child_process.h"
+#include "tools/common/flags.h"
 
 ABSL_FLAG(std::string, router, PDLIB_ROUTER_BINARY, "the pd-router binary to measure");
 ABSL_FLAG(std::string, old_router, "", "a second pd-router binary, measured in the same run");
@@ -164,9 +163,10 @@ struct Row {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "HTTP requests/s through pd-router with keep-alive (usage at the top of router_bench.cc)");
-  absl::ParseCommandLine(argc, argv);
+  pdlib_tools::ParseFlagsNoArguments(
+      argc, argv,
+      "usage: pdlib_router_bench [flags]\n\nHTTP requests/s through pd-router with keep-alive, "
+      "against instant fake hosts\n(more at the top of bench/router/router_bench.cc).");
   const int connections = absl::GetFlag(FLAGS_connections);
   const int requests = absl::GetFlag(FLAGS_requests);
   const int rounds = absl::GetFlag(FLAGS_rounds);

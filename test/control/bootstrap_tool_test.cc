@@ -107,12 +107,13 @@ TEST_CASE("pdlib-bootstrap: --help lists every flag from its definition") {
 
 TEST_CASE("pdlib-bootstrap: a wrong flag is refused, naming it; dashed names are accepted") {
   Child unknown({"--no-such-flag"}, true);
-  CHECK_THAT(unknown.ReadAll(kStartTimeout), Catch::Contains("flag 'no_such_flag'"));
-  CHECK(unknown.Wait(kStartTimeout) == 1);
+  CHECK_THAT(unknown.ReadAll(kStartTimeout),
+             Catch::Contains("pdlib-bootstrap: Unknown command line flag 'no_such_flag'"));
+  CHECK(unknown.Wait(kStartTimeout) == 2);
   Child bad_value({"--port", "eighty"}, true);
   CHECK_THAT(bad_value.ReadAll(kStartTimeout),
              Catch::Contains("'eighty'") && Catch::Contains("flag 'port'"));
-  CHECK(bad_value.Wait(kStartTimeout) == 1);
+  CHECK(bad_value.Wait(kStartTimeout) == 2);
   Child positional({"--port", "0", "stray"}, true);
   CHECK_THAT(positional.ReadAll(kStartTimeout),
              Catch::Contains("pdlib-bootstrap: unexpected argument 'stray'"));

@@ -171,7 +171,7 @@ FlagParse TryParseFlags(std::vector<std::string> args, const std::vector<std::st
       }
     }
     if (flag == nullptr || !NotAbseils(flag->Filename())) {
-      result.error = absl::StrCat("unknown flag '", args[i], "' (see --help)");
+      result.error = absl::StrCat("Unknown command line flag '", name, "' (see --help)");
       return result;
     }
     if (!value) {
@@ -180,12 +180,12 @@ FlagParse TryParseFlags(std::vector<std::string> args, const std::vector<std::st
       } else if (i + 1 < args.size()) {
         value = args[++i];
       } else {
-        result.error = absl::StrCat("--", name, " needs a value");
+        result.error = absl::StrCat("Missing the value for the flag '", name, "'");
         return result;
       }
     }
     if (!flag->ParseFrom(*value, &error)) {
-      result.error = absl::StrCat("--", name, " '", *value, "': ", error);
+      result.error = error;  // Abseil's "Illegal value 'v' specified for flag 'name'; why"
       return result;
     }
     result.given.push_back(name);
@@ -207,20 +207,22 @@ std::string AbslUnparseFlag(const Repeated& r) { return absl::StrJoin(r.values, 
 std::vector<std::string> ParseFlags(int argc, char** argv, std::string_view usage,
                                     const std::vector<std::string>& lists,
                                     const std::vector<std::string>& repeated) {
-  std::vector<std::string> args(argv, argv + argc);
-  args = MergeListFlags(NormalizeFlagNames(std::move(args)), lists);
-  args = MergeListFlags(std::move(args), repeated, '\n');
   absl::SetProgramUsageMessage(absl::string_view(usage.data(), usage.size()));
-  if (WantsHelp(args)) {
+  const std::string program = argc > 0 ? argv[0] : "";
+  FlagParse parsed = TryParseFlags(std::vector<std::string>(argv + std::min(argc, 1), argv + argc),
+                                   lists, repeated);
+  if (parsed.help) {
     const std::string help = FlagsHelp(usage, NotAbseils);
     std::fwrite(help.data(), 1, help.size(), stdout);
     std::exit(0);
   }
-  std::vector<char*> raw;
-  for (std::string& a : args) raw.push_back(a.data());
-  raw.push_back(nullptr);
-  std::vector<char*> rest = absl::ParseCommandLine(int(args.size()), raw.data());
-  return std::vector<std::string>(rest.begin(), rest.end());
+  if (!parsed.error.empty()) {
+    std::fprintf(stderr, "%s: %s\n", program.substr(program.rfind('/') + 1).c_str(),
+                 parsed.error.c_str());
+    std::exit(2);
+  }
+  parsed.positional.insert(parsed.positional.begin(), program);
+  return std::move(parsed.positional);
 }
 
 void ParseFlagsNoArguments(int argc, char** argv, std::string_view usage,

@@ -1,10 +1,13 @@
 // Command-line flags for pdlib's binaries, through Abseil flags (ABSL_FLAG in the binary's own
-// files; absl::GetFlag to read them). What this adds to absl::ParseCommandLine:
+// files; absl::GetFlag to read them), parsed by TryParseFlags below rather than
+// absl::ParseCommandLine (which can only exit on an error). The rules:
 // - names may be spelled with dashes: --auth-secret-file is --auth_secret_file;
 // - --help (or -h) prints the usage message and every flag of the binary's own files, generated
 //   from their definitions (name, default, help), and exits 0;
-// - a wrong flag or value is one line naming the flag ("ERROR: Unknown command line flag 'x'"),
-//   exit status 1. Checks of a value's range are the binary's, after parsing, also naming the flag.
+// - a wrong flag or value is one line naming the flag ("<program>: Unknown command line flag 'x'
+//   (see --help)"), exit status 2, as for every other bad command line. Checks of a value's range
+//   are the binary's, after parsing, also naming the flag;
+// - Abseil's own flags (--flagfile, --helpfull, ...) are not taken.
 // Target pdlib_tool_flags; not part of the pdlib library.
 #ifndef PDLIB_TOOLS_COMMON_FLAGS_H_
 #define PDLIB_TOOLS_COMMON_FLAGS_H_
@@ -23,7 +26,7 @@ namespace pdlib_tools {
 // Flags named in `lists` (std::vector<std::string> flags) may be repeated: "--prefill a
 // --prefill b" is "--prefill a,b". Flags named in `repeated` (Repeated flags) may be repeated
 // too, each value kept whole, commas included. Any other flag given twice keeps its last value
-// (Abseil's rule).
+// (Abseil's rule). On an error prints "<program>: <error>" on stderr and exits 2.
 std::vector<std::string> ParseFlags(int argc, char** argv, std::string_view usage,
                                     const std::vector<std::string>& lists = {},
                                     const std::vector<std::string>& repeated = {});
@@ -45,8 +48,9 @@ struct FlagParse {
 // Parses `args` (argv without the program name) into the binary's Abseil flags without exiting:
 // first every flag of the binary's own files is set back to its default, then each argument is
 // applied ("--name value", "--name=value", "--name" / "--noname" for a bool). Names may use dashes;
-// `lists` and `repeated` as for ParseFlags. Errors: an unknown flag, a missing value, a value the
-// flag's type refuses ("--port: 'x': ..."). Not thread-safe (flags are process-wide).
+// `lists` and `repeated` as for ParseFlags. Errors, in Abseil's words: an unknown flag, a missing
+// value, a value the flag's type refuses ("Illegal value 'x' specified for flag 'port'"). Not
+// thread-safe (flags are process-wide).
 FlagParse TryParseFlags(std::vector<std::string> args, const std::vector<std::string>& lists = {},
                         const std::vector<std::string>& repeated = {});
 
