@@ -164,18 +164,21 @@ class ProgressThread {
   // Progress thread: runs the queued commands in order, a batch through `accept` (called with
   // its unique_ptr), a function in place. Returns whether there were any; *stop is set once the
   // thread is stopping (the commands queued before Stop() still run).
+  // The loop calls this on every pass, busy-polling included: the taken commands go into a
+  // deque the thread keeps, so that an idle pass allocates nothing (a new std::deque does).
   template <typename Accept>
   bool RunCommands(Accept&& accept, bool* stop) {
-    std::deque<Command> commands;
-    *stop = TakeCommands(&commands);
-    for (Command& command : commands) {
+    *stop = TakeCommands(&taken_);
+    if (taken_.empty()) return false;
+    for (Command& command : taken_) {
       if (command.batch) {
         accept(std::move(command.batch));
       } else {
         command.fn();
       }
     }
-    return !commands.empty();
+    taken_.clear();
+    return true;
   }
 
   // Progress thread, after arming the wire: sleeps in epoll up to `timeout_ms` unless a command
@@ -204,6 +207,7 @@ class ProgressThread {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool sleeping_ ABSL_GUARDED_BY(mu_) = false;  // the thread is (about to be) in epoll
   std::deque<Command> commands_ ABSL_GUARDED_BY(mu_);
+  std::deque<Command> taken_;  // progress thread only: RunCommands' batch, emptied after each
   std::thread thread_;
   std::thread::id id_;
 };
