@@ -17,6 +17,12 @@ PoolRegion KVCache::pool(KVKind kind, int32_t kv_layer) const {
   return pools[static_cast<size_t>(kv_layer)];
 }
 
+PoolRegion KVCache::swa_pool(KVKind kind, int32_t swa_layer) const {
+  const std::vector<PoolRegion>& pools = kind == KVKind::kKey ? swa_k_pools_ : swa_v_pools_;
+  if (swa_layer < 0 || static_cast<size_t>(swa_layer) >= pools.size()) return {};
+  return pools[static_cast<size_t>(swa_layer)];
+}
+
 PoolRegion KVCache::state_pool(int32_t state_layer) const {
   if (state_layer < 0 || static_cast<size_t>(state_layer) >= state_pools_.size()) return {};
   return state_pools_[static_cast<size_t>(state_layer)];
@@ -39,24 +45,38 @@ BufferFamily KVCache::DescribeKV() const {
   return family;
 }
 
+BufferFamily KVCache::DescribeSwa() const {
+  BufferFamily family;
+  for (size_t i = 0; i < swa_k_pools_.size(); ++i) {
+    Append(&family, swa_k_pools_[i]);
+    Append(&family, swa_v_pools_[i]);
+  }
+  return family;
+}
+
 BufferFamily KVCache::DescribeState() const {
   BufferFamily family;
   for (const PoolRegion& r : state_pools_) Append(&family, r);
   return family;
 }
 
-Status KVCache::CheckPage(KVKind kind, int32_t kv_layer, int32_t page, size_t bytes,
+Status KVCache::CheckPage(bool swa, KVKind kind, int32_t layer, int32_t page, size_t bytes,
                           const void** where) const {
-  if (kv_layer < 0 || kv_layer >= num_kv_layers()) {
-    return Status::OutOfRange("KV layer " + std::to_string(kv_layer) + " out of range [0, " +
-                              std::to_string(num_kv_layers()) + ")");
+  const char* what = swa ? "SWA layer " : "KV layer ";
+  const int32_t layers = swa ? num_swa_layers() : num_kv_layers();
+  if (layer < 0 || layer >= layers) {
+    return Status::OutOfRange(what + std::to_string(layer) + " out of range [0, " +
+                              std::to_string(layers) + ")");
   }
   if (page < 0 || page >= num_pages_) {
     return Status::OutOfRange("page " + std::to_string(page) + " out of range [0, " +
-                              std::to_string(num_pages_) + ") for KV layer " +
-                              std::to_string(kv_layer));
+                              std::to_string(num_pages_) + ") for " + what + std::to_string(layer));
   }
-  const PoolRegion r = pool(kind, kv_layer);
+  const PoolRegion r = swa ? swa_pool(kind, layer) : pool(kind, layer);
+  if (r.base == nullptr) {
+    return Status::InvalidArgument(std::string(what) + std::to_string(layer) +
+                                   " has no V pool (MLA keeps one latent pool per layer)");
+  }
   if (bytes != r.item_bytes) {
     return Status::InvalidArgument("page copy of " + std::to_string(bytes) + " bytes; a page has " +
                                    std::to_string(r.item_bytes));
@@ -87,7 +107,7 @@ Status KVCache::CheckState(int32_t state_layer, int32_t slot, size_t bytes,
 Status KVCache::ReadPage(KVKind kind, int32_t kv_layer, int32_t page,
                          std::span<std::byte> out) const {
   const void* where = nullptr;
-  Status s = CheckPage(kind, kv_layer, page, out.size(), &where);
+  Status s = CheckPage(false, kind, kv_layer, page, out.size(), &where);
   if (!s.ok()) return s;
   return CopyToHost(where, out.data(), out.size());
 }
@@ -95,7 +115,23 @@ Status KVCache::ReadPage(KVKind kind, int32_t kv_layer, int32_t page,
 Status KVCache::WritePage(KVKind kind, int32_t kv_layer, int32_t page,
                           std::span<const std::byte> bytes) {
   const void* where = nullptr;
-  Status s = CheckPage(kind, kv_layer, page, bytes.size(), &where);
+  Status s = CheckPage(false, kind, kv_layer, page, bytes.size(), &where);
+  if (!s.ok()) return s;
+  return CopyFromHost(bytes.data(), const_cast<void*>(where), bytes.size());
+}
+
+Status KVCache::ReadSwaPage(KVKind kind, int32_t swa_layer, int32_t page,
+                            std::span<std::byte> out) const {
+  const void* where = nullptr;
+  Status s = CheckPage(true, kind, swa_layer, page, out.size(), &where);
+  if (!s.ok()) return s;
+  return CopyToHost(where, out.data(), out.size());
+}
+
+Status KVCache::WriteSwaPage(KVKind kind, int32_t swa_layer, int32_t page,
+                             std::span<const std::byte> bytes) {
+  const void* where = nullptr;
+  Status s = CheckPage(true, kind, swa_layer, page, bytes.size(), &where);
   if (!s.ok()) return s;
   return CopyFromHost(bytes.data(), const_cast<void*>(where), bytes.size());
 }

@@ -27,8 +27,22 @@ std::string_view KVDtypeName(KVDtype dtype);
 
 // What the mixing half of a decoder layer is. Every layer also has a SwiGLU MLP.
 enum class LayerKind : int32_t {
-  kAttention = 0,  // grouped-query attention over the paged KV cache
+  kAttention = 0,  // attention over the paged KV cache (GQA or MLA, ModelConfig::attention)
   kRecurrent = 1,  // gated linear recurrence over a per-request state slot (mamba-like)
+  // GQA attention over the last ModelConfig::sliding_window positions (the token itself
+  // included), its K and V in the SWA pools (kv_cache.h), not in the KV pools.
+  kSlidingWindow = 2,
+};
+
+// How the attention layers keep K and V.
+enum class AttentionKind : int32_t {
+  // Grouped-query attention: num_kv_heads heads of head_dim for K and for V.
+  kGqa = 0,
+  // Multi-head latent attention (DeepSeek-V2 style): per token one row of kv_lora_rank latent
+  // values (RMS-normalised) followed by qk_rope_dim rotated key values, shared by every head.
+  // Head h's key is [W_uk_h c, k_rope] and its value W_uv_h c (head_dim each, c the latent);
+  // its query is [q_nope_h (head_dim), q_rope_h (qk_rope_dim)]. num_kv_heads must be 1.
+  kMla = 1,
 };
 
 struct ModelConfig {
@@ -48,39 +62,72 @@ struct ModelConfig {
   std::vector<LayerKind> layer_kinds;
   // When true, the LM head reuses the embedding table (no lm_head.weight tensor).
   bool tie_word_embeddings = false;
+  AttentionKind attention = AttentionKind::kGqa;
+  int32_t kv_lora_rank = 0;  // MLA: latent values per token (0 for GQA)
+  int32_t qk_rope_dim = 0;   // MLA: rotated key/query values per token and head (0 for GQA)
+  // kSlidingWindow layers: positions a token attends to, itself included (>= 1 when the model
+  // has such a layer, 0 otherwise).
+  int32_t sliding_window = 0;
 
   // The default: 4 attention layers, hidden 256, 4 query heads and 2 KV heads of 64, vocab 512.
   static ModelConfig Small() { return ModelConfig(); }
   // Small() with layers 1 and 3 recurrent, so hosts exercise state transfer.
   static ModelConfig SmallHybrid();
+  // Small() with MLA attention: one KV "head" of kv_lora_rank 64 + qk_rope_dim 32 per token.
+  static ModelConfig SmallMla();
+  // Small() with layers 1 and 3 sliding-window attention over 24 positions (so windows start
+  // inside pages).
+  static ModelConfig SmallSwa();
 
   [[nodiscard]] Status Validate() const;
   std::string ToString() const;
 
   LayerKind layer_kind(int32_t layer) const;
+  bool is_mla() const { return attention == AttentionKind::kMla; }
+  // Has recurrent layers (mamba-like state slots).
   bool is_hybrid() const { return num_recurrent_layers() > 0; }
+  bool has_sliding_window() const { return num_swa_layers() > 0; }
+  // Full attention layers (kAttention): the layers whose KV pdlib moves as KV.
   int32_t num_attention_layers() const;
   int32_t num_recurrent_layers() const;
+  int32_t num_swa_layers() const;
   // Position of `layer` among the attention layers (its KV pool index), or -1.
   int32_t kv_layer_index(int32_t layer) const;
   // Position of `layer` among the recurrent layers (its state pool index), or -1.
   int32_t state_layer_index(int32_t layer) const;
+  // Position of `layer` among the sliding-window layers (its SWA pool index), or -1.
+  int32_t swa_layer_index(int32_t layer) const;
 
+  // Width of the attention output (and of the o_proj input): num_heads x head_dim.
   int32_t q_width() const { return num_heads * head_dim; }
-  int32_t kv_width() const { return num_kv_heads * head_dim; }
+  // GQA: num_kv_heads x head_dim values per token in each of K and V. MLA: the latent row,
+  // kv_lora_rank + qk_rope_dim.
+  int32_t kv_width() const {
+    return is_mla() ? kv_lora_rank + qk_rope_dim : num_kv_heads * head_dim;
+  }
   // Width of a recurrent layer's state: one fp32 per hidden unit.
   int32_t state_dim() const { return hidden_size; }
 
   size_t kv_elem_bytes() const { return kv_dtype == KVDtype::kFloat32 ? 4 : 2; }
-  // Bytes of one page of one K (or V) pool: page_size * num_kv_heads * head_dim elements.
+  // Bytes of one page of one K (or V, or MLA latent, or SWA) pool: page_size x kv_width()
+  // elements.
   size_t kv_page_bytes() const {
     return static_cast<size_t>(page_size) * static_cast<size_t>(kv_width()) * kv_elem_bytes();
   }
+  // The pages of a request's page table (indices into it, [first, end)) that hold the positions
+  // a sliding-window layer still reads when the request's next token is at position
+  // `num_tokens`: [max(0, num_tokens - sliding_window + 1), num_tokens). Empty without a window
+  // or tokens. What pdlib moves as SWA state (StateType::kSwa), on both sides.
+  struct PageRange {
+    int32_t first = 0;
+    int32_t end = 0;
+  };
+  PageRange SlidingWindowPages(int64_t num_tokens) const;
   // Bytes of one request's state in one recurrent layer's pool.
   size_t state_slot_bytes() const { return static_cast<size_t>(state_dim()) * sizeof(float); }
 
   // What a pdlib KVManager compares between the two sides (SPEC R6.4). num_layers counts the
-  // layers that own KV pools (the attention layers).
+  // layers that own KV pools (the full attention layers); MLA counts one KV head of kv_width().
   ModelFingerprint Fingerprint(std::string model_name = "pdlib-kernels-llama") const;
 };
 

@@ -1,11 +1,19 @@
 // KVCache: the memory a Model keeps between forward passes, laid out exactly as a host
 // registers it with pdlib.
 //
-//  - For every attention layer, one K pool and one V pool. A pool is num_pages pages; a page
-//    holds page_size tokens of num_kv_heads x head_dim elements (fp32 or bf16), as
-//    [token][head][dim] (NHD) or [head][token][dim] (HND).
+//  - For every full attention layer, one K pool and one V pool. A pool is num_pages pages; a
+//    page holds page_size tokens of num_kv_heads x head_dim elements (fp32 or bf16), as
+//    [token][head][dim] (NHD) or [head][token][dim] (HND). MLA: one pool per layer (the K pool;
+//    there is no V pool) whose page holds page_size latent rows of kv_width() elements.
+//  - For every sliding-window layer, one K and one V "SWA pool" of num_pages pages laid out as
+//    the KV pools. Page p of the SWA pools holds the same positions as page p of the KV pools
+//    (one page table serves both); only the pages inside the window are ever read.
 //  - For every recurrent layer (hybrid models), one state pool of num_state_slots slots of
 //    state_dim fp32 values.
+//
+// A sharded model's cache (parallel.h) holds only its rank's share: config() is then
+// ShardCacheConfig(model config, layout), so layer indices are the stage's own (0 = the stage's
+// first full-attention layer) and pages hold the rank's KV heads only.
 //
 // A request owns a page table (the page indices holding its tokens 0, 1, 2, ... in order, page
 // i covering positions [i * page_size, (i + 1) * page_size)) and, for hybrid models, one state
@@ -66,17 +74,24 @@ class KVCache {
   MemoryKind memory_kind() const { return memory_kind_; }
 
   // kv_layer is the attention-layer index (ModelConfig::kv_layer_index), in [0, num_kv_layers).
+  // MLA has K pools only (pool(kValue, ...) is empty).
   int32_t num_kv_layers() const { return static_cast<int32_t>(k_pools_.size()); }
   PoolRegion pool(KVKind kind, int32_t kv_layer) const;
+  // swa_layer is the sliding-window-layer index (ModelConfig::swa_layer_index).
+  int32_t num_swa_layers() const { return static_cast<int32_t>(swa_k_pools_.size()); }
+  PoolRegion swa_pool(KVKind kind, int32_t swa_layer) const;
   // state_layer is the recurrent-layer index (ModelConfig::state_layer_index).
   int32_t num_state_layers() const { return static_cast<int32_t>(state_pools_.size()); }
   PoolRegion state_pool(int32_t state_layer) const;
 
   // The KV pools in pdlib's registration order: every layer's K pool, then every layer's V pool
-  // (KVArgs::kv). item_lens are page bytes.
+  // (KVArgs::kv); MLA: one pool per layer. item_lens are page bytes.
   BufferFamily DescribeKV() const;
   // The state pools, one per recurrent layer (KVArgs::state with StateType::kMamba).
   BufferFamily DescribeState() const;
+  // The SWA pools per sliding-window layer, K then V (KVArgs::state with StateType::kSwa:
+  // interleaved per layer so that a PP stage's buffers are a contiguous run of the model's).
+  BufferFamily DescribeSwa() const;
 
   // Copies one page between the pool and host memory (`bytes` must be exactly one page).
   // Used by tests and by hosts that move KV without pdlib.
@@ -84,6 +99,11 @@ class KVCache {
                                 std::span<std::byte> out) const;
   [[nodiscard]] Status WritePage(KVKind kind, int32_t kv_layer, int32_t page,
                                  std::span<const std::byte> bytes);
+  // The same for one page of a sliding-window layer's SWA pool.
+  [[nodiscard]] Status ReadSwaPage(KVKind kind, int32_t swa_layer, int32_t page,
+                                   std::span<std::byte> out) const;
+  [[nodiscard]] Status WriteSwaPage(KVKind kind, int32_t swa_layer, int32_t page,
+                                    std::span<const std::byte> bytes);
   // Copies one request's recurrent state (state_dim floats) of one recurrent layer.
   [[nodiscard]] Status ReadState(int32_t state_layer, int32_t slot, std::span<float> out) const;
   [[nodiscard]] Status WriteState(int32_t state_layer, int32_t slot, std::span<const float> in);
@@ -103,10 +123,12 @@ class KVCache {
   // Filled by the derived class's factory.
   std::vector<PoolRegion> k_pools_;
   std::vector<PoolRegion> v_pools_;
+  std::vector<PoolRegion> swa_k_pools_;
+  std::vector<PoolRegion> swa_v_pools_;
   std::vector<PoolRegion> state_pools_;
 
  private:
-  Status CheckPage(KVKind kind, int32_t kv_layer, int32_t page, size_t bytes,
+  Status CheckPage(bool swa, KVKind kind, int32_t layer, int32_t page, size_t bytes,
                    const void** where) const;
   Status CheckState(int32_t state_layer, int32_t slot, size_t bytes, const void** where) const;
 };

@@ -13,6 +13,11 @@
 // are batched and however many threads run. The CUDA model is deterministic for a fixed batch
 // and matches the CPU within the tolerance stated in kernels/README.md.
 //
+// Sharded (parallel.h): a model created for one rank of tp_size x pp_size holds and computes
+// only that rank's share, and its KVCache only that share's pools and heads. Every rank of the
+// replica must call Forward with the same batch (the ranks meet in the collectives); each rank
+// then gets the same results, bit-identical to the whole model on one rank.
+//
 // Owns its KVCache. Not thread-safe: one thread at a time calls Forward or touches the cache.
 #ifndef PDLIB_KERNELS_MODEL_H_
 #define PDLIB_KERNELS_MODEL_H_
@@ -26,6 +31,7 @@
 #include "pdlib/status.h"
 #include "pdlib_kernels/config.h"
 #include "pdlib_kernels/kv_cache.h"
+#include "pdlib_kernels/parallel.h"
 #include "pdlib_kernels/weights.h"
 
 namespace pdlib::kernels {
@@ -39,6 +45,11 @@ struct RuntimeOptions {
   // CPU: worker threads for matmuls and attention, the caller included; 0 = hardware threads.
   int32_t num_threads = 0;
   int32_t cuda_device = 0;  // CUDA: which device
+  // The rank this model is (parallel.h); the default is the whole model.
+  ModelShard shard;
+  // Required when shard has more than one rank: this rank's member of the replica's group.
+  // Must outlive the model. Not owned.
+  ModelComm* comm = nullptr;
 };
 
 // One request's share of a forward pass. The spans must stay valid during Forward.
@@ -78,7 +89,9 @@ class Model {
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
+  // The whole model's config (kv_cache().config() is this rank's share of it).
   virtual const ModelConfig& config() const = 0;
+  virtual const ShardLayout& shard_layout() const = 0;
   virtual Device device() const = 0;
   virtual KVCache& kv_cache() = 0;
   virtual const KVCache& kv_cache() const = 0;

@@ -19,11 +19,18 @@ namespace pdlib::kernels {
 
 struct LayerWeights {
   std::vector<float> input_layernorm;  // [hidden]
-  // Attention layers.
-  std::vector<float> q_proj;  // [num_heads * head_dim][hidden]
+  // Attention layers (full and sliding-window). GQA:
+  std::vector<float> q_proj;  // [num_heads * head_dim][hidden]; MLA: [num_heads *
+                              // (head_dim + qk_rope_dim)][hidden], per head nope then rope
   std::vector<float> k_proj;  // [num_kv_heads * head_dim][hidden]
   std::vector<float> v_proj;  // [num_kv_heads * head_dim][hidden]
   std::vector<float> o_proj;  // [hidden][num_heads * head_dim]
+  // MLA only (k_proj and v_proj empty): the latent and the shared rotated key from x, the
+  // latent's RMSNorm, and per head the key (nope) and value up-projections from the latent.
+  std::vector<float> kv_a_proj;       // [kv_lora_rank + qk_rope_dim][hidden]
+  std::vector<float> kv_a_layernorm;  // [kv_lora_rank]
+  std::vector<float> kv_b_proj;       // [num_heads * 2 * head_dim][kv_lora_rank], per head
+                                      // k_nope rows then v rows
   // Recurrent layers: h_t = a * h_{t-1} + (1 - a) * (W_in x), a = sigmoid(W_decay x),
   // y = W_out (h_t * silu(W_gate x)).
   std::vector<float> rec_in_proj;     // [hidden][hidden]
@@ -39,7 +46,9 @@ struct LayerWeights {
 
 // One tensor as a checkpoint names it. `data` points into the ModelWeights it came from.
 struct NamedTensor {
-  std::string name;            // "model.layers.3.self_attn.q_proj.weight", ...
+  std::string name;  // "model.layers.3.self_attn.q_proj.weight", ...; MLA:
+                     // "...self_attn.kv_a_proj_with_mqa.weight", "...kv_a_layernorm.weight",
+                     // "...kv_b_proj.weight"
   std::vector<int64_t> shape;  // what the config requires
   std::vector<float>* data;
 };

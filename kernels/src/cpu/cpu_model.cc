@@ -35,6 +35,95 @@ std::vector<float> Stack(std::initializer_list<const std::vector<float>*> parts)
   return out;
 }
 
+// Rows [begin, begin + count) of a row-major matrix with `width` columns.
+std::vector<float> Rows(const std::vector<float>& m, int32_t width, int32_t begin, int32_t count) {
+  const auto from = static_cast<ptrdiff_t>(begin) * width;
+  return std::vector<float>(m.begin() + from,
+                            m.begin() + from + static_cast<ptrdiff_t>(count) * width);
+}
+
+// gathered is [parts][rows][width] (what AllGather of a [rows][width] slice returns); out is
+// [rows][parts * width] with part p's columns at [p * width, (p + 1) * width).
+void Interleave(const std::vector<float>& gathered, int32_t parts, int64_t rows, int32_t width,
+                std::vector<float>* out) {
+  out->resize(static_cast<size_t>(rows) * static_cast<size_t>(parts) * width);
+  for (int32_t p = 0; p < parts; ++p) {
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(out->data() + (r * parts + p) * width,
+                  gathered.data() + (static_cast<int64_t>(p) * rows + r) * width,
+                  sizeof(float) * static_cast<size_t>(width));
+    }
+  }
+}
+
+// ForwardResults as bytes, for the last PP stage to hand to the others.
+template <typename T>
+void Put(std::vector<std::byte>* out, const T* p, size_t n) {
+  const auto* b = reinterpret_cast<const std::byte*>(p);
+  out->insert(out->end(), b, b + n * sizeof(T));
+}
+
+template <typename T>
+void PutVector(std::vector<std::byte>* out, const std::vector<T>& v) {
+  const uint64_t n = v.size();
+  Put(out, &n, 1);
+  Put(out, v.data(), v.size());
+}
+
+void SerializeResults(const std::vector<ForwardResult>& results, std::vector<std::byte>* out) {
+  out->clear();
+  const uint64_t n = results.size();
+  Put(out, &n, 1);
+  for (const ForwardResult& r : results) {
+    Put(out, &r.token, 1);
+    Put(out, &r.logprob, 1);
+    PutVector(out, r.top_ids);
+    PutVector(out, r.top_logprobs);
+    PutVector(out, r.logits);
+    PutVector(out, r.hidden);
+  }
+}
+
+class ByteReader {
+ public:
+  explicit ByteReader(const std::vector<std::byte>& bytes) : bytes_(bytes) {}
+  template <typename T>
+  bool Get(T* p, size_t n) {
+    if (bytes_.size() - at_ < n * sizeof(T)) return false;
+    std::memcpy(p, bytes_.data() + at_, n * sizeof(T));
+    at_ += n * sizeof(T);
+    return true;
+  }
+  template <typename T>
+  bool GetVector(std::vector<T>* v) {
+    uint64_t n = 0;
+    if (!Get(&n, 1) || n > (bytes_.size() - at_) / sizeof(T)) return false;
+    v->resize(n);
+    return Get(v->data(), n);
+  }
+  bool done() const { return at_ == bytes_.size(); }
+
+ private:
+  const std::vector<std::byte>& bytes_;
+  size_t at_ = 0;
+};
+
+Status DeserializeResults(const std::vector<std::byte>& bytes, std::vector<ForwardResult>* out) {
+  ByteReader in(bytes);
+  uint64_t n = 0;
+  bool ok = in.Get(&n, 1) && n <= bytes.size();
+  out->assign(ok ? n : 0, ForwardResult{});
+  for (ForwardResult& r : *out) {
+    ok = ok && in.Get(&r.token, 1) && in.Get(&r.logprob, 1) && in.GetVector(&r.top_ids) &&
+         in.GetVector(&r.top_logprobs) && in.GetVector(&r.logits) && in.GetVector(&r.hidden);
+  }
+  if (!ok || !in.done()) {
+    return Status::Internal("model: the last PP stage's results are malformed (" +
+                            std::to_string(bytes.size()) + " bytes)");
+  }
+  return Status::OK();
+}
+
 // Copies columns [begin, begin + width) of every row of a [rows][stride] matrix.
 void SliceColumns(const std::vector<float>& in, int64_t rows, int32_t stride, int32_t begin,
                   int32_t width, std::vector<float>* out) {
@@ -44,35 +133,56 @@ void SliceColumns(const std::vector<float>& in, int64_t rows, int32_t stride, in
   }
 }
 
+// One rank's share of the model (parallel.h). With one rank it is the whole model and every
+// computation is exactly the unsharded one: the gathers are skipped and the weight slices are
+// the whole matrices.
 class CpuModel final : public Model {
  public:
-  CpuModel(const ModelWeights& w, std::unique_ptr<HostKVCache> cache, int32_t threads)
-      : config_(w.config), cache_(std::move(cache)), pool_(threads) {
-    embed_ = w.embed_tokens;
-    final_norm_ = w.final_norm;
-    lm_head_ = config_.tie_word_embeddings ? w.embed_tokens : w.lm_head;
-    for (int32_t l = 0; l < config_.num_layers; ++l) {
+  CpuModel(const ModelWeights& w, const ShardLayout& layout, ModelComm* comm,
+           std::unique_ptr<HostKVCache> cache, int32_t threads)
+      : config_(w.config), layout_(layout), comm_(comm), cache_(std::move(cache)), pool_(threads) {
+    const ModelConfig& c = config_;
+    const ShardLayout& s = layout_;
+    const int32_t hidden = c.hidden_size, hd = c.head_dim;
+    if (s.first_stage()) embed_ = w.embed_tokens;
+    if (s.last_stage()) {
+      final_norm_ = w.final_norm;
+      lm_head_ = c.tie_word_embeddings ? w.embed_tokens : w.lm_head;
+    }
+    for (int32_t l = s.first_layer; l < s.end_layer; ++l) {
       const LayerWeights& lw = w.layers[static_cast<size_t>(l)];
       CpuLayer layer;
-      layer.kind = config_.layer_kind(l);
+      layer.kind = c.layer_kind(l);
       layer.input_norm = lw.input_layernorm;
       layer.post_norm = lw.post_attention_layernorm;
-      if (layer.kind == LayerKind::kAttention) {
-        layer.pool_index = config_.kv_layer_index(l);
-        layer.mix_in = Stack({&lw.q_proj, &lw.k_proj, &lw.v_proj});
-        layer.mix_out = lw.o_proj;
-      } else {
-        layer.pool_index = config_.state_layer_index(l);
+      if (layer.kind == LayerKind::kRecurrent) {
+        // Replicated: every TP rank runs the whole recurrence on its own copy of the state.
+        layer.pool_index = c.state_layer_index(l) - s.state_start;
         layer.mix_in = Stack({&lw.rec_in_proj, &lw.rec_decay_proj, &lw.rec_gate_proj});
         layer.mix_out = lw.rec_out_proj;
+      } else {
+        layer.pool_index = layer.kind == LayerKind::kAttention ? c.kv_layer_index(l) - s.kv_start
+                                                               : c.swa_layer_index(l) - s.swa_start;
+        // This rank's query heads and the KV heads they read, stacked q | k | v.
+        const std::vector<float> q =
+            Rows(lw.q_proj, hidden, s.q_head_start * hd, s.q_head_count * hd);
+        const std::vector<float> k =
+            Rows(lw.k_proj, hidden, s.kv_head_start * hd, s.kv_head_count * hd);
+        const std::vector<float> v =
+            Rows(lw.v_proj, hidden, s.kv_head_start * hd, s.kv_head_count * hd);
+        layer.mix_in = Stack({&q, &k, &v});
+        layer.mix_out = Rows(lw.o_proj, c.q_width(), s.out_start, s.out_count);
       }
-      layer.gate_up = Stack({&lw.gate_proj, &lw.up_proj});
-      layer.down = lw.down_proj;
+      const std::vector<float> gate = Rows(lw.gate_proj, hidden, s.inter_start, s.inter_count);
+      const std::vector<float> up = Rows(lw.up_proj, hidden, s.inter_start, s.inter_count);
+      layer.gate_up = Stack({&gate, &up});
+      layer.down = Rows(lw.down_proj, c.intermediate_size, s.out_start, s.out_count);
       layers_.push_back(std::move(layer));
     }
   }
 
   const ModelConfig& config() const override { return config_; }
+  const ShardLayout& shard_layout() const override { return layout_; }
   Device device() const override { return Device::kCpu; }
   KVCache& kv_cache() override { return *cache_; }
   const KVCache& kv_cache() const override { return *cache_; }
@@ -81,21 +191,63 @@ class CpuModel final : public Model {
                  std::vector<ForwardResult>* results) override;
 
  private:
-  void AttentionMixer(const CpuLayer& layer, const BatchPlan& plan);
+  Status AttentionMixer(const CpuLayer& layer, const BatchPlan& plan);
   void RecurrentMixer(const CpuLayer& layer, const BatchPlan& plan);
-  void Mlp(const CpuLayer& layer, int64_t tokens);
+  Status Mlp(const CpuLayer& layer, int64_t tokens);
+  // `local` is [rows][width] of this rank's columns; on return `full` holds every TP rank's
+  // columns in rank order ([rows][tp * width]). With one TP rank it is a copy.
+  Status GatherColumns(const std::vector<float>& local, int64_t rows, int32_t width,
+                       std::vector<float>* full);
+  // y = x W^T for this rank's output rows of the projection, gathered, added to the residual.
+  Status OutputProjection(const std::vector<float>& in, int64_t rows, int32_t in_width,
+                          const std::vector<float>& w_rows);
+  Status Head(const BatchPlan& plan, const ForwardOptions& options,
+              std::vector<ForwardResult>* results);
+  bool tp() const { return layout_.shard.tp_size > 1; }
 
   ModelConfig config_;
+  ShardLayout layout_;
+  ModelComm* comm_;  // null for one rank
   std::unique_ptr<HostKVCache> cache_;
   ThreadPool pool_;
-  std::vector<float> embed_, final_norm_, lm_head_;
-  std::vector<CpuLayer> layers_;
+  std::vector<float> embed_, final_norm_, lm_head_;  // first stage; last stage
+  std::vector<CpuLayer> layers_;                     // the stage's layers
   // Activations, reused between calls: x is the residual stream [tokens][hidden].
   std::vector<float> x_, xn_, fused_, a_, b_, c_, mixed_, delta_, rope_cos_, rope_sin_;
+  std::vector<float> gathered_, full_;  // TP gathers
 };
 
-void CpuModel::AttentionMixer(const CpuLayer& layer, const BatchPlan& plan) {
-  const ModelConfig& c = config_;
+Status CpuModel::GatherColumns(const std::vector<float>& local, int64_t rows, int32_t width,
+                               std::vector<float>* full) {
+  const int32_t parts = layout_.shard.tp_size;
+  if (parts == 1) {
+    *full = local;
+    return Status::OK();
+  }
+  gathered_.resize(local.size() * static_cast<size_t>(parts));
+  if (Status s = comm_->AllGather(local, gathered_); !s.ok()) {
+    return s.WithPrefix("model rank " + layout_.shard.ToString() + ": TP all-gather");
+  }
+  Interleave(gathered_, parts, rows, width, full);
+  return Status::OK();
+}
+
+Status CpuModel::OutputProjection(const std::vector<float>& in, int64_t rows, int32_t in_width,
+                                  const std::vector<float>& w_rows) {
+  const int32_t h = config_.hidden_size, oc = layout_.out_count;
+  delta_.resize(static_cast<size_t>(rows * oc));
+  MatMul(pool_, in.data(), rows, in_width, w_rows.data(), oc, delta_.data());
+  if (tp()) {
+    std::vector<float> local;
+    local.swap(delta_);
+    if (Status s = GatherColumns(local, rows, oc, &delta_); !s.ok()) return s;
+  }
+  AddInPlace(x_.data(), delta_.data(), rows * h);
+  return Status::OK();
+}
+
+Status CpuModel::AttentionMixer(const CpuLayer& layer, const BatchPlan& plan) {
+  const ModelConfig& c = cache_->config();  // this rank's heads
   const int64_t n = plan.num_tokens;
   const int32_t qw = c.q_width(), kw = c.kv_width(), fused_w = qw + 2 * kw;
   fused_.resize(static_cast<size_t>(n * fused_w));
@@ -105,15 +257,19 @@ void CpuModel::AttentionMixer(const CpuLayer& layer, const BatchPlan& plan) {
   SliceColumns(fused_, n, fused_w, qw + kw, kw, &c_);  // v
   ApplyRope(a_.data(), n, c.num_heads, c.head_dim, rope_cos_.data(), rope_sin_.data());
   ApplyRope(b_.data(), n, c.num_kv_heads, c.head_dim, rope_cos_.data(), rope_sin_.data());
-  void* k_pool = cache_->pool(KVKind::kKey, layer.pool_index).base;
-  void* v_pool = cache_->pool(KVKind::kValue, layer.pool_index).base;
+  const bool swa = layer.kind == LayerKind::kSlidingWindow;
+  void* k_pool = (swa ? cache_->swa_pool(KVKind::kKey, layer.pool_index)
+                      : cache_->pool(KVKind::kKey, layer.pool_index))
+                     .base;
+  void* v_pool = (swa ? cache_->swa_pool(KVKind::kValue, layer.pool_index)
+                      : cache_->pool(KVKind::kValue, layer.pool_index))
+                     .base;
   WriteKV(c, b_.data(), c_.data(), plan.write_slots, k_pool, v_pool);
   AttentionBatch batch{plan.positions, plan.token_seq, plan.page_table_begin, plan.page_tables};
   mixed_.resize(static_cast<size_t>(n * qw));
   PagedAttention(pool_, c, a_.data(), batch, k_pool, v_pool, mixed_.data());
-  delta_.resize(static_cast<size_t>(n * c.hidden_size));
-  MatMul(pool_, mixed_.data(), n, qw, layer.mix_out.data(), c.hidden_size, delta_.data());
-  AddInPlace(x_.data(), delta_.data(), n * c.hidden_size);
+  if (Status s = GatherColumns(mixed_, n, qw, &full_); !s.ok()) return s;
+  return OutputProjection(full_, n, config_.q_width(), layer.mix_out);
 }
 
 void CpuModel::RecurrentMixer(const CpuLayer& layer, const BatchPlan& plan) {
@@ -134,9 +290,9 @@ void CpuModel::RecurrentMixer(const CpuLayer& layer, const BatchPlan& plan) {
   AddInPlace(x_.data(), delta_.data(), n * c.hidden_size);
 }
 
-void CpuModel::Mlp(const CpuLayer& layer, int64_t n) {
+Status CpuModel::Mlp(const CpuLayer& layer, int64_t n) {
   const ModelConfig& c = config_;
-  const int32_t inter = c.intermediate_size;
+  const int32_t inter = layout_.inter_count;
   fused_.resize(static_cast<size_t>(n * 2 * inter));
   MatMul(pool_, xn_.data(), n, c.hidden_size, layer.gate_up.data(), 2 * inter, fused_.data());
   mixed_.resize(static_cast<size_t>(n * inter));
@@ -144,13 +300,14 @@ void CpuModel::Mlp(const CpuLayer& layer, int64_t n) {
     const float* row = fused_.data() + t * 2 * inter;
     SwiGLU(row, row + inter, inter, mixed_.data() + t * inter);
   }
-  delta_.resize(static_cast<size_t>(n * c.hidden_size));
-  MatMul(pool_, mixed_.data(), n, inter, layer.down.data(), c.hidden_size, delta_.data());
-  AddInPlace(x_.data(), delta_.data(), n * c.hidden_size);
+  if (Status s = GatherColumns(mixed_, n, inter, &full_); !s.ok()) return s;
+  return OutputProjection(full_, n, c.intermediate_size, layer.down);
 }
 
 Status CpuModel::Forward(std::span<const SequenceChunk> batch, const ForwardOptions& options,
                          std::vector<ForwardResult>* results) {
+  // Every rank plans the same batch against the same page and slot counts, so all ranks accept
+  // or refuse it together and none is left waiting in a collective.
   StatusOr<BatchPlan> planned =
       PlanBatch(config_, cache_->num_pages(), cache_->num_state_slots(), batch, options);
   if (!planned.ok()) return planned.status();
@@ -161,19 +318,43 @@ Status CpuModel::Forward(std::span<const SequenceChunk> batch, const ForwardOpti
 
   x_.resize(static_cast<size_t>(n * h));
   xn_.resize(static_cast<size_t>(n * h));
-  Embedding(embed_.data(), h, plan.token_ids, x_.data());
+  if (layout_.first_stage()) {
+    Embedding(embed_.data(), h, plan.token_ids, x_.data());
+  } else if (Status s = comm_->ReceiveFromPreviousStage(x_); !s.ok()) {
+    return s.WithPrefix("model rank " + layout_.shard.ToString() + ": activations from stage " +
+                        std::to_string(layout_.shard.pp_rank - 1));
+  }
   RopeTable(plan.positions, c.head_dim, c.rope_theta, &rope_cos_, &rope_sin_);
   for (const CpuLayer& layer : layers_) {
     RmsNorm(x_.data(), layer.input_norm.data(), n, h, c.rms_norm_eps, xn_.data());
-    if (layer.kind == LayerKind::kAttention) {
-      AttentionMixer(layer, plan);
-    } else {
+    if (layer.kind == LayerKind::kRecurrent) {
       RecurrentMixer(layer, plan);
+    } else if (Status s = AttentionMixer(layer, plan); !s.ok()) {
+      return s;
     }
     RmsNorm(x_.data(), layer.post_norm.data(), n, h, c.rms_norm_eps, xn_.data());
-    Mlp(layer, n);
+    if (Status s = Mlp(layer, n); !s.ok()) return s;
   }
+  if (!layout_.last_stage()) {
+    if (Status s = comm_->SendToNextStage(x_); !s.ok()) {
+      return s.WithPrefix("model rank " + layout_.shard.ToString() + ": activations to stage " +
+                          std::to_string(layout_.shard.pp_rank + 1));
+    }
+  }
+  return Head(plan, options, results);
+}
 
+Status CpuModel::Head(const BatchPlan& plan, const ForwardOptions& options,
+                      std::vector<ForwardResult>* results) {
+  const ModelConfig& c = config_;
+  const int32_t h = c.hidden_size;
+  std::vector<std::byte> bytes;
+  if (!layout_.last_stage()) {
+    if (Status s = comm_->BroadcastFromLastStage(&bytes); !s.ok()) {
+      return s.WithPrefix("model rank " + layout_.shard.ToString() + ": results");
+    }
+    return DeserializeResults(bytes, results);
+  }
   // Only each request's last token feeds the LM head.
   const int32_t seqs = plan.num_seqs;
   std::vector<float> last(static_cast<size_t>(seqs) * h), normed(last.size());
@@ -196,6 +377,12 @@ Status CpuModel::Forward(std::span<const SequenceChunk> batch, const ForwardOpti
                       normed.begin() + static_cast<ptrdiff_t>(s + 1) * h);
     }
   }
+  if (layout_.shard.pp_size > 1) {
+    SerializeResults(*results, &bytes);
+    if (Status s = comm_->BroadcastFromLastStage(&bytes); !s.ok()) {
+      return s.WithPrefix("model rank " + layout_.shard.ToString() + ": results");
+    }
+  }
   return Status::OK();
 }
 
@@ -203,15 +390,21 @@ Status CpuModel::Forward(std::span<const SequenceChunk> batch, const ForwardOpti
 
 StatusOr<std::unique_ptr<Model>> CreateCpuModel(const ModelWeights& weights,
                                                 const RuntimeOptions& options) {
-  StatusOr<std::unique_ptr<HostKVCache>> cache =
-      HostKVCache::Create(weights.config, options.num_pages, options.num_state_slots);
+  if (weights.config.is_mla() || weights.config.has_sliding_window()) {
+    return Status::Unimplemented("model: MLA and sliding-window layers are not built yet");
+  }
+  StatusOr<ShardLayout> layout = MakeShardLayout(weights.config, options.shard);
+  if (!layout.ok()) return layout.status();
+  StatusOr<std::unique_ptr<HostKVCache>> cache = HostKVCache::Create(
+      ShardCacheConfig(weights.config, *layout), options.num_pages, options.num_state_slots);
   if (!cache.ok()) return cache.status();
   int32_t threads = options.num_threads;
   if (threads == 0) {
     threads =
         static_cast<int32_t>(std::max(1u, std::min(64u, std::thread::hardware_concurrency())));
   }
-  return std::unique_ptr<Model>(new CpuModel(weights, std::move(cache).value(), threads));
+  return std::unique_ptr<Model>(
+      new CpuModel(weights, *layout, options.comm, std::move(cache).value(), threads));
 }
 
 }  // namespace pdlib::kernels::internal

@@ -16,13 +16,21 @@ StatusOr<std::unique_ptr<HostKVCache>> HostKVCache::Create(const ModelConfig& co
                                                            int32_t num_state_slots) {
   std::unique_ptr<HostKVCache> cache(new HostKVCache(config, num_pages, num_state_slots));
   const size_t page_bytes = config.kv_page_bytes();
+  auto add_pages = [&](std::vector<PoolRegion>* pools) -> Status {
+    StatusOr<PoolRegion> r =
+        cache->Allocate(page_bytes * static_cast<size_t>(num_pages), page_bytes);
+    if (!r.ok()) return r.status();
+    pools->push_back(*r);
+    return Status::OK();
+  };
   for (int32_t l = 0; l < config.num_attention_layers(); ++l) {
-    for (std::vector<PoolRegion>* pools : {&cache->k_pools_, &cache->v_pools_}) {
-      StatusOr<PoolRegion> r =
-          cache->Allocate(page_bytes * static_cast<size_t>(num_pages), page_bytes);
-      if (!r.ok()) return r.status();
-      pools->push_back(*r);
-    }
+    if (Status s = add_pages(&cache->k_pools_); !s.ok()) return s;
+    if (config.is_mla()) continue;  // one latent pool per layer
+    if (Status s = add_pages(&cache->v_pools_); !s.ok()) return s;
+  }
+  for (int32_t l = 0; l < config.num_swa_layers(); ++l) {
+    if (Status s = add_pages(&cache->swa_k_pools_); !s.ok()) return s;
+    if (Status s = add_pages(&cache->swa_v_pools_); !s.ok()) return s;
   }
   const size_t slot_bytes = config.state_slot_bytes();
   for (int32_t l = 0; l < config.num_recurrent_layers(); ++l) {

@@ -36,11 +36,13 @@ struct GpuLayer {
 
 class CudaModel final : public Model {
  public:
-  CudaModel(const ModelConfig& config, int device) : config_(config), device_(device) {}
+  CudaModel(const ModelConfig& config, int device)
+      : config_(config), layout_(MakeShardLayout(config, ModelShard{}).value()), device_(device) {}
 
   Status Init(const ModelWeights& w, const RuntimeOptions& options);
 
   const ModelConfig& config() const override { return config_; }
+  const ShardLayout& shard_layout() const override { return layout_; }
   Device device() const override { return Device::kCuda; }
   KVCache& kv_cache() override { return *cache_; }
   const KVCache& kv_cache() const override { return *cache_; }
@@ -53,6 +55,7 @@ class CudaModel final : public Model {
   Status RunLayers(const BatchPlan& plan);
 
   ModelConfig config_;
+  ShardLayout layout_;  // always the whole model (model.cc refuses sharded CUDA models)
   int device_;
   CudaStream stream_;
   std::unique_ptr<DeviceKVCache> cache_;
