@@ -31,16 +31,11 @@ StatusOr<std::unique_ptr<Model>> Model::Create(const ModelWeights& weights,
     return Status::InvalidArgument("model: rank " + options.shard.ToString() +
                                    " of a sharded model needs RuntimeOptions::comm");
   }
-  if (options.device == Device::kCuda &&
-      (options.shard.num_ranks() > 1 || config.is_mla() || config.has_sliding_window())) {
-    // The CUDA kernels run the whole GQA model on one GPU; sharding, MLA and sliding windows
-    // are CPU-reference features for now (issue #19 brings the CUDA model to the hosts).
-    return Status::Unimplemented("model: the CUDA model runs unsharded GQA models only; " +
-                                 std::string(options.shard.num_ranks() > 1
-                                                 ? "rank " + options.shard.ToString()
-                                             : config.is_mla() ? "MLA attention"
-                                                               : "sliding-window layers") +
-                                 " need device cpu");
+  if (options.device == Device::kCuda && (config.is_mla() || config.has_sliding_window())) {
+    // The CUDA kernels have GQA attention over whole pages only.
+    return Status::Unimplemented(std::string("model: the CUDA model has no ") +
+                                 (config.is_mla() ? "MLA attention" : "sliding-window attention") +
+                                 " kernels; use device cpu");
   }
   switch (options.device) {
     case Device::kCpu: return internal::CreateCpuModel(weights, options);

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernel_test_util.h"
@@ -170,6 +171,69 @@ TEST_CASE("CUDA entry points explain themselves without a GPU") {
   CHECK(Model::Create(*w, o).status().code() == StatusCode::kUnavailable);
   CHECK(MeasureCudaDecodeAttention(ModelConfig::Small(), 1, 16, 1).status().code() ==
         StatusCode::kUnavailable);
+}
+
+TEST_CASE("CUDA refuses the model variants it has no kernels for, GPU or not") {
+  for (const ModelConfig& c : {ModelConfig::SmallMla(), ModelConfig::SmallSwa()}) {
+    StatusOr<ModelWeights> w = ModelWeights::Random(c, 1);
+    REQUIRE(w.ok());
+    RuntimeOptions o;
+    o.device = Device::kCuda;
+    StatusOr<std::unique_ptr<Model>> model = Model::Create(*w, o);
+    REQUIRE(model.status().code() == StatusCode::kUnimplemented);
+    CHECK_THAT(model.status().ToString(), Catch::Contains("use device cpu"));
+  }
+}
+
+// TP 2 x PP 2 on one GPU (four ranks, four threads) against the whole model on the same GPU:
+// the same kernels on the same data, the rank's slices gathered through host memory.
+TEST_CASE("CUDA sharded model matches the whole CUDA model") {
+  if (!GpuPresent()) return;
+  const ModelConfig c = testing::TinyHybridConfig();
+  StatusOr<ModelWeights> w = ModelWeights::Random(c, 13);
+  REQUIRE(w.ok());
+  std::vector<Request> reqs;
+  int32_t next = 0;
+  for (int i = 0; i < 2; ++i) {
+    reqs.push_back(Request{PromptTokens(90 + i, 9 + 7 * i, c.vocab_size)});
+    reqs.back().state_slot = i;
+    EnsurePages(&reqs.back(), static_cast<int32_t>(reqs.back().tokens.size()), c.page_size, &next);
+  }
+  const std::vector<SequenceChunk> batch = {ChunkOf(reqs[0], 0, 9), ChunkOf(reqs[1], 0, 16)};
+  RuntimeOptions whole_opts;
+  whole_opts.device = Device::kCuda;
+  whole_opts.num_pages = 64;
+  auto whole = Model::Create(*w, whole_opts);
+  REQUIRE(whole.ok());
+  std::vector<ForwardResult> expected;
+  REQUIRE((*whole)->Forward(batch, FullOptions(), &expected).ok());
+
+  std::vector<std::unique_ptr<ModelComm>> comms = CreateInProcessModelComms(2, 2);
+  std::vector<std::unique_ptr<Model>> ranks;
+  for (int32_t i = 0; i < 4; ++i) {
+    RuntimeOptions o = whole_opts;
+    o.shard = {2, i % 2, 2, i / 2};
+    o.comm = comms[static_cast<size_t>(i)].get();
+    auto m = Model::Create(*w, o);
+    INFO(m.status().ToString());
+    REQUIRE(m.ok());
+    ranks.push_back(std::move(m).value());
+  }
+  std::vector<std::vector<ForwardResult>> got(4);
+  std::vector<Status> status(4);
+  std::vector<std::thread> threads;
+  for (int32_t i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] { status[i] = ranks[i]->Forward(batch, FullOptions(), &got[i]); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int32_t i = 0; i < 4; ++i) {
+    INFO("rank " << i << ": " << status[i].ToString());
+    REQUIRE(status[i].ok());
+    REQUIRE(got[i].size() == expected.size());
+    for (size_t r = 0; r < expected.size(); ++r) {
+      CompareResults(expected[r], got[i][r], Tolerance(c), "sharded rank " + std::to_string(i));
+    }
+  }
 }
 
 TEST_CASE("CUDA matches CPU: fp32 KV, NHD") {

@@ -12,6 +12,7 @@
 #include "cuda/cuda_kernels.cuh"
 #include "cuda/cuda_kv_cache.cuh"
 #include "cuda/cuda_model.h"
+#include "shard_util.h"
 
 namespace pdlib::kernels::internal {
 namespace {
@@ -21,13 +22,7 @@ Status Upload(DeviceBuffer* buffer, const std::vector<T>& host, cudaStream_t str
   return buffer->Upload(host.data(), host.size() * sizeof(T), stream);
 }
 
-std::vector<float> Stack(std::initializer_list<const std::vector<float>*> parts) {
-  std::vector<float> out;
-  for (const std::vector<float>* p : parts) out.insert(out.end(), p->begin(), p->end());
-  return out;
-}
-
-// Same grouping as the CPU model: projections that read the same input are stacked.
+// Same grouping and sharding as the CPU model (shard_util.h), on the device.
 struct GpuLayer {
   LayerKind kind = LayerKind::kAttention;
   int32_t pool_index = -1;
@@ -36,8 +31,11 @@ struct GpuLayer {
 
 class CudaModel final : public Model {
  public:
-  CudaModel(const ModelConfig& config, int device)
-      : config_(config), layout_(MakeShardLayout(config, ModelShard{}).value()), device_(device) {}
+  // One rank of a sharded model (parallel.h) like the CPU model: the rank's heads, MLP units and
+  // output rows, gathered through `comm` (host memory: each gather copies the slice down and the
+  // whole back up), PP stages handing the residual stream on through the host.
+  CudaModel(const ModelConfig& config, const ShardLayout& layout, ModelComm* comm, int device)
+      : config_(config), layout_(layout), comm_(comm), device_(device) {}
 
   Status Init(const ModelWeights& w, const RuntimeOptions& options);
 
@@ -53,9 +51,16 @@ class CudaModel final : public Model {
  private:
   Status UploadPlan(const BatchPlan& plan);
   Status RunLayers(const BatchPlan& plan);
+  // `local` holds [rows][width] of this rank's columns; `full` gets every TP rank's columns in
+  // rank order. Synchronises the stream.
+  Status GatherColumns(const DeviceBuffer& local, int32_t rows, int32_t width, DeviceBuffer* full);
+  Status Head(const BatchPlan& plan, const ForwardOptions& options,
+              std::vector<ForwardResult>* results);
+  bool tp() const { return layout_.shard.tp_size > 1; }
 
   ModelConfig config_;
-  ShardLayout layout_;  // always the whole model (model.cc refuses sharded CUDA models)
+  ShardLayout layout_;
+  ModelComm* comm_;  // null for one rank
   int device_;
   CudaStream stream_;
   std::unique_ptr<DeviceKVCache> cache_;
@@ -66,6 +71,8 @@ class CudaModel final : public Model {
       seq_state_slot_, page_table_begin_, page_tables_, last_rows_, rope_cos_, rope_sin_;
   // Activations.
   DeviceBuffer x_, xn_, fused_, mixed_, delta_, last_, normed_, logits_, workspace_;
+  DeviceBuffer full_, local_out_;  // TP: gathered inputs, this rank's output rows
+  std::vector<float> host_local_, host_all_, host_full_;  // TP gathers and PP hand-offs
   DeviceBuffer out_token_, out_logprob_, out_top_ids_, out_top_logprobs_;
   int32_t max_position_ = 0;
 };
@@ -74,33 +81,32 @@ Status CudaModel::Init(const ModelWeights& w, const RuntimeOptions& options) {
   PDLIB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   Status s = stream_.Create();
   if (!s.ok()) return s;
-  StatusOr<std::unique_ptr<DeviceKVCache>> cache =
-      DeviceKVCache::Create(config_, options.num_pages, options.num_state_slots, device_);
+  StatusOr<std::unique_ptr<DeviceKVCache>> cache = DeviceKVCache::Create(
+      ShardCacheConfig(config_, layout_), options.num_pages, options.num_state_slots, device_);
   if (!cache.ok()) return cache.status();
   cache_ = std::move(cache).value();
   cudaStream_t st = stream_.get();
-  if (!(s = Upload(&embed_, w.embed_tokens, st)).ok()) return s;
-  if (!(s = Upload(&final_norm_, w.final_norm, st)).ok()) return s;
-  if (!(s = Upload(&lm_head_, config_.tie_word_embeddings ? w.embed_tokens : w.lm_head, st)).ok()) {
-    return s;
+  if (layout_.first_stage() && !(s = Upload(&embed_, w.embed_tokens, st)).ok()) return s;
+  if (layout_.last_stage()) {
+    if (!(s = Upload(&final_norm_, w.final_norm, st)).ok()) return s;
+    if (!(s = Upload(&lm_head_, config_.tie_word_embeddings ? w.embed_tokens : w.lm_head, st))
+             .ok()) {
+      return s;
+    }
   }
-  layers_.resize(static_cast<size_t>(config_.num_layers));
-  for (int32_t l = 0; l < config_.num_layers; ++l) {
-    const LayerWeights& lw = w.layers[static_cast<size_t>(l)];
-    GpuLayer& layer = layers_[static_cast<size_t>(l)];
-    layer.kind = config_.layer_kind(l);
-    const bool attention = layer.kind == LayerKind::kAttention;
-    layer.pool_index = attention ? config_.kv_layer_index(l) : config_.state_layer_index(l);
-    const std::vector<float> mix_in =
-        attention ? Stack({&lw.q_proj, &lw.k_proj, &lw.v_proj})
-                  : Stack({&lw.rec_in_proj, &lw.rec_decay_proj, &lw.rec_gate_proj});
-    const std::vector<float> gate_up = Stack({&lw.gate_proj, &lw.up_proj});
-    if (!(s = Upload(&layer.input_norm, lw.input_layernorm, st)).ok()) return s;
-    if (!(s = Upload(&layer.mix_in, mix_in, st)).ok()) return s;
-    if (!(s = Upload(&layer.mix_out, attention ? lw.o_proj : lw.rec_out_proj, st)).ok()) return s;
-    if (!(s = Upload(&layer.post_norm, lw.post_attention_layernorm, st)).ok()) return s;
-    if (!(s = Upload(&layer.gate_up, gate_up, st)).ok()) return s;
-    if (!(s = Upload(&layer.down, lw.down_proj, st)).ok()) return s;
+  for (int32_t l = layout_.first_layer; l < layout_.end_layer; ++l) {
+    const RankLayer rank = SliceLayer(w, layout_, l);
+    GpuLayer& layer = layers_.emplace_back();
+    layer.kind = rank.kind;
+    layer.pool_index = rank.pool_index;
+    if (!(s = Upload(&layer.input_norm, rank.input_norm, st)).ok()) return s;
+    if (!(s = Upload(&layer.mix_in, rank.mix_in, st)).ok()) return s;
+    if (!(s = Upload(&layer.mix_out, rank.mix_out, st)).ok()) return s;
+    if (!(s = Upload(&layer.post_norm, rank.post_norm, st)).ok()) return s;
+    if (!(s = Upload(&layer.gate_up, rank.gate_up, st)).ok()) return s;
+    if (!(s = Upload(&layer.down, rank.down, st)).ok()) return s;
+    // The host copies go before the next layer's are made: Upload is asynchronous.
+    PDLIB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
   }
   PDLIB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
   return Status::OK();
@@ -130,11 +136,35 @@ Status CudaModel::UploadPlan(const BatchPlan& plan) {
   return Upload(&rope_sin_, sin, st);
 }
 
+Status CudaModel::GatherColumns(const DeviceBuffer& local, int32_t rows, int32_t width,
+                                DeviceBuffer* full) {
+  cudaStream_t st = stream_.get();
+  const int32_t parts = layout_.shard.tp_size;
+  const size_t count = static_cast<size_t>(rows) * static_cast<size_t>(width);
+  host_local_.resize(count);
+  host_all_.resize(count * static_cast<size_t>(parts));
+  PDLIB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_local_.data(), local.get(), count * sizeof(float),
+                                             cudaMemcpyDeviceToHost, st));
+  PDLIB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+  if (Status s = comm_->AllGather(host_local_, host_all_); !s.ok()) {
+    return s.WithPrefix("model rank " + layout_.shard.ToString() + ": TP all-gather");
+  }
+  Interleave(host_all_, parts, rows, width, &host_full_);
+  if (Status s = full->Grow(host_full_.size() * sizeof(float)); !s.ok()) return s;
+  PDLIB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(full->get(), host_full_.data(),
+                                             host_full_.size() * sizeof(float),
+                                             cudaMemcpyHostToDevice, st));
+  PDLIB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+  return Status::OK();
+}
+
 Status CudaModel::RunLayers(const BatchPlan& plan) {
   const ModelConfig& c = config_;
+  const ModelConfig& local = cache_->config();  // this rank's heads
   cudaStream_t st = stream_.get();
-  const int32_t n = plan.num_tokens, h = c.hidden_size, inter = c.intermediate_size;
-  const int32_t qw = c.q_width(), kw = c.kv_width(), sd = c.state_dim();
+  const int32_t n = plan.num_tokens, h = c.hidden_size, sd = c.state_dim();
+  const int32_t qw = local.q_width(), kw = local.kv_width();  // the rank's heads
+  const int32_t inter = layout_.inter_count, oc = layout_.out_count;
   const int32_t fused_w = std::max({qw + 2 * kw, 3 * sd, 2 * inter});
   const size_t f = sizeof(float);
   Status s;
@@ -143,9 +173,10 @@ Status CudaModel::RunLayers(const BatchPlan& plan) {
   }
   if (!(s = fused_.Grow(static_cast<size_t>(n) * fused_w * f)).ok()) return s;
   if (!(s = mixed_.Grow(static_cast<size_t>(n) * std::max({qw, sd, inter}) * f)).ok()) return s;
+  if (!(s = local_out_.Grow(static_cast<size_t>(n) * oc * f)).ok()) return s;
 
-  const KVPoolShape shape{c.page_size, c.num_kv_heads, c.head_dim, c.kv_layout == KVLayout::kHND,
-                          c.kv_dtype == KVDtype::kBFloat16};
+  const KVPoolShape shape{local.page_size, local.num_kv_heads, local.head_dim,
+                          local.kv_layout == KVLayout::kHND, local.kv_dtype == KVDtype::kBFloat16};
   PagedAttentionArgs attn{};
   attn.q = fused_.as<float>();
   attn.q_stride = qw + 2 * kw;
@@ -156,7 +187,7 @@ Status CudaModel::RunLayers(const BatchPlan& plan) {
   attn.page_table_begin = page_table_begin_.as<int32_t>();
   attn.page_tables = page_tables_.as<int32_t>();
   attn.num_tokens = n;
-  attn.num_heads = c.num_heads;
+  attn.num_heads = local.num_heads;
   attn.max_position = max_position_;
   attn.shape = shape;
   if (!(s = workspace_.Grow(PagedAttentionWorkspaceBytes(attn))).ok()) return s;
@@ -166,15 +197,43 @@ Status CudaModel::RunLayers(const BatchPlan& plan) {
   float* fused = fused_.as<float>();
   float* mixed = mixed_.as<float>();
   float* delta = delta_.as<float>();
-  LaunchEmbedding(embed_.as<float>(), token_ids_.as<int32_t>(), n, h, x, st);
+  // The rank's output rows of a projection of `in` ([n][in_width], whole), gathered into delta.
+  auto project = [&](const DeviceBuffer& in, int32_t in_width, const DeviceBuffer& w) -> Status {
+    if (!tp()) {
+      LaunchMatMul(in.as<float>(), n, in_width, w.as<float>(), h, delta, st);
+      return Status::OK();
+    }
+    LaunchMatMul(in.as<float>(), n, in_width, w.as<float>(), oc, local_out_.as<float>(), st);
+    if (Status g = GatherColumns(local_out_, n, oc, &delta_); !g.ok()) return g;
+    delta = delta_.as<float>();  // Grow may not move it (already n x h), but stay exact
+    return Status::OK();
+  };
+  // The whole input row of an output projection: this rank's columns, gathered under TP.
+  auto whole = [&](int32_t width) -> StatusOr<const DeviceBuffer*> {
+    if (!tp()) return &mixed_;
+    if (Status g = GatherColumns(mixed_, n, width, &full_); !g.ok()) return g;
+    return &full_;
+  };
+  if (layout_.first_stage()) {
+    LaunchEmbedding(embed_.as<float>(), token_ids_.as<int32_t>(), n, h, x, st);
+  } else {
+    host_full_.resize(static_cast<size_t>(n) * h);
+    if (!(s = comm_->ReceiveFromPreviousStage(host_full_)).ok()) {
+      return s.WithPrefix("model rank " + layout_.shard.ToString() + ": activations from stage " +
+                          std::to_string(layout_.shard.pp_rank - 1));
+    }
+    PDLIB_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(x, host_full_.data(), host_full_.size() * f, cudaMemcpyHostToDevice, st));
+    PDLIB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+  }
   for (const GpuLayer& layer : layers_) {
     LaunchRmsNorm(x, layer.input_norm.as<float>(), n, h, c.rms_norm_eps, xn, st);
     if (layer.kind == LayerKind::kAttention) {
       const int32_t stride = qw + 2 * kw;
       LaunchMatMul(xn, n, h, layer.mix_in.as<float>(), stride, fused, st);
-      LaunchRope(fused, n, stride, 0, c.num_heads, c.head_dim, rope_cos_.as<float>(),
+      LaunchRope(fused, n, stride, 0, local.num_heads, c.head_dim, rope_cos_.as<float>(),
                  rope_sin_.as<float>(), st);
-      LaunchRope(fused, n, stride, qw, c.num_kv_heads, c.head_dim, rope_cos_.as<float>(),
+      LaunchRope(fused, n, stride, qw, local.num_kv_heads, c.head_dim, rope_cos_.as<float>(),
                  rope_sin_.as<float>(), st);
       void* k_pool = cache_->pool(KVKind::kKey, layer.pool_index).base;
       void* v_pool = cache_->pool(KVKind::kValue, layer.pool_index).base;
@@ -183,22 +242,36 @@ Status CudaModel::RunLayers(const BatchPlan& plan) {
       attn.k_pool = k_pool;
       attn.v_pool = v_pool;
       LaunchPagedAttention(attn, workspace_.get(), st);
-      LaunchMatMul(mixed, n, qw, layer.mix_out.as<float>(), h, delta, st);
+      StatusOr<const DeviceBuffer*> in = whole(qw);
+      if (!in.ok()) return in.status();
+      if (!(s = project(**in, c.q_width(), layer.mix_out)).ok()) return s;
     } else {
       LaunchMatMul(xn, n, h, layer.mix_in.as<float>(), 3 * sd, fused, st);
       float* states = static_cast<float*>(cache_->state_pool(layer.pool_index).base);
       LaunchRecurrentScan(fused, sd, seq_token_begin_.as<int32_t>(), seq_start_pos_.as<int32_t>(),
                           seq_state_slot_.as<int32_t>(), plan.num_seqs, states, mixed, st);
-      LaunchMatMul(mixed, n, sd, layer.mix_out.as<float>(), h, delta, st);
+      LaunchMatMul(mixed, n, sd, layer.mix_out.as<float>(), h, delta, st);  // replicated
     }
     LaunchAdd(x, delta, static_cast<int64_t>(n) * h, st);
     LaunchRmsNorm(x, layer.post_norm.as<float>(), n, h, c.rms_norm_eps, xn, st);
     LaunchMatMul(xn, n, h, layer.gate_up.as<float>(), 2 * inter, fused, st);
     LaunchSwiGLU(fused, n, inter, mixed, st);
-    LaunchMatMul(mixed, n, inter, layer.down.as<float>(), h, delta, st);
+    StatusOr<const DeviceBuffer*> in = whole(inter);
+    if (!in.ok()) return in.status();
+    if (!(s = project(**in, c.intermediate_size, layer.down)).ok()) return s;
     LaunchAdd(x, delta, static_cast<int64_t>(n) * h, st);
   }
   PDLIB_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (!layout_.last_stage()) {
+    host_full_.resize(static_cast<size_t>(n) * h);
+    PDLIB_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(host_full_.data(), x, host_full_.size() * f, cudaMemcpyDeviceToHost, st));
+    PDLIB_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+    if (!(s = comm_->SendToNextStage(host_full_)).ok()) {
+      return s.WithPrefix("model rank " + layout_.shard.ToString() + ": activations to stage " +
+                          std::to_string(layout_.shard.pp_rank + 1));
+    }
+  }
   return Status::OK();
 }
 
@@ -212,7 +285,19 @@ Status CudaModel::Forward(std::span<const SequenceChunk> batch, const ForwardOpt
   Status s = UploadPlan(plan);
   if (!s.ok()) return s;
   if (!(s = RunLayers(plan)).ok()) return s;
+  return Head(plan, options, results);
+}
 
+Status CudaModel::Head(const BatchPlan& plan, const ForwardOptions& options,
+                       std::vector<ForwardResult>* results) {
+  std::vector<std::byte> bytes;
+  if (!layout_.last_stage()) {
+    if (Status s = comm_->BroadcastFromLastStage(&bytes); !s.ok()) {
+      return s.WithPrefix("model rank " + layout_.shard.ToString() + ": results");
+    }
+    return DeserializeResults(bytes, results);
+  }
+  Status s;
   const ModelConfig& c = config_;
   cudaStream_t st = stream_.get();
   const int32_t seqs = plan.num_seqs, h = c.hidden_size, vocab = c.vocab_size;
@@ -271,6 +356,12 @@ Status CudaModel::Forward(std::span<const SequenceChunk> batch, const ForwardOpt
       r.hidden.assign(hidden.begin() + si * h, hidden.begin() + (si + 1) * h);
     }
   }
+  if (layout_.shard.pp_size > 1) {
+    SerializeResults(*results, &bytes);
+    if (Status b = comm_->BroadcastFromLastStage(&bytes); !b.ok()) {
+      return b.WithPrefix("model rank " + layout_.shard.ToString() + ": results");
+    }
+  }
   return Status::OK();
 }
 
@@ -296,7 +387,9 @@ StatusOr<std::unique_ptr<Model>> CreateCudaModel(const ModelWeights& weights,
                                    std::to_string(options.cuda_device) + " out of range [0, " +
                                    std::to_string(count) + ")");
   }
-  auto model = std::make_unique<CudaModel>(c, options.cuda_device);
+  StatusOr<ShardLayout> layout = MakeShardLayout(c, options.shard);
+  if (!layout.ok()) return layout.status();
+  auto model = std::make_unique<CudaModel>(c, *layout, options.comm, options.cuda_device);
   Status s = model->Init(weights, options);
   if (!s.ok()) return s;
   return std::unique_ptr<Model>(std::move(model));
