@@ -32,6 +32,11 @@ struct BatchPlan {
   int32_t last_token(int32_t seq) const { return seq_token_begin[seq + 1] - 1; }
 };
 
+// Every config ModelConfig::Validate accepts is planned the same way: a request's one page table
+// covers all its positions and indexes the KV pools (MLA: the latent pool) and the SWA pools
+// alike, so write_slots and page_tables serve every attention kind. The table must cover
+// positions before a sliding window too: every model has a full attention layer, which reads
+// them. The plan carries no window; the model applies it (ops.h, PagedAttention).
 StatusOr<BatchPlan> PlanBatch(const ModelConfig& config, int32_t num_pages, int32_t num_state_slots,
                               std::span<const SequenceChunk> batch, const ForwardOptions& options);
 

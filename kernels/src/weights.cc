@@ -44,7 +44,22 @@ std::vector<NamedTensor> ModelWeights::Tensors() {
     LayerWeights& w = layers[static_cast<size_t>(l)];
     const std::string p = "model.layers." + std::to_string(l) + ".";
     out.push_back({p + "input_layernorm.weight", {h}, &w.input_layernorm});
-    if (c.layer_kind(l) == LayerKind::kAttention) {
+    const LayerKind kind = c.layer_kind(l);
+    if (kind == LayerKind::kAttention && c.is_mla()) {
+      // DeepSeek-V2 names. q_proj rows per head: head_dim nope rows, then qk_rope_dim rope rows.
+      const int64_t rank = c.kv_lora_rank;
+      out.push_back({p + "self_attn.q_proj.weight",
+                     {static_cast<int64_t>(c.num_heads) * (c.head_dim + c.qk_rope_dim), h},
+                     &w.q_proj});
+      out.push_back(
+          {p + "self_attn.kv_a_proj_with_mqa.weight", {rank + c.qk_rope_dim, h}, &w.kv_a_proj});
+      out.push_back({p + "self_attn.kv_a_layernorm.weight", {rank}, &w.kv_a_layernorm});
+      out.push_back({p + "self_attn.kv_b_proj.weight",
+                     {static_cast<int64_t>(c.num_heads) * 2 * c.head_dim, rank},
+                     &w.kv_b_proj});
+      out.push_back({p + "self_attn.o_proj.weight", {h, c.q_width()}, &w.o_proj});
+    } else if (kind == LayerKind::kAttention || kind == LayerKind::kSlidingWindow) {
+      // Sliding-window layers are GQA attention layers with the same tensors and names.
       out.push_back({p + "self_attn.q_proj.weight", {c.q_width(), h}, &w.q_proj});
       out.push_back({p + "self_attn.k_proj.weight", {c.kv_width(), h}, &w.k_proj});
       out.push_back({p + "self_attn.v_proj.weight", {c.kv_width(), h}, &w.v_proj});
@@ -95,7 +110,9 @@ StatusOr<ModelWeights> ModelWeights::Random(const ModelConfig& config, uint64_t 
   w.layers.resize(static_cast<size_t>(config.num_layers));
   uint64_t index = 0;
   for (NamedTensor& t : w.Tensors()) {
-    // Each tensor gets its own stream, so adding a tensor kind does not shift the others.
+    // Each tensor gets its own stream, seeded by its position in Tensors(): a model's streams
+    // depend only on its own tensor list, so MLA and sliding-window layers (which change that
+    // list only for models that have them) leave every other model's weights unchanged.
     uint64_t state = seed ^ (0xD1B54A32D192ED03ull * ++index);
     const size_t n = static_cast<size_t>(Numel(t.shape));
     t.data->resize(n);

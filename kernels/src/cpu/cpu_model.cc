@@ -11,118 +11,10 @@
 #include "cpu/host_kv_cache.h"
 #include "cpu/ops.h"
 #include "cpu/thread_pool.h"
+#include "shard_util.h"
 
 namespace pdlib::kernels::internal {
 namespace {
-
-// Weights regrouped for the forward pass: the projections that read the same input are stacked
-// into one matrix (q|k|v, in|decay|gate, gate|up) so one parallel matmul computes them all.
-// Stacking rows does not change any dot product, so results equal the separate matmuls.
-struct CpuLayer {
-  LayerKind kind = LayerKind::kAttention;
-  int32_t pool_index = -1;  // KV layer (attention) or state layer (recurrent)
-  std::vector<float> input_norm;
-  std::vector<float> mix_in;   // [q; k; v] or [in; decay; gate], each [width][hidden]
-  std::vector<float> mix_out;  // o_proj or rec_out_proj
-  std::vector<float> post_norm;
-  std::vector<float> gate_up;  // [gate; up], [2 * intermediate][hidden]
-  std::vector<float> down;
-};
-
-std::vector<float> Stack(std::initializer_list<const std::vector<float>*> parts) {
-  std::vector<float> out;
-  for (const std::vector<float>* p : parts) out.insert(out.end(), p->begin(), p->end());
-  return out;
-}
-
-// Rows [begin, begin + count) of a row-major matrix with `width` columns.
-std::vector<float> Rows(const std::vector<float>& m, int32_t width, int32_t begin, int32_t count) {
-  const auto from = static_cast<ptrdiff_t>(begin) * width;
-  return std::vector<float>(m.begin() + from,
-                            m.begin() + from + static_cast<ptrdiff_t>(count) * width);
-}
-
-// gathered is [parts][rows][width] (what AllGather of a [rows][width] slice returns); out is
-// [rows][parts * width] with part p's columns at [p * width, (p + 1) * width).
-void Interleave(const std::vector<float>& gathered, int32_t parts, int64_t rows, int32_t width,
-                std::vector<float>* out) {
-  out->resize(static_cast<size_t>(rows) * static_cast<size_t>(parts) * width);
-  for (int32_t p = 0; p < parts; ++p) {
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(out->data() + (r * parts + p) * width,
-                  gathered.data() + (static_cast<int64_t>(p) * rows + r) * width,
-                  sizeof(float) * static_cast<size_t>(width));
-    }
-  }
-}
-
-// ForwardResults as bytes, for the last PP stage to hand to the others.
-template <typename T>
-void Put(std::vector<std::byte>* out, const T* p, size_t n) {
-  const auto* b = reinterpret_cast<const std::byte*>(p);
-  out->insert(out->end(), b, b + n * sizeof(T));
-}
-
-template <typename T>
-void PutVector(std::vector<std::byte>* out, const std::vector<T>& v) {
-  const uint64_t n = v.size();
-  Put(out, &n, 1);
-  Put(out, v.data(), v.size());
-}
-
-void SerializeResults(const std::vector<ForwardResult>& results, std::vector<std::byte>* out) {
-  out->clear();
-  const uint64_t n = results.size();
-  Put(out, &n, 1);
-  for (const ForwardResult& r : results) {
-    Put(out, &r.token, 1);
-    Put(out, &r.logprob, 1);
-    PutVector(out, r.top_ids);
-    PutVector(out, r.top_logprobs);
-    PutVector(out, r.logits);
-    PutVector(out, r.hidden);
-  }
-}
-
-class ByteReader {
- public:
-  explicit ByteReader(const std::vector<std::byte>& bytes) : bytes_(bytes) {}
-  template <typename T>
-  bool Get(T* p, size_t n) {
-    if (bytes_.size() - at_ < n * sizeof(T)) return false;
-    std::memcpy(p, bytes_.data() + at_, n * sizeof(T));
-    at_ += n * sizeof(T);
-    return true;
-  }
-  template <typename T>
-  bool GetVector(std::vector<T>* v) {
-    uint64_t n = 0;
-    if (!Get(&n, 1) || n > (bytes_.size() - at_) / sizeof(T)) return false;
-    v->resize(n);
-    return Get(v->data(), n);
-  }
-  bool done() const { return at_ == bytes_.size(); }
-
- private:
-  const std::vector<std::byte>& bytes_;
-  size_t at_ = 0;
-};
-
-Status DeserializeResults(const std::vector<std::byte>& bytes, std::vector<ForwardResult>* out) {
-  ByteReader in(bytes);
-  uint64_t n = 0;
-  bool ok = in.Get(&n, 1) && n <= bytes.size();
-  out->assign(ok ? n : 0, ForwardResult{});
-  for (ForwardResult& r : *out) {
-    ok = ok && in.Get(&r.token, 1) && in.Get(&r.logprob, 1) && in.GetVector(&r.top_ids) &&
-         in.GetVector(&r.top_logprobs) && in.GetVector(&r.logits) && in.GetVector(&r.hidden);
-  }
-  if (!ok || !in.done()) {
-    return Status::Internal("model: the last PP stage's results are malformed (" +
-                            std::to_string(bytes.size()) + " bytes)");
-  }
-  return Status::OK();
-}
 
 // Copies columns [begin, begin + width) of every row of a [rows][stride] matrix.
 void SliceColumns(const std::vector<float>& in, int64_t rows, int32_t stride, int32_t begin,
@@ -143,42 +35,12 @@ class CpuModel final : public Model {
       : config_(w.config), layout_(layout), comm_(comm), cache_(std::move(cache)), pool_(threads) {
     const ModelConfig& c = config_;
     const ShardLayout& s = layout_;
-    const int32_t hidden = c.hidden_size, hd = c.head_dim;
     if (s.first_stage()) embed_ = w.embed_tokens;
     if (s.last_stage()) {
       final_norm_ = w.final_norm;
       lm_head_ = c.tie_word_embeddings ? w.embed_tokens : w.lm_head;
     }
-    for (int32_t l = s.first_layer; l < s.end_layer; ++l) {
-      const LayerWeights& lw = w.layers[static_cast<size_t>(l)];
-      CpuLayer layer;
-      layer.kind = c.layer_kind(l);
-      layer.input_norm = lw.input_layernorm;
-      layer.post_norm = lw.post_attention_layernorm;
-      if (layer.kind == LayerKind::kRecurrent) {
-        // Replicated: every TP rank runs the whole recurrence on its own copy of the state.
-        layer.pool_index = c.state_layer_index(l) - s.state_start;
-        layer.mix_in = Stack({&lw.rec_in_proj, &lw.rec_decay_proj, &lw.rec_gate_proj});
-        layer.mix_out = lw.rec_out_proj;
-      } else {
-        layer.pool_index = layer.kind == LayerKind::kAttention ? c.kv_layer_index(l) - s.kv_start
-                                                               : c.swa_layer_index(l) - s.swa_start;
-        // This rank's query heads and the KV heads they read, stacked q | k | v.
-        const std::vector<float> q =
-            Rows(lw.q_proj, hidden, s.q_head_start * hd, s.q_head_count * hd);
-        const std::vector<float> k =
-            Rows(lw.k_proj, hidden, s.kv_head_start * hd, s.kv_head_count * hd);
-        const std::vector<float> v =
-            Rows(lw.v_proj, hidden, s.kv_head_start * hd, s.kv_head_count * hd);
-        layer.mix_in = Stack({&q, &k, &v});
-        layer.mix_out = Rows(lw.o_proj, c.q_width(), s.out_start, s.out_count);
-      }
-      const std::vector<float> gate = Rows(lw.gate_proj, hidden, s.inter_start, s.inter_count);
-      const std::vector<float> up = Rows(lw.up_proj, hidden, s.inter_start, s.inter_count);
-      layer.gate_up = Stack({&gate, &up});
-      layer.down = Rows(lw.down_proj, c.intermediate_size, s.out_start, s.out_count);
-      layers_.push_back(std::move(layer));
-    }
+    for (int32_t l = s.first_layer; l < s.end_layer; ++l) layers_.push_back(SliceLayer(w, s, l));
   }
 
   const ModelConfig& config() const override { return config_; }
@@ -191,9 +53,10 @@ class CpuModel final : public Model {
                  std::vector<ForwardResult>* results) override;
 
  private:
-  Status AttentionMixer(const CpuLayer& layer, const BatchPlan& plan);
-  void RecurrentMixer(const CpuLayer& layer, const BatchPlan& plan);
-  Status Mlp(const CpuLayer& layer, int64_t tokens);
+  Status AttentionMixer(const RankLayer& layer, const BatchPlan& plan);
+  Status MlaMixer(const RankLayer& layer, const BatchPlan& plan);
+  void RecurrentMixer(const RankLayer& layer, const BatchPlan& plan);
+  Status Mlp(const RankLayer& layer, int64_t tokens);
   // `local` is [rows][width] of this rank's columns; on return `full` holds every TP rank's
   // columns in rank order ([rows][tp * width]). With one TP rank it is a copy.
   Status GatherColumns(const std::vector<float>& local, int64_t rows, int32_t width,
@@ -211,7 +74,7 @@ class CpuModel final : public Model {
   std::unique_ptr<HostKVCache> cache_;
   ThreadPool pool_;
   std::vector<float> embed_, final_norm_, lm_head_;  // first stage; last stage
-  std::vector<CpuLayer> layers_;                     // the stage's layers
+  std::vector<RankLayer> layers_;                     // the stage's layers
   // Activations, reused between calls: x is the residual stream [tokens][hidden].
   std::vector<float> x_, xn_, fused_, a_, b_, c_, mixed_, delta_, rope_cos_, rope_sin_;
   std::vector<float> gathered_, full_;  // TP gathers
@@ -246,7 +109,7 @@ Status CpuModel::OutputProjection(const std::vector<float>& in, int64_t rows, in
   return Status::OK();
 }
 
-Status CpuModel::AttentionMixer(const CpuLayer& layer, const BatchPlan& plan) {
+Status CpuModel::AttentionMixer(const RankLayer& layer, const BatchPlan& plan) {
   const ModelConfig& c = cache_->config();  // this rank's heads
   const int64_t n = plan.num_tokens;
   const int32_t qw = c.q_width(), kw = c.kv_width(), fused_w = qw + 2 * kw;
@@ -267,12 +130,41 @@ Status CpuModel::AttentionMixer(const CpuLayer& layer, const BatchPlan& plan) {
   WriteKV(c, b_.data(), c_.data(), plan.write_slots, k_pool, v_pool);
   AttentionBatch batch{plan.positions, plan.token_seq, plan.page_table_begin, plan.page_tables};
   mixed_.resize(static_cast<size_t>(n * qw));
-  PagedAttention(pool_, c, a_.data(), batch, k_pool, v_pool, mixed_.data());
+  // Sliding-window layers attend to the last sliding_window positions only, so they never read
+  // a page wholly before the window (pdlib moves only the window's pages as SWA state).
+  PagedAttention(pool_, c, a_.data(), batch, k_pool, v_pool, mixed_.data(),
+                 swa ? config_.sliding_window : 0);
   if (Status s = GatherColumns(mixed_, n, qw, &full_); !s.ok()) return s;
   return OutputProjection(full_, n, config_.q_width(), layer.mix_out);
 }
 
-void CpuModel::RecurrentMixer(const CpuLayer& layer, const BatchPlan& plan) {
+// MLA (ops.h, MlaPagedAttention): the rank's query heads and the whole latent row in one matmul;
+// the latent row (normalised c, rotated k_rope) goes into the layer's one pool, the same bytes on
+// every TP rank; attention for the rank's heads in the absorbed form; then the gather and the
+// o_proj row split of the GQA path.
+Status CpuModel::MlaMixer(const RankLayer& layer, const BatchPlan& plan) {
+  const ModelConfig& c = cache_->config();  // this rank's heads
+  const int64_t n = plan.num_tokens;
+  const int32_t heads = c.num_heads, hd = c.head_dim, rd = c.qk_rope_dim;
+  const int32_t q_stride = hd + rd, qw = heads * q_stride, kw = c.kv_width(), fused_w = qw + kw;
+  fused_.resize(static_cast<size_t>(n * fused_w));
+  MatMul(pool_, xn_.data(), n, c.hidden_size, layer.mix_in.data(), fused_w, fused_.data());
+  SliceColumns(fused_, n, fused_w, 0, qw, &a_);   // q, per head [nope, rope]
+  SliceColumns(fused_, n, fused_w, qw, kw, &b_);  // kv_a: [latent, k_rope], raw
+  ApplyRopeStrided(a_.data(), n, qw, heads, q_stride, hd, rd, rope_cos_.data(), rope_sin_.data());
+  MlaLatentRows(c, b_.data(), n, layer.kv_a_norm.data(), rope_cos_.data(), rope_sin_.data(),
+                b_.data());
+  void* latent_pool = cache_->pool(KVKind::kKey, layer.pool_index).base;
+  WriteLatent(c, b_.data(), plan.write_slots, latent_pool);
+  AttentionBatch batch{plan.positions, plan.token_seq, plan.page_table_begin, plan.page_tables};
+  mixed_.resize(static_cast<size_t>(n * c.q_width()));
+  MlaPagedAttention(pool_, c, heads, a_.data(), layer.kv_b.data(), batch, latent_pool,
+                    mixed_.data());
+  if (Status s = GatherColumns(mixed_, n, c.q_width(), &full_); !s.ok()) return s;
+  return OutputProjection(full_, n, config_.q_width(), layer.mix_out);
+}
+
+void CpuModel::RecurrentMixer(const RankLayer& layer, const BatchPlan& plan) {
   const ModelConfig& c = config_;
   const int64_t n = plan.num_tokens;
   const int32_t sd = c.state_dim(), fused_w = 3 * sd;
@@ -290,7 +182,7 @@ void CpuModel::RecurrentMixer(const CpuLayer& layer, const BatchPlan& plan) {
   AddInPlace(x_.data(), delta_.data(), n * c.hidden_size);
 }
 
-Status CpuModel::Mlp(const CpuLayer& layer, int64_t n) {
+Status CpuModel::Mlp(const RankLayer& layer, int64_t n) {
   const ModelConfig& c = config_;
   const int32_t inter = layout_.inter_count;
   fused_.resize(static_cast<size_t>(n * 2 * inter));
@@ -324,12 +216,15 @@ Status CpuModel::Forward(std::span<const SequenceChunk> batch, const ForwardOpti
     return s.WithPrefix("model rank " + layout_.shard.ToString() + ": activations from stage " +
                         std::to_string(layout_.shard.pp_rank - 1));
   }
-  RopeTable(plan.positions, c.head_dim, c.rope_theta, &rope_cos_, &rope_sin_);
-  for (const CpuLayer& layer : layers_) {
+  // MLA rotates only the qk_rope_dim part of its keys and queries.
+  RopeTable(plan.positions, c.is_mla() ? c.qk_rope_dim : c.head_dim, c.rope_theta, &rope_cos_,
+            &rope_sin_);
+  for (const RankLayer& layer : layers_) {
     RmsNorm(x_.data(), layer.input_norm.data(), n, h, c.rms_norm_eps, xn_.data());
     if (layer.kind == LayerKind::kRecurrent) {
       RecurrentMixer(layer, plan);
-    } else if (Status s = AttentionMixer(layer, plan); !s.ok()) {
+    } else if (Status s = c.is_mla() ? MlaMixer(layer, plan) : AttentionMixer(layer, plan);
+               !s.ok()) {
       return s;
     }
     RmsNorm(x_.data(), layer.post_norm.data(), n, h, c.rms_norm_eps, xn_.data());
@@ -390,9 +285,6 @@ Status CpuModel::Head(const BatchPlan& plan, const ForwardOptions& options,
 
 StatusOr<std::unique_ptr<Model>> CreateCpuModel(const ModelWeights& weights,
                                                 const RuntimeOptions& options) {
-  if (weights.config.is_mla() || weights.config.has_sliding_window()) {
-    return Status::Unimplemented("model: MLA and sliding-window layers are not built yet");
-  }
   StatusOr<ShardLayout> layout = MakeShardLayout(weights.config, options.shard);
   if (!layout.ok()) return layout.status();
   StatusOr<std::unique_ptr<HostKVCache>> cache = HostKVCache::Create(

@@ -74,6 +74,24 @@ void ApplyRope(float* x, int64_t rows, int32_t heads, int32_t head_dim, const fl
   }
 }
 
+void ApplyRopeStrided(float* x, int64_t rows, int64_t row_stride, int32_t heads,
+                      int32_t head_stride, int32_t offset, int32_t rope_dim, const float* cos,
+                      const float* sin) {
+  const int32_t half = rope_dim / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos + r * half;
+    const float* s = sin + r * half;
+    for (int32_t h = 0; h < heads; ++h) {
+      float* v = x + r * row_stride + static_cast<int64_t>(h) * head_stride + offset;
+      for (int32_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i] + a * s[i];
+      }
+    }
+  }
+}
+
 void WriteKV(const ModelConfig& config, const float* k, const float* v,
              std::span<const int64_t> write_slots, void* k_pool, void* v_pool) {
   const int32_t hd = config.head_dim;
@@ -127,14 +145,15 @@ const float* KVHead(const ModelConfig& config, const void* pool, int64_t slot, i
 }
 
 void PagedAttention(ThreadPool& pool, const ModelConfig& config, const float* q,
-                    const AttentionBatch& batch, const void* k_pool, const void* v_pool,
-                    float* out) {
+                    const AttentionBatch& batch, const void* k_pool, const void* v_pool, float* out,
+                    int32_t window) {
   const int32_t hd = config.head_dim;
   const int32_t heads = config.num_heads;
   const int32_t group = config.num_heads / config.num_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t tasks = static_cast<int64_t>(batch.positions.size()) * heads;
-  const int64_t mean_keys = batch.positions.empty() ? 1 : batch.positions.back() + 1;
+  int64_t mean_keys = batch.positions.empty() ? 1 : batch.positions.back() + 1;
+  if (window > 0) mean_keys = std::min<int64_t>(mean_keys, window);
   pool.ParallelFor(tasks, mean_keys * hd * 2, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, kv(static_cast<size_t>(hd)), acc(static_cast<size_t>(hd));
     for (int64_t task = begin; task < end; ++task) {
@@ -142,6 +161,7 @@ void PagedAttention(ThreadPool& pool, const ModelConfig& config, const float* q,
       const int32_t h = static_cast<int32_t>(task % heads);
       const int32_t kvh = h / group;
       const int32_t pos = batch.positions[static_cast<size_t>(t)];
+      const int32_t first = window > 0 ? std::max(0, pos - window + 1) : 0;
       const int32_t seq = batch.token_seq[static_cast<size_t>(t)];
       const int32_t* pages = batch.page_tables.data() + batch.page_table_begin[seq];
       const float* qh = q + (t * heads + h) * hd;
@@ -149,22 +169,123 @@ void PagedAttention(ThreadPool& pool, const ModelConfig& config, const float* q,
         return static_cast<int64_t>(pages[j / config.page_size]) * config.page_size +
                j % config.page_size;
       };
-      scores.resize(static_cast<size_t>(pos) + 1);
+      scores.resize(static_cast<size_t>(pos - first) + 1);
       float max_score = -INFINITY;
-      for (int32_t j = 0; j <= pos; ++j) {
-        scores[j] = Dot(qh, KVHead(config, k_pool, slot_of(j), kvh, kv.data()), hd) * scale;
-        max_score = std::max(max_score, scores[j]);
+      for (int32_t j = first; j <= pos; ++j) {
+        const float sc = Dot(qh, KVHead(config, k_pool, slot_of(j), kvh, kv.data()), hd) * scale;
+        scores[static_cast<size_t>(j - first)] = sc;
+        max_score = std::max(max_score, sc);
       }
       float sum = 0.0f;
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int32_t j = 0; j <= pos; ++j) {
-        const float p = std::exp(scores[j] - max_score);
+      for (int32_t j = first; j <= pos; ++j) {
+        const float p = std::exp(scores[static_cast<size_t>(j - first)] - max_score);
         sum += p;
         const float* v = KVHead(config, v_pool, slot_of(j), kvh, kv.data());
         Axpy(p, v, acc.data(), hd);
       }
       float* oh = out + (t * heads + h) * hd;
       for (int32_t d = 0; d < hd; ++d) oh[d] = acc[d] / sum;
+    }
+  });
+}
+
+void MlaLatentRows(const ModelConfig& config, const float* kv_a, int64_t rows,
+                   const float* norm_weight, const float* cos, const float* sin, float* latent) {
+  const int32_t rank = config.kv_lora_rank, rd = config.qk_rope_dim, kw = config.kv_width();
+  const int32_t half = rd / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* in = kv_a + r * kw;
+    float* row = latent + r * kw;
+    // RmsNorm reads its row whole before writing, so latent may alias kv_a.
+    RmsNorm(in, norm_weight, 1, rank, config.rms_norm_eps, row);
+    if (row != in) std::memcpy(row + rank, in + rank, sizeof(float) * static_cast<size_t>(rd));
+    ApplyRopeStrided(row, 1, kw, 1, 0, rank, rd, cos + r * half, sin + r * half);
+  }
+}
+
+void WriteLatent(const ModelConfig& config, const float* latent,
+                 std::span<const int64_t> write_slots, void* pool) {
+  const size_t kw = static_cast<size_t>(config.kv_width());
+  const size_t page_elems = PageElems(config);
+  for (size_t t = 0; t < write_slots.size(); ++t) {
+    const int64_t page = write_slots[t] / config.page_size;
+    const size_t off = static_cast<size_t>(write_slots[t] % config.page_size);
+    const size_t dst = static_cast<size_t>(page) * page_elems + off * kw;
+    const float* src = latent + t * kw;
+    if (config.kv_dtype == KVDtype::kFloat32) {
+      std::memcpy(static_cast<float*>(pool) + dst, src, sizeof(float) * kw);
+    } else {
+      uint16_t* d = static_cast<uint16_t*>(pool) + dst;
+      for (size_t i = 0; i < kw; ++i) d[i] = FloatToBf16(src[i]);
+    }
+  }
+}
+
+const float* LatentRow(const ModelConfig& config, const void* pool, int64_t slot, float* scratch) {
+  const size_t kw = static_cast<size_t>(config.kv_width());
+  const int64_t page = slot / config.page_size;
+  const size_t off = static_cast<size_t>(slot % config.page_size);
+  const size_t at = static_cast<size_t>(page) * PageElems(config) + off * kw;
+  if (config.kv_dtype == KVDtype::kFloat32) return static_cast<const float*>(pool) + at;
+  const uint16_t* src = static_cast<const uint16_t*>(pool) + at;
+  for (size_t i = 0; i < kw; ++i) scratch[i] = Bf16ToFloat(src[i]);
+  return scratch;
+}
+
+void MlaPagedAttention(ThreadPool& pool, const ModelConfig& config, int32_t num_heads,
+                       const float* q, const float* kv_b, const AttentionBatch& batch,
+                       const void* latent_pool, float* out) {
+  const int32_t hd = config.head_dim, rd = config.qk_rope_dim, rank = config.kv_lora_rank;
+  const int32_t q_stride = hd + rd;
+  const size_t head_w = static_cast<size_t>(2) * hd * rank;  // kv_b elements per head
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd + rd));
+  const int64_t tasks = static_cast<int64_t>(batch.positions.size()) * num_heads;
+  const int64_t mean_keys = batch.positions.empty() ? 1 : batch.positions.back() + 1;
+  const int64_t cost = mean_keys * (2 * rank + rd) + 2 * static_cast<int64_t>(hd) * rank;
+  pool.ParallelFor(tasks, cost, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, row(static_cast<size_t>(config.kv_width()));
+    std::vector<float> q_abs(static_cast<size_t>(rank)), o_lat(static_cast<size_t>(rank));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / num_heads;
+      const int32_t h = static_cast<int32_t>(task % num_heads);
+      const int32_t pos = batch.positions[static_cast<size_t>(t)];
+      const int32_t seq = batch.token_seq[static_cast<size_t>(t)];
+      const int32_t* pages = batch.page_tables.data() + batch.page_table_begin[seq];
+      const float* q_nope = q + (t * num_heads + h) * q_stride;
+      const float* q_rope = q_nope + hd;
+      const float* w_uk = kv_b + static_cast<size_t>(h) * head_w;  // [head_dim][rank]
+      const float* w_uv = w_uk + static_cast<size_t>(hd) * rank;   // [head_dim][rank]
+      auto slot_of = [&](int32_t j) {
+        return static_cast<int64_t>(pages[j / config.page_size]) * config.page_size +
+               j % config.page_size;
+      };
+      // Absorb W_uk into the query: q_nope . (W_uk c) = (W_uk^T q_nope) . c.
+      std::fill(q_abs.begin(), q_abs.end(), 0.0f);
+      for (int32_t d = 0; d < hd; ++d)
+        Axpy(q_nope[d], w_uk + static_cast<size_t>(d) * rank, q_abs.data(), rank);
+      scores.resize(static_cast<size_t>(pos) + 1);
+      float max_score = -INFINITY;
+      for (int32_t j = 0; j <= pos; ++j) {
+        const float* c = LatentRow(config, latent_pool, slot_of(j), row.data());
+        const float nope = Dot(q_abs.data(), c, rank);
+        const float rope = Dot(q_rope, c + rank, rd);
+        scores[static_cast<size_t>(j)] = (nope + rope) * scale;
+        max_score = std::max(max_score, scores[static_cast<size_t>(j)]);
+      }
+      float sum = 0.0f;
+      std::fill(o_lat.begin(), o_lat.end(), 0.0f);
+      for (int32_t j = 0; j <= pos; ++j) {
+        const float p = std::exp(scores[static_cast<size_t>(j)] - max_score);
+        sum += p;
+        Axpy(p, LatentRow(config, latent_pool, slot_of(j), row.data()), o_lat.data(), rank);
+      }
+      for (int32_t r = 0; r < rank; ++r) o_lat[static_cast<size_t>(r)] /= sum;
+      // Up-project the attended latent with W_uv: out = W_uv (sum_j p_j c_j) / sum.
+      float* oh = out + (t * num_heads + h) * hd;
+      for (int32_t d = 0; d < hd; ++d) {
+        oh[d] = Dot(w_uv + static_cast<size_t>(d) * rank, o_lat.data(), rank);
+      }
     }
   });
 }

@@ -65,11 +65,22 @@ void ReadKVHead(const ModelConfig& config, const void* pool, int64_t slot, int32
 const float* KVHead(const ModelConfig& config, const void* pool, int64_t slot, int32_t head,
                     float* scratch);
 
-// Causal paged attention. For each token t of the batch (request token_seq[t], position
-// positions[t]) and query head h: softmax over keys j in [0, positions[t]] of
-// q.k_j / sqrt(head_dim), times v_j, with K and V read from the request's pages. GQA: query
-// head h reads KV head h / (num_heads / num_kv_heads). q and out are [tokens][num_heads *
-// head_dim]. The pools must already hold the tokens' own K and V.
+// Rotates, in every row r and head h, the rope_dim values at
+// x + r * row_stride + h * head_stride + offset, rotate-half style with row r's angles (cos and
+// sin are [rows][rope_dim / 2], RopeTable(positions, rope_dim, ...)). The same arithmetic as
+// ApplyRope, which is ApplyRopeStrided(x, rows, heads * head_dim, heads, head_dim, 0, head_dim).
+// MLA uses it for the rope part of each query head and for the shared k_rope.
+void ApplyRopeStrided(float* x, int64_t rows, int64_t row_stride, int32_t heads,
+                      int32_t head_stride, int32_t offset, int32_t rope_dim, const float* cos,
+                      const float* sin);
+
+// Paged attention. For each token t of the batch (request token_seq[t], position positions[t])
+// and query head h: softmax over keys j in [first, positions[t]] of q.k_j / sqrt(head_dim),
+// times v_j, with K and V read from the request's pages; first = 0 (causal, window 0) or
+// max(0, positions[t] - window + 1) (a sliding window of `window` positions, the token itself
+// included): pages wholly before the window are never read. GQA: query head h reads KV head
+// h / (num_heads / num_kv_heads). q and out are [tokens][num_heads * head_dim]. The pools must
+// already hold the tokens' own K and V.
 struct AttentionBatch {
   std::span<const int32_t> positions;
   std::span<const int32_t> token_seq;
@@ -77,8 +88,46 @@ struct AttentionBatch {
   std::span<const int32_t> page_tables;
 };
 void PagedAttention(ThreadPool& pool, const ModelConfig& config, const float* q,
-                    const AttentionBatch& batch, const void* k_pool, const void* v_pool,
-                    float* out);
+                    const AttentionBatch& batch, const void* k_pool, const void* v_pool, float* out,
+                    int32_t window = 0);
+
+// --- Multi-head latent attention (config.is_mla()) ---
+//
+// A page of the latent pool holds page_size rows of kv_width() = kv_lora_rank + qk_rope_dim
+// elements in the config's dtype, row t at element t * kv_width() (NHD and HND coincide: one
+// "head"). A row is [c (kv_lora_rank, RMS-normalised), k_rope (qk_rope_dim, rotated)].
+
+// The latent rows of `rows` tokens from kv_a_proj's output kv_a ([rows][kv_width()], raw): c =
+// RmsNorm(kv_a[:rank]) * norm_weight, k_rope = rotate-half RoPE of kv_a[rank:] with row r's
+// angles (cos, sin: [rows][qk_rope_dim / 2]). latent is [rows][kv_width()]; it may equal kv_a.
+void MlaLatentRows(const ModelConfig& config, const float* kv_a, int64_t rows,
+                   const float* norm_weight, const float* cos, const float* sin, float* latent);
+
+// Stores latent rows ([tokens][kv_width()]) into a latent pool at write_slots, in the config's
+// dtype (bf16 rounds to nearest even, as WriteKV).
+void WriteLatent(const ModelConfig& config, const float* latent,
+                 std::span<const int64_t> write_slots, void* pool);
+
+// One latent row (kv_width() values) as a pointer: straight into an fp32 pool, or into
+// `scratch` (kv_width() floats) after widening bf16.
+const float* LatentRow(const ModelConfig& config, const void* pool, int64_t slot, float* scratch);
+
+// Causal MLA attention over the latent pool for `num_heads` query heads (a rank's range of the
+// model's heads; the caller passes their q and kv_b rows). For token t and head h, in the
+// absorbed form:
+//   q_abs = sum_d q_nope[d] * W_uk[d][:]            (kv_lora_rank values; d ascending)
+//   s_j   = (Dot(q_abs, c_j) + Dot(q_rope, k_rope_j)) * (1 / sqrt(head_dim + qk_rope_dim))
+//   o_lat = sum_j exp(s_j - max s) * c_j / sum_j exp(s_j - max s)   (j ascending)
+//   out[d] = Dot(W_uv[d], o_lat)
+// for keys j in [0, positions[t]]. Mathematically the naive form
+// softmax_j((q_nope . W_uk c_j + q_rope . k_rope_j) * scale) W_uv c_j.
+// q: [tokens][num_heads][head_dim + qk_rope_dim], per head nope then rope (already rotated).
+// kv_b: [num_heads][2 * head_dim][kv_lora_rank], per head W_uk rows then W_uv rows (kv_b_proj's
+// rows of those heads). out: [tokens][num_heads * head_dim]. Each (token, head) is one task
+// computed in a fixed order, so results do not depend on threads or batching.
+void MlaPagedAttention(ThreadPool& pool, const ModelConfig& config, int32_t num_heads,
+                       const float* q, const float* kv_b, const AttentionBatch& batch,
+                       const void* latent_pool, float* out);
 
 // out[i] = silu(gate[i]) * up[i], silu(x) = x / (1 + exp(-x)).
 void SwiGLU(const float* gate, const float* up, int64_t n, float* out);
