@@ -115,7 +115,13 @@ struct Deployment::Impl {
       prefill_addrs.push_back(procs.back().address);
     }
     for (int32_t i = 0; i < options.decodes; ++i) {
-      auto ready = Launch("decode" + std::to_string(i), options.decode_bin, HostArgs(), "READY ");
+      std::vector<std::string> args = HostArgs();
+      args.insert(args.end(), {"--tp", std::to_string(options.decode_tp), "--pp",
+                               std::to_string(options.decode_pp)});
+      if (!options.decode_test_fault.empty()) {
+        args.insert(args.end(), {"--test-fault", options.decode_test_fault});
+      }
+      auto ready = Launch("decode" + std::to_string(i), options.decode_bin, args, "READY ");
       if (!ready.ok()) return ready.status();
       procs.back().address = "127.0.0.1:" + Fields(*ready)["port"];
       decode_addrs.push_back(procs.back().address);

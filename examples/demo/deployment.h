@@ -27,9 +27,15 @@ struct DeploymentOptions {
   std::string prefill_bin, decode_bin, router_bin, bootstrap_bin;
   std::vector<PrefillSpec> prefills = {PrefillSpec{}};
   int32_t decodes = 1;
-  bool colocated = true;        // also start a colocated host (pd-decode --colocated)
-  std::string model = "small";  // or "small-hybrid"
-  uint64_t seed = 1;            // model weights; every host uses the same
+  int32_t decode_tp = 1;  // TP ranks per decode host (pd-decode --tp)
+  int32_t decode_pp = 1;  // PP stages per decode host: 1 or the prefill hosts' PP (pdlib's rule)
+  bool colocated = true;  // also start a colocated host (pd-decode --colocated, TP 1 PP 1)
+  // small | small-hybrid | small-mla | small-swa (the hosts' --model).
+  std::string model = "small";
+  // TEST ONLY: passed to every decode host as --test-fault (e.g. "swap-heads": outputs must
+  // differ); "" for none.
+  std::string decode_test_fault;
+  uint64_t seed = 1;  // model weights; every host uses the same
   std::string backend = "ucx";
   std::vector<std::string> backend_options;  // "key=value", passed to every host
   std::string policy = "power-of-two";

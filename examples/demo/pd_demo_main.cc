@@ -33,14 +33,20 @@ ABSL_FLAG(int64_t, max_new_tokens, 16, "tokens generated per request");
 ABSL_FLAG(std::string, rates, "0",
           "request rates in requests/s to run the batch at, comma-separated; 0 sends the whole "
           "batch at once");
-ABSL_FLAG(std::string, model, "small", "small | small-hybrid");
+ABSL_FLAG(std::string, model, "small",
+          "small | small-hybrid (mamba state) | small-mla (multi-head latent attention) | "
+          "small-swa (sliding-window layers: SWA state)");
 ABSL_FLAG(int64_t, seed, 1, "model weights and prompts");
 ABSL_FLAG(std::string, backend, "ucx", "pdlib backend of the hosts: ucx | fake | verbs");
 ABSL_FLAG(pdlib_tools::Repeated, backend_option, {}, "K=V passed to every host (repeatable)");
 ABSL_FLAG(int64_t, prefills, 1, "prefill hosts");
 ABSL_FLAG(int64_t, decodes, 1, "decode hosts");
-ABSL_FLAG(int64_t, prefill_tp, 1, "TP ranks per prefill host");
+ABSL_FLAG(int64_t, prefill_tp, 1, "TP ranks per prefill host (any that divides the model)");
 ABSL_FLAG(int64_t, prefill_pp, 1, "PP stages per prefill host");
+ABSL_FLAG(int64_t, decode_tp, 1,
+          "TP ranks per decode host: each holds and receives only its share of the heads, from "
+          "whatever prefill TP it is paired with");
+ABSL_FLAG(int64_t, decode_pp, 1, "PP stages per decode host: 1 or --prefill-pp");
 ABSL_FLAG(std::string, policy, "power-of-two",
           "router policy: random | power-of-two | least-loaded");
 ABSL_FLAG(std::string, log_dir, "",
@@ -58,7 +64,16 @@ constexpr char kUsage[] =
     "usage: pd-demo [flags]\n"
     "\n"
     "Runs bootstrap, prefill, decode, a colocated host and the router on 127.0.0.1, sends a\n"
-    "batch of prompts through the router and checks every output against the colocated run.\n";
+    "batch of prompts through the router and checks every output against the colocated run.\n"
+    "\n"
+    "Layouts: --model picks the example model (GQA, hybrid with mamba state, MLA, sliding\n"
+    "window); --prefill-tp/--prefill-pp and --decode-tp/--decode-pp shard each host's model\n"
+    "(every rank holds and moves only its heads and layers; decode PP is 1 or the prefill's).\n"
+    "The colocated baseline always runs TP 1, PP 1. Each host's model threads are split\n"
+    "across its ranks (hardware threads / ranks each).\n"
+    "\n"
+    "  pd-demo --model small-mla --prefill-tp 2 --decode-tp 1\n"
+    "  pd-demo --prefill-tp 2 --prefill-pp 2 --decode-tp 2 --decode-pp 2\n";
 
 struct Args {
   int requests = 16;
@@ -81,10 +96,12 @@ bool ParseArgs(int argc, char** argv, Args* a) {
   const int64_t max_new = absl::GetFlag(FLAGS_max_new_tokens);
   const int64_t prefills = absl::GetFlag(FLAGS_prefills), decodes = absl::GetFlag(FLAGS_decodes);
   const int64_t tp = absl::GetFlag(FLAGS_prefill_tp), pp = absl::GetFlag(FLAGS_prefill_pp);
+  const int64_t dtp = absl::GetFlag(FLAGS_decode_tp), dpp = absl::GetFlag(FLAGS_decode_pp);
   const int64_t seed = absl::GetFlag(FLAGS_seed);
   if (!in_range("requests", requests, 1, 4096) || !in_range("max_new_tokens", max_new, 1, 1024) ||
       !in_range("prefills", prefills, 1, 16) || !in_range("decodes", decodes, 1, 16) ||
       !in_range("prefill_tp", tp, 1, 8) || !in_range("prefill_pp", pp, 1, 4) ||
+      !in_range("decode_tp", dtp, 1, 8) || !in_range("decode_pp", dpp, 1, 4) ||
       !in_range("seed", seed, 0, INT32_MAX)) {
     return false;
   }
@@ -111,6 +128,8 @@ bool ParseArgs(int argc, char** argv, Args* a) {
     p.pp = int32_t(pp);
   }
   a->d.decodes = int32_t(decodes);
+  a->d.decode_tp = int32_t(dtp);
+  a->d.decode_pp = int32_t(dpp);
   a->d.policy = absl::GetFlag(FLAGS_policy);
   a->d.log_dir = absl::GetFlag(FLAGS_log_dir);
   a->quiet = absl::GetFlag(FLAGS_quiet);
@@ -195,10 +214,10 @@ int main(int argc, char** argv) {
   }
   std::filesystem::create_directories(a.d.log_dir);
   std::printf(
-      "pd-demo: starting bootstrap, %zu prefill (tp %d, pp %d), %d decode, colocated and "
-      "router on 127.0.0.1 (backend %s, model %s); logs in %s\n",
-      a.d.prefills.size(), a.d.prefills[0].tp, a.d.prefills[0].pp, a.d.decodes, a.d.backend.c_str(),
-      a.d.model.c_str(), a.d.log_dir.c_str());
+      "pd-demo: starting bootstrap, %zu prefill (tp %d, pp %d), %d decode (tp %d, pp %d), "
+      "colocated and router on 127.0.0.1 (backend %s, model %s); logs in %s\n",
+      a.d.prefills.size(), a.d.prefills[0].tp, a.d.prefills[0].pp, a.d.decodes, a.d.decode_tp,
+      a.d.decode_pp, a.d.backend.c_str(), a.d.model.c_str(), a.d.log_dir.c_str());
   std::fflush(stdout);
   const auto t0 = Clock::now();
   auto dep = Deployment::Start(a.d);

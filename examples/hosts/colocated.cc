@@ -12,12 +12,13 @@ namespace {
 class ColocatedReceiver final : public KVReceiver {
  public:
   ColocatedReceiver(uint64_t room, std::vector<int32_t> prompt, kernels::Model* model,
-                    MetadataBuffers* metadata, int32_t chunk_tokens)
+                    MetadataBuffers* metadata, int32_t chunk_tokens, kernels::ModelComm* comm)
       : room_(room),
         prompt_(std::move(prompt)),
         model_(model),
         metadata_(metadata),
-        chunk_tokens_(chunk_tokens) {}
+        chunk_tokens_(chunk_tokens),
+        comm_(comm) {}
 
   // Release/acquire: Poll() may be called from any thread (KVPollable's contract) and must see
   // the reason written before the state.
@@ -43,6 +44,8 @@ class ColocatedReceiver final : public KVReceiver {
     }
     Status s = Prefill(pages, *aux, state.empty() ? -1 : state[0]);
     if (!s.ok()) {
+      // The other ranks may be waiting in a collective this rank left.
+      if (comm_ != nullptr) comm_->Abort(s);
       Fail(s.WithPrefix("room " + std::to_string(room_) + ": colocated prefill"));
       return Status::OK();
     }
@@ -99,6 +102,7 @@ class ColocatedReceiver final : public KVReceiver {
   kernels::Model* const model_;
   MetadataBuffers* const metadata_;
   const int32_t chunk_tokens_;
+  kernels::ModelComm* const comm_;
   Status reason_;  // written before state_ becomes kFailed, never after
   // Connected at once: there is no prefill host to find.
   std::atomic<KVPoll> state_{KVPoll::kWaitingForInput};
@@ -117,7 +121,7 @@ StatusOr<std::unique_ptr<KVReceiver>> ColocatedTransport::CreateReceiver(
   std::vector<int32_t> prompt = std::move(it->second);
   prompts_.erase(it);
   return std::unique_ptr<KVReceiver>(
-      new ColocatedReceiver(room, std::move(prompt), model_, metadata_, chunk_tokens_));
+      new ColocatedReceiver(room, std::move(prompt), model_, metadata_, chunk_tokens_, comm_));
 }
 
 }  // namespace pdlib::hosts

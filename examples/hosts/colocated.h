@@ -8,6 +8,10 @@
 // exactly as after a transfer, so both modes share every line of the decode path and their
 // tokens must be identical.
 //
+// With TP/PP, every rank of the host runs its own ColocatedTransport over its share of the model;
+// the ranks create and Init their receivers in the same order (lockstep), so their prefill
+// forwards meet in the model's collectives. A failed prefill aborts the rank's ModelComm.
+//
 // Owned by the decode rank; the model and metadata buffers must outlive it and every receiver.
 // Not thread-safe: the rank's scheduler thread calls everything (Poll included).
 #ifndef PDLIB_EXAMPLES_HOSTS_COLOCATED_H_
@@ -27,8 +31,10 @@ namespace pdlib::hosts {
 
 class ColocatedTransport final : public sched::ReceiverFactory {
  public:
-  ColocatedTransport(kernels::Model* model, MetadataBuffers* metadata, int32_t chunk_tokens)
-      : model_(model), metadata_(metadata), chunk_tokens_(chunk_tokens) {}
+  // `comm`: the rank's member of the model's group, or null for one rank.
+  ColocatedTransport(kernels::Model* model, MetadataBuffers* metadata, int32_t chunk_tokens,
+                     kernels::ModelComm* comm = nullptr)
+      : model_(model), metadata_(metadata), chunk_tokens_(chunk_tokens), comm_(comm) {}
 
   // Tells the factory the prompt of `room`, whose receiver the scheduler is about to create
   // (CreateReceiver is not given the prompt).
@@ -44,6 +50,7 @@ class ColocatedTransport final : public sched::ReceiverFactory {
   kernels::Model* model_;
   MetadataBuffers* metadata_;
   int32_t chunk_tokens_;
+  kernels::ModelComm* comm_;
   std::map<uint64_t, std::vector<int32_t>> prompts_;
 };
 

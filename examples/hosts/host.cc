@@ -4,11 +4,13 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <future>
 #include <mutex>
 #include <thread>
 #include <utility>
 
 #include "examples/hosts/host_rank.h"
+#include "examples/hosts/sharding.h"
 #include "lib/control/bootstrap_server.h"
 #include "pdlib/poll_reduce.h"
 
@@ -65,18 +67,33 @@ std::string_view RoleName(Role role) {
 }
 
 Status ValidateHostOptions(const HostOptions& o) {
-  if (auto config = ModelConfigByName(o.model); !config.ok()) return config.status();
+  auto config = ModelConfigByName(o.model);
+  if (!config.ok()) return config.status();
   if (o.tp_size < 1 || o.pp_size < 1) {
     return Status::InvalidArgument("tp " + std::to_string(o.tp_size) + " and pp " +
                                    std::to_string(o.pp_size) + " must be >= 1");
   }
-  if (o.role != Role::kPrefill && (o.tp_size != 1 || o.pp_size != 1)) {
-    return Status::InvalidArgument(
-        std::string(RoleName(o.role)) + " host: tp " + std::to_string(o.tp_size) + " pp " +
-        std::to_string(o.pp_size) +
-        ": decode runs TP 1 and PP 1 only. The example model is not sharded, so one decode rank "
-        "holds every KV head and layer, and pdlib writes each prefill rank's heads and layers "
-        "into the right slice of its pages; scale decode with more pd-decode hosts instead");
+  // Every rank's share must exist (TP against the heads and widths, PP against the layers, a
+  // full-attention layer in every stage); the first refusal names the numbers.
+  for (int32_t pp = 0; pp < o.pp_size; ++pp) {
+    for (int32_t tp = 0; tp < o.tp_size; ++tp) {
+      auto layout = kernels::MakeShardLayout(
+          *config, {.tp_size = o.tp_size, .tp_rank = tp, .pp_size = o.pp_size, .pp_rank = pp});
+      if (!layout.ok()) {
+        return layout.status().WithPrefix("model " + o.model + " with tp " +
+                                          std::to_string(o.tp_size) + " pp " +
+                                          std::to_string(o.pp_size));
+      }
+    }
+  }
+  if (!o.test_fault.empty()) {
+    if (o.test_fault != kTestFaultSwapHeads) {
+      return Status::InvalidArgument("test_fault '" + o.test_fault + "': the only one is '" +
+                                     kTestFaultSwapHeads + "'");
+    }
+    if (o.role == Role::kPrefill) {
+      return Status::InvalidArgument("test_fault: decode hosts only");
+    }
   }
   if (o.num_pages < 1 || o.max_running < 1 || o.chunked_prefill_size < 1 || o.max_context_len < 1 ||
       o.reserved_decode_tokens < 0 || o.threads_per_rank < 0) {
@@ -97,6 +114,9 @@ struct Host::Rep {
   BootstrapAddress bootstrap;
   std::unique_ptr<control::BootstrapServer> bootstrap_server;  // --start-bootstrap, port 0
   std::vector<std::unique_ptr<ProcessGroup>> group;
+  // The model's collectives between the ranks (one member per rank); declared before the ranks,
+  // whose models use them, so that they go after.
+  std::vector<std::unique_ptr<kernels::ModelComm>> comms;
   std::vector<std::unique_ptr<HostRank>> ranks;
   uint64_t state_bytes = 0;
 
@@ -110,6 +130,8 @@ struct Host::Rep {
   std::unique_ptr<StepBarrier> barrier;
   std::vector<std::thread> rank_threads;
   std::thread coordinator;
+  std::promise<void> coordinator_exit;
+  std::future<void> coordinator_done = coordinator_exit.get_future();
 
   struct Pending {
     HostRequest request;
@@ -267,7 +289,8 @@ Status Host::Rep::Collect(const std::vector<Pending>& added) {
   for (size_t i = 0; i < n; ++i) {
     if (!outputs[i].step.ok() && fault.ok()) fault = outputs[i].step;
   }
-  // Tokens: only decode produces them, and decode has one rank.
+  // Tokens: only decode produces them, and every rank the same ones (the model's last PP stage
+  // hands every rank its results).
   for (const RankStepOutput::Token& t : outputs[0].tokens) {
     auto it = live.find(t.room);
     if (it != live.end() && it->second.pending.callbacks.on_token) {
@@ -356,12 +379,14 @@ StatusOr<std::unique_ptr<Host>> Host::Create(const HostOptions& options) {
 
   const int32_t n = options.tp_size * options.pp_size;
   rep->group = InProcessGroup::Create(n);
+  rep->comms = kernels::CreateInProcessModelComms(options.tp_size, options.pp_size);
   // Rank 0 first: with manager_bootstrap it starts the server the others register with.
   for (int32_t i = 0; i < n; ++i) {
     RankPlacement placement;
     placement.pp_rank = i / options.tp_size;
     placement.tp_rank = i % options.tp_size;
     placement.group = n > 1 ? rep->group[static_cast<size_t>(i)].get() : nullptr;
+    placement.comm = n > 1 ? rep->comms[static_cast<size_t>(i)].get() : nullptr;
     placement.bootstrap = rep->bootstrap;
     placement.start_bootstrap = manager_bootstrap && i == 0;
     auto rank = HostRank::Create(options, *weights, placement);
@@ -376,7 +401,10 @@ StatusOr<std::unique_ptr<Host>> Host::Create(const HostOptions& options) {
   for (int32_t i = 0; i < n; ++i) {
     rep->rank_threads.emplace_back([r, i] { r->RankLoop(static_cast<size_t>(i)); });
   }
-  rep->coordinator = std::thread([r] { r->CoordinatorLoop(); });
+  rep->coordinator = std::thread([r] {
+    r->CoordinatorLoop();
+    r->coordinator_exit.set_value();
+  });
   return std::unique_ptr<Host>(new Host(std::move(rep)));
 }
 
@@ -415,6 +443,19 @@ void Host::Shutdown() {
       rep_->stopping = true;
     }
     rep_->cv.notify_all();
+    // The coordinator finishes the step under way, fails what is live and lets the ranks go. A
+    // rank blocked in a collective another rank left (which aborts the group when its forward
+    // fails, so this is a last resort) must not hold the shutdown forever: after a grace period
+    // the model's group fails every pending and later collective.
+    if (rep_->coordinator_done.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+      std::fprintf(stderr,
+                   "pd-%s: shutdown: a step is still running after 10 s; aborting the "
+                   "model's collectives\n",
+                   std::string(RoleName(rep_->options.role)).c_str());
+      const Status why =
+          Status::Unavailable(std::string(RoleName(rep_->options.role)) + " host is shutting down");
+      for (auto& comm : rep_->comms) comm->Abort(why);
+    }
     rep_->coordinator.join();
     for (std::thread& t : rep_->rank_threads) t.join();
     // Each rank drops its scheduler (and so its handles) before its manager. Rank 0 last: its

@@ -1,9 +1,10 @@
 // Host: the engine of pd-prefill and pd-decode (issue #8), an in-process object so that tests
 // drive it without gRPC or processes (host_service.h serves it over gRPC).
 //
-// A host owns tp_size x pp_size rank threads. Each rank owns a full replica of the example model
-// (kernels/, CPU; every rank computes the whole model: the model is not sharded, see
-// sharding.h for what each rank registers with pdlib instead), a pdlib KVManager, its metadata
+// A host owns tp_size x pp_size rank threads. Each rank owns its share of the example model
+// (kernels/, CPU, sharded as kernels/parallel.h says: its PP stage's layers, its TP rank's heads;
+// the ranks meet in the model's collectives through an in-process kernels::ModelComm group the
+// host owns), a pdlib KVManager registering exactly that share (sharding.h), its metadata
 // buffers, a page allocator and the reference scheduler (examples/scheduler), whose
 // PollAndAllReduce runs over an InProcessGroup of all the host's ranks.
 //
@@ -12,8 +13,9 @@
 // stops at a barrier; the coordinator then reports tokens and results. Ranks never block on the
 // network (pdlib's calls do not), only on the per-step barrier and the collective.
 //
-// Roles: "prefill" (TP and PP allowed), "decode" (TP 1, PP 1), "colocated" (a decode host whose
-// requests are prefilled on its own model, no pdlib: colocated.h).
+// Roles: "prefill", "decode", "colocated" (a decode host whose requests are prefilled on its own
+// model, no pdlib: colocated.h); each with any TP and PP the model splits into. pdlib pairs a
+// decode host with any prefill TP, and with a prefill PP equal to its own or decode PP 1.
 //
 // Thread-safety: Submit, Load and Shutdown may be called from any thread. Callbacks run on the
 // coordinator thread, one at a time, and must not block or call Shutdown.
@@ -43,10 +45,11 @@ std::string_view RoleName(Role role);
 
 struct HostOptions {
   Role role = Role::kPrefill;
-  std::string model = "small";   // "small" (ModelConfig::Small) or "small-hybrid"
+  // "small" (ModelConfig::Small), "small-hybrid", "small-mla" or "small-swa" (ModelConfigByName).
+  std::string model = "small";
   uint64_t seed = 1;             // ModelWeights::Random seed; prefill and decode must agree
-  int32_t tp_size = 1;           // prefill only; decode and colocated: 1
-  int32_t pp_size = 1;           // prefill only
+  int32_t tp_size = 1;           // tensor-parallel ranks (threads): each holds 1/tp of the heads
+  int32_t pp_size = 1;           // pipeline stages: each holds its run of layers
   int32_t threads_per_rank = 0;  // model threads per rank; 0: hardware threads / ranks (>= 1)
 
   // pdlib (unused in colocated mode).
@@ -77,9 +80,15 @@ struct HostOptions {
   int32_t reserved_decode_tokens = 64;  // decode
   // How long the loop sleeps after a step that ran no forward pass (waiting on the network).
   std::chrono::microseconds idle_poll{500};
+
+  // TEST ONLY, decode: "swap-heads" makes decode rank tp 0 pp 0 corrupt every request's KV once
+  // it has arrived, before the first decode step (sharding.h, CorruptReceivedPage), so that a
+  // test shows its token comparison cannot pass vacuously. "": none.
+  std::string test_fault;
 };
 
-// Checks a HostOptions on its own: sizes, role limits (decode TP/PP 1), the model name.
+// Checks a HostOptions on its own: sizes, the model name, the model split (TP and PP against the
+// model's heads and layers), the test fault.
 Status ValidateHostOptions(const HostOptions& options);
 
 // One request, as HostGenerateRequest carries it.

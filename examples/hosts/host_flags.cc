@@ -17,15 +17,19 @@ ABSL_FLAG(std::string, host, pdlib::hosts::HostOptions{}.listen_host,
           "address for gRPC (pd-prefill: and the ranks' pdlib control endpoints)");
 ABSL_FLAG(int32_t, port, 0, "gRPC port; 0 picks a free one");
 ABSL_FLAG(std::string, model, pdlib::hosts::HostOptions{}.model,
-          "small | small-hybrid (recurrent layers 1 and 3; mamba state)");
+          "small | small-hybrid (recurrent layers 1 and 3: mamba state) | small-mla (multi-head "
+          "latent attention: one latent row per token, is_mla) | small-swa (layers 1 and 3 "
+          "attend to a sliding window of 24: SWA state)");
 ABSL_FLAG(uint64_t, seed, pdlib::hosts::HostOptions{}.seed,
           "random-weights seed; prefill and decode must agree");
 ABSL_FLAG(int32_t, tp, 1,
-          "tensor-parallel ranks (threads); each registers 1/N of the KV heads. The model is not "
-          "sharded: every rank computes it whole. pd-decode: 1 only (one rank holds every head and "
-          "layer; pdlib slices prefill's TP/PP shards into it)");
+          "tensor-parallel ranks (threads): each holds and computes 1/N of the query heads and the "
+          "KV heads they read (replicated when N exceeds the KV heads; MLA's latent on every "
+          "rank) and registers only those with pdlib, which pairs any prefill TP with any "
+          "decode TP");
 ABSL_FLAG(int32_t, pp, 1,
-          "pipeline stages; stage s registers layers [s*L/N, (s+1)*L/N). pd-decode: 1 only");
+          "pipeline stages: stage s holds layers [s*L/N, (s+1)*L/N) and registers only their KV "
+          "and state. pd-decode: equal to the prefill's PP, or 1 (pdlib's rule)");
 ABSL_FLAG(int32_t, threads, pdlib::hosts::HostOptions{}.threads_per_rank,
           "model threads per rank; 0: hardware threads / ranks");
 ABSL_FLAG(bool, colocated, false,
@@ -72,12 +76,18 @@ ABSL_FLAG(std::vector<std::string>, connect, {},
 ABSL_FLAG(int32_t, idle_poll_us, int32_t(pdlib::hosts::HostOptions{}.idle_poll.count()),
           "sleep between steps that only wait on the network");
 ABSL_FLAG(bool, verbose, false, "pdlib info logs on stderr");
+ABSL_FLAG(std::string, test_fault, "",
+          "pd-decode, TEST ONLY: 'swap-heads' makes decode rank tp 0 pp 0 corrupt every "
+          "request's KV once it has arrived (swaps two KV heads, or the keys of neighbouring "
+          "tokens when the rank holds one head or MLA latents), so that a test shows its token "
+          "comparison can fail. Outputs are wrong by design");
 
 namespace pdlib::hosts {
 namespace {
 
 constexpr std::string_view kPrefillOnly[] = {"bootstrap_host", "bootstrap_port", "start_bootstrap"};
-constexpr std::string_view kDecodeOnly[] = {"colocated", "reserved_decode_tokens", "connect"};
+constexpr std::string_view kDecodeOnly[] = {"colocated", "reserved_decode_tokens", "connect",
+                                            "test_fault"};
 
 bool Contains(std::span<const std::string_view> names, std::string_view name) {
   return std::find(names.begin(), names.end(), name) != names.end();
@@ -214,13 +224,7 @@ StatusOr<HostFlags> ParseHostFlags(Role program, std::span<const std::string_vie
     o.connect.push_back(address);
   }
   if (absl::GetFlag(FLAGS_colocated)) o.role = Role::kColocated;
-  if (!prefill && (tp != 1 || pp != 1)) {
-    return Status::InvalidArgument(
-        "--tp " + std::to_string(tp) + " --pp " + std::to_string(pp) +
-        ": pd-decode runs TP 1 and PP 1 only. The example model is not sharded, so one decode "
-        "rank holds every KV head and layer and pdlib writes each prefill rank's heads and "
-        "layers into the right slice of its pages; run more pd-decode hosts to scale decode");
-  }
+  o.test_fault = absl::GetFlag(FLAGS_test_fault);
   o.tp_size = tp;
   o.pp_size = pp;
   if (Status s = ValidateHostOptions(o); !s.ok()) return s;

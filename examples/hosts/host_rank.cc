@@ -6,60 +6,85 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "examples/hosts/colocated.h"
+#include "examples/hosts/sharding.h"
 #include "examples/scheduler/decode_scheduler.h"
 #include "examples/scheduler/kernels_runner.h"
 #include "examples/scheduler/pools.h"
 #include "examples/scheduler/prefill_scheduler.h"
-#include "pdlib/kv_pool.h"
 #include "pdlib/metadata_buffers.h"
 #include "pdlib_kernels/model.h"
 
 namespace pdlib::hosts {
 namespace {
 
-// A prefill rank with TP > 1 registers shard pools (sharding.h). After every forward pass this
-// runner copies the head slice of each page the pass wrote, for the stage's layers, from the
-// replica's full pool into the shard pool, before the scheduler hands the pages to pdlib.
-class ShardingRunner final : public sched::ModelRunner {
+// The scheduler's ModelRunner over a sharded model: a failed forward pass aborts the model's
+// group, so that no other rank of the host stays blocked in a collective this rank left.
+class RankRunner final : public sched::ModelRunner {
  public:
-  struct ShardPool {
-    kernels::KVKind kind;
-    int32_t kv_layer;
-    std::byte* base;
-  };
-  ShardingRunner(kernels::Model* model, const StageLayout& layout, std::vector<ShardPool> pools)
-      : model_(model), inner_(model), layout_(layout), pools_(std::move(pools)) {}
+  RankRunner(kernels::Model* model, kernels::ModelComm* comm) : inner_(model), comm_(comm) {}
 
   Status Forward(std::span<const sched::ForwardChunk> batch,
                  std::vector<sched::ForwardOutput>* results) override {
-    if (Status s = inner_.Forward(batch, results); !s.ok()) return s;
-    const kernels::ModelConfig& config = model_->config();
-    const size_t full_bytes = config.kv_page_bytes();
-    const size_t shard_bytes = ShardPageBytes(config, layout_.head_count);
-    for (const sched::ForwardChunk& c : batch) {
-      const PageSpan span =
-          PagesWritten(c.start_pos, static_cast<int32_t>(c.tokens.size()), config.page_size);
-      for (int32_t i = span.first; i <= span.last; ++i) {
-        const auto page = static_cast<size_t>(c.page_table[static_cast<size_t>(i)]);
-        for (const ShardPool& p : pools_) {
-          const kernels::PoolRegion full = model_->kv_cache().pool(p.kind, p.kv_layer);
-          CopyHeadShard(config, layout_.head_start, layout_.head_count,
-                        {static_cast<const std::byte*>(full.base) + page * full_bytes, full_bytes},
-                        {p.base + page * shard_bytes, shard_bytes});
-        }
-      }
-    }
-    return Status::OK();
+    Status s = inner_.Forward(batch, results);
+    if (!s.ok() && comm_ != nullptr) comm_->Abort(s);
+    return s;
   }
+  StatusOr<sched::HostKV> OffloadKV(std::span<const int32_t> page_table, int64_t num_tokens,
+                                    int32_t state_slot) override {
+    return inner_.OffloadKV(page_table, num_tokens, state_slot);
+  }
+  Status RestoreKV(const sched::HostKV& kv, std::span<const int32_t> page_table,
+                   int32_t state_slot) override {
+    return inner_.RestoreKV(kv, page_table, state_slot);
+  }
+  uint64_t kv_bytes_per_page() const { return inner_.kv_bytes_per_page(); }
+  uint64_t swa_bytes_per_page() const { return inner_.swa_bytes_per_page(); }
 
  private:
-  kernels::Model* model_;
   sched::KernelsModelRunner inner_;
-  StageLayout layout_;
-  std::vector<ShardPool> pools_;
+  kernels::ModelComm* comm_;
 };
+
+// The test-only fault (HostOptions::test_fault, sharding.h): corrupts every page of every pool
+// (KV and sliding-window) that holds the request's received tokens.
+void CorruptReceivedKV(kernels::KVCache& cache, uint64_t room, std::span<const int32_t> table,
+                       int64_t num_tokens) {
+  const kernels::ModelConfig& c = cache.config();
+  const int32_t pages = std::min(kernels::PagesForTokens(num_tokens, c.page_size),
+                                 static_cast<int32_t>(table.size()));
+  std::vector<std::byte> buf;
+  auto corrupt = [&](bool swa, kernels::KVKind kind, int32_t layer, size_t page_bytes) {
+    buf.resize(page_bytes);
+    for (int32_t i = 0; i < pages; ++i) {
+      const int32_t page = table[static_cast<size_t>(i)];
+      Status s =
+          swa ? cache.ReadSwaPage(kind, layer, page, buf) : cache.ReadPage(kind, layer, page, buf);
+      if (s.ok()) {
+        CorruptReceivedPage(c, kind, buf);
+        s = swa ? cache.WriteSwaPage(kind, layer, page, buf)
+                : cache.WritePage(kind, layer, page, buf);
+      }
+      if (!s.ok()) {
+        std::fprintf(stderr, "pd-decode: test fault: room %llu: %s\n",
+                     static_cast<unsigned long long>(room), s.ToString().c_str());
+        return;
+      }
+    }
+  };
+  for (kernels::KVKind kind : {kernels::KVKind::kKey, kernels::KVKind::kValue}) {
+    for (int32_t l = 0; l < cache.num_kv_layers(); ++l) {
+      const kernels::PoolRegion p = cache.pool(kind, l);
+      if (p.base != nullptr && p.item_bytes > 0) corrupt(false, kind, l, p.item_bytes);
+    }
+    for (int32_t l = 0; l < cache.num_swa_layers(); ++l) {
+      const kernels::PoolRegion p = cache.swa_pool(kind, l);
+      if (p.base != nullptr && p.item_bytes > 0) corrupt(true, kind, l, p.item_bytes);
+    }
+  }
+}
 
 std::string RankName(Role role, int32_t tp_rank, int32_t pp_rank) {
   return std::string(RoleName(role)) + " rank tp " + std::to_string(tp_rank) + " pp " +
@@ -71,7 +96,10 @@ std::string RankName(Role role, int32_t tp_rank, int32_t pp_rank) {
 StatusOr<kernels::ModelConfig> ModelConfigByName(const std::string& name) {
   if (name == "small") return kernels::ModelConfig::Small();
   if (name == "small-hybrid") return kernels::ModelConfig::SmallHybrid();
-  return Status::InvalidArgument("unknown model '" + name + "' (known: small, small-hybrid)");
+  if (name == "small-mla") return kernels::ModelConfig::SmallMla();
+  if (name == "small-swa") return kernels::ModelConfig::SmallSwa();
+  return Status::InvalidArgument("unknown model '" + name +
+                                 "' (known: small, small-hybrid, small-mla, small-swa)");
 }
 
 void RankStepOutput::Clear() {
@@ -86,15 +114,13 @@ void RankStepOutput::Clear() {
 
 struct HostRank::Rep {
   Role role = Role::kPrefill;
-  StageLayout layout;
   uint64_t state_bytes = 0;
   // Declared in construction order; destroyed in reverse: the scheduler (and every pdlib handle
   // it holds) before the manager, the manager before the memory it registered.
   std::unique_ptr<kernels::Model> model;
   std::unique_ptr<MetadataBuffers> metadata;
-  std::unique_ptr<KVPool> shard_pool;
   std::unique_ptr<sched::PageAllocator> pages;
-  std::unique_ptr<sched::ModelRunner> runner;
+  std::unique_ptr<RankRunner> runner;
   std::unique_ptr<KVManager> manager;
   std::unique_ptr<sched::KVManagerTransport> transport;
   std::unique_ptr<ColocatedTransport> colocated;
@@ -111,10 +137,6 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
   const kernels::ModelConfig& config = weights.config;
   auto rep = std::make_unique<Rep>();
   rep->role = options.role;
-  auto layout = MakeStageLayout(config, options.tp_size, placement.tp_rank, options.pp_size,
-                                placement.pp_rank);
-  if (!layout.ok()) return fail(layout.status(), "model split");
-  rep->layout = *layout;
   rep->state_bytes =
       static_cast<uint64_t>(config.num_recurrent_layers()) * config.state_slot_bytes();
 
@@ -129,6 +151,11 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
       options.threads_per_rank > 0
           ? options.threads_per_rank
           : std::max(1, static_cast<int32_t>(std::thread::hardware_concurrency()) / ranks);
+  runtime.shard = {.tp_size = options.tp_size,
+                   .tp_rank = placement.tp_rank,
+                   .pp_size = options.pp_size,
+                   .pp_rank = placement.pp_rank};
+  runtime.comm = placement.comm;
   auto model = kernels::Model::Create(weights, runtime);
   if (!model.ok()) return fail(model.status(), "model");
   rep->model = std::move(*model);
@@ -137,70 +164,22 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
   rep->metadata = std::move(*metadata);
   rep->pages = std::make_unique<sched::PageAllocator>(options.num_pages, config.page_size);
   kernels::KVCache& cache = rep->model->kv_cache();
+  rep->runner = std::make_unique<RankRunner>(rep->model.get(), placement.comm);
 
-  // What this rank registers with pdlib (sharding.h): its stage's K pools then V pools, whole or
-  // as head shards, and its stage's state pools.
-  KVArgs args;
-  uint64_t kv_bytes_per_page = 0;
-  if (prefill && options.tp_size > 1) {
-    const size_t shard_page = ShardPageBytes(config, layout->head_count);
-    const uint64_t buffer_bytes = shard_page * static_cast<uint64_t>(options.num_pages);
-    auto pool = AllocateKVPool(options.backend, 2 * layout->kv_count * buffer_bytes,
-                               MemoryKind::kHost, options.backend_options);
-    if (!pool.ok()) return fail(pool.status(), "shard KV pool");
-    rep->shard_pool = std::move(*pool);
-    std::vector<ShardingRunner::ShardPool> shards;
-    auto* base = static_cast<std::byte*>(rep->shard_pool->data());
-    for (kernels::KVKind kind : {kernels::KVKind::kKey, kernels::KVKind::kValue}) {
-      for (int32_t i = 0; i < layout->kv_count; ++i) {
-        shards.push_back({kind, layout->kv_start + i, base});
-        args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(base));
-        args.kv.lens.push_back(buffer_bytes);
-        args.kv.item_lens.push_back(shard_page);
-        base += buffer_bytes;
-      }
-    }
-    kv_bytes_per_page = 2ull * static_cast<uint64_t>(layout->kv_count) * shard_page;
-    rep->runner = std::make_unique<ShardingRunner>(rep->model.get(), *layout, std::move(shards));
-  } else {
-    for (kernels::KVKind kind : {kernels::KVKind::kKey, kernels::KVKind::kValue}) {
-      for (int32_t i = 0; i < layout->kv_count; ++i) {
-        const kernels::PoolRegion p = cache.pool(kind, layout->kv_start + i);
-        args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(p.base));
-        args.kv.lens.push_back(p.bytes);
-        args.kv.item_lens.push_back(p.item_bytes);
-      }
-    }
-    kv_bytes_per_page = 2ull * static_cast<uint64_t>(layout->kv_count) * config.kv_page_bytes();
-    rep->runner = std::make_unique<sched::KernelsModelRunner>(rep->model.get());
-  }
-  for (int32_t i = 0; i < layout->state_count; ++i) {
-    const kernels::PoolRegion p = cache.state_pool(layout->state_start + i);
-    args.state.ptrs.push_back(reinterpret_cast<uint64_t>(p.base));
-    args.state.lens.push_back(p.bytes);
-    args.state.item_lens.push_back(p.item_bytes);
-    args.state_dim_per_tensor.push_back(-1);  // replicated: the primary TP rank sends it
-  }
-  args.state_type = config.is_hybrid() ? StateType::kMamba : StateType::kNone;
-  args.state_start = layout->state_start;
-  args.aux = rep->metadata->Describe();
-  args.page_size = static_cast<uint32_t>(config.page_size);
-  args.kv_head_num = layout->head_count;
-  args.kv_layout = config.kv_layout;
-  args.memory_kind = cache.memory_kind();
-  args.parallel.tp_size = options.tp_size;
-  args.parallel.tp_rank = placement.tp_rank;
-  args.parallel.pp_size = options.pp_size;
-  args.parallel.pp_rank = placement.pp_rank;
-  args.prefill_start_layer = layout->kv_start;
-  // The seed is part of the name: two hosts with different weights must not pair.
-  args.fingerprint =
-      config.Fingerprint("pd-example-" + options.model + "-seed" + std::to_string(options.seed));
+  // What this rank registers with pdlib: its own cache's pools, which hold exactly its share of
+  // the model (sharding.h). The seed is part of the name: two hosts with different weights must
+  // not pair.
+  auto args = RankKVArgs(rep->model->config(), rep->model->shard_layout(), cache,
+                         "pd-example-" + options.model + "-seed" + std::to_string(options.seed));
+  if (!args.ok()) return fail(args.status(), "pdlib registration");
+  args->aux = rep->metadata->Describe();
+  uint64_t kv_bytes_per_page = rep->runner->kv_bytes_per_page();
+  uint64_t swa_bytes_per_page = rep->runner->swa_bytes_per_page();
 
   if (options.role != Role::kColocated) {
     KVManagerOptions mo;
     mo.mode = prefill ? Mode::kPrefill : Mode::kDecode;
-    mo.args = std::move(args);
+    mo.args = std::move(*args);
     mo.control_plane = options.control_plane;
     mo.backend = options.backend;
     mo.backend_options = options.backend_options;
@@ -228,18 +207,22 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
       }
     }
   } else {
-    rep->colocated = std::make_unique<ColocatedTransport>(
-        rep->model.get(), rep->metadata.get(), std::max(1, options.chunked_prefill_size));
-    kv_bytes_per_page = 0;  // nothing moves
+    rep->colocated = std::make_unique<ColocatedTransport>(rep->model.get(), rep->metadata.get(),
+                                                          std::max(1, options.chunked_prefill_size),
+                                                          placement.comm);
+    kv_bytes_per_page = swa_bytes_per_page = 0;  // nothing moves
   }
 
+  const int32_t sliding_window = config.has_sliding_window() ? config.sliding_window : 0;
   if (prefill) {
     sched::PrefillSchedulerOptions so;
     so.max_running_requests = options.max_running;
     so.chunked_prefill_size = options.chunked_prefill_size;
     so.max_context_len = options.max_context_len;
     so.num_state_slots = config.is_hybrid() ? request_slots : 0;
+    so.sliding_window = sliding_window;
     so.kv_bytes_per_page = kv_bytes_per_page;
+    so.swa_bytes_per_page = swa_bytes_per_page;
     so.group = placement.group;
     auto s = sched::PrefillScheduler::Create(
         so, {rep->pages.get(), rep->metadata.get(), rep->transport.get(), rep->runner.get()});
@@ -252,13 +235,25 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
     so.max_context_len = options.max_context_len;
     so.reserved_decode_tokens = options.reserved_decode_tokens;
     so.num_state_slots = config.is_hybrid() ? request_slots : 0;
+    so.sliding_window = sliding_window;
     so.vocab_size = config.vocab_size;
     so.kv_bytes_per_page = kv_bytes_per_page;
+    so.swa_bytes_per_page = swa_bytes_per_page;
     so.group = placement.group;
     Rep* r = rep.get();
     so.on_token = [r](uint64_t room, int32_t index, int32_t token) {
       r->tokens.push_back({room, index, token});
     };
+    if (options.test_fault == kTestFaultSwapHeads && placement.tp_rank == 0 &&
+        placement.pp_rank == 0) {
+      std::fprintf(stderr,
+                   "pd-decode: TEST FAULT %s: rank tp 0 pp 0 corrupts every request's received "
+                   "KV; outputs will be wrong\n",
+                   kTestFaultSwapHeads);
+      so.on_kv_arrived = [r](uint64_t room, std::span<const int32_t> table, int64_t tokens) {
+        CorruptReceivedKV(r->model->kv_cache(), room, table, tokens);
+      };
+    }
     sched::ReceiverFactory* receivers =
         rep->colocated ? static_cast<sched::ReceiverFactory*>(rep->colocated.get())
                        : rep->transport.get();

@@ -1,5 +1,6 @@
-// HostRank: one rank of a Host (host.h): its model replica, pdlib KVManager, metadata buffers,
-// page allocator and scheduler, built for the rank's share of the model (sharding.h).
+// HostRank: one rank of a Host (host.h): its share of the model (kernels/parallel.h), pdlib
+// KVManager (registering that share, sharding.h), metadata buffers, page allocator and
+// scheduler.
 //
 // Owned by the Host. Create on any thread; afterwards exactly one thread at a time (the rank's
 // thread, handed over through the Host's step barrier) calls Step and FailAll. The destructor
@@ -16,6 +17,7 @@
 #include "examples/hosts/sharding.h"
 #include "examples/scheduler/engine.h"
 #include "pdlib/poll_reduce.h"
+#include "pdlib_kernels/parallel.h"
 #include "pdlib_kernels/weights.h"
 
 namespace pdlib::hosts {
@@ -43,8 +45,12 @@ struct RankPlacement {
   int32_t tp_rank = 0;
   int32_t pp_rank = 0;
   ProcessGroup* group = nullptr;  // all the host's ranks; null for one rank
-  BootstrapAddress bootstrap;     // prefill: the bootstrap server to register with
-  bool start_bootstrap = false;   // prefill: run the bootstrap server in this rank's manager
+  // The rank's member of the host's model group (kernels::CreateInProcessModelComms); required
+  // with more than one rank. The rank aborts it when its model fails, so no other rank waits
+  // forever in a collective.
+  kernels::ModelComm* comm = nullptr;
+  BootstrapAddress bootstrap;    // prefill: the bootstrap server to register with
+  bool start_bootstrap = false;  // prefill: run the bootstrap server in this rank's manager
 };
 
 class HostRank {

@@ -2,6 +2,7 @@
 
 #include <span>
 
+#include "examples/hosts/host_rank.h"
 #include "pdlib_kernels/model.h"
 
 namespace pdlib::hosts {
@@ -10,10 +11,9 @@ StatusOr<std::vector<int32_t>> GenerateReference(const std::string& model, uint6
                                                  const std::vector<int32_t>& prompt,
                                                  int32_t max_new_tokens) {
   using namespace pdlib::kernels;
-  if (model != "small" && model != "small-hybrid") {
-    return Status::InvalidArgument("unknown model '" + model + "' (small or small-hybrid)");
-  }
-  const ModelConfig config = model == "small" ? ModelConfig::Small() : ModelConfig::SmallHybrid();
+  auto named = ModelConfigByName(model);
+  if (!named.ok()) return named.status();
+  const ModelConfig config = *named;
   auto weights = ModelWeights::Random(config, seed);
   if (!weights.ok()) return weights.status();
   RuntimeOptions rt;

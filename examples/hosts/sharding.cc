@@ -1,72 +1,86 @@
 #include "examples/hosts/sharding.h"
 
+#include <algorithm>
 #include <cstring>
-#include <string>
-
-#include "pdlib_kernels/kv_cache.h"
+#include <utility>
+#include <vector>
 
 namespace pdlib::hosts {
 
-StatusOr<StageLayout> MakeStageLayout(const kernels::ModelConfig& config, int32_t tp_size,
-                                      int32_t tp_rank, int32_t pp_size, int32_t pp_rank) {
-  if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size || pp_size < 1 || pp_rank < 0 ||
-      pp_rank >= pp_size) {
-    return Status::InvalidArgument("rank tp " + std::to_string(tp_rank) + "/" +
-                                   std::to_string(tp_size) + " pp " + std::to_string(pp_rank) +
-                                   "/" + std::to_string(pp_size) + " is out of range");
-  }
-  if (config.num_kv_heads % tp_size != 0) {
-    return Status::InvalidArgument("TP " + std::to_string(tp_size) + " does not divide the " +
-                                   std::to_string(config.num_kv_heads) +
-                                   " KV heads of the model: every rank must hold whole heads");
-  }
-  if (pp_size > config.num_layers) {
-    return Status::InvalidArgument("PP " + std::to_string(pp_size) + " exceeds the model's " +
-                                   std::to_string(config.num_layers) + " layers");
-  }
-  StageLayout s;
-  s.first_layer = pp_rank * config.num_layers / pp_size;
-  s.end_layer = (pp_rank + 1) * config.num_layers / pp_size;
-  for (int32_t layer = 0; layer < s.end_layer; ++layer) {
-    const bool attention = config.layer_kind(layer) == kernels::LayerKind::kAttention;
-    int32_t& before = attention ? s.kv_start : s.state_start;
-    int32_t& inside = attention ? s.kv_count : s.state_count;
-    (layer < s.first_layer ? before : inside) += 1;
-  }
-  if (s.kv_count == 0) {
+StatusOr<KVArgs> RankKVArgs(const kernels::ModelConfig& config, const kernels::ShardLayout& layout,
+                            const kernels::KVCache& cache, const std::string& model_name) {
+  if (config.is_hybrid() && config.has_sliding_window()) {
     return Status::InvalidArgument(
-        "PP stage " + std::to_string(pp_rank) + " of " + std::to_string(pp_size) +
-        " owns layers [" + std::to_string(s.first_layer) + ", " + std::to_string(s.end_layer) +
-        ") and none of them is an attention layer; pdlib needs KV in every stage (use a smaller "
-        "PP)");
+        "the model has both recurrent and sliding-window layers; a pdlib rank registers one kind "
+        "of state");
   }
-  s.head_count = config.num_kv_heads / tp_size;
-  s.head_start = tp_rank * s.head_count;
-  return s;
+  KVArgs args;
+  args.kv = cache.DescribeKV();
+  if (config.is_hybrid()) {
+    args.state = cache.DescribeState();
+    args.state_type = StateType::kMamba;
+    // Replicated on every TP rank: the primary TP rank sends it.
+    args.state_dim_per_tensor.assign(args.state.size(), -1);
+    args.state_start = layout.state_start;
+  } else if (config.has_sliding_window()) {
+    args.state = cache.DescribeSwa();
+    args.state_type = StateType::kSwa;
+    // A window page splits across TP like a KV page: NHD [token][head][dim] along dimension 1
+    // (page_size rows before it), HND [head][token][dim] along dimension 0; the units are the
+    // model's KV heads.
+    const bool nhd = config.kv_layout == KVLayout::kNHD;
+    args.state_dim_per_tensor.assign(args.state.size(), nhd ? 1 : 0);
+    args.state_item_rows.assign(args.state.size(),
+                                nhd ? static_cast<uint64_t>(config.page_size) : 1);
+    args.state_split_units.assign(args.state.size(), static_cast<uint64_t>(config.num_kv_heads));
+    args.state_start = 2 * layout.swa_start;  // K and V per sliding-window layer
+  }
+  args.page_size = static_cast<uint32_t>(config.page_size);
+  args.kv_head_num = config.is_mla() ? 1 : layout.kv_head_count;
+  args.kv_layout = config.kv_layout;
+  args.is_mla = config.is_mla();
+  args.memory_kind = cache.memory_kind();
+  args.parallel.tp_size = layout.shard.tp_size;
+  args.parallel.tp_rank = layout.shard.tp_rank;
+  args.parallel.pp_size = layout.shard.pp_size;
+  args.parallel.pp_rank = layout.shard.pp_rank;
+  args.prefill_start_layer = layout.kv_start;
+  args.fingerprint = config.Fingerprint(model_name);
+  return args;
 }
 
-size_t ShardPageBytes(const kernels::ModelConfig& config, int32_t head_count) {
-  return static_cast<size_t>(config.page_size) * static_cast<size_t>(head_count) *
-         static_cast<size_t>(config.head_dim) * config.kv_elem_bytes();
-}
-
-void CopyHeadShard(const kernels::ModelConfig& config, int32_t head_start, int32_t head_count,
-                   std::span<const std::byte> full, std::span<std::byte> shard) {
-  kernels::ModelConfig shard_config = config;
-  shard_config.num_kv_heads = head_count;
-  const size_t elem = config.kv_elem_bytes();
-  const size_t run = static_cast<size_t>(config.head_dim) * elem;  // one head of one token
-  for (int32_t t = 0; t < config.page_size; ++t) {
-    for (int32_t h = 0; h < head_count; ++h) {
-      const size_t from = kernels::KVOffsetInPage(config, t, head_start + h, 0) * elem;
-      const size_t to = kernels::KVOffsetInPage(shard_config, t, h, 0) * elem;
-      std::memcpy(shard.data() + to, full.data() + from, run);
+void CorruptReceivedPage(const kernels::ModelConfig& cache_config, kernels::KVKind kind,
+                         std::span<std::byte> page) {
+  const size_t elem = cache_config.kv_elem_bytes();
+  auto swap_runs = [&](size_t a, size_t b, size_t bytes) {
+    std::swap_ranges(page.begin() + static_cast<std::ptrdiff_t>(a),
+                     page.begin() + static_cast<std::ptrdiff_t>(a + bytes),
+                     page.begin() + static_cast<std::ptrdiff_t>(b));
+  };
+  const int32_t rows = cache_config.page_size;
+  if (cache_config.is_mla()) {
+    // Latent rows of kv_width() values: [kv_lora_rank latent | qk_rope_dim rotated key].
+    const size_t row = static_cast<size_t>(cache_config.kv_width()) * elem;
+    const size_t rope = static_cast<size_t>(cache_config.qk_rope_dim) * elem;
+    for (int32_t t = 0; t + 1 < rows; t += 2) {
+      const size_t at = static_cast<size_t>(t) * row + row - rope;
+      swap_runs(at, at + row, rope);
     }
+    return;
   }
-}
-
-PageSpan PagesWritten(int32_t start_pos, int32_t num_tokens, int32_t page_size) {
-  return {start_pos / page_size, (start_pos + num_tokens - 1) / page_size};
+  const size_t head = static_cast<size_t>(cache_config.head_dim) * elem;
+  if (cache_config.num_kv_heads >= 2) {
+    for (int32_t t = 0; t < rows; ++t) {
+      swap_runs(kernels::KVOffsetInPage(cache_config, t, 0, 0) * elem,
+                kernels::KVOffsetInPage(cache_config, t, 1, 0) * elem, head);
+    }
+    return;
+  }
+  if (kind != kernels::KVKind::kKey) return;
+  for (int32_t t = 0; t + 1 < rows; t += 2) {
+    swap_runs(kernels::KVOffsetInPage(cache_config, t, 0, 0) * elem,
+              kernels::KVOffsetInPage(cache_config, t + 1, 0, 0) * elem, head);
+  }
 }
 
 }  // namespace pdlib::hosts

@@ -1,64 +1,61 @@
-// How a prefill host splits the example model across its ranks for pdlib, as pure functions
-// (no threads, no I/O) so that tests check them exhaustively.
+// What one rank of a host registers with pdlib, and the test-only fault, as functions of the
+// rank's share of the example model (kernels/parallel.h), so that tests check them directly.
 //
-// The example model (kernels/) is not sharded: every rank runs a full replica and computes every
-// layer and every KV head. What is split is what each rank *registers* with pdlib, which is what
-// a real TP/PP engine would hold:
+// Every rank of a host (prefill, decode, colocated) runs a kernels::Model built for its share
+// (RuntimeOptions::shard): PP stage s holds layers [s * L / pp, (s + 1) * L / pp), TP rank r the
+// query heads [r * H / tp, ...) and the KV heads they read (GQA heads replicated when TP exceeds
+// them; MLA's latent on every rank). Its KVCache holds exactly that share, so the rank registers
+// its own cache pools, nothing copied:
 //
-//  - PP: stage s owns model layers [s * L / pp, (s + 1) * L / pp). It registers the K and V pools
-//    of the attention layers among them (all K, then all V), with prefill_start_layer = the
-//    first one's index among attention layers (ModelFingerprint counts attention layers), and
-//    the state pools of the recurrent layers among them, with state_start likewise.
-//  - TP: rank r holds KV heads [r * H / tp, (r + 1) * H / tp). Its registered K/V pools are
-//    *shard* pools of pages with only those heads, same layout; after every forward the host
-//    copies the head slice of each page the forward wrote from the replica's full pool into the
-//    shard pool (CopyHeadShard). Recurrent state is replicated (state_dim_per_tensor = -1).
+//  - KV: the stage's full-attention pools (GQA: all K then all V; MLA: one latent pool per layer,
+//    is_mla), kv_head_num = the rank's KV heads (MLA 1), prefill_start_layer = the stage's first
+//    full-attention layer among the model's (ModelFingerprint counts those).
+//  - Recurrent state (small-hybrid, StateType::kMamba): the stage's state pools, replicated
+//    (state_dim_per_tensor -1: one TP rank sends it), state_start = the stage's first one.
+//  - Sliding-window layers (small-swa, StateType::kSwa): the stage's SWA pools, K and V per layer
+//    (KVCache::DescribeSwa), state_start = 2 x the stage's first one. A page is split across TP
+//    like a KV page: NHD [token][head][dim] along dimension 1 (rows = page_size), HND
+//    [head][token][dim] along dimension 0, in units of the model's KV heads. The state indices
+//    are the window pages of the request's page table (examples/scheduler, SlidingWindowPages).
 #ifndef PDLIB_EXAMPLES_HOSTS_SHARDING_H_
 #define PDLIB_EXAMPLES_HOSTS_SHARDING_H_
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 
+#include "pdlib/kv_args.h"
 #include "pdlib/status.h"
 #include "pdlib_kernels/config.h"
+#include "pdlib_kernels/kv_cache.h"
+#include "pdlib_kernels/parallel.h"
 
 namespace pdlib::hosts {
 
-// What one PP stage of one TP rank owns.
-struct StageLayout {
-  int32_t first_layer = 0;  // model layers [first_layer, end_layer)
-  int32_t end_layer = 0;
-  int32_t kv_start = 0;  // attention-layer (KV pool) indices [kv_start, kv_start + kv_count)
-  int32_t kv_count = 0;
-  int32_t state_start = 0;  // recurrent-layer (state pool) indices
-  int32_t state_count = 0;
-  int32_t head_start = 0;  // KV heads [head_start, head_start + head_count) of every page
-  int32_t head_count = 0;
-};
+// The KVArgs of the rank `layout` describes, whose model (the whole model's `config`) keeps
+// `cache`: kv, state (type, splits, state_start), page_size, kv_head_num, kv_layout, is_mla,
+// parallel (TP/PP sizes and ranks), prefill_start_layer, memory_kind, and the fingerprint with
+// `model_name`. aux and everything else are the caller's. kInvalidArgument for a model with both
+// recurrent and sliding-window layers (a rank registers one kind of state).
+StatusOr<KVArgs> RankKVArgs(const kernels::ModelConfig& config, const kernels::ShardLayout& layout,
+                            const kernels::KVCache& cache, const std::string& model_name);
 
-// The share of rank (tp_rank, pp_rank). kInvalidArgument, naming the numbers, when TP does not
-// divide the KV heads, PP exceeds the layers, or a stage would own no attention layer (pdlib
-// needs KV in every stage).
-StatusOr<StageLayout> MakeStageLayout(const kernels::ModelConfig& config, int32_t tp_size,
-                                      int32_t tp_rank, int32_t pp_size, int32_t pp_rank);
+// The test-only fault "swap-heads" (HostOptions::test_fault): corrupts one received page of one
+// pool of a rank's cache in place, in a way that must change the tokens decoded from it.
+// `cache_config` is the rank's cache config (KVCache::config(): its KV heads), `kind` the pool's.
+//  - GQA, the page holds >= 2 KV heads: heads 0 and 1 of every token swap (K and V pools).
+//  - GQA, one KV head: token rows 2i and 2i+1 swap in K pages only (V untouched), so no key
+//    meets its own value. Swapping whole K/V rows would only permute positions, which attention
+//    over keys that carry their rotation cannot see.
+//  - MLA: the rotated-key parts (the last qk_rope_dim values) of latent rows 2i and 2i+1 swap,
+//    for the same reason (a latent row holds both the key's and the value's source).
+// `page` must be one page of that pool (cache_config.kv_page_bytes()).
+void CorruptReceivedPage(const kernels::ModelConfig& cache_config, kernels::KVKind kind,
+                         std::span<std::byte> page);
 
-// Bytes of one shard page: page_size x head_count x head_dim elements.
-size_t ShardPageBytes(const kernels::ModelConfig& config, int32_t head_count);
-
-// Copies heads [head_start, head_start + head_count) of every token of one full page (the
-// model's layout, config.num_kv_heads heads) into one shard page (same layout, head_count heads).
-// `full` must be config.kv_page_bytes() long and `shard` ShardPageBytes(config, head_count).
-void CopyHeadShard(const kernels::ModelConfig& config, int32_t head_start, int32_t head_count,
-                   std::span<const std::byte> full, std::span<std::byte> shard);
-
-// Indices into a request's page table of the pages holding positions [start_pos, start_pos + n)
-// (n >= 1): [first, last].
-struct PageSpan {
-  int32_t first = 0;
-  int32_t last = 0;
-};
-PageSpan PagesWritten(int32_t start_pos, int32_t num_tokens, int32_t page_size);
+// HostOptions::test_fault's one value.
+inline constexpr char kTestFaultSwapHeads[] = "swap-heads";
 
 }  // namespace pdlib::hosts
 

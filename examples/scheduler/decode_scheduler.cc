@@ -20,6 +20,7 @@ struct DecodeScheduler::Req {
   int64_t init_us = 0;
   int64_t arrived_us = 0;       // the KV and the first token arrived
   uint64_t received_pages = 0;  // pages the transfer filled
+  uint64_t received_state = 0;  // state indices handed to Init (sliding window: window pages)
   HostKV offloaded;             // while retracted
 
   int64_t prompt_len() const { return static_cast<int64_t>(request.prompt.size()); }
@@ -37,14 +38,20 @@ StatusOr<std::unique_ptr<DecodeScheduler>> DecodeScheduler::Create(
   if (options.max_running_requests < 1 || options.pre_alloc_size < 0 ||
       options.max_context_len < 1 || options.reserved_decode_tokens < 0 ||
       options.clip_max_new_tokens < 1 || options.polling_interval < 1 ||
-      options.num_state_slots < 0 || options.vocab_size < 0) {
+      options.num_state_slots < 0 || options.vocab_size < 0 || options.sliding_window < 0) {
     return Status::InvalidArgument(absl::StrFormat(
         "decode scheduler: max_running_requests %d, max_context_len %d, clip_max_new_tokens %d "
         "and polling_interval %d must be >= 1; pre_alloc_size %d, reserved_decode_tokens %d, "
-        "num_state_slots %d and vocab_size %d must be >= 0",
+        "num_state_slots %d, sliding_window %d and vocab_size %d must be >= 0",
         options.max_running_requests, options.max_context_len, options.clip_max_new_tokens,
         options.polling_interval, options.pre_alloc_size, options.reserved_decode_tokens,
-        options.num_state_slots, options.vocab_size));
+        options.num_state_slots, options.sliding_window, options.vocab_size));
+  }
+  if (options.num_state_slots > 0 && options.sliding_window > 0) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "decode scheduler: num_state_slots %d and sliding_window %d: a request receives one kind "
+        "of state",
+        options.num_state_slots, options.sliding_window));
   }
   if (deps.pages->page_size() < 1) {
     return Status::InvalidArgument(
@@ -62,6 +69,8 @@ DecodeScheduler::DecodeScheduler(const DecodeSchedulerOptions& options, const De
                      .polling_interval = options.polling_interval,
                      .num_state_slots = options.num_state_slots,
                      .kv_bytes_per_page = options.kv_bytes_per_page,
+                     .sliding_window = options.sliding_window,
+                     .swa_bytes_per_page = options.swa_bytes_per_page,
                      .group = options.group,
                      .now_us = options.now_us},
                     deps.pages, deps.model,
@@ -232,8 +241,8 @@ void DecodeScheduler::PreallocNew() {
     allocatable -= *charge;
     AllocAux(r->mem);
     r->prealloc_tokens = r->prompt_len();
-    std::vector<int32_t> state;
-    if (r->mem.state_slot >= 0) state.push_back(r->mem.state_slot);
+    const std::vector<int32_t> state = StateIndices(r->mem, r->prompt_len());
+    r->received_state = state.size();
     if (Status s = r->receiver->Init(page_table(r->mem), r->mem.aux_slot, state); !s.ok()) {
       Finish(std::move(r), s.WithPrefix("KVReceiver::Init"), FailStage::kBootstrap);
       continue;
@@ -264,6 +273,8 @@ Status DecodeScheduler::CommitTransfer(Req& r) {
   if (options_.on_token) options_.on_token(r.request.room, 0, first);
   FreeAux(r.mem);
   r.received_pages = page_table(r.mem).size();
+  if (options_.on_kv_arrived)
+    options_.on_kv_arrived(r.request.room, page_table(r.mem), r.kv_tokens);
   CountTransferredPages(r.received_pages);
   CountTransferLatency(r.init_us, r.arrived_us);
   r.prealloc_tokens = 0;
@@ -372,13 +383,15 @@ void DecodeScheduler::RunDecodeBatch() {
 }
 
 void DecodeScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage stage) {
-  FinishedRequest f{.room = r->request.room,
-                    .status = std::move(status),
-                    .output_ids = {},
-                    .first_token_us = r->arrived_us,
-                    .transfer_start_us = r->init_us,
-                    .transfer_end_us = r->arrived_us,
-                    .kv_bytes = r->received_pages * options_.kv_bytes_per_page};
+  FinishedRequest f{
+      .room = r->request.room,
+      .status = std::move(status),
+      .output_ids = {},
+      .first_token_us = r->arrived_us,
+      .transfer_start_us = r->init_us,
+      .transfer_end_us = r->arrived_us,
+      .kv_bytes = r->received_pages * options_.kv_bytes_per_page +
+                  (r->received_pages > 0 ? r->received_state * options_.swa_bytes_per_page : 0)};
   if (f.status.ok()) f.output_ids = std::move(r->output_ids);
   // Tells prefill why before the receiver goes (destroying a live receiver aborts it anyway).
   FinishRequest(std::move(f), stage, std::move(r->receiver), r->mem, r->transferred);

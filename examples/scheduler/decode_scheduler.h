@@ -66,17 +66,28 @@ struct DecodeSchedulerOptions {
   int32_t polling_interval = 1;
   // Hybrid models: recurrent-state slots; 0 without state.
   int32_t num_state_slots = 0;
+  // Sliding-window models (StateType::kSwa): the window in positions; KVReceiver::Init then gets
+  // as state indices the request's page-table entries SlidingWindowPages(prompt length)
+  // (scheduler_core.h), what prefill sends. 0: none. Not with num_state_slots.
+  int32_t sliding_window = 0;
   // When > 0, a first token from prefill outside [0, vocab_size) fails the request.
   int32_t vocab_size = 0;
   // Generation stops after this token; -1 for none.
   int32_t eos_token_id = -1;
   // Bytes of one page over every KV buffer, for transferred_bytes.
   uint64_t kv_bytes_per_page = 0;
+  // Bytes of one page over every sliding-window buffer, for kv_bytes of the window pages.
+  uint64_t swa_bytes_per_page = 0;
   ProcessGroup* group = nullptr;    // TP group; null for a single rank
   std::function<int64_t()> now_us;  // latency clock; null means std::chrono::steady_clock
   // Called from Step() for every token as it is produced (index 0: the first token, when it
   // arrives with the KV), so a host can stream them; null: tokens only come with TakeFinished.
   std::function<void(uint64_t room, int32_t index, int32_t token)> on_token;
+  // Called from Step() when a request's KV (and state) has arrived, before its first decode
+  // step, with its page table (the first `num_tokens` tokens' pages hold the received KV).
+  // Hosts may inspect the pages; the example hosts' test-only fault corrupts them. May be null.
+  std::function<void(uint64_t room, std::span<const int32_t> page_table, int64_t num_tokens)>
+      on_kv_arrived;
 };
 
 struct DecodeDeps {

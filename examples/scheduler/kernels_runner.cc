@@ -2,8 +2,44 @@
 
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace pdlib::sched {
+namespace {
+
+// One page-sized pool the runner offloads: a K or V pool of a full-attention layer (MLA: the K
+// pool only; its V pool is empty) or of a sliding-window layer.
+struct PagePool {
+  bool swa = false;
+  kernels::KVKind kind = kernels::KVKind::kKey;
+  int32_t layer = 0;
+  size_t page_bytes = 0;
+};
+
+// Every non-empty page pool of the cache (this rank's share of a sharded model), in a fixed
+// order: per full-attention layer K then V, then per sliding-window layer K then V.
+std::vector<PagePool> PagePools(const kernels::KVCache& cache) {
+  std::vector<PagePool> out;
+  for (int32_t layer = 0; layer < cache.num_kv_layers(); ++layer) {
+    for (kernels::KVKind kind : {kernels::KVKind::kKey, kernels::KVKind::kValue}) {
+      const kernels::PoolRegion p = cache.pool(kind, layer);
+      if (p.base != nullptr && p.item_bytes > 0) out.push_back({false, kind, layer, p.item_bytes});
+    }
+  }
+  for (int32_t layer = 0; layer < cache.num_swa_layers(); ++layer) {
+    for (kernels::KVKind kind : {kernels::KVKind::kKey, kernels::KVKind::kValue}) {
+      const kernels::PoolRegion p = cache.swa_pool(kind, layer);
+      if (p.base != nullptr && p.item_bytes > 0) out.push_back({true, kind, layer, p.item_bytes});
+    }
+  }
+  return out;
+}
+
+size_t StateFloats(const kernels::KVCache& cache, int32_t layer) {
+  return cache.state_pool(layer).item_bytes / sizeof(float);
+}
+
+}  // namespace
 
 Status KernelsModelRunner::Forward(std::span<const ForwardChunk> batch,
                                    std::vector<ForwardOutput>* results) {
@@ -30,10 +66,19 @@ Status KernelsModelRunner::Forward(std::span<const ForwardChunk> batch,
 }
 
 uint64_t KernelsModelRunner::kv_bytes_per_page() const {
-  const kernels::KVCache& cache = model_->kv_cache();
-  if (cache.num_kv_layers() == 0) return 0;
-  return 2ull * static_cast<uint64_t>(cache.num_kv_layers()) *
-         cache.pool(kernels::KVKind::kKey, 0).item_bytes;
+  uint64_t bytes = 0;
+  for (const PagePool& p : PagePools(model_->kv_cache())) {
+    if (!p.swa) bytes += p.page_bytes;
+  }
+  return bytes;
+}
+
+uint64_t KernelsModelRunner::swa_bytes_per_page() const {
+  uint64_t bytes = 0;
+  for (const PagePool& p : PagePools(model_->kv_cache())) {
+    if (p.swa) bytes += p.page_bytes;
+  }
+  return bytes;
 }
 
 StatusOr<HostKV> KernelsModelRunner::OffloadKV(std::span<const int32_t> page_table,
@@ -47,26 +92,22 @@ StatusOr<HostKV> KernelsModelRunner::OffloadKV(std::span<const int32_t> page_tab
   }
   HostKV kv;
   kv.num_tokens = num_tokens;
-  for (int32_t layer = 0; layer < cache.num_kv_layers(); ++layer) {
-    for (kernels::KVKind kind : {kernels::KVKind::kKey, kernels::KVKind::kValue}) {
-      const size_t page_bytes = cache.pool(kind, layer).item_bytes;
-      for (int32_t i = 0; i < pages; ++i) {
-        kv.bytes.resize(kv.bytes.size() + page_bytes);
-        std::span<std::byte> out(kv.bytes.data() + kv.bytes.size() - page_bytes, page_bytes);
-        if (Status s = cache.ReadPage(kind, layer, page_table[static_cast<size_t>(i)], out);
-            !s.ok()) {
-          return s;
-        }
-      }
+  for (const PagePool& p : PagePools(cache)) {
+    for (int32_t i = 0; i < pages; ++i) {
+      kv.bytes.resize(kv.bytes.size() + p.page_bytes);
+      std::span<std::byte> out(kv.bytes.data() + kv.bytes.size() - p.page_bytes, p.page_bytes);
+      const int32_t page = page_table[static_cast<size_t>(i)];
+      Status s = p.swa ? cache.ReadSwaPage(p.kind, p.layer, page, out)
+                       : cache.ReadPage(p.kind, p.layer, page, out);
+      if (!s.ok()) return s;
     }
   }
   if (state_slot >= 0) {
-    const size_t dim = static_cast<size_t>(cache.config().state_dim());
     for (int32_t layer = 0; layer < cache.num_state_layers(); ++layer) {
-      std::vector<float> state(dim);
+      std::vector<float> state(StateFloats(cache, layer));
       if (Status s = cache.ReadState(layer, state_slot, state); !s.ok()) return s;
       const auto* p = reinterpret_cast<const std::byte*>(state.data());
-      kv.bytes.insert(kv.bytes.end(), p, p + dim * sizeof(float));
+      kv.bytes.insert(kv.bytes.end(), p, p + state.size() * sizeof(float));
     }
   }
   return kv;
@@ -88,25 +129,22 @@ Status KernelsModelRunner::RestoreKV(const HostKV& kv, std::span<const int32_t> 
     at += n;
     return s;
   };
-  for (int32_t layer = 0; layer < cache.num_kv_layers(); ++layer) {
-    for (kernels::KVKind kind : {kernels::KVKind::kKey, kernels::KVKind::kValue}) {
-      const size_t page_bytes = cache.pool(kind, layer).item_bytes;
-      for (int32_t i = 0; i < pages; ++i) {
-        std::span<const std::byte> in = take(page_bytes);
-        if (in.empty()) return Status::InvalidArgument("RestoreKV: host copy is too short");
-        if (Status s = cache.WritePage(kind, layer, page_table[static_cast<size_t>(i)], in);
-            !s.ok()) {
-          return s;
-        }
-      }
+  for (const PagePool& p : PagePools(cache)) {
+    for (int32_t i = 0; i < pages; ++i) {
+      std::span<const std::byte> in = take(p.page_bytes);
+      if (in.empty()) return Status::InvalidArgument("RestoreKV: host copy is too short");
+      const int32_t page = page_table[static_cast<size_t>(i)];
+      Status s = p.swa ? cache.WriteSwaPage(p.kind, p.layer, page, in)
+                       : cache.WritePage(p.kind, p.layer, page, in);
+      if (!s.ok()) return s;
     }
   }
   if (state_slot >= 0) {
-    const size_t dim = static_cast<size_t>(cache.config().state_dim());
     for (int32_t layer = 0; layer < cache.num_state_layers(); ++layer) {
-      std::span<const std::byte> in = take(dim * sizeof(float));
+      const size_t floats = StateFloats(cache, layer);
+      std::span<const std::byte> in = take(floats * sizeof(float));
       if (in.empty()) return Status::InvalidArgument("RestoreKV: host copy has no state");
-      std::vector<float> state(dim);
+      std::vector<float> state(floats);
       std::memcpy(state.data(), in.data(), in.size());
       if (Status s = cache.WriteState(layer, state_slot, state); !s.ok()) return s;
     }

@@ -1,9 +1,12 @@
 // KernelsModelRunner: the scheduler's ModelRunner over a pdlib::kernels::Model (kernels/), so a
 // host that serves the example model only wires the two together.
 //
-// OffloadKV copies the request's pages of every attention layer (K then V) and its recurrent
-// state of every recurrent layer to host memory; RestoreKV writes them into new pages and a new
-// state slot. Not thread-safe, like the Model it wraps (which must outlive it).
+// OffloadKV copies the request's pages of every pool the model's KV cache holds (per full-attention
+// layer K then V, MLA: the latent pool only; then per sliding-window layer K then V, the same
+// page-table entries) and its recurrent state of every recurrent layer to host memory; RestoreKV
+// writes them into new pages and a new state slot. A sharded model's cache holds only its rank's
+// layers and heads, and so does the copy. Not thread-safe, like the Model it wraps (which must
+// outlive it).
 #ifndef PDLIB_EXAMPLES_SCHEDULER_KERNELS_RUNNER_H_
 #define PDLIB_EXAMPLES_SCHEDULER_KERNELS_RUNNER_H_
 
@@ -23,8 +26,11 @@ class KernelsModelRunner final : public ModelRunner {
   Status RestoreKV(const HostKV& kv, std::span<const int32_t> page_table,
                    int32_t state_slot) override;
 
-  // Bytes of one page over every K and V pool (SchedulerOptions::kv_bytes_per_page).
+  // Bytes of one page over every K and V pool of this rank's cache (the schedulers'
+  // kv_bytes_per_page; MLA: the latent pools).
   uint64_t kv_bytes_per_page() const;
+  // Bytes of one page over every sliding-window pool of this rank's cache (swa_bytes_per_page).
+  uint64_t swa_bytes_per_page() const;
 
  private:
   kernels::Model* model_;

@@ -16,6 +16,7 @@ struct PrefillScheduler::Req {
   RequestMemory mem;
   int32_t filled = 0;      // prompt tokens whose KV has been computed
   int32_t sent_pages = 0;  // page-table entries handed to Send
+  int32_t sent_state = 0;  // state indices handed to Send (sliding window: window pages)
   int32_t first_token = -1;
   int64_t first_sent_us = 0;
   int64_t last_sent_us = 0;
@@ -31,12 +32,18 @@ StatusOr<std::unique_ptr<PrefillScheduler>> PrefillScheduler::Create(
         "prefill scheduler: pages, metadata, senders and model must all be set");
   }
   if (options.max_running_requests < 1 || options.chunked_prefill_size < 1 ||
-      options.max_context_len < 1 || options.num_state_slots < 0) {
-    return Status::InvalidArgument(
-        absl::StrFormat("prefill scheduler: max_running_requests %d, chunked_prefill_size %d and "
-                        "max_context_len %d must be >= 1, num_state_slots %d >= 0",
-                        options.max_running_requests, options.chunked_prefill_size,
-                        options.max_context_len, options.num_state_slots));
+      options.max_context_len < 1 || options.num_state_slots < 0 || options.sliding_window < 0) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "prefill scheduler: max_running_requests %d, chunked_prefill_size %d and "
+        "max_context_len %d must be >= 1, num_state_slots %d and sliding_window %d >= 0",
+        options.max_running_requests, options.chunked_prefill_size, options.max_context_len,
+        options.num_state_slots, options.sliding_window));
+  }
+  if (options.num_state_slots > 0 && options.sliding_window > 0) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "prefill scheduler: num_state_slots %d and sliding_window %d: a request sends one kind "
+        "of state",
+        options.num_state_slots, options.sliding_window));
   }
   if (deps.pages->page_size() < 1) {
     return Status::InvalidArgument(
@@ -58,6 +65,8 @@ PrefillScheduler::PrefillScheduler(const PrefillSchedulerOptions& options, const
            .polling_interval = 1,
            .num_state_slots = options.num_state_slots,
            .kv_bytes_per_page = options.kv_bytes_per_page,
+           .sliding_window = options.sliding_window,
+           .swa_bytes_per_page = options.swa_bytes_per_page,
            .group = options.group,
            .now_us = options.now_us},
           deps.pages, deps.model,
@@ -230,12 +239,13 @@ Status PrefillScheduler::SendChunk(Req& r, const ForwardOutput* last) {
     r.first_token = last->token;
     r.first_token_us = Now();
     WriteMetadata(*r.mem.aux_slot, r.request.room, *last);
-    if (r.mem.state_slot >= 0) state.push_back(r.mem.state_slot);
+    state = StateIndices(r.mem, static_cast<int64_t>(r.request.prompt.size()));
   }
   if (Status s = r.sender->Send(pages, last != nullptr, state); !s.ok()) {
     return s.WithPrefix(absl::StrFormat("room %d: KVSender::Send", r.request.room));
   }
   r.sent_pages = end;
+  r.sent_state += static_cast<int32_t>(state.size());
   r.last_sent_us = Now();
   if (r.first_sent_us == 0) r.first_sent_us = r.last_sent_us;
   CountTransferredPages(pages.size());
@@ -267,7 +277,8 @@ void PrefillScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage s
                     .first_token_us = r->first_token_us,
                     .transfer_start_us = r->first_sent_us,
                     .transfer_end_us = r->transfer_end_us,
-                    .kv_bytes = static_cast<uint64_t>(r->sent_pages) * options_.kv_bytes_per_page};
+                    .kv_bytes = static_cast<uint64_t>(r->sent_pages) * options_.kv_bytes_per_page +
+                                static_cast<uint64_t>(r->sent_state) * options_.swa_bytes_per_page};
   if (f.status.ok()) f.output_ids.push_back(r->first_token);
   // Tells decode why before the sender goes (destroying a live sender aborts it anyway).
   FinishRequest(std::move(f), stage, std::move(r->sender), r->mem, r->transferred);

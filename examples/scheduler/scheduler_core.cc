@@ -10,6 +10,14 @@
 
 namespace pdlib::sched {
 
+PageRange SlidingWindowPages(int64_t num_tokens, int32_t window, int32_t page_size) {
+  if (window < 1 || num_tokens < 1 || page_size < 1) return {};
+  const int64_t first_pos = std::max<int64_t>(0, num_tokens - window + 1);
+  if (first_pos >= num_tokens) return {};  // a window of 1: the next token reads only itself
+  return {static_cast<int32_t>(first_pos / page_size),
+          static_cast<int32_t>((num_tokens - 1) / page_size + 1)};
+}
+
 SchedulerCore::SchedulerCore(SchedulerCoreOptions options, PageAllocator* pages, ModelRunner* model,
                              std::unique_ptr<ReqToTokenPool> req_slots, size_t aux_slots)
     : core_options_(std::move(options)),
@@ -141,6 +149,20 @@ void SchedulerCore::Release(RequestMemory& mem, uint64_t room) {
   FreeAux(mem);
   if (mem.state_slot >= 0) Check(state_slots_.Free(mem.state_slot));
   mem.state_slot = -1;
+}
+
+std::vector<int32_t> SchedulerCore::StateIndices(const RequestMemory& mem,
+                                                 int64_t num_tokens) const {
+  if (core_options_.sliding_window > 0) {
+    const PageRange range =
+        SlidingWindowPages(num_tokens, core_options_.sliding_window, page_size_);
+    const std::vector<int32_t>& table = page_table(mem);
+    const int32_t end = std::min(range.end, static_cast<int32_t>(table.size()));
+    if (range.first >= end) return {};
+    return {table.begin() + range.first, table.begin() + end};
+  }
+  if (mem.state_slot >= 0) return {mem.state_slot};
+  return {};
 }
 
 Status SchedulerCore::Forward(std::span<const ForwardChunk> chunks,

@@ -57,9 +57,25 @@ struct SchedulerCoreOptions {
   int32_t polling_interval = 1;  // poll every this many steps (>= 1)
   int32_t num_state_slots = 0;
   uint64_t kv_bytes_per_page = 0;
+  // Sliding-window models: positions a sliding-window layer attends to (0: none). The state
+  // pdlib moves is then the request's window pages (StateIndices), not a state slot.
+  int32_t sliding_window = 0;
+  // Bytes of one page over every sliding-window buffer, for kv_bytes of the window pages.
+  uint64_t swa_bytes_per_page = 0;
   ProcessGroup* group = nullptr;      // TP group; null for a single rank
   std::function<int64_t()> now_us{};  // null: std::chrono::steady_clock
 };
+
+// The indices into a request's page table, [first, end), of the pages a sliding-window layer of
+// `window` positions still reads when the request's next token is at position `num_tokens`:
+// those holding positions [max(0, num_tokens - window + 1), num_tokens). Empty without a window
+// (window < 1), tokens, or for a window of 1. The same function as the example model's
+// ModelConfig::SlidingWindowPages, which both sides must agree on.
+struct PageRange {
+  int32_t first = 0;
+  int32_t end = 0;
+};
+PageRange SlidingWindowPages(int64_t num_tokens, int32_t window, int32_t page_size);
 
 // Walks `queue` beside its polls (queue[k] was polled as polls[k]). `visit(r, poll)` may move r
 // on (to another queue, or to Finish); whatever it leaves in place stays, in order, and so do
@@ -122,6 +138,11 @@ class SchedulerCore {
   const std::vector<int32_t>& page_table(const RequestMemory& mem) const {
     return req_slots_->page_table(mem.req_slot);
   }
+
+  // The state indices pdlib moves for a request holding `num_tokens` tokens (prefill: with the
+  // last chunk; decode: KVReceiver::Init): its window pages' page-table entries with a sliding
+  // window, its state slot with state slots, none otherwise.
+  std::vector<int32_t> StateIndices(const RequestMemory& mem, int64_t num_tokens) const;
 
   // One forward pass, counted; an error when the model returns the wrong number of results.
   Status Forward(std::span<const ForwardChunk> chunks, std::vector<ForwardOutput>* results);

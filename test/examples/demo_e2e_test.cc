@@ -1,6 +1,8 @@
 // The example deployment end to end, as `make demo` runs it: pdlib-bootstrap, pd-prefill,
 // pd-decode and pd-router as separate processes on 127.0.0.1 (Deployment, examples/demo), driven
-// through the router's gRPC API. Every output is compared token for token with greedy generation
+// through the router's gRPC API, for every layout of issue #16 (decode TP and PP, MLA, the
+// sliding-window model) and a negative control per family (pd-decode --test-fault swap-heads:
+// outputs must differ). Every output is compared token for token with greedy generation
 // by the example model in this process (the CPU model is bit-for-bit deterministic), and, where a
 // colocated host runs, with that host too.
 #include <unistd.h>
@@ -8,6 +10,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <future>
@@ -89,15 +92,72 @@ void ExpectReference(Deployment& d, const DeploymentOptions& o,
   }
 }
 
+// What a topology's outputs did against the reference.
+struct Tally {
+  int identical = 0, differ = 0, failed = 0;
+};
+
+Tally Count(const DeploymentOptions& o, const std::vector<std::vector<int32_t>>& prompts,
+            const std::vector<Outcome>& outcomes, int32_t max_new_tokens) {
+  Tally t;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    auto want = pdlib::hosts::GenerateReference(o.model, o.seed, prompts[i], max_new_tokens);
+    REQUIRE(want.ok());
+    if (!outcomes[i].ok) {
+      ++t.failed;
+    } else if (outcomes[i].output_ids == *want) {
+      ++t.identical;
+    } else {
+      ++t.differ;
+    }
+  }
+  return t;
+}
+
+std::string Describe(const DeploymentOptions& o) {
+  const PrefillSpec& p = o.prefills.at(0);
+  return o.model + ": prefill TP " + std::to_string(p.tp) + " x PP " + std::to_string(p.pp) +
+         " -> decode TP " + std::to_string(o.decode_tp) + " x PP " + std::to_string(o.decode_pp) +
+         (o.decode_test_fault.empty() ? "" : " with --test-fault " + o.decode_test_fault);
+}
+
 void RunTopology(const std::string& name, DeploymentOptions o, int requests) {
   auto d = Deployment::Start(o);
   INFO("logs in " << o.log_dir);
+  INFO(d.status().ToString());
   REQUIRE(d.ok());
   const auto prompts = Prompts(requests, 42);
   constexpr int32_t kTokens = 8;
   auto outcomes = SendAll(**d, prompts, kTokens);
   ExpectReference(**d, o, prompts, outcomes, kTokens);
-  (void)name;
+  const Tally t = Count(o, prompts, outcomes, kTokens);
+  std::printf("demo_e2e_test %s (%s): %d/%zu outputs identical to the reference\n", name.c_str(),
+              Describe(o).c_str(), t.identical, prompts.size());
+}
+
+// The negative control: decode rank tp 0 pp 0 corrupts every request's KV once it arrived
+// (pd-decode --test-fault swap-heads). Every request must still complete, and outputs must
+// differ from the reference, so the comparisons of the other cases cannot pass vacuously.
+void RunNegativeControl(const std::string& name, DeploymentOptions o, int requests) {
+  o.decode_test_fault = "swap-heads";
+  auto d = Deployment::Start(o);
+  INFO("logs in " << o.log_dir);
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  const auto prompts = Prompts(requests, 42);
+  constexpr int32_t kTokens = 8;
+  auto outcomes = SendAll(**d, prompts, kTokens);
+  const Tally t = Count(o, prompts, outcomes, kTokens);
+  std::printf(
+      "demo_e2e_test %s (%s): %d/%zu outputs identical to the reference, %d differ, %d failed "
+      "(negative control: outputs must differ)\n",
+      name.c_str(), Describe(o).c_str(), t.identical, prompts.size(), t.differ, t.failed);
+  INFO((*d)->LogTails());
+  CHECK(t.failed == 0);
+  CHECK(t.differ >= 1);
+  // Nearly every request must notice: a control that changes one output in six is too weak to
+  // trust.
+  CHECK(t.differ * 2 > requests);
 }
 
 }  // namespace
@@ -156,6 +216,74 @@ TEST_CASE("demo e2e: hybrid model with mamba state, outputs identical") {
   DeploymentOptions o = Options("hybrid");
   o.model = "small-hybrid";
   RunTopology("hybrid", o, 6);
+}
+
+// Every layout of issue #16: decode sharded by TP and PP, MLA and the sliding-window model across
+// TP, each through the router, processes apart.
+TEST_CASE("demo e2e: prefill TP 1 -> decode TP 2, outputs identical") {
+  DeploymentOptions o = Options("tp1-dtp2");
+  o.decode_tp = 2;
+  RunTopology("tp1-dtp2", o, 6);
+}
+
+TEST_CASE("demo e2e: prefill TP 2 -> decode TP 4, outputs identical") {
+  DeploymentOptions o = Options("tp2-dtp4");
+  o.prefills = {PrefillSpec{2, 1}};
+  o.decode_tp = 4;
+  RunTopology("tp2-dtp4", o, 6);
+}
+
+TEST_CASE("demo e2e: prefill TP 4 -> decode TP 2, outputs identical") {
+  DeploymentOptions o = Options("tp4-dtp2");
+  o.prefills = {PrefillSpec{4, 1}};
+  o.decode_tp = 2;
+  RunTopology("tp4-dtp2", o, 6);
+}
+
+TEST_CASE("demo e2e: prefill TP 2 x PP 2 -> decode TP 2 (PP 1 and PP 2), outputs identical") {
+  DeploymentOptions o = Options("tp2pp2-dtp2");
+  o.prefills = {PrefillSpec{2, 2}};
+  o.decode_tp = 2;
+  RunTopology("tp2pp2-dtp2", o, 6);
+  DeploymentOptions same = Options("tp2pp2-dtp2pp2");
+  same.prefills = {PrefillSpec{2, 2}};
+  same.decode_tp = 2;
+  same.decode_pp = 2;
+  RunTopology("tp2pp2-dtp2pp2", same, 6);
+}
+
+TEST_CASE("demo e2e: MLA, prefill TP 2 -> decode TP 1 and TP 1 -> TP 2, outputs identical") {
+  DeploymentOptions o = Options("mla-tp2");
+  o.model = "small-mla";
+  o.prefills = {PrefillSpec{2, 1}};
+  RunTopology("mla-tp2", o, 6);
+  DeploymentOptions d = Options("mla-dtp2");
+  d.model = "small-mla";
+  d.decode_tp = 2;
+  RunTopology("mla-dtp2", d, 6);
+}
+
+TEST_CASE("demo e2e: sliding-window hybrid, 1P1D and prefill TP 2 -> decode TP 1, identical") {
+  DeploymentOptions o = Options("swa");
+  o.model = "small-swa";
+  RunTopology("swa", o, 6);
+  DeploymentOptions t = Options("swa-tp2");
+  t.model = "small-swa";
+  t.prefills = {PrefillSpec{2, 1}};
+  RunTopology("swa-tp2", t, 6);
+}
+
+TEST_CASE("demo e2e: negative controls, a decode rank's corrupted KV changes the outputs") {
+  DeploymentOptions gqa = Options("fault-gqa");
+  gqa.decode_tp = 2;
+  RunNegativeControl("fault-gqa-dtp2", gqa, 6);
+  DeploymentOptions mla = Options("fault-mla");
+  mla.model = "small-mla";
+  mla.prefills = {PrefillSpec{2, 1}};
+  RunNegativeControl("fault-mla-tp2", mla, 6);
+  DeploymentOptions swa = Options("fault-swa");
+  swa.model = "small-swa";
+  RunNegativeControl("fault-swa", swa, 6);
 }
 
 TEST_CASE("demo e2e: a killed prefill host fails only its own requests, with a reason") {

@@ -1,11 +1,15 @@
 // The host engine (examples/hosts/host.h) in one process, no gRPC: a prefill Host and a decode
 // Host whose ranks move real KV with pdlib (UCX over shared memory, in-process control plane),
 // for 1P1D, prefill TP 2, prefill PP 2, the hybrid model (mamba state; with TP 2 and PP 2 too),
-// and a colocated host. Every output is compared with a colocated reference computed directly on
-// a kernels::Model. Also: failures end with a reason, and shutdown fails in-flight requests.
+// sharded decode (TP 1 -> 2, TP 4 -> 2, PP 2 -> 2), MLA and the sliding-window model across TP,
+// the swap-heads test fault (tokens must differ), and colocated hosts (also TP 2 x PP 2). Every
+// output is compared with a colocated reference computed directly on a kernels::Model. Also:
+// failures end with a reason, and shutdown fails in-flight requests.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <random>
@@ -134,24 +138,50 @@ void CheckDecodeResults(Collector& decode, const std::vector<Prompt>& prompts,
   }
 }
 
-// One prefill host and one decode host; every prompt sent to both, as the router would.
-void RunDisaggregated(const std::string& model, int32_t tp, int32_t pp) {
+// A disaggregated deployment of one prefill host and one decode host: the model and each side's
+// TP and PP, and the decode host's test-only fault.
+struct Layout {
+  std::string model = "small";
+  int32_t prefill_tp = 1, prefill_pp = 1;
+  int32_t decode_tp = 1, decode_pp = 1;
+  std::string test_fault{};
+};
+
+// Whether a side's ranks hold every KV byte exactly once (no GQA head or MLA latent replicated
+// across TP ranks), so that the bytes its ranks count add up to the model's.
+bool HoldsOnce(const std::string& model, int32_t tp) {
+  if (model == "small-mla") return tp == 1;
+  return tp <= 2;  // the other models have 2 KV heads
+}
+
+// One prefill host and one decode host; every prompt sent to both, as the router would. With a
+// test fault, returns how many outputs differ from the reference (and checks none); otherwise
+// checks every output against it.
+int RunDisaggregated(const Layout& l) {
+  INFO("model " << l.model << ", prefill tp " << l.prefill_tp << " pp " << l.prefill_pp
+                << " -> decode tp " << l.decode_tp << " pp " << l.decode_pp
+                << (l.test_fault.empty() ? "" : ", fault " + l.test_fault));
   const uint16_t bootstrap = NextBootstrapPort();
-  HostOptions po = BaseOptions(Role::kPrefill, model);
-  po.tp_size = tp;
-  po.pp_size = pp;
+  HostOptions po = BaseOptions(Role::kPrefill, l.model);
+  po.tp_size = l.prefill_tp;
+  po.pp_size = l.prefill_pp;
   po.bootstrap_port = bootstrap;
   auto prefill = Host::Create(po);
   INFO(prefill.status().ToString());
   REQUIRE(prefill.ok());
-  auto decode = Host::Create(BaseOptions(Role::kDecode, model));
+  HostOptions dopt = BaseOptions(Role::kDecode, l.model);
+  dopt.tp_size = l.decode_tp;
+  dopt.pp_size = l.decode_pp;
+  dopt.test_fault = l.test_fault;
+  auto decode = Host::Create(dopt);
   INFO(decode.status().ToString());
   REQUIRE(decode.ok());
 
   const HostLoad load = (*prefill)->Load();
   CHECK(load.role == Role::kPrefill);
-  CHECK((load.tp_size == tp && load.pp_size == pp));
+  CHECK((load.tp_size == l.prefill_tp && load.pp_size == l.prefill_pp));
   CHECK(load.bootstrap.port == bootstrap);
+  CHECK(((*decode)->Load().tp_size == l.decode_tp && (*decode)->Load().pp_size == l.decode_pp));
 
   Collector prefill_results, decode_results;
   const std::vector<Prompt> prompts = Prompts();
@@ -171,21 +201,40 @@ void RunDisaggregated(const std::string& model, int32_t tp, int32_t pp) {
   }
   REQUIRE(decode_results.Wait(prompts.size()));
   REQUIRE(prefill_results.Wait(prompts.size()));
-  CheckDecodeResults(decode_results, prompts, model, /*colocated=*/false);
+  int differ = 0;
+  if (l.test_fault.empty()) {
+    CheckDecodeResults(decode_results, prompts, l.model, /*colocated=*/false);
+  } else {
+    for (auto& [room, r] : decode_results.results()) {
+      INFO("room " << room << ": " << r.status.ToString());
+      REQUIRE(r.status.ok());
+      const Prompt& p = *std::find_if(prompts.begin(), prompts.end(),
+                                      [room = room](const Prompt& q) { return q.room == room; });
+      differ += r.output_ids != testing::Reference(l.model, 11, p.tokens, p.max_new) ? 1 : 0;
+    }
+  }
   auto pr = prefill_results.results();
   auto dr = decode_results.results();
   for (const Prompt& p : prompts) {
     INFO("room " << p.room << ": " << pr[p.room].status.ToString());
     REQUIRE(pr[p.room].status.ok());
     CHECK(pr[p.room].output_ids == std::vector<int32_t>{dr[p.room].output_ids.at(0)});
-    // Prefill's ranks together sent what decode received: every head of every layer, and the
-    // state.
-    CHECK(pr[p.room].kv_bytes == dr[p.room].kv_bytes);
+    // Prefill's ranks together sent what decode's received: every head of every layer, and the
+    // state; when a side replicates heads across its TP ranks, each copy counts there.
+    if (HoldsOnce(l.model, l.prefill_tp) && HoldsOnce(l.model, l.decode_tp)) {
+      CHECK(pr[p.room].kv_bytes == dr[p.room].kv_bytes);
+    }
+    CHECK(pr[p.room].kv_bytes > 0);
     CHECK(pr[p.room].transfer_us > 0);
   }
   CHECK(prefill_results.tokens().empty());  // prefill streams no tokens
   (*decode)->Shutdown();
   (*prefill)->Shutdown();
+  return differ;
+}
+
+void RunDisaggregated(const std::string& model, int32_t tp, int32_t pp) {
+  RunDisaggregated(Layout{.model = model, .prefill_tp = tp, .prefill_pp = pp});
 }
 
 TEST_CASE("hosts engine: 1P1D outputs equal the colocated reference") {
@@ -205,10 +254,52 @@ TEST_CASE("hosts engine: hybrid model with mamba state (1P1D and prefill TP 2 x 
   RunDisaggregated("small-hybrid", 2, 2);
 }
 
+TEST_CASE("hosts engine: sharded decode: TP 1 -> 2, TP 4 -> 2, PP 2 -> PP 2") {
+  RunDisaggregated(Layout{.model = "small", .decode_tp = 2});
+  RunDisaggregated(Layout{.model = "small", .prefill_tp = 4, .decode_tp = 2});
+  RunDisaggregated(Layout{.model = "small", .prefill_pp = 2, .decode_pp = 2});
+  RunDisaggregated(Layout{
+      .model = "small-hybrid", .prefill_tp = 2, .prefill_pp = 2, .decode_tp = 2, .decode_pp = 2});
+}
+
+TEST_CASE("hosts engine: MLA (prefill TP 2 -> decode TP 1, TP 1 -> TP 2)") {
+  RunDisaggregated(Layout{.model = "small-mla", .prefill_tp = 2});
+  RunDisaggregated(Layout{.model = "small-mla", .decode_tp = 2});
+}
+
+TEST_CASE("hosts engine: sliding-window hybrid (1P1D, prefill TP 2 -> decode TP 1, TP 1 -> 2)") {
+  RunDisaggregated(Layout{.model = "small-swa"});
+  RunDisaggregated(Layout{.model = "small-swa", .prefill_tp = 2});
+  RunDisaggregated(Layout{.model = "small-swa", .decode_tp = 2, .decode_pp = 1});
+}
+
+// The negative control: the same runs with decode rank tp 0 pp 0 corrupting what it received
+// must give other tokens, so the comparisons above cannot pass vacuously.
+TEST_CASE("hosts engine: the swap-heads test fault changes the tokens, every family") {
+  for (const Layout& l : {Layout{.model = "small", .test_fault = "swap-heads"},
+                          Layout{.model = "small", .decode_tp = 2, .test_fault = "swap-heads"},
+                          Layout{.model = "small-mla", .prefill_tp = 2, .test_fault = "swap-heads"},
+                          Layout{.model = "small-swa", .test_fault = "swap-heads"}}) {
+    const int differ = RunDisaggregated(l);
+    std::printf("hosts_engine_test: fault on %s decode tp %d: %d of %zu outputs differ\n",
+                l.model.c_str(), l.decode_tp, differ, Prompts().size());
+    CHECK(differ >= 1);
+  }
+}
+
 TEST_CASE("hosts engine: colocated host equals the reference without a transfer") {
-  for (const char* model : {"small", "small-hybrid"}) {
-    INFO(model);
-    auto host = Host::Create(BaseOptions(Role::kColocated, model));
+  struct Case {
+    const char* model;
+    int32_t tp, pp;
+  };
+  for (const Case& c : {Case{"small", 1, 1}, Case{"small-hybrid", 1, 1}, Case{"small-mla", 1, 1},
+                        Case{"small-swa", 1, 1}, Case{"small", 2, 2}}) {
+    const char* model = c.model;
+    INFO(model << " tp " << c.tp << " pp " << c.pp);
+    HostOptions o = BaseOptions(Role::kColocated, model);
+    o.tp_size = c.tp;
+    o.pp_size = c.pp;
+    auto host = Host::Create(o);
     INFO(host.status().ToString());
     REQUIRE(host.ok());
     Collector results;
@@ -385,13 +476,16 @@ TEST_CASE("hosts engine: shutdown fails in-flight requests with a reason") {
   CHECK(p.duplicate_results() == 0);
 }
 
-TEST_CASE("hosts engine: decode refuses TP or PP above 1 with the reason") {
+TEST_CASE("hosts engine: a split the model does not have is refused with the numbers") {
   HostOptions o = BaseOptions(Role::kDecode, "small");
-  o.tp_size = 2;
+  o.tp_size = 3;  // 4 query heads
   auto host = Host::Create(o);
   CHECK(host.status().code() == StatusCode::kInvalidArgument);
-  CHECK(std::string(host.status().message()).find("decode runs TP 1 and PP 1 only") !=
+  CHECK(std::string(host.status().message()).find("model small with tp 3 pp 1") !=
         std::string::npos);
+  o.tp_size = 1;
+  o.pp_size = 5;  // 4 layers
+  CHECK(Host::Create(o).status().code() == StatusCode::kInvalidArgument);
 }
 
 }  // namespace

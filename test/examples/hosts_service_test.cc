@@ -230,10 +230,23 @@ TEST_CASE("hosts flags: parsing and defaults and refusals") {
   CHECK(Parse(Role::kPrefill, {"--connect", "127.0.0.1:9000"}).status().code() ==
         StatusCode::kInvalidArgument);
 
-  auto tp = Parse(Role::kDecode, {"--tp", "2"});
-  CHECK(tp.status().code() == StatusCode::kInvalidArgument);
-  CHECK(std::string(tp.status().message()).find("pd-decode runs TP 1 and PP 1 only") !=
-        std::string::npos);
+  // Decode runs any TP and PP the model splits into.
+  auto tp = Parse(Role::kDecode, {"--tp", "2", "--pp", "2", "--model", "small-mla"});
+  INFO(tp.status().ToString());
+  REQUIRE(tp.ok());
+  CHECK((tp->host.tp_size == 2 && tp->host.pp_size == 2 && tp->host.model == "small-mla"));
+  CHECK(tp->host.test_fault.empty());
+  auto tp3 = Parse(Role::kDecode, {"--tp", "3"});
+  CHECK(tp3.status().code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(tp3.status().message()), Catch::Contains("model small with tp 3 pp 1"));
+  CHECK(Parse(Role::kDecode, {"--model", "small-swa", "--tp", "4"}).ok());
+  // The test-only fault: decode only, one value.
+  auto fault = Parse(Role::kDecode, {"--test-fault", "swap-heads"});
+  REQUIRE(fault.ok());
+  CHECK(fault->host.test_fault == "swap-heads");
+  CHECK(!Parse(Role::kDecode, {"--test-fault", "flip-bits"}).ok());
+  CHECK(Parse(Role::kPrefill, {"--test-fault", "swap-heads"}).status().message() ==
+        "--test_fault: not a flag of pd-prefill (see --help)");
   CHECK(!Parse(Role::kPrefill, {"--colocated"}).ok());
   CHECK(!Parse(Role::kDecode, {"--bootstrap-port", "1"}).ok());
   CHECK(!Parse(Role::kPrefill, {"--port", "70000"}).ok());
@@ -284,7 +297,7 @@ TEST_CASE("hosts flags: --help documents every flag, each program only its own")
   const std::vector<std::string> prefill_only = {"--bootstrap_host ", "--bootstrap_port ",
                                                  "--start_bootstrap "};
   const std::vector<std::string> decode_only = {"--colocated ", "--reserved_decode_tokens ",
-                                                "--connect "};
+                                                "--connect ", "--test_fault "};
   for (Role program : {Role::kPrefill, Role::kDecode}) {
     const std::string usage = HostUsage(program);
     std::vector<std::string> flags = common;
@@ -300,7 +313,12 @@ TEST_CASE("hosts flags: --help documents every flag, each program only its own")
       CHECK(usage.find(f) == std::string::npos);
     }
   }
-  CHECK(HostUsage(Role::kDecode).find("pd-decode: 1 only") != std::string::npos);
+  // Decode's PP rule, the models and the test-only fault are documented.
+  const std::string decode = HostUsage(Role::kDecode);
+  CHECK(decode.find("pd-decode: equal to the prefill's PP, or 1") != std::string::npos);
+  CHECK(decode.find("small-mla") != std::string::npos);
+  CHECK(decode.find("small-swa") != std::string::npos);
+  CHECK(decode.find("TEST ONLY") != std::string::npos);
 }
 
 }  // namespace

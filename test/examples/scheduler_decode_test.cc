@@ -254,6 +254,35 @@ TEST_CASE("scheduler: failed receivers free everything and are counted by stage"
   CHECK(rig.sched->idle());
 }
 
+TEST_CASE("scheduler: decode names the window pages as state indices (sliding window)") {
+  // Window 6, pages of 4: a prompt of 10 tokens needs pages 1 and 2 of its 3; the KV arrives and
+  // the hook sees the page table before the first decode step.
+  DecodeSchedulerOptions o;
+  o.reserved_decode_tokens = 0;
+  o.sliding_window = 6;
+  o.kv_bytes_per_page = 1000;
+  o.swa_bytes_per_page = 10;
+  std::vector<std::pair<uint64_t, int64_t>> arrived;
+  o.on_kv_arrived = [&](uint64_t room, std::span<const int32_t> table, int64_t tokens) {
+    CHECK(table.size() == 3);
+    arrived.emplace_back(room, tokens);
+  };
+  DecodeRig rig(o, 64, 4);
+  rig.Add(1, 10, 2);
+  rig.Step();
+  REQUIRE(rig.transport[1].init_called);
+  const std::vector<int32_t>& pages = rig.transport[1].init_pages;
+  REQUIRE(pages.size() == 3);
+  CHECK(rig.transport[1].state_indices == std::vector<int32_t>{pages[1], pages[2]});
+  CHECK(arrived.empty());
+  rig.DeliverAll();
+  for (int i = 0; i < 5 && rig.finished.empty(); ++i) rig.Step();
+  CHECK(arrived == std::vector<std::pair<uint64_t, int64_t>>{{1, 10}});
+  REQUIRE(rig.finished.count(1) == 1);
+  CHECK(rig.finished[1].status.ok());
+  CHECK(rig.finished[1].kv_bytes == 3 * 1000 + 2 * 10);
+}
+
 TEST_CASE("scheduler: decode quarantines a failed request's pages and slots until PagesReusable") {
   // 3 pages of 4 tokens, one metadata slot, one state slot: while room 1 (prompt 8: 2 pages)
   // holds its memory, room 2 cannot be pre-allocated.

@@ -1,7 +1,9 @@
 // The prefill and decode schedulers together over the example model (kernels/, CPU): prefill
 // computes real KV in chunks, a loopback transport copies the sent pages, the metadata slot and
-// the recurrent state into the decode model's memory as pdlib would, and decode continues,
-// retracting under memory pressure. Every output must equal a colocated run token for token.
+// the state (a recurrent-state slot, or the sliding-window pages the schedulers name) into the
+// decode model's memory as pdlib would, and decode continues, retracting under memory pressure
+// (so OffloadKV/RestoreKV cover GQA, MLA's latent pools and the SWA pools). Every output must
+// equal a colocated run token for token.
 #include <catch2/catch.hpp>
 #include <map>
 #include <memory>
@@ -86,6 +88,7 @@ class Loopback final : public SenderFactory, public ReceiverFactory {
     kernels::KVCache& dc = dst_->kv_cache();
     for (int32_t layer = 0; layer < sc.num_kv_layers(); ++layer) {
       for (auto kind : {kernels::KVKind::kKey, kernels::KVKind::kValue}) {
+        if (sc.pool(kind, layer).item_bytes == 0) continue;  // MLA: no V pool
         std::vector<std::byte> page(sc.pool(kind, layer).item_bytes);
         for (size_t i = 0; i < pages.size(); ++i) {
           if (Status s = sc.ReadPage(kind, layer, pages[i], page); !s.ok()) return s;
@@ -101,7 +104,26 @@ class Loopback final : public SenderFactory, public ReceiverFactory {
     auto slot = src_meta_->ReadSlot(*r.sender->aux);
     if (!slot.ok()) return slot.status();
     if (Status s = dst_meta_->WriteSlot(*dst.aux, *slot); !s.ok()) return s;
-    if (!state.empty()) {
+    if (sc.num_swa_layers() > 0) {
+      // StateType::kSwa: the window pages, prefill's page-table entries to decode's.
+      expected_swa_pages_[room] = state.size();
+      if (state.size() != dst.state_indices.size()) {
+        return Status::InvalidArgument("SWA state: prefill sent " + std::to_string(state.size()) +
+                                       " pages, decode named " +
+                                       std::to_string(dst.state_indices.size()));
+      }
+      for (int32_t layer = 0; layer < sc.num_swa_layers(); ++layer) {
+        for (auto kind : {kernels::KVKind::kKey, kernels::KVKind::kValue}) {
+          std::vector<std::byte> page(sc.swa_pool(kind, layer).item_bytes);
+          for (size_t i = 0; i < state.size(); ++i) {
+            if (Status s = sc.ReadSwaPage(kind, layer, state[i], page); !s.ok()) return s;
+            if (Status s = dc.WriteSwaPage(kind, layer, dst.state_indices[i], page); !s.ok()) {
+              return s;
+            }
+          }
+        }
+      }
+    } else if (!state.empty()) {
       std::vector<float> values(static_cast<size_t>(sc.config().state_dim()));
       for (int32_t layer = 0; layer < sc.num_state_layers(); ++layer) {
         if (Status s = sc.ReadState(layer, state[0], values); !s.ok()) return s;
@@ -118,9 +140,14 @@ class Loopback final : public SenderFactory, public ReceiverFactory {
   kernels::Model* dst_;
   MetadataBuffers* dst_meta_;
   std::map<uint64_t, Room> rooms_;
+
+ public:
+  std::map<uint64_t, size_t> expected_swa_pages_;  // window pages sent per room
 };
 
-kernels::ModelConfig TinyConfig(bool hybrid) {
+enum class Variant { kGqa, kHybrid, kMla, kSwa };
+
+kernels::ModelConfig TinyConfig(Variant v) {
   kernels::ModelConfig c;
   c.num_layers = 2;
   c.hidden_size = 64;
@@ -130,7 +157,17 @@ kernels::ModelConfig TinyConfig(bool hybrid) {
   c.intermediate_size = 128;
   c.vocab_size = 64;
   c.page_size = 4;
-  if (hybrid) c.layer_kinds = {kernels::LayerKind::kAttention, kernels::LayerKind::kRecurrent};
+  if (v == Variant::kHybrid) {
+    c.layer_kinds = {kernels::LayerKind::kAttention, kernels::LayerKind::kRecurrent};
+  } else if (v == Variant::kMla) {
+    c.attention = kernels::AttentionKind::kMla;
+    c.kv_lora_rank = 16;
+    c.qk_rope_dim = 8;
+  } else if (v == Variant::kSwa) {
+    // A window of 6 positions over pages of 4: windows start inside pages.
+    c.layer_kinds = {kernels::LayerKind::kAttention, kernels::LayerKind::kSlidingWindow};
+    c.sliding_window = 6;
+  }
   return c;
 }
 
@@ -166,8 +203,9 @@ std::vector<int32_t> Colocated(const kernels::ModelWeights& w, bool hybrid,
   return out;
 }
 
-void RunDisaggregated(bool hybrid) {
-  const kernels::ModelConfig config = TinyConfig(hybrid);
+void RunDisaggregated(Variant variant) {
+  const bool hybrid = variant == Variant::kHybrid;
+  const kernels::ModelConfig config = TinyConfig(variant);
   auto weights = kernels::ModelWeights::Random(config, /*seed=*/7);
   REQUIRE(weights.ok());
   const int32_t state_slots = hybrid ? 8 : 0;
@@ -182,6 +220,7 @@ void RunDisaggregated(bool hybrid) {
   PrefillSchedulerOptions po;
   po.chunked_prefill_size = 10;  // prompts of 9..15 tokens are chunked
   po.num_state_slots = state_slots;
+  po.sliding_window = config.sliding_window;
   auto prefill = PrefillScheduler::Create(
       po, {&prefill_pages, prefill_meta.get(), &loopback, &prefill_runner});
   REQUIRE(prefill.ok());
@@ -190,6 +229,7 @@ void RunDisaggregated(bool hybrid) {
   dop.pre_alloc_size = 4;
   dop.reserved_decode_tokens = 0;
   dop.num_state_slots = state_slots;
+  dop.sliding_window = config.sliding_window;
   dop.vocab_size = config.vocab_size;
   auto decode =
       DecodeScheduler::Create(dop, {&decode_pages, decode_meta.get(), &loopback, &decode_runner});
@@ -218,6 +258,12 @@ void RunDisaggregated(bool hybrid) {
     INFO("room " << room << ": " << f.status.ToString());
     REQUIRE(f.status.ok());
     CHECK(f.output_ids == Colocated(*weights, hybrid, requests[room].prompt, 12));
+    if (variant == Variant::kSwa) {
+      // The window pages of the prompt, as the model defines them.
+      const auto range =
+          config.SlidingWindowPages(static_cast<int64_t>(requests[room].prompt.size()));
+      CHECK(loopback.expected_swa_pages_[room] == static_cast<size_t>(range.end - range.first));
+    }
   }
   CHECK((*decode)->metrics().retracted_reqs > 0);  // the tight decode cache forced retractions
   CHECK(decode_pages.free_pages() == 12);
@@ -227,11 +273,36 @@ void RunDisaggregated(bool hybrid) {
 }  // namespace
 
 TEST_CASE("scheduler: 1P1D over the CPU model equals a colocated run, with retraction") {
-  RunDisaggregated(/*hybrid=*/false);
+  RunDisaggregated(Variant::kGqa);
 }
 
 TEST_CASE("scheduler: hybrid model (recurrent state) 1P1D equals a colocated run") {
-  RunDisaggregated(/*hybrid=*/true);
+  RunDisaggregated(Variant::kHybrid);
+}
+
+TEST_CASE("scheduler: MLA model (latent pools only) 1P1D equals a colocated run, with retraction") {
+  RunDisaggregated(Variant::kMla);
+}
+
+TEST_CASE("scheduler: sliding-window model 1P1D moves the window pages, with retraction") {
+  RunDisaggregated(Variant::kSwa);
+}
+
+TEST_CASE("scheduler: SlidingWindowPages is the model's") {
+  for (int32_t window : {0, 1, 2, 6, 24, 100}) {
+    for (int32_t page_size : {1, 4, 16}) {
+      kernels::ModelConfig c;
+      c.sliding_window = window;
+      c.page_size = page_size;
+      for (int64_t n = 0; n < 80; ++n) {
+        INFO("window " << window << " page_size " << page_size << " tokens " << n);
+        const PageRange got = SlidingWindowPages(n, window, page_size);
+        const auto want = c.SlidingWindowPages(n);
+        CHECK(got.first == want.first);
+        CHECK(got.end == want.end);
+      }
+    }
+  }
 }
 
 }  // namespace pdlib::sched

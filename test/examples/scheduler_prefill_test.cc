@@ -201,6 +201,38 @@ TEST_CASE("scheduler: prefill sends the state slot with the last chunk (hybrid m
   CHECK(rig.transport[2].sends[0].state == std::vector<int32_t>{1});
 }
 
+TEST_CASE("scheduler: prefill sends the window pages with the last chunk (sliding window)") {
+  // Window 6, pages of 4: a prompt of 10 tokens leaves positions [5, 10) to read, pages 1 and 2;
+  // one of 3 tokens all of its page 0, and so does one of 1 token (position 0).
+  PrefillSchedulerOptions o;
+  o.sliding_window = 6;
+  o.chunked_prefill_size = 4;
+  o.swa_bytes_per_page = 100;
+  PrefillRig rig(o);
+  rig.Add(1, 10);
+  rig.Add(2, 3);
+  rig.Add(3, 1);
+  for (int i = 0; i < 6; ++i) rig.Step();
+  const auto& s1 = rig.transport[1].sends;
+  REQUIRE(s1.size() == 3);
+  CHECK(s1[0].state.empty());
+  CHECK(s1[1].state.empty());
+  const std::vector<int32_t> table1 = {s1[0].pages[0], s1[1].pages[0], s1[2].pages[0]};
+  CHECK(s1[2].state == std::vector<int32_t>{table1[1], table1[2]});
+  REQUIRE(rig.transport[2].sends.size() == 1);
+  CHECK(rig.transport[2].sends[0].state == rig.transport[2].sends[0].pages);
+  REQUIRE(rig.transport[3].sends.size() == 1);
+  CHECK(rig.transport[3].sends[0].state == rig.transport[3].sends[0].pages);
+  // Sliding window and state slots are one or the other.
+  o.num_state_slots = 1;
+  PageAllocator pages(8, 4);
+  auto metadata = std::move(*MetadataBuffers::Create(32, 0, 0));
+  FakeTransport transport;
+  FakeModel model(8, 4);
+  CHECK(PrefillScheduler::Create(o, {&pages, metadata.get(), &transport, &model}).status().code() ==
+        StatusCode::kInvalidArgument);
+}
+
 TEST_CASE("scheduler: prefill TP ranks agree through PollAndAllReduce") {
   // Two ranks, each with its own scheduler and senders, step in lockstep. Room 2's sender fails
   // on rank 1 only: both ranks fail it; room 1 succeeds on both.
