@@ -43,6 +43,13 @@ ModelConfig ModelConfig::SmallSwa() {
   return config;
 }
 
+ModelConfig ModelConfig::SmallNsa() {
+  ModelConfig config;
+  config.index_dim = 32;
+  config.index_topk = 24;
+  return config;
+}
+
 Status ModelConfig::Validate() const {
   // Upper bounds keep every derived size far from integer overflow and catch unit mistakes.
   auto in_range = [](int64_t v, int64_t lo, int64_t hi) { return v >= lo && v <= hi; };
@@ -129,6 +136,20 @@ Status ModelConfig::Validate() const {
                " set but no layer is a sliding-window layer");
   }
   if (num_attention_layers() < 1) return Bad("the model needs at least one full attention layer");
+  if (index_dim != 0 || index_topk != 0) {
+    if (!in_range(index_dim, 1, 4096) || !in_range(index_topk, 1, 1 << 20)) {
+      return Bad("the lightning indexer needs index_dim in [1, 4096] (got " +
+                 std::to_string(index_dim) + ") and index_topk in [1, 1048576] (got " +
+                 std::to_string(index_topk) + "); set both to 0 for dense attention");
+    }
+    if (is_mla()) return Bad("the lightning indexer is for GQA attention; MLA is not supported");
+    if (num_swa_layers() > 0 || num_recurrent_layers() > 0) {
+      // pdlib carries one state type per model (KVArgs::state_type): NSA here.
+      return Bad(
+          "a model with a lightning indexer may not have sliding-window or recurrent "
+          "layers (pdlib moves one state type per model)");
+    }
+  }
   return Status::OK();
 }
 
@@ -145,6 +166,10 @@ std::string ModelConfig::ToString() const {
   if (is_mla()) {
     s += " attention=MLA kv_lora_rank=" + std::to_string(kv_lora_rank) +
          " qk_rope_dim=" + std::to_string(qk_rope_dim);
+  }
+  if (has_indexer()) {
+    s += " indexer: index_dim=" + std::to_string(index_dim) +
+         " index_topk=" + std::to_string(index_topk);
   }
   if (num_swa_layers() > 0) {
     s += " sliding_window=" + std::to_string(sliding_window) + " (" +

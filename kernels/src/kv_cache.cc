@@ -23,6 +23,11 @@ PoolRegion KVCache::swa_pool(KVKind kind, int32_t swa_layer) const {
   return pools[static_cast<size_t>(swa_layer)];
 }
 
+PoolRegion KVCache::index_pool(int32_t kv_layer) const {
+  if (kv_layer < 0 || static_cast<size_t>(kv_layer) >= index_pools_.size()) return {};
+  return index_pools_[static_cast<size_t>(kv_layer)];
+}
+
 PoolRegion KVCache::state_pool(int32_t state_layer) const {
   if (state_layer < 0 || static_cast<size_t>(state_layer) >= state_pools_.size()) return {};
   return state_pools_[static_cast<size_t>(state_layer)];
@@ -54,25 +59,39 @@ BufferFamily KVCache::DescribeSwa() const {
   return family;
 }
 
+BufferFamily KVCache::DescribeIndex() const {
+  BufferFamily family;
+  for (const PoolRegion& r : index_pools_) Append(&family, r);
+  return family;
+}
+
 BufferFamily KVCache::DescribeState() const {
   BufferFamily family;
   for (const PoolRegion& r : state_pools_) Append(&family, r);
   return family;
 }
 
-Status KVCache::CheckPage(bool swa, KVKind kind, int32_t layer, int32_t page, size_t bytes,
+Status KVCache::CheckPage(PageFamily family, KVKind kind, int32_t layer, int32_t page, size_t bytes,
                           const void** where) const {
-  const char* what = swa ? "SWA layer " : "KV layer ";
-  const int32_t layers = swa ? num_swa_layers() : num_kv_layers();
+  const char* what = family == PageFamily::kSwa     ? "SWA layer "
+                     : family == PageFamily::kIndex ? "index layer "
+                                                    : "KV layer ";
+  const int32_t layers = family == PageFamily::kSwa     ? num_swa_layers()
+                         : family == PageFamily::kIndex ? num_index_layers()
+                                                        : num_kv_layers();
   if (layer < 0 || layer >= layers) {
-    return Status::OutOfRange(what + std::to_string(layer) + " out of range [0, " +
-                              std::to_string(layers) + ")");
+    return Status::OutOfRange(
+        what + std::to_string(layer) + " out of range [0, " + std::to_string(layers) + ")" +
+        (family == PageFamily::kIndex && layers == 0 ? " (the model has no lightning indexer)"
+                                                     : ""));
   }
   if (page < 0 || page >= num_pages_) {
     return Status::OutOfRange("page " + std::to_string(page) + " out of range [0, " +
                               std::to_string(num_pages_) + ") for " + what + std::to_string(layer));
   }
-  const PoolRegion r = swa ? swa_pool(kind, layer) : pool(kind, layer);
+  const PoolRegion r = family == PageFamily::kSwa     ? swa_pool(kind, layer)
+                       : family == PageFamily::kIndex ? index_pool(layer)
+                                                      : pool(kind, layer);
   if (r.base == nullptr) {
     return Status::InvalidArgument(std::string(what) + std::to_string(layer) +
                                    " has no V pool (MLA keeps one latent pool per layer)");
@@ -107,7 +126,7 @@ Status KVCache::CheckState(int32_t state_layer, int32_t slot, size_t bytes,
 Status KVCache::ReadPage(KVKind kind, int32_t kv_layer, int32_t page,
                          std::span<std::byte> out) const {
   const void* where = nullptr;
-  Status s = CheckPage(false, kind, kv_layer, page, out.size(), &where);
+  Status s = CheckPage(PageFamily::kKv, kind, kv_layer, page, out.size(), &where);
   if (!s.ok()) return s;
   return CopyToHost(where, out.data(), out.size());
 }
@@ -115,7 +134,7 @@ Status KVCache::ReadPage(KVKind kind, int32_t kv_layer, int32_t page,
 Status KVCache::WritePage(KVKind kind, int32_t kv_layer, int32_t page,
                           std::span<const std::byte> bytes) {
   const void* where = nullptr;
-  Status s = CheckPage(false, kind, kv_layer, page, bytes.size(), &where);
+  Status s = CheckPage(PageFamily::kKv, kind, kv_layer, page, bytes.size(), &where);
   if (!s.ok()) return s;
   return CopyFromHost(bytes.data(), const_cast<void*>(where), bytes.size());
 }
@@ -123,7 +142,7 @@ Status KVCache::WritePage(KVKind kind, int32_t kv_layer, int32_t page,
 Status KVCache::ReadSwaPage(KVKind kind, int32_t swa_layer, int32_t page,
                             std::span<std::byte> out) const {
   const void* where = nullptr;
-  Status s = CheckPage(true, kind, swa_layer, page, out.size(), &where);
+  Status s = CheckPage(PageFamily::kSwa, kind, swa_layer, page, out.size(), &where);
   if (!s.ok()) return s;
   return CopyToHost(where, out.data(), out.size());
 }
@@ -131,7 +150,21 @@ Status KVCache::ReadSwaPage(KVKind kind, int32_t swa_layer, int32_t page,
 Status KVCache::WriteSwaPage(KVKind kind, int32_t swa_layer, int32_t page,
                              std::span<const std::byte> bytes) {
   const void* where = nullptr;
-  Status s = CheckPage(true, kind, swa_layer, page, bytes.size(), &where);
+  Status s = CheckPage(PageFamily::kSwa, kind, swa_layer, page, bytes.size(), &where);
+  if (!s.ok()) return s;
+  return CopyFromHost(bytes.data(), const_cast<void*>(where), bytes.size());
+}
+
+Status KVCache::ReadIndexPage(int32_t kv_layer, int32_t page, std::span<std::byte> out) const {
+  const void* where = nullptr;
+  Status s = CheckPage(PageFamily::kIndex, KVKind::kKey, kv_layer, page, out.size(), &where);
+  if (!s.ok()) return s;
+  return CopyToHost(where, out.data(), out.size());
+}
+
+Status KVCache::WriteIndexPage(int32_t kv_layer, int32_t page, std::span<const std::byte> bytes) {
+  const void* where = nullptr;
+  Status s = CheckPage(PageFamily::kIndex, KVKind::kKey, kv_layer, page, bytes.size(), &where);
   if (!s.ok()) return s;
   return CopyFromHost(bytes.data(), const_cast<void*>(where), bytes.size());
 }

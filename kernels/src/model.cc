@@ -31,10 +31,13 @@ StatusOr<std::unique_ptr<Model>> Model::Create(const ModelWeights& weights,
     return Status::InvalidArgument("model: rank " + options.shard.ToString() +
                                    " of a sharded model needs RuntimeOptions::comm");
   }
-  if (options.device == Device::kCuda && (config.is_mla() || config.has_sliding_window())) {
-    // The CUDA kernels have GQA attention over whole pages only.
-    return Status::Unimplemented(std::string("model: the CUDA model has no ") +
-                                 (config.is_mla() ? "MLA attention" : "sliding-window attention") +
+  if (options.device == Device::kCuda &&
+      (config.is_mla() || config.has_sliding_window() || config.has_indexer())) {
+    // The CUDA kernels have dense GQA attention over whole pages only.
+    const char* what = config.is_mla()               ? "MLA attention"
+                       : config.has_sliding_window() ? "sliding-window attention"
+                                                     : "lightning-indexer (sparse) attention";
+    return Status::Unimplemented(std::string("model: the CUDA model has no ") + what +
                                  " kernels; use device cpu");
   }
   switch (options.device) {

@@ -92,6 +92,10 @@ RankLayer SliceLayer(const ModelWeights& w, const ShardLayout& s, int32_t l) {
         Rows(lw.v_proj, hidden, s.kv_head_start * hd, s.kv_head_count * hd);
     layer.mix_in = Stack({&q, &k, &v});
     layer.mix_out = Rows(lw.o_proj, c.q_width(), s.out_start, s.out_count);
+    if (layer.kind == LayerKind::kAttention && c.has_indexer()) {
+      // The indexer sees every position for every head: the same keys and choice on every rank.
+      layer.index_proj = Stack({&lw.index_q_proj, &lw.index_k_proj});
+    }
   }
   const std::vector<float> gate = Rows(lw.gate_proj, hidden, s.inter_start, s.inter_count);
   const std::vector<float> up = Rows(lw.up_proj, hidden, s.inter_start, s.inter_count);

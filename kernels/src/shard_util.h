@@ -28,6 +28,9 @@ struct RankLayer {
   // (replicated), each [width][hidden].
   std::vector<float> mix_in;
   std::vector<float> mix_out;  // the rank's output rows of o_proj, or rec_out_proj (whole)
+  // Full attention layers with a lightning indexer: [index_q_proj; index_k_proj], replicated
+  // whole on every TP rank ([2 * index_dim][hidden]); empty otherwise.
+  std::vector<float> index_proj;
   // MLA: the latent's RMSNorm weight and the rank's heads' rows of kv_b_proj.
   std::vector<float> kv_a_norm;
   std::vector<float> kv_b;

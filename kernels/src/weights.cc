@@ -64,6 +64,10 @@ std::vector<NamedTensor> ModelWeights::Tensors() {
       out.push_back({p + "self_attn.k_proj.weight", {c.kv_width(), h}, &w.k_proj});
       out.push_back({p + "self_attn.v_proj.weight", {c.kv_width(), h}, &w.v_proj});
       out.push_back({p + "self_attn.o_proj.weight", {h, c.q_width()}, &w.o_proj});
+      if (kind == LayerKind::kAttention && c.has_indexer()) {
+        out.push_back({p + "self_attn.indexer.wq.weight", {c.index_dim, h}, &w.index_q_proj});
+        out.push_back({p + "self_attn.indexer.wk.weight", {c.index_dim, h}, &w.index_k_proj});
+      }
     } else {
       out.push_back({p + "recurrent.in_proj.weight", {c.state_dim(), h}, &w.rec_in_proj});
       out.push_back({p + "recurrent.decay_proj.weight", {c.state_dim(), h}, &w.rec_decay_proj});
@@ -108,12 +112,17 @@ StatusOr<ModelWeights> ModelWeights::Random(const ModelConfig& config, uint64_t 
   ModelWeights w;
   w.config = config;
   w.layers.resize(static_cast<size_t>(config.num_layers));
-  uint64_t index = 0;
+  uint64_t index = 0, indexer_index = 0;
   for (NamedTensor& t : w.Tensors()) {
     // Each tensor gets its own stream, seeded by its position in Tensors(): a model's streams
     // depend only on its own tensor list, so MLA and sliding-window layers (which change that
-    // list only for models that have them) leave every other model's weights unchanged.
-    uint64_t state = seed ^ (0xD1B54A32D192ED03ull * ++index);
+    // list only for models that have them) leave every other model's weights unchanged. The
+    // indexer's tensors are numbered apart (and their streams offset), so adding an indexer
+    // leaves the model's other tensors as they were without it.
+    const bool is_indexer = t.name.find(".self_attn.indexer.") != std::string::npos;
+    uint64_t state = is_indexer
+                         ? seed ^ (0xA0761D6478BD642Full * ++indexer_index) ^ 0xE7037ED1A0B428DBull
+                         : seed ^ (0xD1B54A32D192ED03ull * ++index);
     const size_t n = static_cast<size_t>(Numel(t.shape));
     t.data->resize(n);
     const bool is_norm = t.shape.size() == 1;

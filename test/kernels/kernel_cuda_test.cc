@@ -174,7 +174,8 @@ TEST_CASE("CUDA entry points explain themselves without a GPU") {
 }
 
 TEST_CASE("CUDA refuses the model variants it has no kernels for, GPU or not") {
-  for (const ModelConfig& c : {ModelConfig::SmallMla(), ModelConfig::SmallSwa()}) {
+  for (const ModelConfig& c :
+       {ModelConfig::SmallMla(), ModelConfig::SmallSwa(), ModelConfig::SmallNsa()}) {
     StatusOr<ModelWeights> w = ModelWeights::Random(c, 1);
     REQUIRE(w.ok());
     RuntimeOptions o;

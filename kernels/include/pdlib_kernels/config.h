@@ -68,6 +68,12 @@ struct ModelConfig {
   // kSlidingWindow layers: positions a token attends to, itself included (>= 1 when the model
   // has such a layer, 0 otherwise).
   int32_t sliding_window = 0;
+  // Lightning indexer (DeepSeek-V3.2-style sparse attention; both > 0 or both 0): every full
+  // attention layer (GQA only) scores the earlier positions with index_dim-wide fp32 index keys
+  // kept in the cache's index pools and attends to the index_topk best only. What pdlib moves as
+  // NSA state (StateType::kNsa): the index pages of the whole sequence.
+  int32_t index_dim = 0;
+  int32_t index_topk = 0;
 
   // The default: 4 attention layers, hidden 256, 4 query heads and 2 KV heads of 64, vocab 512.
   static ModelConfig Small() { return ModelConfig(); }
@@ -78,6 +84,9 @@ struct ModelConfig {
   // Small() with layers 1 and 3 sliding-window attention over 24 positions (so windows start
   // inside pages).
   static ModelConfig SmallSwa();
+  // Small() with a lightning indexer on every layer: index keys of 32 fp32 values, attention over
+  // the best 24 positions (fewer than a 40-token prompt, so selection matters).
+  static ModelConfig SmallNsa();
 
   [[nodiscard]] Status Validate() const;
   std::string ToString() const;
@@ -87,6 +96,8 @@ struct ModelConfig {
   // Has recurrent layers (mamba-like state slots).
   bool is_hybrid() const { return num_recurrent_layers() > 0; }
   bool has_sliding_window() const { return num_swa_layers() > 0; }
+  // Every full attention layer has a lightning indexer (index_dim and index_topk set).
+  bool has_indexer() const { return index_dim > 0 && index_topk > 0; }
   // Full attention layers (kAttention): the layers whose KV pdlib moves as KV.
   int32_t num_attention_layers() const;
   int32_t num_recurrent_layers() const;
@@ -123,6 +134,11 @@ struct ModelConfig {
     int32_t end = 0;
   };
   PageRange SlidingWindowPages(int64_t num_tokens) const;
+  // Bytes of one page of one index pool: page_size x index_dim fp32 index keys (always fp32,
+  // whatever kv_dtype). 0 without an indexer.
+  size_t index_page_bytes() const {
+    return has_indexer() ? static_cast<size_t>(page_size) * static_cast<size_t>(index_dim) * 4 : 0;
+  }
   // Bytes of one request's state in one recurrent layer's pool.
   size_t state_slot_bytes() const { return static_cast<size_t>(state_dim()) * sizeof(float); }
 

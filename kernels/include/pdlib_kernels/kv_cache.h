@@ -8,6 +8,11 @@
 //  - For every sliding-window layer, one K and one V "SWA pool" of num_pages pages laid out as
 //    the KV pools. Page p of the SWA pools holds the same positions as page p of the KV pools
 //    (one page table serves both); only the pages inside the window are ever read.
+//  - For every full attention layer of a model with a lightning indexer (has_indexer()), one
+//    "index pool" of num_pages pages of index_page_bytes(): page p holds the fp32 index keys
+//    (index_dim values per token, row t at element t * index_dim) of the same positions as KV
+//    page p (one page table serves both). Every TP rank holds the same index keys (they are not
+//    split by heads). What pdlib moves as NSA state: the index pages of the whole sequence.
 //  - For every recurrent layer (hybrid models), one state pool of num_state_slots slots of
 //    state_dim fp32 values.
 //
@@ -80,6 +85,10 @@ class KVCache {
   // swa_layer is the sliding-window-layer index (ModelConfig::swa_layer_index).
   int32_t num_swa_layers() const { return static_cast<int32_t>(swa_k_pools_.size()); }
   PoolRegion swa_pool(KVKind kind, int32_t swa_layer) const;
+  // Index pools (models with a lightning indexer), one per full attention layer, numbered like
+  // the KV pools (kv_layer); 0 layers and empty regions otherwise.
+  int32_t num_index_layers() const { return static_cast<int32_t>(index_pools_.size()); }
+  PoolRegion index_pool(int32_t kv_layer) const;
   // state_layer is the recurrent-layer index (ModelConfig::state_layer_index).
   int32_t num_state_layers() const { return static_cast<int32_t>(state_pools_.size()); }
   PoolRegion state_pool(int32_t state_layer) const;
@@ -92,6 +101,10 @@ class KVCache {
   // The SWA pools per sliding-window layer, K then V (KVArgs::state with StateType::kSwa:
   // interleaved per layer so that a PP stage's buffers are a contiguous run of the model's).
   BufferFamily DescribeSwa() const;
+  // The index pools, one buffer per full attention layer, item = one index page (KVArgs::state
+  // with StateType::kNsa; the engine passes one state index per KV page of the request, the
+  // same page indices as the page table).
+  BufferFamily DescribeIndex() const;
 
   // Copies one page between the pool and host memory (`bytes` must be exactly one page).
   // Used by tests and by hosts that move KV without pdlib.
@@ -104,6 +117,11 @@ class KVCache {
                                    std::span<std::byte> out) const;
   [[nodiscard]] Status WriteSwaPage(KVKind kind, int32_t swa_layer, int32_t page,
                                     std::span<const std::byte> bytes);
+  // The same for one page of a full attention layer's index pool (index_page_bytes()).
+  [[nodiscard]] Status ReadIndexPage(int32_t kv_layer, int32_t page,
+                                     std::span<std::byte> out) const;
+  [[nodiscard]] Status WriteIndexPage(int32_t kv_layer, int32_t page,
+                                      std::span<const std::byte> bytes);
   // Copies one request's recurrent state (state_dim floats) of one recurrent layer.
   [[nodiscard]] Status ReadState(int32_t state_layer, int32_t slot, std::span<float> out) const;
   [[nodiscard]] Status WriteState(int32_t state_layer, int32_t slot, std::span<const float> in);
@@ -125,10 +143,12 @@ class KVCache {
   std::vector<PoolRegion> v_pools_;
   std::vector<PoolRegion> swa_k_pools_;
   std::vector<PoolRegion> swa_v_pools_;
+  std::vector<PoolRegion> index_pools_;
   std::vector<PoolRegion> state_pools_;
 
  private:
-  Status CheckPage(bool swa, KVKind kind, int32_t layer, int32_t page, size_t bytes,
+  enum class PageFamily { kKv, kSwa, kIndex };
+  Status CheckPage(PageFamily family, KVKind kind, int32_t layer, int32_t page, size_t bytes,
                    const void** where) const;
   Status CheckState(int32_t state_layer, int32_t slot, size_t bytes, const void** where) const;
 };

@@ -5,8 +5,9 @@
 // next chunk of tokens at positions [start_pos, start_pos + tokens.size()), attending to the
 // request's first start_pos tokens already in the cache (chunked prefill, or decode with one
 // token) and to the chunk itself, causally. Forward writes the chunk's K and V into the pages
-// of the request's page table, advances the request's recurrent state (hybrid models), and
-// greedily samples the next token after the chunk's last token.
+// of the request's page table (and, with a lightning indexer, its index keys into the same pages
+// of the index pools), advances the request's recurrent state (hybrid models), and greedily
+// samples the next token after the chunk's last token.
 //
 // Determinism: on the CPU every output element is computed by one thread in a fixed order, so
 // a request's results (tokens, logprobs, KV bytes, state) are bit-identical however requests

@@ -31,6 +31,10 @@ struct LayerWeights {
   std::vector<float> kv_a_layernorm;  // [kv_lora_rank]
   std::vector<float> kv_b_proj;       // [num_heads * 2 * head_dim][kv_lora_rank], per head
                                       // k_nope rows then v rows
+  // Full attention layers of a model with a lightning indexer (config.has_indexer()): the index
+  // query and the index key of a token, q_idx = W_iq x and k_idx = W_ik x.
+  std::vector<float> index_q_proj;  // [index_dim][hidden] ("self_attn.indexer.wq.weight")
+  std::vector<float> index_k_proj;  // [index_dim][hidden] ("self_attn.indexer.wk.weight")
   // Recurrent layers: h_t = a * h_{t-1} + (1 - a) * (W_in x), a = sigmoid(W_decay x),
   // y = W_out (h_t * silu(W_gate x)).
   std::vector<float> rec_in_proj;     // [hidden][hidden]
@@ -61,7 +65,9 @@ struct ModelWeights {
   std::vector<float> lm_head;     // [vocab][hidden]; empty when config.tie_word_embeddings
 
   // Deterministic weights from `seed` (same seed, same bits on every machine), scaled so that
-  // activations stay O(1) and the next-token distribution is far from uniform.
+  // activations stay O(1) and the next-token distribution is far from uniform. The indexer
+  // tensors draw from streams of their own, so a model with an indexer has exactly the other
+  // weights of the same model without one.
   static StatusOr<ModelWeights> Random(const ModelConfig& config, uint64_t seed);
   // Loads every tensor that `config` needs from a safetensors file with Llama names; shapes must
   // match exactly. F32, F16 and BF16 tensors are accepted; extra tensors are ignored.

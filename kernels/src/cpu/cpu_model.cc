@@ -74,10 +74,12 @@ class CpuModel final : public Model {
   std::unique_ptr<HostKVCache> cache_;
   ThreadPool pool_;
   std::vector<float> embed_, final_norm_, lm_head_;  // first stage; last stage
-  std::vector<RankLayer> layers_;                     // the stage's layers
+  std::vector<RankLayer> layers_;                    // the stage's layers
   // Activations, reused between calls: x is the residual stream [tokens][hidden].
   std::vector<float> x_, xn_, fused_, a_, b_, c_, mixed_, delta_, rope_cos_, rope_sin_;
-  std::vector<float> gathered_, full_;  // TP gathers
+  std::vector<float> gathered_, full_;    // TP gathers
+  std::vector<float> index_q_, index_k_;  // lightning indexer: [tokens][index_dim] each
+  KeySelection selection_;                // the indexer's choice per token
 };
 
 Status CpuModel::GatherColumns(const std::vector<float>& local, int64_t rows, int32_t width,
@@ -129,11 +131,25 @@ Status CpuModel::AttentionMixer(const RankLayer& layer, const BatchPlan& plan) {
                      .base;
   WriteKV(c, b_.data(), c_.data(), plan.write_slots, k_pool, v_pool);
   AttentionBatch batch{plan.positions, plan.token_seq, plan.page_table_begin, plan.page_tables};
+  const KeySelection* selection = nullptr;
+  if (!layer.index_proj.empty()) {
+    // Lightning indexer: index query and key from the same normalised input (whole, on every
+    // rank), the keys into the layer's index pool first, then each token's choice of positions.
+    const int32_t id = c.index_dim;
+    fused_.resize(static_cast<size_t>(n * 2 * id));
+    MatMul(pool_, xn_.data(), n, c.hidden_size, layer.index_proj.data(), 2 * id, fused_.data());
+    SliceColumns(fused_, n, 2 * id, 0, id, &index_q_);
+    SliceColumns(fused_, n, 2 * id, id, id, &index_k_);
+    void* index_pool = cache_->index_pool(layer.pool_index).base;
+    WriteIndexKeys(c, index_k_.data(), plan.write_slots, index_pool);
+    IndexerSelect(pool_, c, index_q_.data(), batch, index_pool, c.index_topk, &selection_);
+    selection = &selection_;
+  }
   mixed_.resize(static_cast<size_t>(n * qw));
   // Sliding-window layers attend to the last sliding_window positions only, so they never read
   // a page wholly before the window (pdlib moves only the window's pages as SWA state).
   PagedAttention(pool_, c, a_.data(), batch, k_pool, v_pool, mixed_.data(),
-                 swa ? config_.sliding_window : 0);
+                 swa ? config_.sliding_window : 0, selection);
   if (Status s = GatherColumns(mixed_, n, qw, &full_); !s.ok()) return s;
   return OutputProjection(full_, n, config_.q_width(), layer.mix_out);
 }

@@ -28,6 +28,16 @@ StatusOr<std::unique_ptr<HostKVCache>> HostKVCache::Create(const ModelConfig& co
     if (config.is_mla()) continue;  // one latent pool per layer
     if (Status s = add_pages(&cache->v_pools_); !s.ok()) return s;
   }
+  if (config.has_indexer()) {
+    // One index pool per full attention layer, pages parallel to the KV pools'.
+    const size_t index_bytes = config.index_page_bytes();
+    for (int32_t l = 0; l < config.num_attention_layers(); ++l) {
+      StatusOr<PoolRegion> r =
+          cache->Allocate(index_bytes * static_cast<size_t>(num_pages), index_bytes);
+      if (!r.ok()) return r.status();
+      cache->index_pools_.push_back(*r);
+    }
+  }
   for (int32_t l = 0; l < config.num_swa_layers(); ++l) {
     if (Status s = add_pages(&cache->swa_k_pools_); !s.ok()) return s;
     if (Status s = add_pages(&cache->swa_v_pools_); !s.ok()) return s;

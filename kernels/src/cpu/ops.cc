@@ -146,7 +146,7 @@ const float* KVHead(const ModelConfig& config, const void* pool, int64_t slot, i
 
 void PagedAttention(ThreadPool& pool, const ModelConfig& config, const float* q,
                     const AttentionBatch& batch, const void* k_pool, const void* v_pool, float* out,
-                    int32_t window) {
+                    int32_t window, const KeySelection* selection) {
   const int32_t hd = config.head_dim;
   const int32_t heads = config.num_heads;
   const int32_t group = config.num_heads / config.num_kv_heads;
@@ -154,6 +154,10 @@ void PagedAttention(ThreadPool& pool, const ModelConfig& config, const float* q,
   const int64_t tasks = static_cast<int64_t>(batch.positions.size()) * heads;
   int64_t mean_keys = batch.positions.empty() ? 1 : batch.positions.back() + 1;
   if (window > 0) mean_keys = std::min<int64_t>(mean_keys, window);
+  if (selection != nullptr && !batch.positions.empty()) {
+    mean_keys = std::max<int64_t>(
+        1, static_cast<int64_t>(selection->positions.size() / batch.positions.size()));
+  }
   pool.ParallelFor(tasks, mean_keys * hd * 2, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, kv(static_cast<size_t>(hd)), acc(static_cast<size_t>(hd));
     for (int64_t task = begin; task < end; ++task) {
@@ -161,31 +165,101 @@ void PagedAttention(ThreadPool& pool, const ModelConfig& config, const float* q,
       const int32_t h = static_cast<int32_t>(task % heads);
       const int32_t kvh = h / group;
       const int32_t pos = batch.positions[static_cast<size_t>(t)];
-      const int32_t first = window > 0 ? std::max(0, pos - window + 1) : 0;
       const int32_t seq = batch.token_seq[static_cast<size_t>(t)];
       const int32_t* pages = batch.page_tables.data() + batch.page_table_begin[seq];
       const float* qh = q + (t * heads + h) * hd;
-      auto slot_of = [&](int32_t j) {
+      // The keys, in the order every sum runs: key(i) for i in [0, count).
+      int32_t first = 0, count = 0;
+      const int32_t* chosen = nullptr;
+      if (selection != nullptr) {
+        const int32_t b = selection->begin[static_cast<size_t>(t)];
+        chosen = selection->positions.data() + b;
+        count = selection->begin[static_cast<size_t>(t) + 1] - b;
+      } else {
+        first = window > 0 ? std::max(0, pos - window + 1) : 0;
+        count = pos - first + 1;
+      }
+      auto slot_of = [&](int32_t i) {
+        const int32_t j = chosen != nullptr ? chosen[i] : first + i;
         return static_cast<int64_t>(pages[j / config.page_size]) * config.page_size +
                j % config.page_size;
       };
-      scores.resize(static_cast<size_t>(pos - first) + 1);
+      scores.resize(static_cast<size_t>(count));
       float max_score = -INFINITY;
-      for (int32_t j = first; j <= pos; ++j) {
-        const float sc = Dot(qh, KVHead(config, k_pool, slot_of(j), kvh, kv.data()), hd) * scale;
-        scores[static_cast<size_t>(j - first)] = sc;
+      for (int32_t i = 0; i < count; ++i) {
+        const float sc = Dot(qh, KVHead(config, k_pool, slot_of(i), kvh, kv.data()), hd) * scale;
+        scores[static_cast<size_t>(i)] = sc;
         max_score = std::max(max_score, sc);
       }
       float sum = 0.0f;
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int32_t j = first; j <= pos; ++j) {
-        const float p = std::exp(scores[static_cast<size_t>(j - first)] - max_score);
+      for (int32_t i = 0; i < count; ++i) {
+        const float p = std::exp(scores[static_cast<size_t>(i)] - max_score);
         sum += p;
-        const float* v = KVHead(config, v_pool, slot_of(j), kvh, kv.data());
+        const float* v = KVHead(config, v_pool, slot_of(i), kvh, kv.data());
         Axpy(p, v, acc.data(), hd);
       }
       float* oh = out + (t * heads + h) * hd;
       for (int32_t d = 0; d < hd; ++d) oh[d] = acc[d] / sum;
+    }
+  });
+}
+
+void WriteIndexKeys(const ModelConfig& config, const float* k_idx,
+                    std::span<const int64_t> write_slots, void* index_pool) {
+  const size_t dim = static_cast<size_t>(config.index_dim);
+  for (size_t t = 0; t < write_slots.size(); ++t) {
+    std::memcpy(static_cast<float*>(index_pool) + static_cast<size_t>(write_slots[t]) * dim,
+                k_idx + t * dim, sizeof(float) * dim);
+  }
+}
+
+void IndexerSelect(ThreadPool& pool, const ModelConfig& config, const float* q_idx,
+                   const AttentionBatch& batch, const void* index_pool, int32_t topk,
+                   KeySelection* selection) {
+  const int32_t dim = config.index_dim;
+  const size_t tokens = batch.positions.size();
+  selection->begin.resize(tokens + 1);
+  selection->begin[0] = 0;
+  for (size_t t = 0; t < tokens; ++t) {
+    selection->begin[t + 1] = selection->begin[t] + std::min(batch.positions[t] + 1, topk);
+  }
+  selection->positions.resize(static_cast<size_t>(selection->begin[tokens]));
+  const int64_t mean_keys = batch.positions.empty() ? 1 : batch.positions.back() + 1;
+  const float* keys = static_cast<const float*>(index_pool);
+  pool.ParallelFor(static_cast<int64_t>(tokens), mean_keys * dim, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<int32_t> order;
+    for (int64_t t = begin; t < end; ++t) {
+      const int32_t pos = batch.positions[static_cast<size_t>(t)];
+      int32_t* out = selection->positions.data() + selection->begin[static_cast<size_t>(t)];
+      const int32_t count = std::min(pos + 1, topk);
+      if (count == pos + 1) {  // every position: no scores needed
+        for (int32_t j = 0; j <= pos; ++j) out[j] = j;
+        continue;
+      }
+      const int32_t seq = batch.token_seq[static_cast<size_t>(t)];
+      const int32_t* pages = batch.page_tables.data() + batch.page_table_begin[seq];
+      const float* qt = q_idx + t * dim;
+      scores.resize(static_cast<size_t>(pos) + 1);
+      for (int32_t j = 0; j <= pos; ++j) {
+        const int64_t slot = static_cast<int64_t>(pages[j / config.page_size]) * config.page_size +
+                             j % config.page_size;
+        const float s = Dot(qt, keys + static_cast<size_t>(slot) * static_cast<size_t>(dim), dim);
+        scores[static_cast<size_t>(j)] = std::isnan(s) ? -INFINITY : s;
+      }
+      order.resize(static_cast<size_t>(pos) + 1);
+      std::iota(order.begin(), order.end(), 0);
+      // A strict total order (score descending, then position ascending): the chosen set is
+      // unique, whatever the algorithm.
+      std::nth_element(order.begin(), order.begin() + (count - 1), order.end(),
+                       [&](int32_t a, int32_t b) {
+                         const float sa = scores[static_cast<size_t>(a)];
+                         const float sb = scores[static_cast<size_t>(b)];
+                         return sa != sb ? sa > sb : a < b;
+                       });
+      std::sort(order.begin(), order.begin() + count);
+      std::copy(order.begin(), order.begin() + count, out);
     }
   });
 }

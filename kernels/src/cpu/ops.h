@@ -81,15 +81,45 @@ void ApplyRopeStrided(float* x, int64_t rows, int64_t row_stride, int32_t heads,
 // included): pages wholly before the window are never read. GQA: query head h reads KV head
 // h / (num_heads / num_kv_heads). q and out are [tokens][num_heads * head_dim]. The pools must
 // already hold the tokens' own K and V.
+//
+// With a `selection` (sparse attention, the lightning indexer), token t attends only over the
+// positions selection->positions[begin[t] .. begin[t + 1]) (ascending, each in [0, positions[t]])
+// instead: the same scores, running max, exp, sum and value accumulation in that order, so a
+// selection of every position [0, positions[t]] gives exactly the causal result's bits. The
+// window must then be 0.
 struct AttentionBatch {
   std::span<const int32_t> positions;
   std::span<const int32_t> token_seq;
   std::span<const int32_t> page_table_begin;  // per request, into page_tables
   std::span<const int32_t> page_tables;
 };
+struct KeySelection {
+  std::vector<int32_t> begin;      // tokens + 1 entries into positions
+  std::vector<int32_t> positions;  // per token, ascending
+};
 void PagedAttention(ThreadPool& pool, const ModelConfig& config, const float* q,
                     const AttentionBatch& batch, const void* k_pool, const void* v_pool, float* out,
-                    int32_t window = 0);
+                    int32_t window = 0, const KeySelection* selection = nullptr);
+
+// --- Lightning indexer (config.has_indexer()) ---
+//
+// An index pool page holds page_size rows of index_dim fp32 index keys, row t at element
+// t * index_dim, so the row of slot s (page * page_size + offset) starts at element
+// s * index_dim.
+
+// Stores index keys ([tokens][index_dim]) into an index pool at write_slots.
+void WriteIndexKeys(const ModelConfig& config, const float* k_idx,
+                    std::span<const int64_t> write_slots, void* index_pool);
+
+// The indexer's choice of keys for every token of the batch. Token t at position p scores every
+// position j in [0, p]: s_j = Dot(q_idx[t], k_idx_j, index_dim), k_idx_j read from the request's
+// pages of the index pool (the tokens' own keys must already be there). It selects the
+// min(p + 1, topk) positions with the highest scores (ties: the lower j; a NaN score counts as
+// -inf), listed in ascending order; with p + 1 <= topk every position. One task per token, so
+// the choice does not depend on threads or batching. q_idx is [tokens][index_dim].
+void IndexerSelect(ThreadPool& pool, const ModelConfig& config, const float* q_idx,
+                   const AttentionBatch& batch, const void* index_pool, int32_t topk,
+                   KeySelection* selection);
 
 // --- Multi-head latent attention (config.is_mla()) ---
 //

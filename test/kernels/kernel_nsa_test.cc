@@ -1,0 +1,804 @@
+// The lightning-indexer (NSA) variant of the example model (issue #16): the indexer's choice and
+// the sparse attention op against naive double-precision formulas, its weights and index pools,
+// and the model-level promises (a choice of every position is dense attention bit for bit;
+// chunked = one-shot, batched = alone, threads, TP/PP shards = TP 1, all bit for bit; the index
+// pages are read, so a wrong transfer of that state changes tokens).
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "cpu/ops.h"
+#include "cpu/thread_pool.h"
+#include "kernel_test_util.h"
+#include "pdlib_kernels/kv_cache.h"
+#include "pdlib_kernels/parallel.h"
+
+namespace pdlib::kernels {
+namespace {
+
+using internal::AttentionBatch;
+using internal::KeySelection;
+using internal::ThreadPool;
+using testing::ChunkOf;
+using testing::FullOptions;
+using testing::PromptTokens;
+using testing::Request;
+using testing::RequireSame;
+
+// TinyConfig (2 layers, 4 query heads and 2 KV heads of 12, pages of 4) with an indexer of 10
+// (a tail past 8) choosing 6 positions, so prompts of 20+ tokens attend sparsely.
+ModelConfig TinyNsaConfig() {
+  ModelConfig c = testing::TinyConfig();
+  c.index_dim = 10;
+  c.index_topk = 6;
+  return c;
+}
+
+std::vector<float> Noise(size_t n, uint64_t seed, float scale = 1.0f) {
+  std::vector<float> v(n);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 12345;
+  for (size_t i = 0; i < n; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    v[i] = scale * (static_cast<float>(x >> 40) / 16777216.0f * 2.0f - 1.0f);
+  }
+  return v;
+}
+
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+uint64_t HashWeights(ModelWeights w) {
+  uint64_t h = 1469598103934665603ull;
+  for (const NamedTensor& t : w.Tensors()) {
+    for (char ch : t.name) {
+      h ^= static_cast<unsigned char>(ch);
+      h *= 1099511628211ull;
+    }
+    for (float f : *t.data) {
+      uint32_t b = 0;
+      std::memcpy(&b, &f, 4);
+      h ^= b;
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+// Two requests over scattered pages: request 0 has `len0` tokens on pages {4, 1, 6, 3, 7, 5},
+// request 1 has `len1` tokens on pages {2, 0}.
+struct OpBatch {
+  std::vector<int32_t> page_tables, pt_begin, positions, token_seq, first_token;
+  std::vector<int64_t> slots;
+
+  OpBatch(const ModelConfig& c, int32_t len0, int32_t len1) {
+    const std::vector<int32_t> pages0 = {4, 1, 6, 3, 7, 5}, pages1 = {2, 0};
+    REQUIRE(len0 <= 6 * c.page_size);
+    REQUIRE(len1 <= 2 * c.page_size);
+    page_tables = pages0;
+    page_tables.insert(page_tables.end(), pages1.begin(), pages1.end());
+    pt_begin = {0, 6};
+    for (int32_t s = 0; s < 2; ++s) {
+      const int32_t len = s == 0 ? len0 : len1;
+      const std::vector<int32_t>& pages = s == 0 ? pages0 : pages1;
+      for (int32_t p = 0; p < len; ++p) {
+        positions.push_back(p);
+        token_seq.push_back(s);
+        first_token.push_back(s == 0 ? 0 : len0);
+        slots.push_back(static_cast<int64_t>(pages[static_cast<size_t>(p / c.page_size)]) *
+                            c.page_size +
+                        p % c.page_size);
+      }
+    }
+  }
+  AttentionBatch batch() const { return {positions, token_seq, pt_begin, page_tables}; }
+  size_t size() const { return positions.size(); }
+};
+
+// The naive choice in double: the topk best of [0, pos] (ties: lower j), ascending.
+std::vector<int32_t> NaiveSelect(const std::vector<float>& q_idx, const std::vector<float>& k_idx,
+                                 int32_t dim, size_t t, size_t first_row, int32_t pos, int32_t topk,
+                                 double* gap) {
+  std::vector<double> s;
+  for (int32_t j = 0; j <= pos; ++j) {
+    double dot = 0;
+    for (int32_t d = 0; d < dim; ++d) {
+      dot += static_cast<double>(q_idx[t * static_cast<size_t>(dim) + static_cast<size_t>(d)]) *
+             k_idx[(first_row + static_cast<size_t>(j)) * static_cast<size_t>(dim) +
+                   static_cast<size_t>(d)];
+    }
+    s.push_back(dot);
+  }
+  std::vector<int32_t> order(s.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return s[static_cast<size_t>(a)] > s[static_cast<size_t>(b)];
+  });
+  const size_t count = std::min(s.size(), static_cast<size_t>(topk));
+  *gap = count < s.size()
+             ? s[static_cast<size_t>(order[count - 1])] - s[static_cast<size_t>(order[count])]
+             : INFINITY;
+  std::vector<int32_t> chosen(order.begin(), order.begin() + static_cast<ptrdiff_t>(count));
+  std::sort(chosen.begin(), chosen.end());
+  return chosen;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ops
+
+TEST_CASE("nsa: the indexer's choice and sparse attention match naive double formulas") {
+  ThreadPool one(1), three(3);
+  for (KVDtype dtype : {KVDtype::kFloat32, KVDtype::kBFloat16}) {
+    for (int32_t topk : {1, 5, 9, 100}) {
+      ModelConfig c = TinyNsaConfig();
+      c.kv_dtype = dtype;
+      c.index_topk = topk;
+      INFO("dtype " << KVDtypeName(dtype) << " topk " << topk);
+      const OpBatch ob(c, 22, 7);
+      const size_t n = ob.size();
+      const int32_t qw = c.q_width(), kw = c.kv_width(), hd = c.head_dim, dim = c.index_dim;
+      auto q = Noise(n * qw, 10), k = Noise(n * kw, 11), v = Noise(n * kw, 12);
+      auto q_idx = Noise(n * dim, 13), k_idx = Noise(n * dim, 14);
+      std::vector<uint8_t> k_pool(8 * c.kv_page_bytes()), v_pool(k_pool.size());
+      std::vector<uint8_t> index_pool(8 * c.index_page_bytes());
+      internal::WriteKV(c, k.data(), v.data(), ob.slots, k_pool.data(), v_pool.data());
+      internal::WriteIndexKeys(c, k_idx.data(), ob.slots, index_pool.data());
+      // Index pages: row t of a page at element t * index_dim, fp32 whatever the KV dtype.
+      for (size_t t = 0; t < n; ++t) {
+        REQUIRE(std::memcmp(index_pool.data() + static_cast<size_t>(ob.slots[t]) * dim * 4,
+                            k_idx.data() + t * dim, static_cast<size_t>(dim) * 4) == 0);
+      }
+      KeySelection sel, sel1;
+      internal::IndexerSelect(three, c, q_idx.data(), ob.batch(), index_pool.data(), topk, &sel);
+      internal::IndexerSelect(one, c, q_idx.data(), ob.batch(), index_pool.data(), topk, &sel1);
+      REQUIRE(sel.begin == sel1.begin);
+      REQUIRE(sel.positions == sel1.positions);
+      REQUIRE(sel.begin.size() == n + 1);
+      std::vector<float> out(n * qw), out1(n * qw);
+      internal::PagedAttention(three, c, q.data(), ob.batch(), k_pool.data(), v_pool.data(),
+                               out.data(), 0, &sel);
+      internal::PagedAttention(one, c, q.data(), ob.batch(), k_pool.data(), v_pool.data(),
+                               out1.data(), 0, &sel);
+      REQUIRE(SameBits(out, out1));
+      const int group = c.num_heads / c.num_kv_heads;
+      for (size_t t = 0; t < n; ++t) {
+        const size_t base = static_cast<size_t>(ob.first_token[t]);
+        double gap = 0;
+        const std::vector<int32_t> want =
+            NaiveSelect(q_idx, k_idx, dim, t, base, ob.positions[t], topk, &gap);
+        REQUIRE(gap > 1e-5);  // the data has no near ties, so float and double agree
+        const std::vector<int32_t> got(sel.positions.begin() + sel.begin[t],
+                                       sel.positions.begin() + sel.begin[t + 1]);
+        REQUIRE(got == want);
+        for (int h = 0; h < c.num_heads; ++h) {
+          const int kvh = h / group;
+          // K and V as stored (bf16 rounds them).
+          auto stored = [&](const std::vector<uint8_t>& pool, int32_t j, int d) {
+            float tmp[64];
+            internal::ReadKVHead(c, pool.data(), ob.slots[base + static_cast<size_t>(j)], kvh, tmp);
+            return static_cast<double>(tmp[d]);
+          };
+          std::vector<double> s;
+          for (int32_t j : want) {
+            double dot = 0;
+            for (int d = 0; d < hd; ++d) {
+              dot += static_cast<double>(q[t * qw + static_cast<size_t>(h * hd + d)]) *
+                     stored(k_pool, j, d);
+            }
+            s.push_back(dot / std::sqrt(static_cast<double>(hd)));
+          }
+          double mx = s[0], sum = 0;
+          for (double x : s) mx = std::max(mx, x);
+          for (double& x : s) sum += (x = std::exp(x - mx));
+          for (int d = 0; d < hd; ++d) {
+            double ref = 0;
+            for (size_t i = 0; i < s.size(); ++i) ref += s[i] / sum * stored(v_pool, want[i], d);
+            REQUIRE(out[t * qw + static_cast<size_t>(h * hd + d)] == Approx(ref).margin(1e-5));
+          }
+        }
+      }
+      if (topk >= 22) {
+        // A choice of every position is causal attention, bit for bit.
+        std::vector<float> causal(n * qw);
+        internal::PagedAttention(three, c, q.data(), ob.batch(), k_pool.data(), v_pool.data(),
+                                 causal.data());
+        REQUIRE(SameBits(out, causal));
+      }
+    }
+  }
+}
+
+TEST_CASE("nsa: equal scores choose the lower positions; NaN scores count as -inf") {
+  ThreadPool pool(2);
+  const ModelConfig c = TinyNsaConfig();
+  const OpBatch ob(c, 15, 3);
+  const size_t n = ob.size();
+  auto q_idx = Noise(n * c.index_dim, 3);
+  std::vector<float> k_idx(n * c.index_dim, 0.0f);  // every score 0
+  std::vector<uint8_t> index_pool(8 * c.index_page_bytes());
+  internal::WriteIndexKeys(c, k_idx.data(), ob.slots, index_pool.data());
+  KeySelection sel;
+  internal::IndexerSelect(pool, c, q_idx.data(), ob.batch(), index_pool.data(), 4, &sel);
+  for (size_t t = 0; t < n; ++t) {
+    std::vector<int32_t> want(static_cast<size_t>(std::min(ob.positions[t] + 1, 4)));
+    std::iota(want.begin(), want.end(), 0);
+    REQUIRE(std::vector<int32_t>(sel.positions.begin() + sel.begin[t],
+                                 sel.positions.begin() + sel.begin[t + 1]) == want);
+  }
+  // NaN keys at positions 0 and 1 of request 0: they drop behind every real score.
+  std::memset(index_pool.data() + static_cast<size_t>(ob.slots[0]) * c.index_dim * 4, 0xFF,
+              2 * static_cast<size_t>(c.index_dim) * 4);
+  internal::IndexerSelect(pool, c, q_idx.data(), ob.batch(), index_pool.data(), 4, &sel);
+  REQUIRE(std::vector<int32_t>(sel.positions.begin() + sel.begin[14],
+                               sel.positions.begin() + sel.begin[15]) ==
+          std::vector<int32_t>{2, 3, 4, 5});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Config, weights and cache
+
+TEST_CASE("nsa: config validation, SmallNsa and ToString") {
+  const ModelConfig small = ModelConfig::SmallNsa();
+  REQUIRE(small.Validate().ok());
+  REQUIRE(small.has_indexer());
+  REQUIRE(small.index_dim == 32);
+  REQUIRE(small.index_topk == 24);
+  REQUIRE(small.index_page_bytes() == 16u * 32 * 4);
+  REQUIRE_FALSE(ModelConfig::Small().has_indexer());
+  REQUIRE(ModelConfig::Small().index_page_bytes() == 0);
+  CHECK_THAT(small.ToString(), Catch::Contains("index_dim=32 index_topk=24"));
+  auto error = [](ModelConfig c) {
+    const Status s = c.Validate();
+    REQUIRE_FALSE(s.ok());
+    return s.ToString();
+  };
+  ModelConfig c = small;
+  c.index_topk = 0;
+  CHECK_THAT(error(c), Catch::Contains("index_topk in [1, 1048576] (got 0)"));
+  c = small;
+  c.index_dim = 5000;
+  CHECK_THAT(error(c), Catch::Contains("index_dim in [1, 4096] (got 5000)"));
+  c = ModelConfig::SmallMla();
+  c.index_dim = 8;
+  c.index_topk = 8;
+  CHECK_THAT(error(c), Catch::Contains("MLA is not supported"));
+  for (ModelConfig other : {ModelConfig::SmallSwa(), ModelConfig::SmallHybrid()}) {
+    other.index_dim = 8;
+    other.index_topk = 8;
+    CHECK_THAT(error(other), Catch::Contains("may not have sliding-window or recurrent layers"));
+  }
+  // The CUDA model refuses it with the reason.
+  StatusOr<ModelWeights> w = ModelWeights::Random(TinyNsaConfig(), 1);
+  REQUIRE(w.ok());
+  RuntimeOptions o = testing::TestOptions();
+  o.device = Device::kCuda;
+  StatusOr<std::unique_ptr<Model>> m = Model::Create(*w, o);
+  REQUIRE(m.status().code() == StatusCode::kUnimplemented);
+  CHECK_THAT(m.status().ToString(), Catch::Contains("lightning-indexer"));
+  CHECK_THAT(m.status().ToString(), Catch::Contains("use device cpu"));
+}
+
+TEST_CASE("nsa: Random() of the existing configs is unchanged") {
+  // Recorded from the code before the indexer (Small and SmallHybrid as in
+  // kernel_variants_test; SmallSwa has Small's tensors).
+  struct Golden {
+    ModelConfig config;
+    uint64_t seed;
+    uint64_t hash;
+  };
+  const Golden goldens[] = {
+      {ModelConfig::Small(), 1, 0xd5d5c2c1ed8aa4ddull},
+      {ModelConfig::Small(), 7, 0x2882122913c53663ull},
+      {ModelConfig::SmallHybrid(), 1, 0x9d6007b6bd830be9ull},
+      {ModelConfig::SmallHybrid(), 7, 0x0754e704a7779e40ull},
+      {ModelConfig::SmallMla(), 1, 0xb01ddbe95348f882ull},
+      {ModelConfig::SmallMla(), 7, 0xc28f8f2c2567977cull},
+      {ModelConfig::SmallSwa(), 1, 0xd5d5c2c1ed8aa4ddull},
+      {ModelConfig::SmallSwa(), 7, 0x2882122913c53663ull},
+  };
+  for (const Golden& g : goldens) {
+    INFO(g.config.ToString() << " seed " << g.seed);
+    StatusOr<ModelWeights> w = ModelWeights::Random(g.config, g.seed);
+    REQUIRE(w.ok());
+    CHECK(HashWeights(*w) == g.hash);
+  }
+}
+
+TEST_CASE("nsa: indexer weights have their names and shapes; the rest are Small()'s") {
+  StatusOr<ModelWeights> w = ModelWeights::Random(ModelConfig::SmallNsa(), 5);
+  StatusOr<ModelWeights> small = ModelWeights::Random(ModelConfig::Small(), 5);
+  REQUIRE(w.ok());
+  REQUIRE(small.ok());
+  REQUIRE(w->Validate().ok());
+  std::vector<std::pair<std::string, std::vector<int64_t>>> layer0;
+  for (const NamedTensor& t : w->Tensors()) {
+    if (t.name.rfind("model.layers.0.", 0) == 0) layer0.emplace_back(t.name, t.shape);
+  }
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> want = {
+      {"model.layers.0.input_layernorm.weight", {256}},
+      {"model.layers.0.self_attn.q_proj.weight", {256, 256}},
+      {"model.layers.0.self_attn.k_proj.weight", {128, 256}},
+      {"model.layers.0.self_attn.v_proj.weight", {128, 256}},
+      {"model.layers.0.self_attn.o_proj.weight", {256, 256}},
+      {"model.layers.0.self_attn.indexer.wq.weight", {32, 256}},
+      {"model.layers.0.self_attn.indexer.wk.weight", {32, 256}},
+      {"model.layers.0.post_attention_layernorm.weight", {256}},
+      {"model.layers.0.mlp.gate_proj.weight", {512, 256}},
+      {"model.layers.0.mlp.up_proj.weight", {512, 256}},
+      {"model.layers.0.mlp.down_proj.weight", {256, 512}},
+  };
+  REQUIRE(layer0 == want);
+  // Every other tensor is bit for bit Small()'s.
+  std::vector<NamedTensor> a = w->Tensors(), b = small->Tensors();
+  size_t matched = 0;
+  for (const NamedTensor& t : a) {
+    if (t.name.find(".indexer.") != std::string::npos) continue;
+    REQUIRE(t.name == b[matched].name);
+    REQUIRE(SameBits(*t.data, *b[matched].data));
+    ++matched;
+  }
+  REQUIRE(matched == b.size());
+  // Linear scale: variance ~1/hidden; the two indexer tensors differ.
+  double ss = 0;
+  for (float x : w->layers[2].index_k_proj) ss += static_cast<double>(x) * x;
+  REQUIRE(ss / static_cast<double>(w->layers[2].index_k_proj.size()) ==
+          Approx(1.0 / 256).epsilon(0.1));
+  REQUIRE(w->layers[2].index_k_proj != w->layers[2].index_q_proj);
+  REQUIRE(w->layers[2].index_k_proj != w->layers[3].index_k_proj);
+  // A wrong-sized indexer tensor is named.
+  w->layers[1].index_q_proj.pop_back();
+  const Status s = w->Validate();
+  REQUIRE(!s.ok());
+  REQUIRE(s.message().find("model.layers.1.self_attn.indexer.wq.weight") != std::string::npos);
+
+  SECTION("safetensors round trip") {
+    const ModelConfig c = TinyNsaConfig();
+    StatusOr<ModelWeights> tiny = ModelWeights::Random(c, 4);
+    REQUIRE(tiny.ok());
+    StatusOr<SafetensorsFile> file =
+        SafetensorsFile::Parse(testing::WriteSafetensors(testing::BlobsOf(*tiny)));
+    REQUIRE(file.ok());
+    StatusOr<ModelWeights> back = ModelWeights::FromSafetensors(*file, c);
+    INFO(back.status().ToString());
+    REQUIRE(back.ok());
+    REQUIRE(HashWeights(*back) == HashWeights(*tiny));
+    // Without the indexer tensors the checkpoint is refused, naming one.
+    std::vector<testing::TensorBlob> blobs = testing::BlobsOf(*tiny);
+    blobs.erase(std::remove_if(blobs.begin(), blobs.end(),
+                               [](const testing::TensorBlob& t) {
+                                 return t.name.find(".indexer.wk.") != std::string::npos;
+                               }),
+                blobs.end());
+    StatusOr<SafetensorsFile> partial = SafetensorsFile::Parse(testing::WriteSafetensors(blobs));
+    REQUIRE(partial.ok());
+    StatusOr<ModelWeights> refused = ModelWeights::FromSafetensors(*partial, c);
+    REQUIRE_FALSE(refused.ok());
+    CHECK_THAT(refused.status().ToString(),
+               Catch::Contains("model.layers.0.self_attn.indexer.wk.weight"));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model
+
+std::unique_ptr<Model> Make(const ModelConfig& c, int32_t threads = 2) {
+  RuntimeOptions o = testing::TestOptions();
+  o.num_threads = threads;
+  return testing::MakeModel(c, 7, o);
+}
+
+std::vector<ForwardResult> Run(Model& m, const std::vector<SequenceChunk>& batch) {
+  std::vector<ForwardResult> results;
+  const Status s = m.Forward(batch, FullOptions(), &results);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  return results;
+}
+
+std::vector<std::byte> IndexPage(const KVCache& cache, int32_t layer, int32_t page) {
+  std::vector<std::byte> bytes(cache.config().index_page_bytes());
+  const Status s = cache.ReadIndexPage(layer, page, bytes);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  return bytes;
+}
+
+// Every page of a request: K, V and index pages of every layer.
+std::vector<std::vector<std::byte>> AllPages(const KVCache& cache, const Request& r) {
+  std::vector<std::vector<std::byte>> out;
+  for (int32_t l = 0; l < cache.num_kv_layers(); ++l) {
+    for (int32_t page : r.pages) {
+      out.push_back(testing::ReadPage(cache, KVKind::kKey, l, page));
+      out.push_back(testing::ReadPage(cache, KVKind::kValue, l, page));
+      out.push_back(IndexPage(cache, l, page));
+    }
+  }
+  return out;
+}
+
+Request MakeRequest(const ModelConfig& c, uint64_t seed, int32_t n, int32_t* next_page) {
+  Request r;
+  r.tokens = PromptTokens(seed, n, c.vocab_size);
+  testing::EnsurePages(&r, n, c.page_size, next_page);
+  return r;
+}
+
+std::vector<ModelConfig> NsaConfigs() {
+  std::vector<ModelConfig> out;
+  for (KVDtype dtype : {KVDtype::kFloat32, KVDtype::kBFloat16}) {
+    for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND}) {
+      ModelConfig c = TinyNsaConfig();
+      c.kv_dtype = dtype;
+      c.kv_layout = layout;
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
+TEST_CASE("nsa: the cache has one index pool per full attention layer") {
+  const ModelConfig c = TinyNsaConfig();
+  auto m = Make(c);
+  const KVCache& cache = m->kv_cache();
+  REQUIRE(cache.num_index_layers() == c.num_attention_layers());
+  const BufferFamily family = cache.DescribeIndex();
+  REQUIRE(family.ptrs.size() == static_cast<size_t>(c.num_attention_layers()));
+  for (int32_t l = 0; l < cache.num_index_layers(); ++l) {
+    const PoolRegion r = cache.index_pool(l);
+    REQUIRE(r.base != nullptr);
+    REQUIRE(family.ptrs[static_cast<size_t>(l)] == reinterpret_cast<uint64_t>(r.base));
+    REQUIRE(family.item_lens[static_cast<size_t>(l)] == c.index_page_bytes());
+    REQUIRE(family.lens[static_cast<size_t>(l)] ==
+            c.index_page_bytes() * static_cast<size_t>(cache.num_pages()));
+  }
+  REQUIRE(cache.index_pool(c.num_attention_layers()).base == nullptr);
+  // Index keys of tokens 0..5 are written (pages 0 and 1), the rest of page 1 is untouched.
+  int32_t next_page = 0;
+  Request r = MakeRequest(c, 41, 6, &next_page);
+  Run(*m, {ChunkOf(r, 0, 6)});
+  const std::vector<std::byte> page1 = IndexPage(cache, 1, r.pages[1]);
+  const size_t row = static_cast<size_t>(c.index_dim) * 4;
+  auto zero = [&](size_t t) {
+    return std::all_of(page1.begin() + static_cast<ptrdiff_t>(t * row),
+                       page1.begin() + static_cast<ptrdiff_t>((t + 1) * row),
+                       [](std::byte b) { return b == std::byte{0}; });
+  };
+  REQUIRE(!zero(0));
+  REQUIRE(!zero(1));
+  REQUIRE(zero(2));
+  REQUIRE(zero(3));
+  // The page copies check like ReadPage.
+  std::vector<std::byte> small(c.index_page_bytes() - 4);
+  CHECK(cache.ReadIndexPage(0, 0, small).code() == StatusCode::kInvalidArgument);
+  std::vector<std::byte> page(c.index_page_bytes());
+  CHECK(cache.ReadIndexPage(2, 0, page).code() == StatusCode::kOutOfRange);
+  CHECK(cache.ReadIndexPage(0, cache.num_pages(), page).code() == StatusCode::kOutOfRange);
+  // A model without an indexer has none.
+  auto plain = Make(testing::TinyConfig());
+  REQUIRE(plain->kv_cache().num_index_layers() == 0);
+  REQUIRE(plain->kv_cache().DescribeIndex().ptrs.empty());
+  const Status none = plain->kv_cache().ReadIndexPage(0, 0, page);
+  CHECK(none.code() == StatusCode::kOutOfRange);
+  CHECK_THAT(none.ToString(), Catch::Contains("no lightning indexer"));
+}
+
+TEST_CASE("nsa: choosing every position gives the dense GQA model's bits") {
+  // Random() gives both models the same non-indexer weights; with index_topk beyond the
+  // sequence every token attends to [0, p] in ascending order, the dense sums exactly.
+  ModelConfig all = TinyNsaConfig();
+  all.index_topk = 1000;
+  const ModelConfig dense = testing::TinyConfig();
+  int32_t next_page = 0;
+  Request r = MakeRequest(dense, 51, 26, &next_page);
+  auto a = Make(all), b = Make(dense);
+  RequireSame(Run(*a, {ChunkOf(r, 0, 15)})[0], Run(*b, {ChunkOf(r, 0, 15)})[0]);
+  RequireSame(Run(*a, {ChunkOf(r, 15, 25)})[0], Run(*b, {ChunkOf(r, 15, 25)})[0]);
+  RequireSame(Run(*a, {ChunkOf(r, 25, 26)})[0], Run(*b, {ChunkOf(r, 25, 26)})[0]);
+  for (int32_t l = 0; l < dense.num_layers; ++l) {
+    for (int32_t page : r.pages) {
+      for (KVKind kind : {KVKind::kKey, KVKind::kValue}) {
+        REQUIRE(testing::ReadPage(a->kv_cache(), kind, l, page) ==
+                testing::ReadPage(b->kv_cache(), kind, l, page));
+      }
+    }
+  }
+  // With 6 of 26 positions the results differ (the selection is not a no-op).
+  auto sparse = Make(TinyNsaConfig());
+  const ForwardResult chosen = Run(*sparse, {ChunkOf(r, 0, 26)})[0];
+  const ForwardResult full = Run(*Make(dense), {ChunkOf(r, 0, 26)})[0];
+  REQUIRE(chosen.logits != full.logits);
+}
+
+TEST_CASE("nsa: chunked prefill and decode equal one-shot prefill, index pages included") {
+  for (const ModelConfig& c : NsaConfigs()) {
+    INFO(c.ToString());
+    int32_t next_page = 1;
+    Request r = MakeRequest(c, 11, 22, &next_page);
+    auto one_shot = Make(c);
+    const std::vector<ForwardResult> whole = Run(*one_shot, {ChunkOf(r, 0, 22)});
+    auto chunked = Make(c);
+    Run(*chunked, {ChunkOf(r, 0, 5)});
+    Run(*chunked, {ChunkOf(r, 5, 13)});
+    Run(*chunked, {ChunkOf(r, 13, 21)});
+    const std::vector<ForwardResult> last = Run(*chunked, {ChunkOf(r, 21, 22)});  // a decode
+    RequireSame(whole[0], last[0]);
+    REQUIRE(AllPages(one_shot->kv_cache(), r) == AllPages(chunked->kv_cache(), r));
+  }
+}
+
+TEST_CASE("nsa: batched requests equal each request alone, for any thread count") {
+  for (const ModelConfig& c : NsaConfigs()) {
+    INFO(c.ToString());
+    int32_t next_page = 0;
+    Request a = MakeRequest(c, 21, 19, &next_page), b = MakeRequest(c, 22, 9, &next_page);
+    auto together = Make(c, 3);
+    const std::vector<ForwardResult> both = Run(*together, {ChunkOf(a, 0, 11), ChunkOf(b, 0, 9)});
+    const std::vector<ForwardResult> next =
+        Run(*together, {ChunkOf(b, 8, 9), ChunkOf(a, 11, 19)});  // b re-decodes its last token
+    auto alone = Make(c, 1);
+    RequireSame(Run(*alone, {ChunkOf(a, 0, 11)})[0], both[0]);
+    RequireSame(Run(*alone, {ChunkOf(b, 0, 9)})[0], both[1]);
+    RequireSame(Run(*alone, {ChunkOf(b, 8, 9)})[0], next[0]);
+    RequireSame(Run(*alone, {ChunkOf(a, 11, 19)})[0], next[1]);
+    REQUIRE(AllPages(together->kv_cache(), a) == AllPages(alone->kv_cache(), a));
+    REQUIRE(AllPages(together->kv_cache(), b) == AllPages(alone->kv_cache(), b));
+  }
+}
+
+TEST_CASE("nsa: one thread and two threads give the same bits") {
+  const ModelConfig c = TinyNsaConfig();
+  int32_t next_page = 0;
+  Request r = MakeRequest(c, 23, 30, &next_page);
+  auto one = Make(c, 1), two = Make(c, 2);
+  RequireSame(Run(*one, {ChunkOf(r, 0, 29)})[0], Run(*two, {ChunkOf(r, 0, 29)})[0]);
+  RequireSame(Run(*one, {ChunkOf(r, 29, 30)})[0], Run(*two, {ChunkOf(r, 29, 30)})[0]);
+  REQUIRE(AllPages(one->kv_cache(), r) == AllPages(two->kv_cache(), r));
+}
+
+// Greedy generation of `steps` tokens after the request's prompt, from the prefilled cache.
+std::vector<int32_t> Generate(Model& m, Request r, int32_t steps, int32_t* next_page,
+                              std::vector<std::vector<float>>* logits = nullptr) {
+  std::vector<int32_t> out;
+  const int32_t page_size = m.config().page_size;
+  for (int32_t i = 0; i < steps; ++i) {
+    const int32_t n = static_cast<int32_t>(r.tokens.size());
+    const ForwardResult res = Run(m, {ChunkOf(r, n - 1, n)})[0];
+    if (logits != nullptr) logits->push_back(res.logits);
+    out.push_back(res.token);
+    r.tokens.push_back(res.token);
+    testing::EnsurePages(&r, n + 1, page_size, next_page);
+  }
+  return out;
+}
+
+TEST_CASE("nsa: decode reads the moved index pages; wrong ones change the tokens") {
+  // A decode host that receives the prompt's KV and index pages (into other page numbers, as a
+  // transfer does) decodes exactly like the prefill host; one that gets the KV but wrong index
+  // pages chooses other positions and decodes other tokens.
+  for (KVDtype dtype : {KVDtype::kFloat32, KVDtype::kBFloat16}) {
+    ModelConfig c = TinyNsaConfig();
+    c.kv_dtype = dtype;
+    INFO(c.ToString());
+    int32_t prefill_next = 0;
+    Request prompt = MakeRequest(c, 61, 31, &prefill_next);  // 31 tokens: 8 pages
+    auto prefill = Make(c);
+    Run(*prefill, {ChunkOf(prompt, 0, 30)});  // the last prompt token is decoded below
+    Request moved = prompt;
+    moved.pages.clear();
+    int32_t decode_next = 20;
+    testing::EnsurePages(&moved, 31, c.page_size, &decode_next);
+    auto good = Make(c), poisoned = Make(c), missing = Make(c);
+    for (int32_t l = 0; l < c.num_attention_layers(); ++l) {
+      for (size_t i = 0; i < prompt.pages.size(); ++i) {
+        const int32_t src = prompt.pages[i], dst = moved.pages[i];
+        for (Model* m : {good.get(), poisoned.get(), missing.get()}) {
+          for (KVKind kind : {KVKind::kKey, KVKind::kValue}) {
+            REQUIRE(
+                m->kv_cache()
+                    .WritePage(kind, l, dst, testing::ReadPage(prefill->kv_cache(), kind, l, src))
+                    .ok());
+          }
+        }
+        const std::vector<std::byte> index = IndexPage(prefill->kv_cache(), l, src);
+        REQUIRE(good->kv_cache().WriteIndexPage(l, dst, index).ok());
+        // Wrong index keys: another request's (noise of the same scale).
+        std::vector<float> wrong = Noise(static_cast<size_t>(c.page_size * c.index_dim),
+                                         100 + i + 10 * static_cast<size_t>(l), 2.0f);
+        REQUIRE(poisoned->kv_cache()
+                    .WriteIndexPage(l, dst, std::as_bytes(std::span<const float>(wrong)))
+                    .ok());
+      }
+    }
+    int32_t n0 = prefill_next, n1 = decode_next, n2 = decode_next, n3 = decode_next;
+    std::vector<std::vector<float>> want_logits, good_logits, bad_logits, missing_logits;
+    const std::vector<int32_t> want = Generate(*prefill, prompt, 8, &n0, &want_logits);
+    REQUIRE(Generate(*good, moved, 8, &n1, &good_logits) == want);
+    REQUIRE(good_logits == want_logits);
+    REQUIRE(AllPages(good->kv_cache(), moved) == AllPages(prefill->kv_cache(), prompt));
+    const std::vector<int32_t> bad = Generate(*poisoned, moved, 8, &n2, &bad_logits);
+    const std::vector<int32_t> none = Generate(*missing, moved, 8, &n3, &missing_logits);
+    CHECK(bad_logits[0] != want_logits[0]);
+    CHECK(missing_logits[0] != want_logits[0]);
+    CHECK(bad != want);
+    CHECK(none != want);
+  }
+}
+
+TEST_CASE("nsa: the prompt's index pages change the selection (poisoning one position)") {
+  // Negating the index keys of the first page (positions 0..3) after prefill changes what the
+  // next token chooses: the choice is made from the keys in the pages, not recomputed.
+  const ModelConfig c = TinyNsaConfig();
+  int32_t next_page = 0;
+  Request r = MakeRequest(c, 71, 25, &next_page);
+  auto clean = Make(c), poisoned = Make(c);
+  Run(*clean, {ChunkOf(r, 0, 24)});
+  Run(*poisoned, {ChunkOf(r, 0, 24)});
+  REQUIRE(AllPages(clean->kv_cache(), r) == AllPages(poisoned->kv_cache(), r));
+  for (int32_t l = 0; l < c.num_attention_layers(); ++l) {
+    std::vector<std::byte> page = IndexPage(poisoned->kv_cache(), l, r.pages[0]);
+    std::vector<float> keys(page.size() / 4);
+    std::memcpy(keys.data(), page.data(), page.size());
+    for (float& k : keys) k *= -1.0f;  // every score of positions 0..3 negated
+    REQUIRE(poisoned->kv_cache()
+                .WriteIndexPage(l, r.pages[0], std::as_bytes(std::span<const float>(keys)))
+                .ok());
+  }
+  const ForwardResult a = Run(*clean, {ChunkOf(r, 24, 25)})[0];
+  const ForwardResult b = Run(*poisoned, {ChunkOf(r, 24, 25)})[0];
+  REQUIRE(a.logits != b.logits);
+  // Only the decoded token's own rows differ from here on: the KV pages match.
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    for (int32_t page : r.pages) {
+      if (page == r.pages.back()) continue;  // holds position 24, computed after the poison
+      REQUIRE(testing::ReadPage(clean->kv_cache(), KVKind::kKey, l, page) ==
+              testing::ReadPage(poisoned->kv_cache(), KVKind::kKey, l, page));
+    }
+  }
+}
+
+TEST_CASE("nsa: SmallNsa runs and generates varied tokens") {
+  const ModelConfig c = ModelConfig::SmallNsa();
+  auto m = Make(c);
+  int32_t next_page = 0;
+  Request r = MakeRequest(c, 71, 40, &next_page);
+  Run(*m, {ChunkOf(r, 0, 39)});
+  std::vector<std::vector<float>> logits;
+  std::vector<int32_t> generated = Generate(*m, r, 8, &next_page, &logits);
+  for (const std::vector<float>& l : logits) {
+    for (float x : l) REQUIRE(std::isfinite(x));
+  }
+  std::sort(generated.begin(), generated.end());
+  REQUIRE(std::unique(generated.begin(), generated.end()) - generated.begin() >= 2);
+  // 40 positions, 24 chosen: sparse, and not the dense model's logits.
+  auto dense = Make(ModelConfig::Small());
+  REQUIRE(Run(*dense, {ChunkOf(r, 0, 40)})[0].logits !=
+          Run(*Make(c), {ChunkOf(r, 0, 40)})[0].logits);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sharded
+
+struct RankRun {
+  std::unique_ptr<Model> model;
+  std::vector<std::vector<ForwardResult>> results;
+  Status status;
+};
+
+// Two requests, prefilled in two chunks each (one ends inside a page) and then decoded for four
+// steps, on tp x pp ranks (one thread each, `threads` workers per rank).
+std::vector<RankRun> RunSharded(const ModelConfig& c, int32_t tp, int32_t pp, int32_t threads,
+                                std::vector<Request>* requests) {
+  StatusOr<ModelWeights> weights = ModelWeights::Random(c, 7);
+  REQUIRE(weights.ok());
+  int32_t next_page = 3;
+  requests->clear();
+  requests->push_back(MakeRequest(c, 81, 27, &next_page));
+  requests->push_back(MakeRequest(c, 82, 18, &next_page));
+  using Step = std::vector<std::pair<int32_t, std::pair<int32_t, int32_t>>>;
+  std::vector<Step> steps = {{{0, {0, 10}}, {1, {0, 6}}}, {{0, {10, 23}}, {1, {6, 14}}}};
+  for (int32_t d = 0; d < 4; ++d) steps.push_back({{0, {23 + d, 24 + d}}, {1, {14 + d, 15 + d}}});
+  std::vector<std::unique_ptr<ModelComm>> comms = CreateInProcessModelComms(tp, pp);
+  std::vector<RankRun> runs(static_cast<size_t>(tp * pp));
+  for (int32_t p = 0; p < pp; ++p) {
+    for (int32_t t = 0; t < tp; ++t) {
+      RuntimeOptions o = testing::TestOptions();
+      o.num_threads = threads;
+      o.shard = {tp, t, pp, p};
+      o.comm = tp * pp > 1 ? comms[static_cast<size_t>(o.shard.index())].get() : nullptr;
+      StatusOr<std::unique_ptr<Model>> model = Model::Create(*weights, o);
+      INFO(model.status().ToString());
+      REQUIRE(model.ok());
+      runs[static_cast<size_t>(o.shard.index())].model = std::move(model).value();
+    }
+  }
+  std::vector<std::thread> rank_threads;
+  for (RankRun& run : runs) {
+    rank_threads.emplace_back([&run, &steps, requests] {
+      for (const Step& step : steps) {
+        std::vector<SequenceChunk> batch;
+        for (const auto& [req, range] : step) {
+          batch.push_back(
+              ChunkOf((*requests)[static_cast<size_t>(req)], range.first, range.second));
+        }
+        std::vector<ForwardResult> results;
+        run.status = run.model->Forward(batch, FullOptions(), &results);
+        if (!run.status.ok()) return;
+        run.results.push_back(std::move(results));
+      }
+    });
+  }
+  for (std::thread& t : rank_threads) t.join();
+  for (const RankRun& run : runs) {
+    INFO(run.status.ToString());
+    REQUIRE(run.status.ok());
+  }
+  return runs;
+}
+
+// Every rank returns TP 1's results; its KV pages hold its KV heads of TP 1's pages and its
+// index pages equal TP 1's (replicated) for the stage's layers.
+void RequireShardsMatchWhole(const ModelConfig& c, int32_t tp, int32_t pp) {
+  std::vector<Request> requests;
+  std::vector<RankRun> whole = RunSharded(c, 1, 1, 2, &requests);
+  std::vector<RankRun> split = RunSharded(c, tp, pp, 1, &requests);
+  const KVCache& full = whole[0].model->kv_cache();
+  const size_t elem = c.kv_elem_bytes();
+  for (const RankRun& rank : split) {
+    const ShardLayout& layout = rank.model->shard_layout();
+    INFO("rank " << layout.shard.ToString());
+    REQUIRE(rank.results.size() == whole[0].results.size());
+    for (size_t step = 0; step < rank.results.size(); ++step) {
+      REQUIRE(rank.results[step].size() == whole[0].results[step].size());
+      for (size_t i = 0; i < rank.results[step].size(); ++i) {
+        RequireSame(rank.results[step][i], whole[0].results[step][i]);
+      }
+    }
+    const KVCache& mine = rank.model->kv_cache();
+    REQUIRE(mine.num_kv_layers() == layout.kv_count);
+    REQUIRE(mine.num_index_layers() == layout.kv_count);
+    REQUIRE(mine.DescribeIndex().ptrs.size() == static_cast<size_t>(layout.kv_count));
+    const size_t head_bytes = static_cast<size_t>(c.head_dim) * elem;
+    for (const Request& r : requests) {
+      for (int32_t page : r.pages) {
+        for (int32_t l = 0; l < layout.kv_count; ++l) {
+          REQUIRE(IndexPage(mine, l, page) == IndexPage(full, layout.kv_start + l, page));
+          for (KVKind kind : {KVKind::kKey, KVKind::kValue}) {
+            const std::vector<std::byte> a =
+                testing::ReadPage(full, kind, layout.kv_start + l, page);
+            const std::vector<std::byte> b = testing::ReadPage(mine, kind, l, page);
+            for (int32_t t = 0; t < c.page_size; ++t) {
+              for (int32_t h = 0; h < layout.kv_head_count; ++h) {
+                const size_t from = KVOffsetInPage(c, t, layout.kv_head_start + h, 0) * elem;
+                const size_t to = KVOffsetInPage(mine.config(), t, h, 0) * elem;
+                REQUIRE(std::memcmp(a.data() + from, b.data() + to, head_bytes) == 0);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("nsa: sharded indexer models give TP 1's bits, index pools replicated") {
+  SECTION("TP 2") { RequireShardsMatchWhole(TinyNsaConfig(), 2, 1); }
+  SECTION("TP 4: KV heads replicated") { RequireShardsMatchWhole(TinyNsaConfig(), 4, 1); }
+  SECTION("PP 2") { RequireShardsMatchWhole(TinyNsaConfig(), 1, 2); }
+  SECTION("bf16 HND TP 2 x PP 2") {
+    ModelConfig c = TinyNsaConfig();
+    c.kv_dtype = KVDtype::kBFloat16;
+    c.kv_layout = KVLayout::kHND;
+    RequireShardsMatchWhole(c, 2, 2);
+  }
+}
+
+}  // namespace
+}  // namespace pdlib::kernels
