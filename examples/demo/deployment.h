@@ -30,7 +30,7 @@ struct DeploymentOptions {
   int32_t decode_tp = 1;  // TP ranks per decode host (pd-decode --tp)
   int32_t decode_pp = 1;  // PP stages per decode host: 1 or the prefill hosts' PP (pdlib's rule)
   bool colocated = true;  // also start a colocated host (pd-decode --colocated, TP 1 PP 1)
-  // small | small-hybrid | small-mla | small-swa (the hosts' --model).
+  // small | small-hybrid | small-mla | small-swa | small-nsa (the hosts' --model).
   std::string model = "small";
   // TEST ONLY: passed to every decode host as --test-fault (e.g. "swap-heads": outputs must
   // differ); "" for none.

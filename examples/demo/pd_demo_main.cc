@@ -35,7 +35,8 @@ ABSL_FLAG(std::string, rates, "0",
           "batch at once");
 ABSL_FLAG(std::string, model, "small",
           "small | small-hybrid (mamba state) | small-mla (multi-head latent attention) | "
-          "small-swa (sliding-window layers: SWA state)");
+          "small-swa (sliding-window layers: SWA state) | small-nsa (a lightning indexer picks the "
+          "positions each token attends to: NSA state)");
 ABSL_FLAG(int64_t, seed, 1, "model weights and prompts");
 ABSL_FLAG(std::string, backend, "ucx", "pdlib backend of the hosts: ucx | fake | verbs");
 ABSL_FLAG(pdlib_tools::Repeated, backend_option, {}, "K=V passed to every host (repeatable)");

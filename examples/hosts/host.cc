@@ -87,9 +87,9 @@ Status ValidateHostOptions(const HostOptions& o) {
     }
   }
   if (!o.test_fault.empty()) {
-    if (o.test_fault != kTestFaultSwapHeads) {
-      return Status::InvalidArgument("test_fault '" + o.test_fault + "': the only one is '" +
-                                     kTestFaultSwapHeads + "'");
+    if (o.test_fault != kTestFaultSwapHeads && o.test_fault != kTestFaultSwapIndex) {
+      return Status::InvalidArgument("test_fault '" + o.test_fault + "': known are '" +
+                                     kTestFaultSwapHeads + "' and '" + kTestFaultSwapIndex + "'");
     }
     if (o.role == Role::kPrefill) {
       return Status::InvalidArgument("test_fault: decode hosts only");

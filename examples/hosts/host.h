@@ -45,7 +45,8 @@ std::string_view RoleName(Role role);
 
 struct HostOptions {
   Role role = Role::kPrefill;
-  // "small" (ModelConfig::Small), "small-hybrid", "small-mla" or "small-swa" (ModelConfigByName).
+  // "small" (ModelConfig::Small), "small-hybrid", "small-mla", "small-swa" or "small-nsa"
+  // (ModelConfigByName).
   std::string model = "small";
   uint64_t seed = 1;             // ModelWeights::Random seed; prefill and decode must agree
   int32_t tp_size = 1;           // tensor-parallel ranks (threads): each holds 1/tp of the heads

@@ -19,7 +19,8 @@ ABSL_FLAG(int32_t, port, 0, "gRPC port; 0 picks a free one");
 ABSL_FLAG(std::string, model, pdlib::hosts::HostOptions{}.model,
           "small | small-hybrid (recurrent layers 1 and 3: mamba state) | small-mla (multi-head "
           "latent attention: one latent row per token, is_mla) | small-swa (layers 1 and 3 "
-          "attend to a sliding window of 24: SWA state)");
+          "attend to a sliding window of 24: SWA state) | small-nsa (a lightning indexer picks "
+          "the 24 positions each token attends to: NSA state, the index keys of every page)");
 ABSL_FLAG(uint64_t, seed, pdlib::hosts::HostOptions{}.seed,
           "random-weights seed; prefill and decode must agree");
 ABSL_FLAG(int32_t, tp, 1,
@@ -80,7 +81,9 @@ ABSL_FLAG(std::string, test_fault, "",
           "pd-decode, TEST ONLY: 'swap-heads' makes decode rank tp 0 pp 0 corrupt every "
           "request's KV once it has arrived (swaps two KV heads, or the keys of neighbouring "
           "tokens when the rank holds one head or MLA latents), so that a test shows its token "
-          "comparison can fail. Outputs are wrong by design");
+          "comparison can fail; 'swap-index' swaps the index keys of neighbouring tokens in every "
+          "received index page of an NSA model (small-nsa) and leaves the KV intact. Outputs "
+          "are wrong by design");
 
 namespace pdlib::hosts {
 namespace {

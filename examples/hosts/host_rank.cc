@@ -41,17 +41,18 @@ class RankRunner final : public sched::ModelRunner {
     return inner_.RestoreKV(kv, page_table, state_slot);
   }
   uint64_t kv_bytes_per_page() const { return inner_.kv_bytes_per_page(); }
-  uint64_t swa_bytes_per_page() const { return inner_.swa_bytes_per_page(); }
+  uint64_t page_state_bytes_per_page() const { return inner_.page_state_bytes_per_page(); }
 
  private:
   sched::KernelsModelRunner inner_;
   kernels::ModelComm* comm_;
 };
 
-// The test-only fault (HostOptions::test_fault, sharding.h): corrupts every page of every pool
-// (KV and sliding-window) that holds the request's received tokens.
-void CorruptReceivedKV(kernels::KVCache& cache, uint64_t room, std::span<const int32_t> table,
-                       int64_t num_tokens) {
+// The test-only faults (HostOptions::test_fault, sharding.h): "swap-heads" corrupts every page of
+// every KV and sliding-window pool that holds the request's received tokens; "swap-index" only
+// the pages of the indexers' key pools.
+void CorruptReceivedKV(kernels::KVCache& cache, const std::string& fault, uint64_t room,
+                       std::span<const int32_t> table, int64_t num_tokens) {
   const kernels::ModelConfig& c = cache.config();
   const int32_t pages = std::min(kernels::PagesForTokens(num_tokens, c.page_size),
                                  static_cast<int32_t>(table.size()));
@@ -74,6 +75,25 @@ void CorruptReceivedKV(kernels::KVCache& cache, uint64_t room, std::span<const i
       }
     }
   };
+  if (fault == kTestFaultSwapIndex) {
+    for (int32_t l = 0; l < cache.num_index_layers(); ++l) {
+      buf.resize(c.index_page_bytes());
+      for (int32_t i = 0; i < pages; ++i) {
+        const int32_t page = table[static_cast<size_t>(i)];
+        Status s = cache.ReadIndexPage(l, page, buf);
+        if (s.ok()) {
+          CorruptReceivedIndexPage(c, buf);
+          s = cache.WriteIndexPage(l, page, buf);
+        }
+        if (!s.ok()) {
+          std::fprintf(stderr, "pd-decode: test fault: room %llu: %s\n",
+                       static_cast<unsigned long long>(room), s.ToString().c_str());
+          return;
+        }
+      }
+    }
+    return;
+  }
   for (kernels::KVKind kind : {kernels::KVKind::kKey, kernels::KVKind::kValue}) {
     for (int32_t l = 0; l < cache.num_kv_layers(); ++l) {
       const kernels::PoolRegion p = cache.pool(kind, l);
@@ -98,8 +118,9 @@ StatusOr<kernels::ModelConfig> ModelConfigByName(const std::string& name) {
   if (name == "small-hybrid") return kernels::ModelConfig::SmallHybrid();
   if (name == "small-mla") return kernels::ModelConfig::SmallMla();
   if (name == "small-swa") return kernels::ModelConfig::SmallSwa();
+  if (name == "small-nsa") return kernels::ModelConfig::SmallNsa();
   return Status::InvalidArgument("unknown model '" + name +
-                                 "' (known: small, small-hybrid, small-mla, small-swa)");
+                                 "' (known: small, small-hybrid, small-mla, small-swa, small-nsa)");
 }
 
 void RankStepOutput::Clear() {
@@ -174,7 +195,7 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
   if (!args.ok()) return fail(args.status(), "pdlib registration");
   args->aux = rep->metadata->Describe();
   uint64_t kv_bytes_per_page = rep->runner->kv_bytes_per_page();
-  uint64_t swa_bytes_per_page = rep->runner->swa_bytes_per_page();
+  uint64_t page_state_bytes_per_page = rep->runner->page_state_bytes_per_page();
 
   if (options.role != Role::kColocated) {
     KVManagerOptions mo;
@@ -210,7 +231,7 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
     rep->colocated = std::make_unique<ColocatedTransport>(rep->model.get(), rep->metadata.get(),
                                                           std::max(1, options.chunked_prefill_size),
                                                           placement.comm);
-    kv_bytes_per_page = swa_bytes_per_page = 0;  // nothing moves
+    kv_bytes_per_page = page_state_bytes_per_page = 0;  // nothing moves
   }
 
   const int32_t sliding_window = config.has_sliding_window() ? config.sliding_window : 0;
@@ -219,10 +240,12 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
     so.max_running_requests = options.max_running;
     so.chunked_prefill_size = options.chunked_prefill_size;
     so.max_context_len = options.max_context_len;
+    so.vocab_size = config.vocab_size;
     so.num_state_slots = config.is_hybrid() ? request_slots : 0;
     so.sliding_window = sliding_window;
+    so.whole_sequence_state = config.has_indexer();
     so.kv_bytes_per_page = kv_bytes_per_page;
-    so.swa_bytes_per_page = swa_bytes_per_page;
+    so.page_state_bytes_per_page = page_state_bytes_per_page;
     so.group = placement.group;
     auto s = sched::PrefillScheduler::Create(
         so, {rep->pages.get(), rep->metadata.get(), rep->transport.get(), rep->runner.get()});
@@ -236,22 +259,24 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
     so.reserved_decode_tokens = options.reserved_decode_tokens;
     so.num_state_slots = config.is_hybrid() ? request_slots : 0;
     so.sliding_window = sliding_window;
+    so.whole_sequence_state = config.has_indexer();
     so.vocab_size = config.vocab_size;
     so.kv_bytes_per_page = kv_bytes_per_page;
-    so.swa_bytes_per_page = swa_bytes_per_page;
+    so.page_state_bytes_per_page = page_state_bytes_per_page;
     so.group = placement.group;
     Rep* r = rep.get();
     so.on_token = [r](uint64_t room, int32_t index, int32_t token) {
       r->tokens.push_back({room, index, token});
     };
-    if (options.test_fault == kTestFaultSwapHeads && placement.tp_rank == 0 &&
-        placement.pp_rank == 0) {
+    if (!options.test_fault.empty() && placement.tp_rank == 0 && placement.pp_rank == 0) {
       std::fprintf(stderr,
                    "pd-decode: TEST FAULT %s: rank tp 0 pp 0 corrupts every request's received "
-                   "KV; outputs will be wrong\n",
-                   kTestFaultSwapHeads);
-      so.on_kv_arrived = [r](uint64_t room, std::span<const int32_t> table, int64_t tokens) {
-        CorruptReceivedKV(r->model->kv_cache(), room, table, tokens);
+                   "%s; outputs will be wrong\n",
+                   options.test_fault.c_str(),
+                   options.test_fault == kTestFaultSwapIndex ? "index keys" : "KV");
+      so.on_kv_arrived = [r, fault = options.test_fault](
+                             uint64_t room, std::span<const int32_t> table, int64_t tokens) {
+        CorruptReceivedKV(r->model->kv_cache(), fault, room, table, tokens);
       };
     }
     sched::ReceiverFactory* receivers =

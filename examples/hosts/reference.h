@@ -14,7 +14,7 @@
 namespace pdlib::hosts {
 
 // `model` is one of the hosts' --model names (ModelConfigByName: small, small-hybrid, small-mla,
-// small-swa), `seed` their --seed. Always the whole model on one rank (TP 1, PP 1).
+// small-swa, small-nsa), `seed` their --seed. Always the whole model on one rank (TP 1, PP 1).
 StatusOr<std::vector<int32_t>> GenerateReference(const std::string& model, uint64_t seed,
                                                  const std::vector<int32_t>& prompt,
                                                  int32_t max_new_tokens);

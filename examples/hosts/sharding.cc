@@ -34,6 +34,12 @@ StatusOr<KVArgs> RankKVArgs(const kernels::ModelConfig& config, const kernels::S
                                 nhd ? static_cast<uint64_t>(config.page_size) : 1);
     args.state_split_units.assign(args.state.size(), static_cast<uint64_t>(config.num_kv_heads));
     args.state_start = 2 * layout.swa_start;  // K and V per sliding-window layer
+  } else if (config.has_indexer()) {
+    args.state = cache.DescribeIndex();
+    args.state_type = StateType::kNsa;
+    // The indexer's keys are replicated on every TP rank: the primary TP rank sends them.
+    args.state_dim_per_tensor.assign(args.state.size(), -1);
+    args.state_start = layout.kv_start;  // one index pool per full-attention layer
   }
   args.page_size = static_cast<uint32_t>(config.page_size);
   args.kv_head_num = config.is_mla() ? 1 : layout.kv_head_count;
@@ -80,6 +86,16 @@ void CorruptReceivedPage(const kernels::ModelConfig& cache_config, kernels::KVKi
   for (int32_t t = 0; t + 1 < rows; t += 2) {
     swap_runs(kernels::KVOffsetInPage(cache_config, t, 0, 0) * elem,
               kernels::KVOffsetInPage(cache_config, t + 1, 0, 0) * elem, head);
+  }
+}
+
+void CorruptReceivedIndexPage(const kernels::ModelConfig& cache_config, std::span<std::byte> page) {
+  const size_t row = static_cast<size_t>(cache_config.index_dim) * sizeof(float);
+  for (int32_t t = 0; t + 1 < cache_config.page_size; ++t) {
+    if (t % 2 != 0) continue;
+    const auto at = static_cast<std::ptrdiff_t>(static_cast<size_t>(t) * row);
+    std::swap_ranges(page.begin() + at, page.begin() + at + static_cast<std::ptrdiff_t>(row),
+                     page.begin() + at + static_cast<std::ptrdiff_t>(row));
   }
 }
 

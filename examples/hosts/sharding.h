@@ -17,6 +17,10 @@
 //    like a KV page: NHD [token][head][dim] along dimension 1 (rows = page_size), HND
 //    [head][token][dim] along dimension 0, in units of the model's KV heads. The state indices
 //    are the window pages of the request's page table (examples/scheduler, SlidingWindowPages).
+//  - NSA-style indexer (small-nsa, StateType::kNsa): the stage's index pools, one per
+//    full-attention layer (KVCache::DescribeIndex), replicated on every TP rank
+//    (state_dim_per_tensor -1), state_start = the stage's first full-attention layer. The state
+//    indices are the request's page-table entries of the whole prompt.
 #ifndef PDLIB_EXAMPLES_HOSTS_SHARDING_H_
 #define PDLIB_EXAMPLES_HOSTS_SHARDING_H_
 
@@ -37,7 +41,8 @@ namespace pdlib::hosts {
 // `cache`: kv, state (type, splits, state_start), page_size, kv_head_num, kv_layout, is_mla,
 // parallel (TP/PP sizes and ranks), prefill_start_layer, memory_kind, and the fingerprint with
 // `model_name`. aux and everything else are the caller's. kInvalidArgument for a model with both
-// recurrent and sliding-window layers (a rank registers one kind of state).
+// recurrent and sliding-window layers (a rank registers one kind of state; an indexer model has
+// neither, ModelConfig::Validate).
 StatusOr<KVArgs> RankKVArgs(const kernels::ModelConfig& config, const kernels::ShardLayout& layout,
                             const kernels::KVCache& cache, const std::string& model_name);
 
@@ -54,8 +59,14 @@ StatusOr<KVArgs> RankKVArgs(const kernels::ModelConfig& config, const kernels::S
 void CorruptReceivedPage(const kernels::ModelConfig& cache_config, kernels::KVKind kind,
                          std::span<std::byte> page);
 
-// HostOptions::test_fault's one value.
+// The test-only fault "swap-index": corrupts one received page of an indexer's key pool in place
+// (the index keys of tokens 2i and 2i+1 swap), so that the top-k selection, and the tokens, of a
+// decode that reads them change while its KV is intact. `page` is index_page_bytes() long.
+void CorruptReceivedIndexPage(const kernels::ModelConfig& cache_config, std::span<std::byte> page);
+
+// HostOptions::test_fault's values.
 inline constexpr char kTestFaultSwapHeads[] = "swap-heads";
+inline constexpr char kTestFaultSwapIndex[] = "swap-index";
 
 }  // namespace pdlib::hosts
 

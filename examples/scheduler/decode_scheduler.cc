@@ -47,11 +47,12 @@ StatusOr<std::unique_ptr<DecodeScheduler>> DecodeScheduler::Create(
         options.polling_interval, options.pre_alloc_size, options.reserved_decode_tokens,
         options.num_state_slots, options.sliding_window, options.vocab_size));
   }
-  if (options.num_state_slots > 0 && options.sliding_window > 0) {
+  if ((options.num_state_slots > 0) + (options.sliding_window > 0) + options.whole_sequence_state >
+      1) {
     return Status::InvalidArgument(absl::StrFormat(
-        "decode scheduler: num_state_slots %d and sliding_window %d: a request receives one kind "
-        "of state",
-        options.num_state_slots, options.sliding_window));
+        "decode scheduler: num_state_slots %d, sliding_window %d and whole_sequence_state %d: a "
+        "request receives one kind of state",
+        options.num_state_slots, options.sliding_window, int{options.whole_sequence_state}));
   }
   if (deps.pages->page_size() < 1) {
     return Status::InvalidArgument(
@@ -70,7 +71,8 @@ DecodeScheduler::DecodeScheduler(const DecodeSchedulerOptions& options, const De
                      .num_state_slots = options.num_state_slots,
                      .kv_bytes_per_page = options.kv_bytes_per_page,
                      .sliding_window = options.sliding_window,
-                     .swa_bytes_per_page = options.swa_bytes_per_page,
+                     .whole_sequence_state = options.whole_sequence_state,
+                     .page_state_bytes_per_page = options.page_state_bytes_per_page,
                      .group = options.group,
                      .now_us = options.now_us},
                     deps.pages, deps.model,
@@ -99,6 +101,7 @@ Status DecodeScheduler::AddRequest(const Request& request) {
       return Status::InvalidArgument(absl::StrFormat("room %d: max_new_tokens %d must be >= 1",
                                                      request.room, request.max_new_tokens));
     }
+    if (Status t = CheckPromptTokens(request, options_.vocab_size); !t.ok()) return t;
     const int64_t total = len + request.max_new_tokens;
     if (total > options_.max_context_len) {
       return Status::InvalidArgument(absl::StrFormat(
@@ -244,8 +247,7 @@ void DecodeScheduler::PreallocNew() {
     const std::vector<int32_t> state = StateIndices(r->mem, r->prompt_len());
     r->received_state = state.size();
     if (Status s = r->receiver->Init(page_table(r->mem), r->mem.aux_slot, state); !s.ok()) {
-      Finish(std::move(r), s.WithPrefix("KVReceiver::Init"), FailStage::kBootstrap);
-      continue;
+      FailEverywhere(*r->receiver, s.WithPrefix("KVReceiver::Init"));
     }
     r->init_us = Now();
     transfer_.push_back(std::move(r));
@@ -390,8 +392,9 @@ void DecodeScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage st
       .first_token_us = r->arrived_us,
       .transfer_start_us = r->init_us,
       .transfer_end_us = r->arrived_us,
-      .kv_bytes = r->received_pages * options_.kv_bytes_per_page +
-                  (r->received_pages > 0 ? r->received_state * options_.swa_bytes_per_page : 0)};
+      .kv_bytes =
+          r->received_pages * options_.kv_bytes_per_page +
+          (r->received_pages > 0 ? r->received_state * options_.page_state_bytes_per_page : 0)};
   if (f.status.ok()) f.output_ids = std::move(r->output_ids);
   // Tells prefill why before the receiver goes (destroying a live receiver aborts it anyway).
   FinishRequest(std::move(f), stage, std::move(r->receiver), r->mem, r->transferred);

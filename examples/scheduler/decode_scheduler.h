@@ -70,14 +70,19 @@ struct DecodeSchedulerOptions {
   // as state indices the request's page-table entries SlidingWindowPages(prompt length)
   // (scheduler_core.h), what prefill sends. 0: none. Not with num_state_slots.
   int32_t sliding_window = 0;
-  // When > 0, a first token from prefill outside [0, vocab_size) fails the request.
+  // NSA-style models (StateType::kNsa): the state indices are the request's page-table entries
+  // of its prompt, one per page (the indexer's keys). Not with num_state_slots or sliding_window.
+  bool whole_sequence_state = false;
+  // When > 0, a prompt token outside [0, vocab_size) is refused at AddRequest, and a first
+  // token from prefill outside it fails the request.
   int32_t vocab_size = 0;
   // Generation stops after this token; -1 for none.
   int32_t eos_token_id = -1;
   // Bytes of one page over every KV buffer, for transferred_bytes.
   uint64_t kv_bytes_per_page = 0;
-  // Bytes of one page over every sliding-window buffer, for kv_bytes of the window pages.
-  uint64_t swa_bytes_per_page = 0;
+  // Bytes of one page over every page-indexed state buffer (sliding-window or index pools), for
+  // kv_bytes of the state pages received.
+  uint64_t page_state_bytes_per_page = 0;
   ProcessGroup* group = nullptr;    // TP group; null for a single rank
   std::function<int64_t()> now_us;  // latency clock; null means std::chrono::steady_clock
   // Called from Step() for every token as it is produced (index 0: the first token, when it

@@ -8,29 +8,51 @@ namespace pdlib::sched {
 namespace {
 
 // One page-sized pool the runner offloads: a K or V pool of a full-attention layer (MLA: the K
-// pool only; its V pool is empty) or of a sliding-window layer.
+// pool only; its V pool is empty), of a sliding-window layer, or an indexer's key pool.
+enum class Family { kKv, kSwa, kIndex };
 struct PagePool {
-  bool swa = false;
+  Family family = Family::kKv;
   kernels::KVKind kind = kernels::KVKind::kKey;
   int32_t layer = 0;
   size_t page_bytes = 0;
+
+  Status Read(const kernels::KVCache& cache, int32_t page, std::span<std::byte> out) const {
+    switch (family) {
+      case Family::kKv: return cache.ReadPage(kind, layer, page, out);
+      case Family::kSwa: return cache.ReadSwaPage(kind, layer, page, out);
+      case Family::kIndex: return cache.ReadIndexPage(layer, page, out);
+    }
+    return Status::Internal("unknown page pool");
+  }
+  Status Write(kernels::KVCache& cache, int32_t page, std::span<const std::byte> in) const {
+    switch (family) {
+      case Family::kKv: return cache.WritePage(kind, layer, page, in);
+      case Family::kSwa: return cache.WriteSwaPage(kind, layer, page, in);
+      case Family::kIndex: return cache.WriteIndexPage(layer, page, in);
+    }
+    return Status::Internal("unknown page pool");
+  }
 };
 
 // Every non-empty page pool of the cache (this rank's share of a sharded model), in a fixed
-// order: per full-attention layer K then V, then per sliding-window layer K then V.
+// order: per full-attention layer K then V, per sliding-window layer K then V, per indexer.
 std::vector<PagePool> PagePools(const kernels::KVCache& cache) {
   std::vector<PagePool> out;
+  auto add = [&](Family family, kernels::KVKind kind, int32_t layer, kernels::PoolRegion p) {
+    if (p.base != nullptr && p.item_bytes > 0) out.push_back({family, kind, layer, p.item_bytes});
+  };
   for (int32_t layer = 0; layer < cache.num_kv_layers(); ++layer) {
     for (kernels::KVKind kind : {kernels::KVKind::kKey, kernels::KVKind::kValue}) {
-      const kernels::PoolRegion p = cache.pool(kind, layer);
-      if (p.base != nullptr && p.item_bytes > 0) out.push_back({false, kind, layer, p.item_bytes});
+      add(Family::kKv, kind, layer, cache.pool(kind, layer));
     }
   }
   for (int32_t layer = 0; layer < cache.num_swa_layers(); ++layer) {
     for (kernels::KVKind kind : {kernels::KVKind::kKey, kernels::KVKind::kValue}) {
-      const kernels::PoolRegion p = cache.swa_pool(kind, layer);
-      if (p.base != nullptr && p.item_bytes > 0) out.push_back({true, kind, layer, p.item_bytes});
+      add(Family::kSwa, kind, layer, cache.swa_pool(kind, layer));
     }
+  }
+  for (int32_t layer = 0; layer < cache.num_index_layers(); ++layer) {
+    add(Family::kIndex, kernels::KVKind::kKey, layer, cache.index_pool(layer));
   }
   return out;
 }
@@ -68,15 +90,15 @@ Status KernelsModelRunner::Forward(std::span<const ForwardChunk> batch,
 uint64_t KernelsModelRunner::kv_bytes_per_page() const {
   uint64_t bytes = 0;
   for (const PagePool& p : PagePools(model_->kv_cache())) {
-    if (!p.swa) bytes += p.page_bytes;
+    if (p.family == Family::kKv) bytes += p.page_bytes;
   }
   return bytes;
 }
 
-uint64_t KernelsModelRunner::swa_bytes_per_page() const {
+uint64_t KernelsModelRunner::page_state_bytes_per_page() const {
   uint64_t bytes = 0;
   for (const PagePool& p : PagePools(model_->kv_cache())) {
-    if (p.swa) bytes += p.page_bytes;
+    if (p.family != Family::kKv) bytes += p.page_bytes;
   }
   return bytes;
 }
@@ -97,9 +119,7 @@ StatusOr<HostKV> KernelsModelRunner::OffloadKV(std::span<const int32_t> page_tab
       kv.bytes.resize(kv.bytes.size() + p.page_bytes);
       std::span<std::byte> out(kv.bytes.data() + kv.bytes.size() - p.page_bytes, p.page_bytes);
       const int32_t page = page_table[static_cast<size_t>(i)];
-      Status s = p.swa ? cache.ReadSwaPage(p.kind, p.layer, page, out)
-                       : cache.ReadPage(p.kind, p.layer, page, out);
-      if (!s.ok()) return s;
+      if (Status s = p.Read(cache, page, out); !s.ok()) return s;
     }
   }
   if (state_slot >= 0) {
@@ -134,9 +154,7 @@ Status KernelsModelRunner::RestoreKV(const HostKV& kv, std::span<const int32_t> 
       std::span<const std::byte> in = take(p.page_bytes);
       if (in.empty()) return Status::InvalidArgument("RestoreKV: host copy is too short");
       const int32_t page = page_table[static_cast<size_t>(i)];
-      Status s = p.swa ? cache.WriteSwaPage(p.kind, p.layer, page, in)
-                       : cache.WritePage(p.kind, p.layer, page, in);
-      if (!s.ok()) return s;
+      if (Status s = p.Write(cache, page, in); !s.ok()) return s;
     }
   }
   if (state_slot >= 0) {

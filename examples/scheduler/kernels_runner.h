@@ -2,11 +2,11 @@
 // host that serves the example model only wires the two together.
 //
 // OffloadKV copies the request's pages of every pool the model's KV cache holds (per full-attention
-// layer K then V, MLA: the latent pool only; then per sliding-window layer K then V, the same
-// page-table entries) and its recurrent state of every recurrent layer to host memory; RestoreKV
-// writes them into new pages and a new state slot. A sharded model's cache holds only its rank's
-// layers and heads, and so does the copy. Not thread-safe, like the Model it wraps (which must
-// outlive it).
+// layer K then V, MLA: the latent pool only; then per sliding-window layer K then V, then each
+// indexer's key pool, the same page-table entries) and its recurrent state of every recurrent layer
+// to host memory; RestoreKV writes them into new pages and a new state slot. A sharded model's
+// cache holds only its rank's layers and heads, and so does the copy. Not thread-safe, like the
+// Model it wraps (which must outlive it).
 #ifndef PDLIB_EXAMPLES_SCHEDULER_KERNELS_RUNNER_H_
 #define PDLIB_EXAMPLES_SCHEDULER_KERNELS_RUNNER_H_
 
@@ -29,8 +29,9 @@ class KernelsModelRunner final : public ModelRunner {
   // Bytes of one page over every K and V pool of this rank's cache (the schedulers'
   // kv_bytes_per_page; MLA: the latent pools).
   uint64_t kv_bytes_per_page() const;
-  // Bytes of one page over every sliding-window pool of this rank's cache (swa_bytes_per_page).
-  uint64_t swa_bytes_per_page() const;
+  // Bytes of one page over every sliding-window and index pool of this rank's cache (the
+  // schedulers' page_state_bytes_per_page).
+  uint64_t page_state_bytes_per_page() const;
 
  private:
   kernels::Model* model_;

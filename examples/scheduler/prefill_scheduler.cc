@@ -32,18 +32,21 @@ StatusOr<std::unique_ptr<PrefillScheduler>> PrefillScheduler::Create(
         "prefill scheduler: pages, metadata, senders and model must all be set");
   }
   if (options.max_running_requests < 1 || options.chunked_prefill_size < 1 ||
-      options.max_context_len < 1 || options.num_state_slots < 0 || options.sliding_window < 0) {
+      options.max_context_len < 1 || options.num_state_slots < 0 || options.sliding_window < 0 ||
+      options.vocab_size < 0) {
     return Status::InvalidArgument(absl::StrFormat(
         "prefill scheduler: max_running_requests %d, chunked_prefill_size %d and "
-        "max_context_len %d must be >= 1, num_state_slots %d and sliding_window %d >= 0",
+        "max_context_len %d must be >= 1, num_state_slots %d, sliding_window %d and vocab_size "
+        "%d >= 0",
         options.max_running_requests, options.chunked_prefill_size, options.max_context_len,
-        options.num_state_slots, options.sliding_window));
+        options.num_state_slots, options.sliding_window, options.vocab_size));
   }
-  if (options.num_state_slots > 0 && options.sliding_window > 0) {
+  if ((options.num_state_slots > 0) + (options.sliding_window > 0) + options.whole_sequence_state >
+      1) {
     return Status::InvalidArgument(absl::StrFormat(
-        "prefill scheduler: num_state_slots %d and sliding_window %d: a request sends one kind "
-        "of state",
-        options.num_state_slots, options.sliding_window));
+        "prefill scheduler: num_state_slots %d, sliding_window %d and whole_sequence_state %d: "
+        "a request sends one kind of state",
+        options.num_state_slots, options.sliding_window, int{options.whole_sequence_state}));
   }
   if (deps.pages->page_size() < 1) {
     return Status::InvalidArgument(
@@ -66,7 +69,8 @@ PrefillScheduler::PrefillScheduler(const PrefillSchedulerOptions& options, const
            .num_state_slots = options.num_state_slots,
            .kv_bytes_per_page = options.kv_bytes_per_page,
            .sliding_window = options.sliding_window,
-           .swa_bytes_per_page = options.swa_bytes_per_page,
+           .whole_sequence_state = options.whole_sequence_state,
+           .page_state_bytes_per_page = options.page_state_bytes_per_page,
            .group = options.group,
            .now_us = options.now_us},
           deps.pages, deps.model,
@@ -94,6 +98,7 @@ Status PrefillScheduler::AddRequest(const Request& request) {
           absl::StrFormat("room %d: prompt of %d tokens is longer than max_context_len %d",
                           request.room, len, options_.max_context_len));
     }
+    if (Status t = CheckPromptTokens(request, options_.vocab_size); !t.ok()) return t;
     const uint64_t pages =
         PageCount(static_cast<uint64_t>(len), static_cast<uint32_t>(page_size()));
     if (pages > static_cast<uint64_t>(deps_.pages->num_pages())) {
@@ -173,8 +178,7 @@ void PrefillScheduler::ProcessBootstrap(std::span<const KVPoll> polls) {
     }
     const uint64_t pages = PageCount(r->request.prompt.size(), static_cast<uint32_t>(page_size()));
     if (Status s = r->sender->Init(pages, r->mem.aux_slot); !s.ok()) {
-      Finish(std::move(r), s.WithPrefix("KVSender::Init"), FailStage::kBootstrap);
-      return;
+      FailEverywhere(*r->sender, s.WithPrefix("KVSender::Init"));
     }
     waiting_.push_back(std::move(r));
   });
@@ -215,8 +219,7 @@ void PrefillScheduler::RunPrefillBatch() {
     r->filled += static_cast<int32_t>(chunks[k].tokens.size());
     const bool last = r->filled == static_cast<int32_t>(r->request.prompt.size());
     if (Status s = SendChunk(*r, last ? &results[k] : nullptr); !s.ok()) {
-      Finish(std::move(r), std::move(s), FailStage::kTransfer);
-      continue;
+      FailEverywhere(*r->sender, s);
     }
     if (last) {
       inflight_.push_back(std::move(r));
@@ -271,14 +274,15 @@ void PrefillScheduler::WriteMetadata(uint32_t slot, uint64_t room, const Forward
 }
 
 void PrefillScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage stage) {
-  FinishedRequest f{.room = r->request.room,
-                    .status = std::move(status),
-                    .output_ids = {},
-                    .first_token_us = r->first_token_us,
-                    .transfer_start_us = r->first_sent_us,
-                    .transfer_end_us = r->transfer_end_us,
-                    .kv_bytes = static_cast<uint64_t>(r->sent_pages) * options_.kv_bytes_per_page +
-                                static_cast<uint64_t>(r->sent_state) * options_.swa_bytes_per_page};
+  FinishedRequest f{
+      .room = r->request.room,
+      .status = std::move(status),
+      .output_ids = {},
+      .first_token_us = r->first_token_us,
+      .transfer_start_us = r->first_sent_us,
+      .transfer_end_us = r->transfer_end_us,
+      .kv_bytes = static_cast<uint64_t>(r->sent_pages) * options_.kv_bytes_per_page +
+                  static_cast<uint64_t>(r->sent_state) * options_.page_state_bytes_per_page};
   if (f.status.ok()) f.output_ids.push_back(r->first_token);
   // Tells decode why before the sender goes (destroying a live sender aborts it anyway).
   FinishRequest(std::move(f), stage, std::move(r->sender), r->mem, r->transferred);

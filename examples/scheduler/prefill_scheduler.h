@@ -56,16 +56,22 @@ struct PrefillSchedulerOptions {
   int32_t chunked_prefill_size = 512;
   // Longest prompt accepted.
   int32_t max_context_len = 4096;
+  // When > 0, a prompt token outside [0, vocab_size) is refused at AddRequest.
+  int32_t vocab_size = 0;
   // Hybrid models: recurrent-state slots (one per request holding pages); 0 without state.
   int32_t num_state_slots = 0;
   // Sliding-window models (StateType::kSwa): the window in positions; the last chunk then sends
   // as state indices the request's page-table entries SlidingWindowPages(prompt length)
   // (scheduler_core.h). 0: none. Not with num_state_slots.
   int32_t sliding_window = 0;
+  // NSA-style models (StateType::kNsa): the state indices are the request's page-table entries
+  // of its prompt, one per page (the indexer's keys). Not with num_state_slots or sliding_window.
+  bool whole_sequence_state = false;
   // Bytes of one page over every KV buffer (all layers, K and V), for transferred_bytes.
   uint64_t kv_bytes_per_page = 0;
-  // Bytes of one page over every sliding-window buffer, for kv_bytes of the window pages sent.
-  uint64_t swa_bytes_per_page = 0;
+  // Bytes of one page over every page-indexed state buffer (sliding-window or index pools), for
+  // kv_bytes of the state pages sent.
+  uint64_t page_state_bytes_per_page = 0;
   // The TP group whose ranks must agree on every request's state; null for a single rank.
   ProcessGroup* group = nullptr;
   // Microsecond clock for latency metrics; null means std::chrono::steady_clock.

@@ -103,6 +103,20 @@ void SchedulerCore::Admit(uint64_t room) {
   ++counters_.requests_total;
 }
 
+Status SchedulerCore::CheckPromptTokens(const Request& request, int32_t vocab_size) {
+  if (vocab_size <= 0) return Status::OK();
+  for (size_t i = 0; i < request.prompt.size(); ++i) {
+    const int32_t token = request.prompt[i];
+    if (token < 0 || token >= vocab_size) {
+      return Status::InvalidArgument(
+          absl::StrFormat("room %d: prompt token %d at position %d is not in the model's "
+                          "vocabulary [0, %d)",
+                          request.room, token, i, vocab_size));
+    }
+  }
+  return Status::OK();
+}
+
 Status SchedulerCore::FailureOf(const KVPollable& handle) const {
   Status why = handle.FailureReason();
   if (!why.ok()) return why;
@@ -160,6 +174,14 @@ std::vector<int32_t> SchedulerCore::StateIndices(const RequestMemory& mem,
     const int32_t end = std::min(range.end, static_cast<int32_t>(table.size()));
     if (range.first >= end) return {};
     return {table.begin() + range.first, table.begin() + end};
+  }
+  if (core_options_.whole_sequence_state) {
+    const std::vector<int32_t>& table = page_table(mem);
+    const auto pages =
+        std::min<int64_t>(static_cast<int64_t>(table.size()),
+                          static_cast<int64_t>(PageCount(static_cast<uint64_t>(num_tokens),
+                                                         static_cast<uint32_t>(page_size_))));
+    return {table.begin(), table.begin() + pages};
   }
   if (mem.state_slot >= 0) return {mem.state_slot};
   return {};

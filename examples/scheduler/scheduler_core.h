@@ -60,8 +60,12 @@ struct SchedulerCoreOptions {
   // Sliding-window models: positions a sliding-window layer attends to (0: none). The state
   // pdlib moves is then the request's window pages (StateIndices), not a state slot.
   int32_t sliding_window = 0;
-  // Bytes of one page over every sliding-window buffer, for kv_bytes of the window pages.
-  uint64_t swa_bytes_per_page = 0;
+  // NSA-style models (StateType::kNsa): the state is one item per KV page of the prompt (the
+  // indexer's keys), so StateIndices are the prompt's page-table entries.
+  bool whole_sequence_state = false;
+  // Bytes of one page over every page-indexed state buffer (sliding-window pools, index pools),
+  // for kv_bytes of the state pages.
+  uint64_t page_state_bytes_per_page = 0;
   ProcessGroup* group = nullptr;      // TP group; null for a single rank
   std::function<int64_t()> now_us{};  // null: std::chrono::steady_clock
 };
@@ -118,11 +122,25 @@ class SchedulerCore {
   // Admission: a room already live or still quarantined is refused (kAlreadyExists). Reject
   // counts a refusal and returns `why`; Admit counts the request and marks its room live.
   Status CheckRoomFree(uint64_t room) const;
+  // With vocab_size > 0: kInvalidArgument naming the first prompt token outside
+  // [0, vocab_size). Checked at admission so that one bad prompt fails alone, not the forward
+  // batch it would have joined.
+  static Status CheckPromptTokens(const Request& request, int32_t vocab_size);
   Status Reject(Status why);
   void Admit(uint64_t room);
 
   // The reason a handle that polled kFailed (on some rank) failed.
   Status FailureOf(const KVPollable& handle) const;
+  // A pdlib call on this rank's handle failed (KVSender::Init or Send, KVReceiver::Init).
+  // Finishing the request here alone would leave this rank's queues, and so its polls and its
+  // forward batches, different from the other TP ranks' (whose calls succeeded) and break the
+  // collectives of the next step. Instead the handle is aborted with the reason and the request
+  // stays queued: the next poll reports it Failed on every rank in the same step, with this
+  // reason on this rank.
+  template <typename Handle>
+  static void FailEverywhere(Handle& handle, const Status& why) {
+    handle.Abort(why.message());
+  }
 
   // A request slot, the pages for `kv_tokens` tokens and (with state slots) a state slot; false,
   // with nothing taken, when one of them is short.

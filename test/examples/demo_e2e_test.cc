@@ -138,8 +138,9 @@ void RunTopology(const std::string& name, DeploymentOptions o, int requests) {
 // The negative control: decode rank tp 0 pp 0 corrupts every request's KV once it arrived
 // (pd-decode --test-fault swap-heads). Every request must still complete, and outputs must
 // differ from the reference, so the comparisons of the other cases cannot pass vacuously.
-void RunNegativeControl(const std::string& name, DeploymentOptions o, int requests) {
-  o.decode_test_fault = "swap-heads";
+void RunNegativeControl(const std::string& name, DeploymentOptions o, int requests,
+                        const std::string& fault = "swap-heads") {
+  o.decode_test_fault = fault;
   auto d = Deployment::Start(o);
   INFO("logs in " << o.log_dir);
   INFO(d.status().ToString());
@@ -273,6 +274,16 @@ TEST_CASE("demo e2e: sliding-window hybrid, 1P1D and prefill TP 2 -> decode TP 1
   RunTopology("swa-tp2", t, 6);
 }
 
+TEST_CASE("demo e2e: NSA-style indexer, 1P1D and prefill TP 2 -> decode TP 1, identical") {
+  DeploymentOptions o = Options("nsa");
+  o.model = "small-nsa";
+  RunTopology("nsa", o, 6);
+  DeploymentOptions t = Options("nsa-tp2");
+  t.model = "small-nsa";
+  t.prefills = {PrefillSpec{2, 1}};
+  RunTopology("nsa-tp2", t, 6);
+}
+
 TEST_CASE("demo e2e: negative controls, a decode rank's corrupted KV changes the outputs") {
   DeploymentOptions gqa = Options("fault-gqa");
   gqa.decode_tp = 2;
@@ -284,6 +295,10 @@ TEST_CASE("demo e2e: negative controls, a decode rank's corrupted KV changes the
   DeploymentOptions swa = Options("fault-swa");
   swa.model = "small-swa";
   RunNegativeControl("fault-swa", swa, 6);
+  // NSA: the KV stays intact; only the index keys the top-k selection reads are corrupted.
+  DeploymentOptions nsa = Options("fault-nsa");
+  nsa.model = "small-nsa";
+  RunNegativeControl("fault-nsa-index", nsa, 6, "swap-index");
 }
 
 TEST_CASE("demo e2e: a killed prefill host fails only its own requests, with a reason") {

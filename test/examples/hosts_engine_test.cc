@@ -150,7 +150,8 @@ struct Layout {
 // Whether a side's ranks hold every KV byte exactly once (no GQA head or MLA latent replicated
 // across TP ranks), so that the bytes its ranks count add up to the model's.
 bool HoldsOnce(const std::string& model, int32_t tp) {
-  if (model == "small-mla") return tp == 1;
+  // MLA's latent row and the NSA indexer's keys are on every TP rank.
+  if (model == "small-mla" || model == "small-nsa") return tp == 1;
   return tp <= 2;  // the other models have 2 KV heads
 }
 
@@ -273,13 +274,20 @@ TEST_CASE("hosts engine: sliding-window hybrid (1P1D, prefill TP 2 -> decode TP 
   RunDisaggregated(Layout{.model = "small-swa", .decode_tp = 2, .decode_pp = 1});
 }
 
+TEST_CASE("hosts engine: NSA-style indexer (1P1D, prefill TP 2 -> decode TP 1, TP 1 -> 2)") {
+  RunDisaggregated(Layout{.model = "small-nsa"});
+  RunDisaggregated(Layout{.model = "small-nsa", .prefill_tp = 2});
+  RunDisaggregated(Layout{.model = "small-nsa", .decode_tp = 2});
+}
+
 // The negative control: the same runs with decode rank tp 0 pp 0 corrupting what it received
 // must give other tokens, so the comparisons above cannot pass vacuously.
-TEST_CASE("hosts engine: the swap-heads test fault changes the tokens, every family") {
+TEST_CASE("hosts engine: the test faults change the tokens, every family") {
   for (const Layout& l : {Layout{.model = "small", .test_fault = "swap-heads"},
                           Layout{.model = "small", .decode_tp = 2, .test_fault = "swap-heads"},
                           Layout{.model = "small-mla", .prefill_tp = 2, .test_fault = "swap-heads"},
-                          Layout{.model = "small-swa", .test_fault = "swap-heads"}}) {
+                          Layout{.model = "small-swa", .test_fault = "swap-heads"},
+                          Layout{.model = "small-nsa", .test_fault = "swap-index"}}) {
     const int differ = RunDisaggregated(l);
     std::printf("hosts_engine_test: fault on %s decode tp %d: %d of %zu outputs differ\n",
                 l.model.c_str(), l.decode_tp, differ, Prompts().size());
@@ -293,7 +301,7 @@ TEST_CASE("hosts engine: colocated host equals the reference without a transfer"
     int32_t tp, pp;
   };
   for (const Case& c : {Case{"small", 1, 1}, Case{"small-hybrid", 1, 1}, Case{"small-mla", 1, 1},
-                        Case{"small-swa", 1, 1}, Case{"small", 2, 2}}) {
+                        Case{"small-swa", 1, 1}, Case{"small-nsa", 1, 1}, Case{"small", 2, 2}}) {
     const char* model = c.model;
     INFO(model << " tp " << c.tp << " pp " << c.pp);
     HostOptions o = BaseOptions(Role::kColocated, model);

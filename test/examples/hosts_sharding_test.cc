@@ -106,6 +106,17 @@ TEST_CASE("hosts sharding: recurrent state is replicated, sliding-window pages s
   CHECK((whole.args.state.size() == 4 && whole.args.state_start == 0 && whole.args.kv.size() == 4));
 }
 
+TEST_CASE("hosts sharding: an NSA rank registers its index pools, replicated, as kNsa state") {
+  // SmallNsa: 4 attention layers, each with an indexer of 32 fp32 keys per token.
+  RankArgs r = Make("small-nsa", 2, 1, 2, 1);
+  CHECK(r.args.state_type == StateType::kNsa);
+  CHECK((r.args.kv.size() == 4 && r.args.prefill_start_layer == 2 && r.args.kv_head_num == 1));
+  CHECK((r.args.state.size() == 2 && r.args.state_start == 2));  // layers 2 and 3
+  for (uint64_t item : r.args.state.item_lens) CHECK(item == 16ull * 32 * sizeof(float));
+  CHECK(r.args.state_dim_per_tensor == std::vector<int32_t>{-1, -1});
+  CHECK(r.args.state.ptrs[1] == reinterpret_cast<uint64_t>(r.model->kv_cache().index_pool(1).base));
+}
+
 kernels::ModelConfig PageConfig(KVLayout layout, int32_t heads) {
   kernels::ModelConfig c;
   c.num_kv_heads = heads;
@@ -173,6 +184,20 @@ TEST_CASE("hosts sharding: the test fault swaps two heads, or keys of neighbouri
     REQUIRE(std::memcmp(page.data() + at, before.data() + at, row - rope) == 0);
     REQUIRE(std::memcmp(page.data() + at + row - rope, before.data() + other + row - rope, rope) ==
             0);
+  }
+}
+
+TEST_CASE("hosts sharding: the swap-index fault swaps the index keys of neighbouring tokens") {
+  kernels::ModelConfig c = kernels::ModelConfig::SmallNsa();
+  c.page_size = 5;  // an odd page: the last token keeps its keys
+  const size_t row = static_cast<size_t>(c.index_dim) * sizeof(float);
+  const std::vector<std::byte> before = Filled(c.index_page_bytes());
+  std::vector<std::byte> after = before;
+  CorruptReceivedIndexPage(c, after);
+  for (int32_t t = 0; t < c.page_size; ++t) {
+    const int32_t from = t == c.page_size - 1 ? t : (t % 2 == 0 ? t + 1 : t - 1);
+    CHECK(std::memcmp(after.data() + static_cast<size_t>(t) * row,
+                      before.data() + static_cast<size_t>(from) * row, row) == 0);
   }
 }
 

@@ -261,7 +261,7 @@ TEST_CASE("scheduler: decode names the window pages as state indices (sliding wi
   o.reserved_decode_tokens = 0;
   o.sliding_window = 6;
   o.kv_bytes_per_page = 1000;
-  o.swa_bytes_per_page = 10;
+  o.page_state_bytes_per_page = 10;
   std::vector<std::pair<uint64_t, int64_t>> arrived;
   o.on_kv_arrived = [&](uint64_t room, std::span<const int32_t> table, int64_t tokens) {
     CHECK(table.size() == 3);
@@ -281,6 +281,34 @@ TEST_CASE("scheduler: decode names the window pages as state indices (sliding wi
   REQUIRE(rig.finished.count(1) == 1);
   CHECK(rig.finished[1].status.ok());
   CHECK(rig.finished[1].kv_bytes == 3 * 1000 + 2 * 10);
+}
+
+TEST_CASE("scheduler: decode names every prompt page as state (NSA-style whole sequence)") {
+  DecodeSchedulerOptions o;
+  o.reserved_decode_tokens = 0;
+  o.whole_sequence_state = true;
+  DecodeRig rig(o, 64, 4);
+  rig.Add(1, 10, 2);
+  rig.Step();
+  REQUIRE(rig.transport[1].init_called);
+  const std::vector<int32_t>& pages = rig.transport[1].init_pages;
+  REQUIRE(pages.size() == 3);
+  CHECK(rig.transport[1].state_indices == pages);
+}
+
+TEST_CASE("scheduler: a KVReceiver::Init refused on this rank fails the request at the next poll") {
+  DecodeSchedulerOptions o;
+  o.reserved_decode_tokens = 0;
+  DecodeRig rig(o, 64, 4);
+  rig.Add(1, 8, 2);
+  rig.transport[1].call_error = Status::Unavailable("Init refused here");
+  rig.Step();
+  CHECK(rig.finished.empty());  // still queued, like on the ranks whose Init succeeded
+  CHECK(rig.transport[1].state == KVPoll::kFailed);
+  for (int i = 0; i < 3 && rig.finished.empty(); ++i) rig.Step();
+  REQUIRE(rig.finished.count(1) == 1);
+  CHECK_THAT(std::string(rig.finished[1].status.message()), Catch::Contains("Init refused here"));
+  CHECK_THAT(std::string(rig.finished[1].status.message()), Catch::Contains("KVReceiver::Init"));
 }
 
 TEST_CASE("scheduler: decode quarantines a failed request's pages and slots until PagesReusable") {

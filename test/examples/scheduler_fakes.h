@@ -35,6 +35,10 @@ struct HandleState {
   };
   std::vector<SendCall> sends;
 
+  // When set, KVSender::Init / Send and KVReceiver::Init return it (a call refused on this rank
+  // only) and record nothing.
+  Status call_error;
+
   // pdlib's page-reuse answer for a failed handle (Success is always reusable).
   bool reusable = false;
   // Abort() leaves the pages quarantined (a peer may still have a write in flight) instead of
@@ -80,6 +84,7 @@ class FakeSender final : public FakeHandle<KVSender> {
  public:
   using FakeHandle::FakeHandle;
   Status Init(uint64_t num_kv_pages, std::optional<uint32_t> aux_index) override {
+    if (!s_->call_error.ok()) return s_->call_error;
     s_->init_called = true;
     s_->init_num_pages = num_kv_pages;
     s_->aux = aux_index;
@@ -87,6 +92,7 @@ class FakeSender final : public FakeHandle<KVSender> {
   }
   Status Send(std::span<const int32_t> pages, bool is_last_chunk,
               std::span<const int32_t> state_indices) override {
+    if (!s_->call_error.ok()) return s_->call_error;
     if (s_->state < KVPoll::kWaitingForInput) return Status::FailedPrecondition("not bootstrapped");
     s_->sends.push_back({{pages.begin(), pages.end()},
                          is_last_chunk,
@@ -100,6 +106,7 @@ class FakeReceiver final : public FakeHandle<KVReceiver> {
   using FakeHandle::FakeHandle;
   Status Init(std::span<const int32_t> pages, std::optional<uint32_t> aux_index,
               std::span<const int32_t> state_indices) override {
+    if (!s_->call_error.ok()) return s_->call_error;
     if (s_->init_called) return Status::FailedPrecondition("Init called twice");
     s_->init_called = true;
     s_->init_pages.assign(pages.begin(), pages.end());

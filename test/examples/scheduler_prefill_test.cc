@@ -207,7 +207,7 @@ TEST_CASE("scheduler: prefill sends the window pages with the last chunk (slidin
   PrefillSchedulerOptions o;
   o.sliding_window = 6;
   o.chunked_prefill_size = 4;
-  o.swa_bytes_per_page = 100;
+  o.page_state_bytes_per_page = 100;
   PrefillRig rig(o);
   rig.Add(1, 10);
   rig.Add(2, 3);
@@ -231,6 +231,79 @@ TEST_CASE("scheduler: prefill sends the window pages with the last chunk (slidin
   FakeModel model(8, 4);
   CHECK(PrefillScheduler::Create(o, {&pages, metadata.get(), &transport, &model}).status().code() ==
         StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("scheduler: prefill sends every prompt page as state (NSA-style whole sequence)") {
+  PrefillSchedulerOptions o;
+  o.whole_sequence_state = true;
+  o.chunked_prefill_size = 4;
+  PrefillRig rig(o);
+  rig.Add(1, 10);
+  for (int i = 0; i < 4; ++i) rig.Step();
+  const auto& s1 = rig.transport[1].sends;
+  REQUIRE(s1.size() == 3);
+  CHECK((s1[0].state.empty() && s1[1].state.empty()));
+  CHECK(s1[2].state == std::vector<int32_t>{s1[0].pages[0], s1[1].pages[0], s1[2].pages[0]});
+  // One kind of state per request.
+  o.sliding_window = 6;
+  PageAllocator pages(8, 4);
+  auto metadata = std::move(*MetadataBuffers::Create(32, 0, 0));
+  FakeTransport transport;
+  FakeModel model(8, 4);
+  auto refused = PrefillScheduler::Create(o, {&pages, metadata.get(), &transport, &model});
+  CHECK(refused.status().code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(refused.status().ToString(), Catch::Contains("one kind of state"));
+}
+
+TEST_CASE("scheduler: a prompt token outside the vocabulary is refused alone, at admission") {
+  PrefillSchedulerOptions o;
+  o.vocab_size = 100;
+  PrefillRig rig(o);
+  Request bad;
+  bad.room = 7;
+  bad.prompt = {1, 2, 100, 3};
+  const Status s = rig.sched->AddRequest(bad);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(s.message() ==
+        "room 7: prompt token 100 at position 2 is not in the model's vocabulary "
+        "[0, 100)");
+  bad.prompt = {-1};
+  CHECK(rig.sched->AddRequest(bad).code() == StatusCode::kInvalidArgument);
+  rig.Add(1, 6);  // a good request in the same step is unaffected
+  rig.Step();
+  CHECK(rig.sched->inflight_queue_size() == 1);
+}
+
+TEST_CASE("scheduler: a Send refused on one TP rank fails the request on every rank together") {
+  // Rank 1 refuses room 2's Send. Finishing it there alone would leave the ranks' queues, and
+  // the next poll's handle lists, different; instead rank 1 aborts its sender, keeps the
+  // request, and the next poll fails it on both ranks in the same step.
+  auto [group, rigs] = testing::MakeTpRanks<PrefillRig>(2, PrefillSchedulerOptions{});
+  for (auto& rig : rigs) {
+    rig->Add(1, 6);
+    rig->Add(2, 6);
+  }
+  rigs[1]->transport[2].call_error = Status::Unavailable("rank 1: send refused");
+  StepAllRanks(rigs);
+  for (auto& rig : rigs) {
+    CHECK(rig->sched->inflight_queue_size() == 2);
+    CHECK(rig->finished.empty());
+  }
+  CHECK(rigs[1]->transport[2].state == KVPoll::kFailed);
+  for (auto& rig : rigs) rig->transport[1].state = KVPoll::kSuccess;
+  rigs[0]->transport[2].state = KVPoll::kTransferring;
+  StepAllRanks(rigs);
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    REQUIRE(rigs[r]->finished.count(1) == 1);
+    CHECK(rigs[r]->finished[1].status.ok());
+    REQUIRE(rigs[r]->finished.count(2) == 1);
+    CHECK_FALSE(rigs[r]->finished[2].status.ok());
+    CHECK(rigs[r]->sched->inflight_queue_size() == 0);
+  }
+  CHECK_THAT(std::string(rigs[1]->finished[2].status.message()),
+             Catch::Contains("rank 1: send refused"));
+  CHECK(rigs[0]->finished[2].status.message() == "room 2: the transfer failed on another TP rank");
 }
 
 TEST_CASE("scheduler: prefill TP ranks agree through PollAndAllReduce") {
