@@ -15,6 +15,7 @@
 
 #include "cpu/ops.h"
 #include "cpu/thread_pool.h"
+#include "kernel_shard_harness.h"
 #include "kernel_test_util.h"
 #include "pdlib_kernels/kv_cache.h"
 #include "pdlib_kernels/parallel.h"
@@ -424,12 +425,8 @@ std::vector<std::vector<std::byte>> AllPages(const KVCache& cache, const Request
   return out;
 }
 
-Request MakeRequest(const ModelConfig& c, uint64_t seed, int32_t n, int32_t* next_page) {
-  Request r;
-  r.tokens = PromptTokens(seed, n, c.vocab_size);
-  testing::EnsurePages(&r, n, c.page_size, next_page);
-  return r;
-}
+using testing::MakeRequest;
+using testing::RequireShardsMatchWhole;
 
 std::vector<ModelConfig> NsaConfigs() {
   std::vector<ModelConfig> out;
@@ -685,108 +682,6 @@ TEST_CASE("nsa: SmallNsa runs and generates varied tokens") {
 
 // ---------------------------------------------------------------------------------------------
 // Sharded
-
-struct RankRun {
-  std::unique_ptr<Model> model;
-  std::vector<std::vector<ForwardResult>> results;
-  Status status;
-};
-
-// Two requests, prefilled in two chunks each (one ends inside a page) and then decoded for four
-// steps, on tp x pp ranks (one thread each, `threads` workers per rank).
-std::vector<RankRun> RunSharded(const ModelConfig& c, int32_t tp, int32_t pp, int32_t threads,
-                                std::vector<Request>* requests) {
-  StatusOr<ModelWeights> weights = ModelWeights::Random(c, 7);
-  REQUIRE(weights.ok());
-  int32_t next_page = 3;
-  requests->clear();
-  requests->push_back(MakeRequest(c, 81, 27, &next_page));
-  requests->push_back(MakeRequest(c, 82, 18, &next_page));
-  using Step = std::vector<std::pair<int32_t, std::pair<int32_t, int32_t>>>;
-  std::vector<Step> steps = {{{0, {0, 10}}, {1, {0, 6}}}, {{0, {10, 23}}, {1, {6, 14}}}};
-  for (int32_t d = 0; d < 4; ++d) steps.push_back({{0, {23 + d, 24 + d}}, {1, {14 + d, 15 + d}}});
-  std::vector<std::unique_ptr<ModelComm>> comms = CreateInProcessModelComms(tp, pp);
-  std::vector<RankRun> runs(static_cast<size_t>(tp * pp));
-  for (int32_t p = 0; p < pp; ++p) {
-    for (int32_t t = 0; t < tp; ++t) {
-      RuntimeOptions o = testing::TestOptions();
-      o.num_threads = threads;
-      o.shard = {tp, t, pp, p};
-      o.comm = tp * pp > 1 ? comms[static_cast<size_t>(o.shard.index())].get() : nullptr;
-      StatusOr<std::unique_ptr<Model>> model = Model::Create(*weights, o);
-      INFO(model.status().ToString());
-      REQUIRE(model.ok());
-      runs[static_cast<size_t>(o.shard.index())].model = std::move(model).value();
-    }
-  }
-  std::vector<std::thread> rank_threads;
-  for (RankRun& run : runs) {
-    rank_threads.emplace_back([&run, &steps, requests] {
-      for (const Step& step : steps) {
-        std::vector<SequenceChunk> batch;
-        for (const auto& [req, range] : step) {
-          batch.push_back(
-              ChunkOf((*requests)[static_cast<size_t>(req)], range.first, range.second));
-        }
-        std::vector<ForwardResult> results;
-        run.status = run.model->Forward(batch, FullOptions(), &results);
-        if (!run.status.ok()) return;
-        run.results.push_back(std::move(results));
-      }
-    });
-  }
-  for (std::thread& t : rank_threads) t.join();
-  for (const RankRun& run : runs) {
-    INFO(run.status.ToString());
-    REQUIRE(run.status.ok());
-  }
-  return runs;
-}
-
-// Every rank returns TP 1's results; its KV pages hold its KV heads of TP 1's pages and its
-// index pages equal TP 1's (replicated) for the stage's layers.
-void RequireShardsMatchWhole(const ModelConfig& c, int32_t tp, int32_t pp) {
-  std::vector<Request> requests;
-  std::vector<RankRun> whole = RunSharded(c, 1, 1, 2, &requests);
-  std::vector<RankRun> split = RunSharded(c, tp, pp, 1, &requests);
-  const KVCache& full = whole[0].model->kv_cache();
-  const size_t elem = c.kv_elem_bytes();
-  for (const RankRun& rank : split) {
-    const ShardLayout& layout = rank.model->shard_layout();
-    INFO("rank " << layout.shard.ToString());
-    REQUIRE(rank.results.size() == whole[0].results.size());
-    for (size_t step = 0; step < rank.results.size(); ++step) {
-      REQUIRE(rank.results[step].size() == whole[0].results[step].size());
-      for (size_t i = 0; i < rank.results[step].size(); ++i) {
-        RequireSame(rank.results[step][i], whole[0].results[step][i]);
-      }
-    }
-    const KVCache& mine = rank.model->kv_cache();
-    REQUIRE(mine.num_kv_layers() == layout.kv_count);
-    REQUIRE(mine.num_index_layers() == layout.kv_count);
-    REQUIRE(mine.DescribeIndex().ptrs.size() == static_cast<size_t>(layout.kv_count));
-    const size_t head_bytes = static_cast<size_t>(c.head_dim) * elem;
-    for (const Request& r : requests) {
-      for (int32_t page : r.pages) {
-        for (int32_t l = 0; l < layout.kv_count; ++l) {
-          REQUIRE(IndexPage(mine, l, page) == IndexPage(full, layout.kv_start + l, page));
-          for (KVKind kind : {KVKind::kKey, KVKind::kValue}) {
-            const std::vector<std::byte> a =
-                testing::ReadPage(full, kind, layout.kv_start + l, page);
-            const std::vector<std::byte> b = testing::ReadPage(mine, kind, l, page);
-            for (int32_t t = 0; t < c.page_size; ++t) {
-              for (int32_t h = 0; h < layout.kv_head_count; ++h) {
-                const size_t from = KVOffsetInPage(c, t, layout.kv_head_start + h, 0) * elem;
-                const size_t to = KVOffsetInPage(mine.config(), t, h, 0) * elem;
-                REQUIRE(std::memcmp(a.data() + from, b.data() + to, head_bytes) == 0);
-              }
-            }
-          }
-        }
-      }
-    }
-  }
-}
 
 TEST_CASE("nsa: sharded indexer models give TP 1's bits, index pools replicated") {
   SECTION("TP 2") { RequireShardsMatchWhole(TinyNsaConfig(), 2, 1); }
