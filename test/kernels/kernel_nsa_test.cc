@@ -15,6 +15,7 @@
 
 #include "cpu/ops.h"
 #include "cpu/thread_pool.h"
+#include "kernel_op_util.h"
 #include "kernel_shard_harness.h"
 #include "kernel_test_util.h"
 #include "pdlib_kernels/kv_cache.h"
@@ -28,9 +29,13 @@ using internal::KeySelection;
 using internal::ThreadPool;
 using testing::ChunkOf;
 using testing::FullOptions;
+using testing::HashWeights;
+using testing::Noise;
+using testing::OpBatch;
 using testing::PromptTokens;
 using testing::Request;
 using testing::RequireSame;
+using testing::SameBits;
 
 // TinyConfig (2 layers, 4 query heads and 2 KV heads of 12, pages of 4) with an indexer of 10
 // (a tail past 8) choosing 6 positions, so prompts of 20+ tokens attend sparsely.
@@ -40,69 +45,6 @@ ModelConfig TinyNsaConfig() {
   c.index_topk = 6;
   return c;
 }
-
-std::vector<float> Noise(size_t n, uint64_t seed, float scale = 1.0f) {
-  std::vector<float> v(n);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 12345;
-  for (size_t i = 0; i < n; ++i) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    v[i] = scale * (static_cast<float>(x >> 40) / 16777216.0f * 2.0f - 1.0f);
-  }
-  return v;
-}
-
-bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-uint64_t HashWeights(ModelWeights w) {
-  uint64_t h = 1469598103934665603ull;
-  for (const NamedTensor& t : w.Tensors()) {
-    for (char ch : t.name) {
-      h ^= static_cast<unsigned char>(ch);
-      h *= 1099511628211ull;
-    }
-    for (float f : *t.data) {
-      uint32_t b = 0;
-      std::memcpy(&b, &f, 4);
-      h ^= b;
-      h *= 1099511628211ull;
-    }
-  }
-  return h;
-}
-
-// Two requests over scattered pages: request 0 has `len0` tokens on pages {4, 1, 6, 3, 7, 5},
-// request 1 has `len1` tokens on pages {2, 0}.
-struct OpBatch {
-  std::vector<int32_t> page_tables, pt_begin, positions, token_seq, first_token;
-  std::vector<int64_t> slots;
-
-  OpBatch(const ModelConfig& c, int32_t len0, int32_t len1) {
-    const std::vector<int32_t> pages0 = {4, 1, 6, 3, 7, 5}, pages1 = {2, 0};
-    REQUIRE(len0 <= 6 * c.page_size);
-    REQUIRE(len1 <= 2 * c.page_size);
-    page_tables = pages0;
-    page_tables.insert(page_tables.end(), pages1.begin(), pages1.end());
-    pt_begin = {0, 6};
-    for (int32_t s = 0; s < 2; ++s) {
-      const int32_t len = s == 0 ? len0 : len1;
-      const std::vector<int32_t>& pages = s == 0 ? pages0 : pages1;
-      for (int32_t p = 0; p < len; ++p) {
-        positions.push_back(p);
-        token_seq.push_back(s);
-        first_token.push_back(s == 0 ? 0 : len0);
-        slots.push_back(static_cast<int64_t>(pages[static_cast<size_t>(p / c.page_size)]) *
-                            c.page_size +
-                        p % c.page_size);
-      }
-    }
-  }
-  AttentionBatch batch() const { return {positions, token_seq, pt_begin, page_tables}; }
-  size_t size() const { return positions.size(); }
-};
 
 // The naive choice in double: the topk best of [0, pos] (ties: lower j), ascending.
 std::vector<int32_t> NaiveSelect(const std::vector<float>& q_idx, const std::vector<float>& k_idx,

@@ -11,29 +11,16 @@
 #include "cpu/ops.h"
 #include "cpu/thread_pool.h"
 #include "half_float.h"
+#include "kernel_op_util.h"
 #include "kernel_test_util.h"
 #include "pdlib_kernels/kv_cache.h"
 
 namespace pdlib::kernels::internal {
 namespace {
 
+using testing::Noise;
+using testing::SameBits;
 using testing::TinyConfig;
-
-std::vector<float> Noise(size_t n, uint64_t seed, float scale = 1.0f) {
-  std::vector<float> v(n);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 12345;
-  for (size_t i = 0; i < n; ++i) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    v[i] = scale * (static_cast<float>(x >> 40) / 16777216.0f * 2.0f - 1.0f);
-  }
-  return v;
-}
-
-bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
 
 TEST_CASE("Dot matches a double-precision sum for every length") {
   for (int64_t n : {0, 1, 7, 8, 9, 16, 31, 100}) {

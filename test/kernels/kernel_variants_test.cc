@@ -14,6 +14,7 @@
 #include "cpu/ops.h"
 #include "cpu/thread_pool.h"
 #include "half_float.h"
+#include "kernel_op_util.h"
 #include "kernel_shard_harness.h"
 #include "kernel_test_util.h"
 #include "pdlib_kernels/kv_cache.h"
@@ -26,9 +27,13 @@ using internal::AttentionBatch;
 using internal::ThreadPool;
 using testing::ChunkOf;
 using testing::FullOptions;
+using testing::HashWeights;
+using testing::Noise;
+using testing::OpBatch;
 using testing::PromptTokens;
 using testing::Request;
 using testing::RequireSame;
+using testing::SameBits;
 
 // TinyConfig with MLA: 4 query heads of 12, a latent of 20 and a rope part of 6 (tails past 8).
 ModelConfig TinyMlaConfig() {
@@ -50,70 +55,6 @@ ModelConfig TinySwaConfig() {
   c.sliding_window = 6;
   return c;
 }
-
-std::vector<float> Noise(size_t n, uint64_t seed, float scale = 1.0f) {
-  std::vector<float> v(n);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 12345;
-  for (size_t i = 0; i < n; ++i) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    v[i] = scale * (static_cast<float>(x >> 40) / 16777216.0f * 2.0f - 1.0f);
-  }
-  return v;
-}
-
-bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-// FNV-1a over every tensor's name and bits, in Tensors() order.
-uint64_t HashWeights(ModelWeights w) {
-  uint64_t h = 1469598103934665603ull;
-  for (const NamedTensor& t : w.Tensors()) {
-    for (char ch : t.name) {
-      h ^= static_cast<unsigned char>(ch);
-      h *= 1099511628211ull;
-    }
-    for (float f : *t.data) {
-      uint32_t b = 0;
-      std::memcpy(&b, &f, 4);
-      h ^= b;
-      h *= 1099511628211ull;
-    }
-  }
-  return h;
-}
-
-// Two requests over scattered pages: request 0 has `len0` tokens on pages {4, 1, 6, 3, ...},
-// request 1 has `len1` tokens on pages {2, 0}. Slots are where each token's K/V row goes.
-struct OpBatch {
-  std::vector<int32_t> page_tables, pt_begin, positions, token_seq, first_token;
-  std::vector<int64_t> slots;
-
-  OpBatch(const ModelConfig& c, int32_t len0, int32_t len1) {
-    const std::vector<int32_t> pages0 = {4, 1, 6, 3, 7}, pages1 = {2, 0};
-    REQUIRE(len0 <= 5 * c.page_size);
-    REQUIRE(len1 <= 2 * c.page_size);
-    page_tables = pages0;
-    page_tables.insert(page_tables.end(), pages1.begin(), pages1.end());
-    pt_begin = {0, 5};
-    for (int32_t s = 0; s < 2; ++s) {
-      const int32_t len = s == 0 ? len0 : len1;
-      const std::vector<int32_t>& pages = s == 0 ? pages0 : pages1;
-      for (int32_t p = 0; p < len; ++p) {
-        positions.push_back(p);
-        token_seq.push_back(s);
-        first_token.push_back(s == 0 ? 0 : len0);
-        slots.push_back(static_cast<int64_t>(pages[static_cast<size_t>(p / c.page_size)]) *
-                            c.page_size +
-                        p % c.page_size);
-      }
-    }
-  }
-  AttentionBatch batch() const { return {positions, token_seq, pt_begin, page_tables}; }
-  size_t size() const { return positions.size(); }
-};
 
 // ---------------------------------------------------------------------------------------------
 // Ops
@@ -137,7 +78,7 @@ TEST_CASE("variants: windowed PagedAttention matches naive sliding-window attent
       ModelConfig c = testing::TinyConfig();
       c.kv_layout = layout;
       INFO("layout " << static_cast<int>(layout) << " window " << window);
-      const OpBatch ob(c, 19, 7);
+      const OpBatch ob(c, 19, 7, {4, 1, 6, 3, 7});
       const int32_t qw = c.q_width(), kw = c.kv_width(), hd = c.head_dim;
       const size_t n = ob.size();
       auto q = Noise(n * qw, 10), k = Noise(n * kw, 11), v = Noise(n * kw, 12);
@@ -196,7 +137,7 @@ TEST_CASE("variants: windowed PagedAttention never reads a page wholly before th
     c.kv_dtype = dtype;
     const int32_t window = 6;
     // Only the last token of each request is queried, so the window is [len - 6, len).
-    const OpBatch ob(c, 19, 7);
+    const OpBatch ob(c, 19, 7, {4, 1, 6, 3, 7});
     const size_t n = ob.size();
     const int32_t qw = c.q_width(), kw = c.kv_width();
     auto q = Noise(n * qw, 20), k = Noise(n * kw, 21), v = Noise(n * kw, 22);
@@ -268,7 +209,7 @@ TEST_CASE("variants: MLA latent rows, pages and attention match the naive formul
     ModelConfig c = TinyMlaConfig();
     c.kv_dtype = dtype;
     INFO("dtype " << KVDtypeName(dtype));
-    const OpBatch ob(c, 19, 7);
+    const OpBatch ob(c, 19, 7, {4, 1, 6, 3, 7});
     const size_t n = ob.size();
     const int32_t heads = c.num_heads, hd = c.head_dim, rd = c.qk_rope_dim;
     const int32_t rank = c.kv_lora_rank, kw = c.kv_width(), q_stride = hd + rd;
