@@ -27,14 +27,17 @@ namespace {
 using internal::AttentionBatch;
 using internal::KeySelection;
 using internal::ThreadPool;
+using testing::AllPages;
 using testing::ChunkOf;
 using testing::FullOptions;
 using testing::HashWeights;
+using testing::MakeWithThreads;
 using testing::Noise;
 using testing::OpBatch;
 using testing::PromptTokens;
 using testing::Request;
 using testing::RequireSame;
+using testing::RunBatch;
 using testing::SameBits;
 
 // TinyConfig (2 layers, 4 query heads and 2 KV heads of 12, pages of 4) with an indexer of 10
@@ -332,20 +335,6 @@ TEST_CASE("nsa: indexer weights have their names and shapes; the rest are Small(
 // ---------------------------------------------------------------------------------------------
 // Model
 
-std::unique_ptr<Model> Make(const ModelConfig& c, int32_t threads = 2) {
-  RuntimeOptions o = testing::TestOptions();
-  o.num_threads = threads;
-  return testing::MakeModel(c, 7, o);
-}
-
-std::vector<ForwardResult> Run(Model& m, const std::vector<SequenceChunk>& batch) {
-  std::vector<ForwardResult> results;
-  const Status s = m.Forward(batch, FullOptions(), &results);
-  INFO(s.ToString());
-  REQUIRE(s.ok());
-  return results;
-}
-
 std::vector<std::byte> IndexPage(const KVCache& cache, int32_t layer, int32_t page) {
   std::vector<std::byte> bytes(cache.config().index_page_bytes());
   const Status s = cache.ReadIndexPage(layer, page, bytes);
@@ -354,20 +343,9 @@ std::vector<std::byte> IndexPage(const KVCache& cache, int32_t layer, int32_t pa
   return bytes;
 }
 
-// Every page of a request: K, V and index pages of every layer.
-std::vector<std::vector<std::byte>> AllPages(const KVCache& cache, const Request& r) {
-  std::vector<std::vector<std::byte>> out;
-  for (int32_t l = 0; l < cache.num_kv_layers(); ++l) {
-    for (int32_t page : r.pages) {
-      out.push_back(testing::ReadPage(cache, KVKind::kKey, l, page));
-      out.push_back(testing::ReadPage(cache, KVKind::kValue, l, page));
-      out.push_back(IndexPage(cache, l, page));
-    }
-  }
-  return out;
-}
-
 using testing::MakeRequest;
+using testing::RequireBatchedEqualsAlone;
+using testing::RequireChunkedEqualsOneShot;
 using testing::RequireShardsMatchWhole;
 
 std::vector<ModelConfig> NsaConfigs() {
@@ -385,7 +363,7 @@ std::vector<ModelConfig> NsaConfigs() {
 
 TEST_CASE("nsa: the cache has one index pool per full attention layer") {
   const ModelConfig c = TinyNsaConfig();
-  auto m = Make(c);
+  auto m = MakeWithThreads(c);
   const KVCache& cache = m->kv_cache();
   REQUIRE(cache.num_index_layers() == c.num_attention_layers());
   const BufferFamily family = cache.DescribeIndex();
@@ -402,7 +380,7 @@ TEST_CASE("nsa: the cache has one index pool per full attention layer") {
   // Index keys of tokens 0..5 are written (pages 0 and 1), the rest of page 1 is untouched.
   int32_t next_page = 0;
   Request r = MakeRequest(c, 41, 6, &next_page);
-  Run(*m, {ChunkOf(r, 0, 6)});
+  RunBatch(*m, {ChunkOf(r, 0, 6)});
   const std::vector<std::byte> page1 = IndexPage(cache, 1, r.pages[1]);
   const size_t row = static_cast<size_t>(c.index_dim) * 4;
   auto zero = [&](size_t t) {
@@ -421,7 +399,7 @@ TEST_CASE("nsa: the cache has one index pool per full attention layer") {
   CHECK(cache.ReadIndexPage(2, 0, page).code() == StatusCode::kOutOfRange);
   CHECK(cache.ReadIndexPage(0, cache.num_pages(), page).code() == StatusCode::kOutOfRange);
   // A model without an indexer has none.
-  auto plain = Make(testing::TinyConfig());
+  auto plain = MakeWithThreads(testing::TinyConfig());
   REQUIRE(plain->kv_cache().num_index_layers() == 0);
   REQUIRE(plain->kv_cache().DescribeIndex().ptrs.empty());
   const Status none = plain->kv_cache().ReadIndexPage(0, 0, page);
@@ -437,10 +415,10 @@ TEST_CASE("nsa: choosing every position gives the dense GQA model's bits") {
   const ModelConfig dense = testing::TinyConfig();
   int32_t next_page = 0;
   Request r = MakeRequest(dense, 51, 26, &next_page);
-  auto a = Make(all), b = Make(dense);
-  RequireSame(Run(*a, {ChunkOf(r, 0, 15)})[0], Run(*b, {ChunkOf(r, 0, 15)})[0]);
-  RequireSame(Run(*a, {ChunkOf(r, 15, 25)})[0], Run(*b, {ChunkOf(r, 15, 25)})[0]);
-  RequireSame(Run(*a, {ChunkOf(r, 25, 26)})[0], Run(*b, {ChunkOf(r, 25, 26)})[0]);
+  auto a = MakeWithThreads(all), b = MakeWithThreads(dense);
+  RequireSame(RunBatch(*a, {ChunkOf(r, 0, 15)})[0], RunBatch(*b, {ChunkOf(r, 0, 15)})[0]);
+  RequireSame(RunBatch(*a, {ChunkOf(r, 15, 25)})[0], RunBatch(*b, {ChunkOf(r, 15, 25)})[0]);
+  RequireSame(RunBatch(*a, {ChunkOf(r, 25, 26)})[0], RunBatch(*b, {ChunkOf(r, 25, 26)})[0]);
   for (int32_t l = 0; l < dense.num_layers; ++l) {
     for (int32_t page : r.pages) {
       for (KVKind kind : {KVKind::kKey, KVKind::kValue}) {
@@ -450,55 +428,27 @@ TEST_CASE("nsa: choosing every position gives the dense GQA model's bits") {
     }
   }
   // With 6 of 26 positions the results differ (the selection is not a no-op).
-  auto sparse = Make(TinyNsaConfig());
-  const ForwardResult chosen = Run(*sparse, {ChunkOf(r, 0, 26)})[0];
-  const ForwardResult full = Run(*Make(dense), {ChunkOf(r, 0, 26)})[0];
+  auto sparse = MakeWithThreads(TinyNsaConfig());
+  const ForwardResult chosen = RunBatch(*sparse, {ChunkOf(r, 0, 26)})[0];
+  const ForwardResult full = RunBatch(*MakeWithThreads(dense), {ChunkOf(r, 0, 26)})[0];
   REQUIRE(chosen.logits != full.logits);
 }
 
 TEST_CASE("nsa: chunked prefill and decode equal one-shot prefill, index pages included") {
-  for (const ModelConfig& c : NsaConfigs()) {
-    INFO(c.ToString());
-    int32_t next_page = 1;
-    Request r = MakeRequest(c, 11, 22, &next_page);
-    auto one_shot = Make(c);
-    const std::vector<ForwardResult> whole = Run(*one_shot, {ChunkOf(r, 0, 22)});
-    auto chunked = Make(c);
-    Run(*chunked, {ChunkOf(r, 0, 5)});
-    Run(*chunked, {ChunkOf(r, 5, 13)});
-    Run(*chunked, {ChunkOf(r, 13, 21)});
-    const std::vector<ForwardResult> last = Run(*chunked, {ChunkOf(r, 21, 22)});  // a decode
-    RequireSame(whole[0], last[0]);
-    REQUIRE(AllPages(one_shot->kv_cache(), r) == AllPages(chunked->kv_cache(), r));
-  }
+  for (const ModelConfig& c : NsaConfigs()) RequireChunkedEqualsOneShot(c);
 }
 
 TEST_CASE("nsa: batched requests equal each request alone, for any thread count") {
-  for (const ModelConfig& c : NsaConfigs()) {
-    INFO(c.ToString());
-    int32_t next_page = 0;
-    Request a = MakeRequest(c, 21, 19, &next_page), b = MakeRequest(c, 22, 9, &next_page);
-    auto together = Make(c, 3);
-    const std::vector<ForwardResult> both = Run(*together, {ChunkOf(a, 0, 11), ChunkOf(b, 0, 9)});
-    const std::vector<ForwardResult> next =
-        Run(*together, {ChunkOf(b, 8, 9), ChunkOf(a, 11, 19)});  // b re-decodes its last token
-    auto alone = Make(c, 1);
-    RequireSame(Run(*alone, {ChunkOf(a, 0, 11)})[0], both[0]);
-    RequireSame(Run(*alone, {ChunkOf(b, 0, 9)})[0], both[1]);
-    RequireSame(Run(*alone, {ChunkOf(b, 8, 9)})[0], next[0]);
-    RequireSame(Run(*alone, {ChunkOf(a, 11, 19)})[0], next[1]);
-    REQUIRE(AllPages(together->kv_cache(), a) == AllPages(alone->kv_cache(), a));
-    REQUIRE(AllPages(together->kv_cache(), b) == AllPages(alone->kv_cache(), b));
-  }
+  for (const ModelConfig& c : NsaConfigs()) RequireBatchedEqualsAlone(c, 19);
 }
 
 TEST_CASE("nsa: one thread and two threads give the same bits") {
   const ModelConfig c = TinyNsaConfig();
   int32_t next_page = 0;
   Request r = MakeRequest(c, 23, 30, &next_page);
-  auto one = Make(c, 1), two = Make(c, 2);
-  RequireSame(Run(*one, {ChunkOf(r, 0, 29)})[0], Run(*two, {ChunkOf(r, 0, 29)})[0]);
-  RequireSame(Run(*one, {ChunkOf(r, 29, 30)})[0], Run(*two, {ChunkOf(r, 29, 30)})[0]);
+  auto one = MakeWithThreads(c, 1), two = MakeWithThreads(c, 2);
+  RequireSame(RunBatch(*one, {ChunkOf(r, 0, 29)})[0], RunBatch(*two, {ChunkOf(r, 0, 29)})[0]);
+  RequireSame(RunBatch(*one, {ChunkOf(r, 29, 30)})[0], RunBatch(*two, {ChunkOf(r, 29, 30)})[0]);
   REQUIRE(AllPages(one->kv_cache(), r) == AllPages(two->kv_cache(), r));
 }
 
@@ -509,7 +459,7 @@ std::vector<int32_t> Generate(Model& m, Request r, int32_t steps, int32_t* next_
   const int32_t page_size = m.config().page_size;
   for (int32_t i = 0; i < steps; ++i) {
     const int32_t n = static_cast<int32_t>(r.tokens.size());
-    const ForwardResult res = Run(m, {ChunkOf(r, n - 1, n)})[0];
+    const ForwardResult res = RunBatch(m, {ChunkOf(r, n - 1, n)})[0];
     if (logits != nullptr) logits->push_back(res.logits);
     out.push_back(res.token);
     r.tokens.push_back(res.token);
@@ -528,13 +478,13 @@ TEST_CASE("nsa: decode reads the moved index pages; wrong ones change the tokens
     INFO(c.ToString());
     int32_t prefill_next = 0;
     Request prompt = MakeRequest(c, 61, 31, &prefill_next);  // 31 tokens: 8 pages
-    auto prefill = Make(c);
-    Run(*prefill, {ChunkOf(prompt, 0, 30)});  // the last prompt token is decoded below
+    auto prefill = MakeWithThreads(c);
+    RunBatch(*prefill, {ChunkOf(prompt, 0, 30)});  // the last prompt token is decoded below
     Request moved = prompt;
     moved.pages.clear();
     int32_t decode_next = 20;
     testing::EnsurePages(&moved, 31, c.page_size, &decode_next);
-    auto good = Make(c), poisoned = Make(c), missing = Make(c);
+    auto good = MakeWithThreads(c), poisoned = MakeWithThreads(c), missing = MakeWithThreads(c);
     for (int32_t l = 0; l < c.num_attention_layers(); ++l) {
       for (size_t i = 0; i < prompt.pages.size(); ++i) {
         const int32_t src = prompt.pages[i], dst = moved.pages[i];
@@ -577,9 +527,9 @@ TEST_CASE("nsa: the prompt's index pages change the selection (poisoning one pos
   const ModelConfig c = TinyNsaConfig();
   int32_t next_page = 0;
   Request r = MakeRequest(c, 71, 25, &next_page);
-  auto clean = Make(c), poisoned = Make(c);
-  Run(*clean, {ChunkOf(r, 0, 24)});
-  Run(*poisoned, {ChunkOf(r, 0, 24)});
+  auto clean = MakeWithThreads(c), poisoned = MakeWithThreads(c);
+  RunBatch(*clean, {ChunkOf(r, 0, 24)});
+  RunBatch(*poisoned, {ChunkOf(r, 0, 24)});
   REQUIRE(AllPages(clean->kv_cache(), r) == AllPages(poisoned->kv_cache(), r));
   for (int32_t l = 0; l < c.num_attention_layers(); ++l) {
     std::vector<std::byte> page = IndexPage(poisoned->kv_cache(), l, r.pages[0]);
@@ -590,8 +540,8 @@ TEST_CASE("nsa: the prompt's index pages change the selection (poisoning one pos
                 .WriteIndexPage(l, r.pages[0], std::as_bytes(std::span<const float>(keys)))
                 .ok());
   }
-  const ForwardResult a = Run(*clean, {ChunkOf(r, 24, 25)})[0];
-  const ForwardResult b = Run(*poisoned, {ChunkOf(r, 24, 25)})[0];
+  const ForwardResult a = RunBatch(*clean, {ChunkOf(r, 24, 25)})[0];
+  const ForwardResult b = RunBatch(*poisoned, {ChunkOf(r, 24, 25)})[0];
   REQUIRE(a.logits != b.logits);
   // Only the decoded token's own rows differ from here on: the KV pages match.
   for (int32_t l = 0; l < c.num_layers; ++l) {
@@ -605,10 +555,10 @@ TEST_CASE("nsa: the prompt's index pages change the selection (poisoning one pos
 
 TEST_CASE("nsa: SmallNsa runs and generates varied tokens") {
   const ModelConfig c = ModelConfig::SmallNsa();
-  auto m = Make(c);
+  auto m = MakeWithThreads(c);
   int32_t next_page = 0;
   Request r = MakeRequest(c, 71, 40, &next_page);
-  Run(*m, {ChunkOf(r, 0, 39)});
+  RunBatch(*m, {ChunkOf(r, 0, 39)});
   std::vector<std::vector<float>> logits;
   std::vector<int32_t> generated = Generate(*m, r, 8, &next_page, &logits);
   for (const std::vector<float>& l : logits) {
@@ -617,9 +567,9 @@ TEST_CASE("nsa: SmallNsa runs and generates varied tokens") {
   std::sort(generated.begin(), generated.end());
   REQUIRE(std::unique(generated.begin(), generated.end()) - generated.begin() >= 2);
   // 40 positions, 24 chosen: sparse, and not the dense model's logits.
-  auto dense = Make(ModelConfig::Small());
-  REQUIRE(Run(*dense, {ChunkOf(r, 0, 40)})[0].logits !=
-          Run(*Make(c), {ChunkOf(r, 0, 40)})[0].logits);
+  auto dense = MakeWithThreads(ModelConfig::Small());
+  REQUIRE(RunBatch(*dense, {ChunkOf(r, 0, 40)})[0].logits !=
+          RunBatch(*MakeWithThreads(c), {ChunkOf(r, 0, 40)})[0].logits);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
-// The sharded-model check the kernel tests share (parallel.h): one script of forward passes run
-// on tp x pp ranks (a thread each) and on the whole model, then every rank's results and pools
-// compared with the whole model's, bit for bit.
+// Model-level checks the kernel tests share for every model variant: chunked == one-shot and
+// batched == alone over every pool a request fills, and the sharded-model check (parallel.h):
+// one script of forward passes run on tp x pp ranks (a thread each) and on the whole model, then
+// every rank's results and pools compared with the whole model's, bit for bit.
 #ifndef PDLIB_TEST_KERNELS_KERNEL_SHARD_HARNESS_H_
 #define PDLIB_TEST_KERNELS_KERNEL_SHARD_HARNESS_H_
 
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <memory>
+#include <span>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -16,11 +18,96 @@
 
 namespace pdlib::kernels::testing {
 
+// A model of `c` with seed-7 weights and `threads` workers.
+inline std::unique_ptr<Model> MakeWithThreads(const ModelConfig& c, int32_t threads = 2) {
+  RuntimeOptions o = TestOptions();
+  o.num_threads = threads;
+  return MakeModel(c, 7, o);
+}
+
+// One forward pass that must succeed.
+inline std::vector<ForwardResult> RunBatch(Model& m, const std::vector<SequenceChunk>& batch) {
+  std::vector<ForwardResult> results;
+  const Status s = m.Forward(batch, FullOptions(), &results);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  return results;
+}
+
+// The pages of every pool that holds a request's tokens: KV pools (MLA: the latent pool), SWA
+// pools and index pools.
+inline std::vector<std::vector<std::byte>> AllPages(const KVCache& cache, const Request& r) {
+  std::vector<std::vector<std::byte>> out;
+  const ModelConfig& c = cache.config();
+  auto read = [&](size_t bytes, auto&& fill) {
+    for (int32_t page : r.pages) {
+      std::vector<std::byte> b(bytes);
+      REQUIRE(fill(page, b).ok());
+      out.push_back(std::move(b));
+    }
+  };
+  for (int32_t l = 0; l < cache.num_kv_layers(); ++l) {
+    for (KVKind kind : {KVKind::kKey, KVKind::kValue}) {
+      if (cache.pool(kind, l).base == nullptr) continue;  // MLA has no V pool
+      read(c.kv_page_bytes(),
+           [&](int32_t p, std::span<std::byte> b) { return cache.ReadPage(kind, l, p, b); });
+    }
+  }
+  for (int32_t l = 0; l < cache.num_swa_layers(); ++l) {
+    for (KVKind kind : {KVKind::kKey, KVKind::kValue}) {
+      read(c.kv_page_bytes(),
+           [&](int32_t p, std::span<std::byte> b) { return cache.ReadSwaPage(kind, l, p, b); });
+    }
+  }
+  for (int32_t l = 0; l < cache.num_index_layers(); ++l) {
+    read(c.index_page_bytes(),
+         [&](int32_t p, std::span<std::byte> b) { return cache.ReadIndexPage(l, p, b); });
+  }
+  return out;
+}
+
 inline Request MakeRequest(const ModelConfig& c, uint64_t seed, int32_t n, int32_t* next_page) {
   Request r;
   r.tokens = PromptTokens(seed, n, c.vocab_size);
   EnsurePages(&r, n, c.page_size, next_page);
   return r;
+}
+
+// A 22-token prompt prefilled in chunks of 5, 8 and 8 tokens, then one decode step, gives the
+// one-shot prefill's results and pages, bit for bit.
+inline void RequireChunkedEqualsOneShot(const ModelConfig& c) {
+  INFO(c.ToString());
+  int32_t next_page = 1;
+  Request r = MakeRequest(c, 11, 22, &next_page);
+  auto one_shot = MakeWithThreads(c);
+  const std::vector<ForwardResult> whole = RunBatch(*one_shot, {ChunkOf(r, 0, 22)});
+  auto chunked = MakeWithThreads(c);
+  RunBatch(*chunked, {ChunkOf(r, 0, 5)});
+  RunBatch(*chunked, {ChunkOf(r, 5, 13)});
+  RunBatch(*chunked, {ChunkOf(r, 13, 21)});
+  const std::vector<ForwardResult> last = RunBatch(*chunked, {ChunkOf(r, 21, 22)});  // a decode
+  RequireSame(whole[0], last[0]);
+  REQUIRE(AllPages(one_shot->kv_cache(), r) == AllPages(chunked->kv_cache(), r));
+}
+
+// Two requests batched (a prefill chunk each, then a decode of one beside the other's next
+// chunk of `len_a - 11` tokens) on 3 threads give each request's results and pages alone on 1.
+inline void RequireBatchedEqualsAlone(const ModelConfig& c, int32_t len_a) {
+  INFO(c.ToString());
+  int32_t next_page = 0;
+  Request a = MakeRequest(c, 21, len_a, &next_page), b = MakeRequest(c, 22, 9, &next_page);
+  auto together = MakeWithThreads(c, 3);
+  const std::vector<ForwardResult> both =
+      RunBatch(*together, {ChunkOf(a, 0, 11), ChunkOf(b, 0, 9)});
+  const std::vector<ForwardResult> next =
+      RunBatch(*together, {ChunkOf(b, 8, 9), ChunkOf(a, 11, len_a)});  // b re-decodes its last
+  auto alone = MakeWithThreads(c, 1);
+  RequireSame(RunBatch(*alone, {ChunkOf(a, 0, 11)})[0], both[0]);
+  RequireSame(RunBatch(*alone, {ChunkOf(b, 0, 9)})[0], both[1]);
+  RequireSame(RunBatch(*alone, {ChunkOf(b, 8, 9)})[0], next[0]);
+  RequireSame(RunBatch(*alone, {ChunkOf(a, 11, len_a)})[0], next[1]);
+  REQUIRE(AllPages(together->kv_cache(), a) == AllPages(alone->kv_cache(), a));
+  REQUIRE(AllPages(together->kv_cache(), b) == AllPages(alone->kv_cache(), b));
 }
 
 struct RankRun {

@@ -25,14 +25,17 @@ namespace {
 
 using internal::AttentionBatch;
 using internal::ThreadPool;
+using testing::AllPages;
 using testing::ChunkOf;
 using testing::FullOptions;
 using testing::HashWeights;
+using testing::MakeWithThreads;
 using testing::Noise;
 using testing::OpBatch;
 using testing::PromptTokens;
 using testing::Request;
 using testing::RequireSame;
+using testing::RunBatch;
 using testing::SameBits;
 
 // TinyConfig with MLA: 4 query heads of 12, a latent of 20 and a rope part of 6 (tails past 8).
@@ -401,43 +404,9 @@ TEST_CASE("variants: MLA and SWA weights have their checkpoint names and shapes"
 // ---------------------------------------------------------------------------------------------
 // Model
 
-std::unique_ptr<Model> Make(const ModelConfig& c, int32_t threads = 2) {
-  RuntimeOptions o = testing::TestOptions();
-  o.num_threads = threads;
-  return testing::MakeModel(c, 7, o);
-}
-
-std::vector<ForwardResult> Run(Model& m, const std::vector<SequenceChunk>& batch) {
-  std::vector<ForwardResult> results;
-  const Status s = m.Forward(batch, FullOptions(), &results);
-  INFO(s.ToString());
-  REQUIRE(s.ok());
-  return results;
-}
-
-// Pages of every pool that holds a request's tokens: KV pools (MLA: the latent pool) and SWA pools.
-std::vector<std::vector<std::byte>> AllPages(const KVCache& cache, const Request& r) {
-  std::vector<std::vector<std::byte>> out;
-  const size_t bytes = cache.config().kv_page_bytes();
-  for (int32_t l = 0; l < cache.num_kv_layers(); ++l) {
-    for (KVKind kind : {KVKind::kKey, KVKind::kValue}) {
-      if (cache.pool(kind, l).base == nullptr) continue;
-      for (int32_t page : r.pages) out.push_back(testing::ReadPage(cache, kind, l, page));
-    }
-  }
-  for (int32_t l = 0; l < cache.num_swa_layers(); ++l) {
-    for (KVKind kind : {KVKind::kKey, KVKind::kValue}) {
-      for (int32_t page : r.pages) {
-        std::vector<std::byte> b(bytes);
-        REQUIRE(cache.ReadSwaPage(kind, l, page, b).ok());
-        out.push_back(std::move(b));
-      }
-    }
-  }
-  return out;
-}
-
 using testing::MakeRequest;
+using testing::RequireBatchedEqualsAlone;
+using testing::RequireChunkedEqualsOneShot;
 using testing::RequireShardsMatchWhole;
 
 std::vector<ModelConfig> VariantConfigs() {
@@ -456,39 +425,11 @@ std::vector<ModelConfig> VariantConfigs() {
 }
 
 TEST_CASE("variants: chunked prefill and decode equal one-shot prefill, pages included") {
-  for (const ModelConfig& c : VariantConfigs()) {
-    INFO(c.ToString());
-    int32_t next_page = 1;
-    Request r = MakeRequest(c, 11, 22, &next_page);
-    auto one_shot = Make(c);
-    const std::vector<ForwardResult> whole = Run(*one_shot, {ChunkOf(r, 0, 22)});
-    auto chunked = Make(c);
-    Run(*chunked, {ChunkOf(r, 0, 5)});
-    Run(*chunked, {ChunkOf(r, 5, 13)});
-    Run(*chunked, {ChunkOf(r, 13, 21)});
-    const std::vector<ForwardResult> last = Run(*chunked, {ChunkOf(r, 21, 22)});  // a decode
-    RequireSame(whole[0], last[0]);
-    REQUIRE(AllPages(one_shot->kv_cache(), r) == AllPages(chunked->kv_cache(), r));
-  }
+  for (const ModelConfig& c : VariantConfigs()) RequireChunkedEqualsOneShot(c);
 }
 
 TEST_CASE("variants: batched requests equal each request alone, for any thread count") {
-  for (const ModelConfig& c : VariantConfigs()) {
-    INFO(c.ToString());
-    int32_t next_page = 0;
-    Request a = MakeRequest(c, 21, 17, &next_page), b = MakeRequest(c, 22, 9, &next_page);
-    auto together = Make(c, 3);
-    const std::vector<ForwardResult> both = Run(*together, {ChunkOf(a, 0, 11), ChunkOf(b, 0, 9)});
-    const std::vector<ForwardResult> next =
-        Run(*together, {ChunkOf(b, 8, 9), ChunkOf(a, 11, 17)});  // b re-decodes its last token
-    auto alone = Make(c, 1);
-    RequireSame(Run(*alone, {ChunkOf(a, 0, 11)})[0], both[0]);
-    RequireSame(Run(*alone, {ChunkOf(b, 0, 9)})[0], both[1]);
-    RequireSame(Run(*alone, {ChunkOf(b, 8, 9)})[0], next[0]);
-    RequireSame(Run(*alone, {ChunkOf(a, 11, 17)})[0], next[1]);
-    REQUIRE(AllPages(together->kv_cache(), a) == AllPages(alone->kv_cache(), a));
-    REQUIRE(AllPages(together->kv_cache(), b) == AllPages(alone->kv_cache(), b));
-  }
+  for (const ModelConfig& c : VariantConfigs()) RequireBatchedEqualsAlone(c, 17);
 }
 
 TEST_CASE("variants: NHD and HND give the same MLA bits (one latent head: the same pages)") {
@@ -496,14 +437,14 @@ TEST_CASE("variants: NHD and HND give the same MLA bits (one latent head: the sa
   hnd.kv_layout = KVLayout::kHND;
   int32_t next_page = 2;
   Request r = MakeRequest(nhd, 31, 13, &next_page);
-  auto a = Make(nhd), b = Make(hnd);
-  RequireSame(Run(*a, {ChunkOf(r, 0, 13)})[0], Run(*b, {ChunkOf(r, 0, 13)})[0]);
+  auto a = MakeWithThreads(nhd), b = MakeWithThreads(hnd);
+  RequireSame(RunBatch(*a, {ChunkOf(r, 0, 13)})[0], RunBatch(*b, {ChunkOf(r, 0, 13)})[0]);
   REQUIRE(AllPages(a->kv_cache(), r) == AllPages(b->kv_cache(), r));
 }
 
 TEST_CASE("variants: an MLA model keeps one latent pool per layer, written for every token") {
   const ModelConfig c = TinyMlaConfig();
-  auto m = Make(c);
+  auto m = MakeWithThreads(c);
   const KVCache& cache = m->kv_cache();
   REQUIRE(cache.num_kv_layers() == c.num_layers);
   REQUIRE(cache.pool(KVKind::kValue, 0).base == nullptr);
@@ -511,7 +452,7 @@ TEST_CASE("variants: an MLA model keeps one latent pool per layer, written for e
           static_cast<size_t>(c.page_size * (c.kv_lora_rank + c.qk_rope_dim)) * 4);
   int32_t next_page = 0;
   Request r = MakeRequest(c, 41, 6, &next_page);
-  Run(*m, {ChunkOf(r, 0, 6)});
+  RunBatch(*m, {ChunkOf(r, 0, 6)});
   // Latent rows of tokens 0..5 are nonzero, the rest of page 1 is untouched.
   const std::vector<std::byte> page1 = testing::ReadPage(cache, KVKind::kKey, 1, r.pages[1]);
   const size_t row = static_cast<size_t>(c.kv_width()) * 4;
@@ -536,12 +477,12 @@ TEST_CASE("variants: a window longer than the sequence gives the all-attention m
   full.sliding_window = 0;
   int32_t next_page = 0;
   Request r = MakeRequest(full, 51, 21, &next_page);
-  auto a = Make(swa), b = Make(full);
-  RequireSame(Run(*a, {ChunkOf(r, 0, 21)})[0], Run(*b, {ChunkOf(r, 0, 21)})[0]);
+  auto a = MakeWithThreads(swa), b = MakeWithThreads(full);
+  RequireSame(RunBatch(*a, {ChunkOf(r, 0, 21)})[0], RunBatch(*b, {ChunkOf(r, 0, 21)})[0]);
   // With the tiny window the results differ (the window is not a no-op).
-  auto c = Make(TinySwaConfig());
-  const ForwardResult windowed = Run(*c, {ChunkOf(r, 0, 21)})[0];
-  const ForwardResult causal = Run(*Make(full), {ChunkOf(r, 0, 21)})[0];
+  auto c = MakeWithThreads(TinySwaConfig());
+  const ForwardResult windowed = RunBatch(*c, {ChunkOf(r, 0, 21)})[0];
+  const ForwardResult causal = RunBatch(*MakeWithThreads(full), {ChunkOf(r, 0, 21)})[0];
   REQUIRE(windowed.logits != causal.logits);
 }
 
@@ -554,7 +495,7 @@ TEST_CASE("variants: sliding-window layers never read SWA pages before the windo
       INFO(c.ToString());
       int32_t next_page = 3;
       Request r = MakeRequest(c, 61, 30, &next_page);
-      auto clean = Make(c), poisoned = Make(c);
+      auto clean = MakeWithThreads(c), poisoned = MakeWithThreads(c);
       // Poisons, in every SWA pool, the pages wholly before the window of the next token.
       auto poison = [&](Model& m, int32_t num_tokens) {
         const ModelConfig::PageRange range = c.SlidingWindowPages(num_tokens);
@@ -571,13 +512,15 @@ TEST_CASE("variants: sliding-window layers never read SWA pages before the windo
       };
       // Chunked prefill: [0, 13), then [13, 22) after poisoning what the chunk's first token
       // does not see, then decodes, poisoning again before each.
-      RequireSame(Run(*clean, {ChunkOf(r, 0, 13)})[0], Run(*poisoned, {ChunkOf(r, 0, 13)})[0]);
+      RequireSame(RunBatch(*clean, {ChunkOf(r, 0, 13)})[0],
+                  RunBatch(*poisoned, {ChunkOf(r, 0, 13)})[0]);
       REQUIRE(poison(*poisoned, 13) == 2);  // window of position 13: [8, 13], pages 2..3
-      RequireSame(Run(*clean, {ChunkOf(r, 13, 22)})[0], Run(*poisoned, {ChunkOf(r, 13, 22)})[0]);
+      RequireSame(RunBatch(*clean, {ChunkOf(r, 13, 22)})[0],
+                  RunBatch(*poisoned, {ChunkOf(r, 13, 22)})[0]);
       for (int32_t pos = 22; pos < 30; ++pos) {
         REQUIRE(poison(*poisoned, pos) >= 4);
-        RequireSame(Run(*clean, {ChunkOf(r, pos, pos + 1)})[0],
-                    Run(*poisoned, {ChunkOf(r, pos, pos + 1)})[0]);
+        RequireSame(RunBatch(*clean, {ChunkOf(r, pos, pos + 1)})[0],
+                    RunBatch(*poisoned, {ChunkOf(r, pos, pos + 1)})[0]);
       }
       // The full-attention layers' KV pools were not poisoned and read everything; the poison
       // really is in the SWA pools (and would have shown).
@@ -591,17 +534,17 @@ TEST_CASE("variants: sliding-window layers never read SWA pages before the windo
 TEST_CASE("variants: SmallMla and SmallSwa run and generate varied tokens") {
   for (const ModelConfig& c : {ModelConfig::SmallMla(), ModelConfig::SmallSwa()}) {
     INFO(c.ToString());
-    auto m = Make(c);
+    auto m = MakeWithThreads(c);
     int32_t next_page = 0;
     Request r = MakeRequest(c, 71, 40, &next_page);
     std::vector<int32_t> generated;
-    ForwardResult res = Run(*m, {ChunkOf(r, 0, 40)})[0];
+    ForwardResult res = RunBatch(*m, {ChunkOf(r, 0, 40)})[0];
     for (int32_t i = 0; i < 8; ++i) {
       generated.push_back(res.token);
       r.tokens.push_back(res.token);
       testing::EnsurePages(&r, static_cast<int32_t>(r.tokens.size()), c.page_size, &next_page);
       const int32_t n = static_cast<int32_t>(r.tokens.size());
-      res = Run(*m, {ChunkOf(r, n - 1, n)})[0];
+      res = RunBatch(*m, {ChunkOf(r, n - 1, n)})[0];
       REQUIRE(std::isfinite(res.logprob));
     }
     std::sort(generated.begin(), generated.end());
