@@ -9,6 +9,7 @@ namespace {
 // ForwardResults as bytes, for the last PP stage to hand to the others.
 template <typename T>
 void Put(std::vector<std::byte>* out, const T* p, size_t n) {
+  if (n == 0) return;  // an empty vector's data() may be null
   const auto* b = reinterpret_cast<const std::byte*>(p);
   out->insert(out->end(), b, b + n * sizeof(T));
 }
@@ -26,6 +27,7 @@ class ByteReader {
   template <typename T>
   bool Get(T* p, size_t n) {
     if (bytes_.size() - at_ < n * sizeof(T)) return false;
+    if (n == 0) return true;  // an empty vector's data() may be null
     std::memcpy(p, bytes_.data() + at_, n * sizeof(T));
     at_ += n * sizeof(T);
     return true;

@@ -10,6 +10,7 @@
 #include "kernel_shard_harness.h"
 #include "kernel_test_util.h"
 #include "pdlib_kernels/parallel.h"
+#include "shard_util.h"
 
 namespace pdlib::kernels {
 namespace {
@@ -103,6 +104,32 @@ TEST_CASE("sharded model: aborting the group unblocks a rank waiting for its pee
   REQUIRE_FALSE(status.ok());
   CHECK_THAT(status.ToString(), Catch::Contains("rank 1 stopped"));
   CHECK_THAT(status.ToString(), Catch::Contains("TP all-gather"));
+}
+
+TEST_CASE("sharded model: results cross PP stages whole, empty fields included") {
+  std::vector<ForwardResult> in(2);
+  in[0].token = 7;
+  in[0].logprob = -0.25f;
+  in[0].top_ids = {7, 3};
+  in[0].top_logprobs = {-0.25f, -2.0f};
+  in[1].token = 1;  // no top, logits or hidden (what a host asks for: top_k only)
+  in[1].logits = {1.5f, -1.0f};
+  std::vector<std::byte> bytes;
+  internal::SerializeResults(in, &bytes);
+  std::vector<ForwardResult> out;
+  REQUIRE(internal::DeserializeResults(bytes, &out).ok());
+  REQUIRE(out.size() == 2);
+  for (size_t i = 0; i < 2; ++i) testing::RequireSame(in[i], out[i]);
+  // Truncated, or with a byte too many: refused, never read past the end.
+  for (size_t cut : {size_t{0}, size_t{5}, bytes.size() - 1}) {
+    std::vector<std::byte> bad(bytes.begin(), bytes.begin() + static_cast<ptrdiff_t>(cut));
+    CHECK(internal::DeserializeResults(bad, &out).code() == StatusCode::kInternal);
+  }
+  bytes.push_back(std::byte{0});
+  CHECK(internal::DeserializeResults(bytes, &out).code() == StatusCode::kInternal);
+  internal::SerializeResults({}, &bytes);
+  REQUIRE(internal::DeserializeResults(bytes, &out).ok());
+  CHECK(out.empty());
 }
 
 TEST_CASE("in-process model comms: gather order, stage hand-off and broadcast") {

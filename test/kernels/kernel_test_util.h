@@ -101,17 +101,19 @@ inline ForwardOptions FullOptions() {
   return o;
 }
 
+// The same floats bit for bit (NaNs included); empty vectors are equal.
+inline bool SameFloats(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
 inline void RequireSame(const ForwardResult& a, const ForwardResult& b) {
   REQUIRE(a.token == b.token);
   REQUIRE(std::memcmp(&a.logprob, &b.logprob, sizeof(float)) == 0);
   REQUIRE(a.top_ids == b.top_ids);
-  REQUIRE(a.top_logprobs.size() == b.top_logprobs.size());
-  REQUIRE(std::memcmp(a.top_logprobs.data(), b.top_logprobs.data(),
-                      a.top_logprobs.size() * sizeof(float)) == 0);
-  REQUIRE(a.logits.size() == b.logits.size());
-  REQUIRE(std::memcmp(a.logits.data(), b.logits.data(), a.logits.size() * sizeof(float)) == 0);
-  REQUIRE(a.hidden.size() == b.hidden.size());
-  REQUIRE(std::memcmp(a.hidden.data(), b.hidden.data(), a.hidden.size() * sizeof(float)) == 0);
+  REQUIRE(SameFloats(a.top_logprobs, b.top_logprobs));
+  REQUIRE(SameFloats(a.logits, b.logits));
+  REQUIRE(SameFloats(a.hidden, b.hidden));
 }
 
 inline std::vector<std::byte> ReadPage(const KVCache& cache, KVKind kind, int32_t layer,
