@@ -57,10 +57,10 @@ class CpuModel final : public Model {
   Status MlaMixer(const RankLayer& layer, const BatchPlan& plan);
   void RecurrentMixer(const RankLayer& layer, const BatchPlan& plan);
   Status Mlp(const RankLayer& layer, int64_t tokens);
-  // `local` is [rows][width] of this rank's columns; on return `full` holds every TP rank's
-  // columns in rank order ([rows][tp * width]). With one TP rank it is a copy.
-  Status GatherColumns(const std::vector<float>& local, int64_t rows, int32_t width,
-                       std::vector<float>* full);
+  // `local` is [rows][width] of this rank's columns; returns every TP rank's columns in rank
+  // order ([rows][tp * width]), gathered into `full`, or `local` itself with one TP rank.
+  StatusOr<const std::vector<float>*> GatherColumns(const std::vector<float>& local, int64_t rows,
+                                                    int32_t width, std::vector<float>* full);
   // y = x W^T for this rank's output rows of the projection, gathered, added to the residual.
   Status OutputProjection(const std::vector<float>& in, int64_t rows, int32_t in_width,
                           const std::vector<float>& w_rows);
@@ -77,35 +77,34 @@ class CpuModel final : public Model {
   std::vector<RankLayer> layers_;                    // the stage's layers
   // Activations, reused between calls: x is the residual stream [tokens][hidden].
   std::vector<float> x_, xn_, fused_, a_, b_, c_, mixed_, delta_, rope_cos_, rope_sin_;
-  std::vector<float> gathered_, full_;    // TP gathers
-  std::vector<float> index_q_, index_k_;  // lightning indexer: [tokens][index_dim] each
-  KeySelection selection_;                // the indexer's choice per token
+  std::vector<float> gathered_, full_, local_out_;  // TP gathers
+  std::vector<float> index_q_, index_k_;            // lightning indexer: [tokens][index_dim] each
+  KeySelection selection_;                          // the indexer's choice per token
 };
 
-Status CpuModel::GatherColumns(const std::vector<float>& local, int64_t rows, int32_t width,
-                               std::vector<float>* full) {
+StatusOr<const std::vector<float>*> CpuModel::GatherColumns(const std::vector<float>& local,
+                                                            int64_t rows, int32_t width,
+                                                            std::vector<float>* full) {
   const int32_t parts = layout_.shard.tp_size;
-  if (parts == 1) {
-    *full = local;
-    return Status::OK();
-  }
+  if (parts == 1) return &local;
   gathered_.resize(local.size() * static_cast<size_t>(parts));
   if (Status s = comm_->AllGather(local, gathered_); !s.ok()) {
     return s.WithPrefix("model rank " + layout_.shard.ToString() + ": TP all-gather");
   }
   Interleave(gathered_, parts, rows, width, full);
-  return Status::OK();
+  return full;
 }
 
 Status CpuModel::OutputProjection(const std::vector<float>& in, int64_t rows, int32_t in_width,
                                   const std::vector<float>& w_rows) {
   const int32_t h = config_.hidden_size, oc = layout_.out_count;
-  delta_.resize(static_cast<size_t>(rows * oc));
-  MatMul(pool_, in.data(), rows, in_width, w_rows.data(), oc, delta_.data());
+  // One rank computes every output row straight into delta_; under TP each rank its rows.
+  std::vector<float>& out = tp() ? local_out_ : delta_;
+  out.resize(static_cast<size_t>(rows * oc));
+  MatMul(pool_, in.data(), rows, in_width, w_rows.data(), oc, out.data());
   if (tp()) {
-    std::vector<float> local;
-    local.swap(delta_);
-    if (Status s = GatherColumns(local, rows, oc, &delta_); !s.ok()) return s;
+    StatusOr<const std::vector<float>*> whole = GatherColumns(local_out_, rows, oc, &delta_);
+    if (!whole.ok()) return whole.status();
   }
   AddInPlace(x_.data(), delta_.data(), rows * h);
   return Status::OK();
@@ -150,8 +149,9 @@ Status CpuModel::AttentionMixer(const RankLayer& layer, const BatchPlan& plan) {
   // a page wholly before the window (pdlib moves only the window's pages as SWA state).
   PagedAttention(pool_, c, a_.data(), batch, k_pool, v_pool, mixed_.data(),
                  swa ? config_.sliding_window : 0, selection);
-  if (Status s = GatherColumns(mixed_, n, qw, &full_); !s.ok()) return s;
-  return OutputProjection(full_, n, config_.q_width(), layer.mix_out);
+  StatusOr<const std::vector<float>*> whole = GatherColumns(mixed_, n, qw, &full_);
+  if (!whole.ok()) return whole.status();
+  return OutputProjection(**whole, n, config_.q_width(), layer.mix_out);
 }
 
 // MLA (ops.h, MlaPagedAttention): the rank's query heads and the whole latent row in one matmul;
@@ -176,8 +176,9 @@ Status CpuModel::MlaMixer(const RankLayer& layer, const BatchPlan& plan) {
   mixed_.resize(static_cast<size_t>(n * c.q_width()));
   MlaPagedAttention(pool_, c, heads, a_.data(), layer.kv_b.data(), batch, latent_pool,
                     mixed_.data());
-  if (Status s = GatherColumns(mixed_, n, c.q_width(), &full_); !s.ok()) return s;
-  return OutputProjection(full_, n, config_.q_width(), layer.mix_out);
+  StatusOr<const std::vector<float>*> whole = GatherColumns(mixed_, n, c.q_width(), &full_);
+  if (!whole.ok()) return whole.status();
+  return OutputProjection(**whole, n, config_.q_width(), layer.mix_out);
 }
 
 void CpuModel::RecurrentMixer(const RankLayer& layer, const BatchPlan& plan) {
@@ -208,8 +209,9 @@ Status CpuModel::Mlp(const RankLayer& layer, int64_t n) {
     const float* row = fused_.data() + t * 2 * inter;
     SwiGLU(row, row + inter, inter, mixed_.data() + t * inter);
   }
-  if (Status s = GatherColumns(mixed_, n, inter, &full_); !s.ok()) return s;
-  return OutputProjection(full_, n, c.intermediate_size, layer.down);
+  StatusOr<const std::vector<float>*> whole = GatherColumns(mixed_, n, inter, &full_);
+  if (!whole.ok()) return whole.status();
+  return OutputProjection(**whole, n, c.intermediate_size, layer.down);
 }
 
 Status CpuModel::Forward(std::span<const SequenceChunk> batch, const ForwardOptions& options,
