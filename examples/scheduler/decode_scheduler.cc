@@ -47,12 +47,10 @@ StatusOr<std::unique_ptr<DecodeScheduler>> DecodeScheduler::Create(
         options.polling_interval, options.pre_alloc_size, options.reserved_decode_tokens,
         options.num_state_slots, options.sliding_window, options.vocab_size));
   }
-  if ((options.num_state_slots > 0) + (options.sliding_window > 0) + options.whole_sequence_state >
-      1) {
-    return Status::InvalidArgument(absl::StrFormat(
-        "decode scheduler: num_state_slots %d, sliding_window %d and whole_sequence_state %d: a "
-        "request receives one kind of state",
-        options.num_state_slots, options.sliding_window, int{options.whole_sequence_state}));
+  if (Status s = CheckOneStateKind("decode scheduler", options.num_state_slots,
+                                   options.sliding_window, options.whole_sequence_state);
+      !s.ok()) {
+    return s;
   }
   if (deps.pages->page_size() < 1) {
     return Status::InvalidArgument(

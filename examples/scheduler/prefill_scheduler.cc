@@ -41,12 +41,10 @@ StatusOr<std::unique_ptr<PrefillScheduler>> PrefillScheduler::Create(
         options.max_running_requests, options.chunked_prefill_size, options.max_context_len,
         options.num_state_slots, options.sliding_window, options.vocab_size));
   }
-  if ((options.num_state_slots > 0) + (options.sliding_window > 0) + options.whole_sequence_state >
-      1) {
-    return Status::InvalidArgument(absl::StrFormat(
-        "prefill scheduler: num_state_slots %d, sliding_window %d and whole_sequence_state %d: "
-        "a request sends one kind of state",
-        options.num_state_slots, options.sliding_window, int{options.whole_sequence_state}));
+  if (Status s = CheckOneStateKind("prefill scheduler", options.num_state_slots,
+                                   options.sliding_window, options.whole_sequence_state);
+      !s.ok()) {
+    return s;
   }
   if (deps.pages->page_size() < 1) {
     return Status::InvalidArgument(

@@ -117,6 +117,17 @@ Status SchedulerCore::CheckPromptTokens(const Request& request, int32_t vocab_si
   return Status::OK();
 }
 
+Status SchedulerCore::CheckOneStateKind(const char* who, int32_t num_state_slots,
+                                        int32_t sliding_window, bool whole_sequence_state) {
+  if ((num_state_slots > 0) + (sliding_window > 0) + whole_sequence_state <= 1) {
+    return Status::OK();
+  }
+  return Status::InvalidArgument(absl::StrFormat(
+      "%s: num_state_slots %d, sliding_window %d and whole_sequence_state %d: a request moves one "
+      "kind of state",
+      who, num_state_slots, sliding_window, int{whole_sequence_state}));
+}
+
 Status SchedulerCore::FailureOf(const KVPollable& handle) const {
   Status why = handle.FailureReason();
   if (!why.ok()) return why;

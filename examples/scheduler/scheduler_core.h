@@ -126,6 +126,10 @@ class SchedulerCore {
   // [0, vocab_size). Checked at admission so that one bad prompt fails alone, not the forward
   // batch it would have joined.
   static Status CheckPromptTokens(const Request& request, int32_t vocab_size);
+  // kInvalidArgument, prefixed with `who`, when more than one kind of state is configured (state
+  // slots, a sliding window, whole-sequence state): a request moves one kind.
+  static Status CheckOneStateKind(const char* who, int32_t num_state_slots, int32_t sliding_window,
+                                  bool whole_sequence_state);
   Status Reject(Status why);
   void Admit(uint64_t room);
 
