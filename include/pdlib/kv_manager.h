@@ -76,6 +76,32 @@ class PDLIB_EXPORT KVSender : public KVPollable {
   // Requires the decode side's TransferInfo (Poll() >= kWaitingForInput).
   virtual Status Send(std::span<const int32_t> kv_page_indices, bool is_last_chunk,
                       std::span<const int32_t> state_indices = {}) = 0;
+  // Layer-wise streaming (optional; an engine that only calls Send behaves as before). Announces
+  // that the first `layers_done` KV layers of this rank (KVArgs::kv order: the layers of its PP
+  // stage, MLA or K and V alike) are computed for the chunk `kv_page_indices`, so that pdlib
+  // writes them to decode while the engine computes the next ones. Call it as layers finish,
+  // from the forward loop or from a GPU engine's host callback after each layer's CUDA event,
+  // with a growing count and the same pages and is_last_chunk; the call with layers_done ==
+  // num_layers() completes the chunk exactly as Send(kv_page_indices, is_last_chunk,
+  // state_indices) does (state_indices are read only then; aux and state follow the last
+  // layer of the last chunk). Only then may the next chunk begin. Never blocks on the network:
+  // it checks the call and queues the new layers' writes (about a microsecond). Success still
+  // means every byte of every layer has landed.
+  // Errors, which change nothing: kOutOfRange for layers_done outside [0, num_layers()],
+  // kInvalidArgument for fewer layers than announced before, or pages or is_last_chunk that
+  // differ from the chunk's earlier announcements, kFailedPrecondition after the last chunk
+  // (and everything Send() refuses). Announcing the same count again, or 0, does nothing.
+  virtual Status SendLayers(std::span<const int32_t> kv_page_indices, int32_t layers_done,
+                            bool is_last_chunk, std::span<const int32_t> state_indices = {}) {
+    (void)kv_page_indices;
+    (void)layers_done;
+    (void)is_last_chunk;
+    (void)state_indices;
+    return Status::Unimplemented("this KVSender does not stream layers; call Send()");
+  }
+  // This rank's KV layers: the layers_done that completes a chunk in SendLayers(). 0 when the
+  // sender does not stream layers.
+  virtual int32_t num_layers() const { return 0; }
   // Fails the request with `reason` (code kAborted) and tells the decode side. Idempotent.
   virtual void Abort(std::string_view reason) = 0;
 };

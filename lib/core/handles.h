@@ -38,8 +38,14 @@ class CoreSender final : public HandleBase<KVSender, PrefillCore> {
   }
   Status Send(std::span<const int32_t> pages, bool is_last_chunk,
               std::span<const int32_t> state_indices) override {
-    return core_->Send(state_->room(), pages, is_last_chunk, state_indices);
+    return core_->SendLayers(state_->room(), pages, core_->num_layers(), is_last_chunk,
+                             state_indices);
   }
+  Status SendLayers(std::span<const int32_t> pages, int32_t layers_done, bool is_last_chunk,
+                    std::span<const int32_t> state_indices) override {
+    return core_->SendLayers(state_->room(), pages, layers_done, is_last_chunk, state_indices);
+  }
+  int32_t num_layers() const override { return core_->num_layers(); }
 };
 
 class CoreReceiver final : public HandleBase<KVReceiver, DecodeCore> {

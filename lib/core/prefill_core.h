@@ -55,8 +55,10 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   // Engine side (KVSender).
   StatusOr<std::shared_ptr<RoomState>> CreateRoom(uint64_t room);
   Status InitRoom(uint64_t room, uint64_t num_kv_pages, std::optional<uint32_t> aux_index);
-  Status Send(uint64_t room, std::span<const int32_t> pages, bool last,
-              std::span<const int32_t> state_indices);
+  // KVSender::SendLayers; Send is SendLayers with every layer (num_layers()).
+  Status SendLayers(uint64_t room, std::span<const int32_t> pages, int32_t layers_done, bool last,
+                    std::span<const int32_t> state_indices);
+  int32_t num_layers() const { return layout_.num_layers(); }
   void AbortRoom(uint64_t room, std::string_view reason);
   void ReleaseRoom(uint64_t room, const RoomState* state);
 
@@ -75,8 +77,10 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   struct Chunk {
     std::shared_ptr<Room> room;
     std::vector<int32_t> src_pages;
-    size_t dst_offset = 0;  // index into the TransferInfo's dst pages
-    bool last = false;
+    size_t dst_offset = 0;    // index into the TransferInfo's dst pages
+    bool last = false;        // the request's last chunk, and these are its last layers
+    int32_t layer_begin = 0;  // the KV layers [layer_begin, layer_end) of the chunk
+    int32_t layer_end = 0;
   };
 
   PrefillCore(const KVManagerOptions& options, std::unique_ptr<spi::Transport> transport);

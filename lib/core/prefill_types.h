@@ -37,6 +37,13 @@ struct PrefillCore::Room {
   std::vector<std::shared_ptr<Peer>> peers ABSL_GUARDED_BY(mu);
   size_t pages_queued ABSL_GUARDED_BY(mu) = 0;
   bool last_queued ABSL_GUARDED_BY(mu) = false;
+  // Layer-wise streaming: the chunk whose layers are being announced (SendLayers), while
+  // 0 < open_layers < the rank's KV layers; its pages were counted in pages_queued when it
+  // opened, at TransferInfo offset open_dst_offset.
+  std::vector<int32_t> open_pages ABSL_GUARDED_BY(mu);
+  int32_t open_layers ABSL_GUARDED_BY(mu) = 0;
+  bool open_last ABSL_GUARDED_BY(mu) = false;
+  size_t open_dst_offset ABSL_GUARDED_BY(mu) = 0;
   int outstanding ABSL_GUARDED_BY(mu) = 0;  // chunk batches posted, not yet complete
   bool finalizing ABSL_GUARDED_BY(mu) = false;
   std::vector<int32_t> state_src ABSL_GUARDED_BY(mu);

@@ -13,8 +13,9 @@
 namespace pdlib {
 inline namespace v1 {
 
-Status PrefillCore::Send(uint64_t room_id, std::span<const int32_t> pages, bool last,
-                         std::span<const int32_t> state_indices) {
+Status PrefillCore::SendLayers(uint64_t room_id, std::span<const int32_t> pages,
+                               int32_t layers_done, bool last,
+                               std::span<const int32_t> state_indices) {
   auto room = FindRoom(room_id);
   if (!room) return Status::NotFound(absl::StrFormat("room %d is not live", room_id));
   KVPoll state = room->state->Poll();
@@ -24,53 +25,105 @@ Status PrefillCore::Send(uint64_t room_id, std::span<const int32_t> pages, bool 
         absl::StrFormat("room %d: Send() in state %s (needs the decode side's TransferInfo first)",
                         room_id, KVPollName(state)));
   }
-  if (Status s = ValidateIndices(pages, ItemCapacity(options_.args.kv), "kv page", "prefill");
-      !s.ok()) {
-    return s.WithPrefix(absl::StrFormat("room %d", room_id));
+  const int32_t layers = layout_.num_layers();
+  if (layers_done < 0 || layers_done > layers) {
+    return Status::OutOfRange(
+        absl::StrFormat("room %d: SendLayers() announces %d layers; this rank has %d KV layers",
+                        room_id, layers_done, layers));
   }
+  const bool completes = layers_done == layers;
   if (Status s =
           ValidateIndices(state_indices, ItemCapacity(options_.args.state), "state", "prefill");
       !s.ok()) {
     return s.WithPrefix(absl::StrFormat("room %d", room_id));
   }
-  Chunk chunk{room, {pages.begin(), pages.end()}, 0, last};
+  Chunk chunk{room, {pages.begin(), pages.end()}, 0, false, 0, layers_done};
   {
     MutexLock lock(&room->mu);
     if (room->last_queued) {
       return Status::FailedPrecondition(
           absl::StrFormat("room %d: Send() after the last chunk", room_id));
     }
-    // A dummy room (this rank writes to nobody, R5.5) takes any chunk and writes nothing.
-    const TransferInfoMsg* real = nullptr;
-    for (const auto& info : room->infos) {
-      if (info.is_dummy) continue;
-      if (real && info.dst_kv_pages.size() != real->dst_kv_pages.size()) {
-        return Status::FailedPrecondition(
-            absl::StrFormat("room %d: decode ranks disagree on the page count", room_id));
+    if (room->open_layers > 0) {
+      // Another announcement of the open chunk: the same pages, the same last flag, more layers.
+      if (!std::equal(pages.begin(), pages.end(), room->open_pages.begin(),
+                      room->open_pages.end())) {
+        return Status::InvalidArgument(absl::StrFormat(
+            "room %d: SendLayers() with %d pages differing from the %d pages of the chunk whose "
+            "first %d layers were announced (finish a chunk before the next one)",
+            room_id, pages.size(), room->open_pages.size(), room->open_layers));
       }
-      if (!real) real = &info;
+      if (last != room->open_last) {
+        return Status::InvalidArgument(absl::StrFormat(
+            "room %d: SendLayers() with is_last_chunk %s for a chunk announced with %s", room_id,
+            last ? "true" : "false", room->open_last ? "true" : "false"));
+      }
+      if (layers_done < room->open_layers) {
+        return Status::InvalidArgument(
+            absl::StrFormat("room %d: SendLayers() announces %d layers after %d were announced",
+                            room_id, layers_done, room->open_layers));
+      }
+    } else if (layers_done == 0 && !completes) {
+      return Status::OK();  // nothing computed yet: nothing to write
     }
-    size_t total = room->pages_queued + pages.size();
-    size_t dst_count = real ? real->dst_kv_pages.size() : total;
-    if (total > dst_count || (last && total != dst_count)) {
-      return Status::OutOfRange(
-          absl::StrFormat("room %d: %s chunk brings the pages sent to %d but decode expects %d",
-                          room_id, last ? "last" : "non-last", total, dst_count));
+    if (completes && last && !state_indices.empty()) {
+      for (const auto& info : room->infos) {
+        if (!info.is_dummy && state_indices.size() != info.dst_state_indices.size()) {
+          return Status::InvalidArgument(
+              absl::StrFormat("room %d: %d state indices for %d on decode", room_id,
+                              state_indices.size(), info.dst_state_indices.size()));
+        }
+      }
     }
-    if (room->num_kv_pages && total > *room->num_kv_pages) {
-      return Status::OutOfRange(absl::StrFormat("room %d: %d pages sent, Init() announced %d",
-                                                room_id, total, *room->num_kv_pages));
+    if (room->open_layers > 0) {
+      if (layers_done == room->open_layers) return Status::OK();  // already announced
+      chunk.layer_begin = room->open_layers;
+      chunk.dst_offset = room->open_dst_offset;
+    } else {
+      // The chunk opens: its pages are checked and counted once.
+      if (Status s = ValidateIndices(pages, ItemCapacity(options_.args.kv), "kv page", "prefill");
+          !s.ok()) {
+        return s.WithPrefix(absl::StrFormat("room %d", room_id));
+      }
+      // A dummy room (this rank writes to nobody, R5.5) takes any chunk and writes nothing.
+      const TransferInfoMsg* real = nullptr;
+      for (const auto& info : room->infos) {
+        if (info.is_dummy) continue;
+        if (real && info.dst_kv_pages.size() != real->dst_kv_pages.size()) {
+          return Status::FailedPrecondition(
+              absl::StrFormat("room %d: decode ranks disagree on the page count", room_id));
+        }
+        if (!real) real = &info;
+      }
+      size_t total = room->pages_queued + pages.size();
+      size_t dst_count = real ? real->dst_kv_pages.size() : total;
+      if (total > dst_count || (last && total != dst_count)) {
+        return Status::OutOfRange(
+            absl::StrFormat("room %d: %s chunk brings the pages sent to %d but decode expects %d",
+                            room_id, last ? "last" : "non-last", total, dst_count));
+      }
+      if (room->num_kv_pages && total > *room->num_kv_pages) {
+        return Status::OutOfRange(absl::StrFormat("room %d: %d pages sent, Init() announced %d",
+                                                  room_id, total, *room->num_kv_pages));
+      }
+      chunk.dst_offset = room->pages_queued;
+      room->pages_queued = total;
     }
-    if (real && last && !state_indices.empty() &&
-        state_indices.size() != real->dst_state_indices.size()) {
-      return Status::InvalidArgument(absl::StrFormat("room %d: %d state indices for %d on decode",
-                                                     room_id, state_indices.size(),
-                                                     real->dst_state_indices.size()));
+    // Validated: from here on the call changes the room.
+    if (completes) {
+      room->open_layers = 0;
+      room->open_pages.clear();
+      room->last_queued = last;
+      chunk.last = last;
+      if (last) room->state_src.assign(state_indices.begin(), state_indices.end());
+    } else {
+      if (room->open_layers == 0) {
+        room->open_pages.assign(pages.begin(), pages.end());
+        room->open_last = last;
+        room->open_dst_offset = chunk.dst_offset;
+      }
+      room->open_layers = layers_done;
     }
-    chunk.dst_offset = room->pages_queued;
-    room->pages_queued = total;
-    room->last_queued = last;
-    if (last) room->state_src.assign(state_indices.begin(), state_indices.end());
     ++room->outstanding;
   }
   room->state->Advance(KVPoll::kTransferring);
@@ -132,7 +185,9 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
   for (Target& t : targets) {
     plan.writes.clear();
     plan.bytes = 0;
-    Status s = planner::PlanKvWrites(t.peer->plan, {chunk.src_pages, t.dst, chunk.last, -1}, &plan);
+    Status s = planner::PlanKvWrites(
+        t.peer->plan, {chunk.src_pages, t.dst, chunk.last, -1, chunk.layer_begin, chunk.layer_end},
+        &plan);
     if (!s.ok()) {
       OnBatchDone(room, 0, 0, s.WithPrefix(absl::StrFormat("room %d", room->state->room())));
       continue;
@@ -142,7 +197,9 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
       OnBatchDone(room, 0, 0, Status::OK());
       continue;
     }
-    const uint64_t bytes = plan.bytes, pages = chunk.src_pages.size();
+    // A chunk announced layer by layer counts its pages once, with its last layers.
+    const uint64_t bytes = plan.bytes;
+    const uint64_t pages = chunk.layer_end == layout_.num_layers() ? chunk.src_pages.size() : 0;
     auto self = shared_from_this();
     s = transport_->PostWrites(t.peer->peer, ops, [self, room, bytes, pages](Status st) {
       self->OnBatchDone(room, bytes, pages, std::move(st));

@@ -111,12 +111,18 @@ Status EmitRuns(const BufferMap& m, RegionKind kind, const std::vector<IndexRun>
   return Status::OK();
 }
 
-Status EmitAll(const std::vector<BufferMap>& maps, RegionKind kind, uint64_t items,
-               PlanOutput* out) {
+// Emits the maps whose layer lies in [layer_begin, layer_end) (aux and state: layer 0, every
+// map).
+Status EmitAll(const std::vector<BufferMap>& maps, RegionKind kind, uint64_t items, PlanOutput* out,
+               int32_t layer_begin = 0, int32_t layer_end = std::numeric_limits<int32_t>::max()) {
+  auto in_range = [&](const BufferMap& m) { return m.layer >= layer_begin && m.layer < layer_end; };
   uint64_t count = 0;
-  for (const BufferMap& m : maps) count += CountWrites(m, out->runs.size(), items);
+  for (const BufferMap& m : maps) {
+    if (in_range(m)) count += CountWrites(m, out->runs.size(), items);
+  }
   out->writes.reserve(out->writes.size() + count);
   for (const BufferMap& m : maps) {
+    if (!in_range(m)) continue;
     if (Status s = EmitRuns(m, kind, out->runs, out); !s.ok()) return s;
   }
   return Status::OK();
@@ -143,6 +149,14 @@ Status PlanKvImpl(const PairPlan& plan, const ChunkPages& c, PlanOutput* out) {
                           c.is_last ? "last" : "non-last", tokens, pages, plan.page_size, n));
     }
   }
+  // layer_end -1 (the default): every map.
+  const int32_t layer_end = c.layer_end < 0 ? std::numeric_limits<int32_t>::max() : c.layer_end;
+  if (c.layer_begin < 0 ||
+      (c.layer_end >= 0 && (c.layer_begin > c.layer_end || c.layer_end > plan.prefill_layers))) {
+    return Status::OutOfRange(absl::StrFormat(
+        "layer range [%d, %d) is not inside the %d KV layers of prefill tp %d pp %d", c.layer_begin,
+        c.layer_end, plan.prefill_layers, plan.prefill.tp_rank, plan.prefill.pp_rank));
+  }
   if (Status s = CheckIndices(c.src_pages, plan.src_kv, "kv page", "kv", true, plan.prefill);
       !s.ok()) {
     return s;
@@ -155,7 +169,7 @@ Status PlanKvImpl(const PairPlan& plan, const ChunkPages& c, PlanOutput* out) {
   if (Status s = CheckDistinctRuns(out->runs, &out->sorted, "kv page", plan.decode); !s.ok()) {
     return s;
   }
-  return EmitAll(plan.kv, RegionKind::kKv, n, out);
+  return EmitAll(plan.kv, RegionKind::kKv, n, out, c.layer_begin, layer_end);
 }
 
 Status PlanTailImpl(const PairPlan& plan, const TailInput& t, PlanOutput* out) {

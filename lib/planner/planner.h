@@ -43,6 +43,9 @@
 // - DP (R5.7): the prefill DP group of a room is room % prefill_dp_size (PrefillDpGroup).
 // - Chunks (R5.2): a non-last chunk holds whole pages only; the last one may end in a partial
 //   page, which is sent whole; aux and state follow the last chunk (PlanTailWrites).
+// - Layer-wise streaming: a chunk may be planned a range of prefill-local layers at a time
+//   (ChunkPages::layer_begin/layer_end); the ranges of one chunk together plan exactly the
+//   writes of the whole chunk, since every write lies inside one layer's buffer.
 // - Coalescing (R5.3): consecutive items whose bytes are contiguous on both sides become one
 //   write: runs of (src, dst) pages when the slice is the whole item on both sides, otherwise one
 //   write per piece (an HND head slice: one per page; an NHD head slice: page_size per page).
@@ -222,6 +225,9 @@ struct BufferMap {
   uint64_t src_buffer_bytes = 0;
   uint64_t dst_buffer_bytes = 0;
   SliceGeometry slice;
+  // KV maps: the prefill-local layer the buffer belongs to (layer-wise streaming plans a range
+  // of layers). 0 for aux and state.
+  int32_t layer = 0;
 };
 
 // How many items every buffer of a family holds on one side, and which buffer limits it.
@@ -239,6 +245,7 @@ struct PairPlan {
   bool active = false;      // prefill writes to this decode rank (it is an expected sender)
   bool writes_aux = false;  // this pair carries the aux slot
   uint32_t page_size = 1;
+  int32_t prefill_layers = 0;  // the prefill rank's local KV layers (ChunkPages layer ranges)
   StateType state_type = StateType::kNone;
   std::vector<BufferMap> kv;     // buffers with something to send, layer-major (K, V) order
   std::vector<BufferMap> aux;    // empty unless writes_aux
@@ -279,6 +286,11 @@ struct ChunkPages {
   // Tokens the chunk covers, when known: a non-last chunk must be whole pages (R5.2) and the
   // page count must match. -1: not checked.
   int64_t num_tokens = -1;
+  // Layer-wise streaming: only the prefill-local KV layers [layer_begin, layer_end) are planned
+  // (the layers the engine announced since the last call). layer_end -1: through the last one.
+  // Every index is validated whatever the range.
+  int32_t layer_begin = 0;
+  int32_t layer_end = -1;
 };
 
 // What follows the last chunk: the aux slot, then the state indices (R5.8).
@@ -314,8 +326,9 @@ struct PlanOutput {
   std::vector<IndexRun> sorted;
 };
 
-// Appends the KV writes of one chunk (every layer, R5.3) to out->writes. Validates the chunk and
-// every index; on error out->writes is cleared and nothing is planned.
+// Appends the KV writes of one chunk (every layer, R5.3, or the chunk's layer range) to
+// out->writes, layer by layer. Validates the chunk, the layer range and every index; on error
+// out->writes is cleared and nothing is planned.
 Status PlanKvWrites(const PairPlan& plan, const ChunkPages& chunk, PlanOutput* out);
 
 // Appends the aux write(s), then the state writes, that follow the last chunk.

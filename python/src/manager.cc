@@ -561,7 +561,32 @@ void BindManager(py::module_& m) {
             ThrowIfError(st);
           },
           py::arg("kv_page_indices"), py::arg("is_last_chunk"),
-          py::arg("state_indices") = py::none());
+          py::arg("state_indices") = py::none())
+      .def(
+          "send_layers",
+          [](Sender& s, py::handle pages, int32_t layers_done, bool is_last, py::handle state) {
+            Indices page_span = ToIndices(pages, "kv_page_indices");
+            Indices state_span = ToIndices(state, "state_indices");
+            pdlib::Status st;
+            {
+              HandleBase::Call call(&s, "KVSender");
+              pdlib::KVSender* h = s.get();
+              py::gil_scoped_release release;
+              st = h->SendLayers(page_span.span(), layers_done, is_last, state_span.span());
+            }
+            ThrowIfError(st);
+          },
+          py::arg("kv_page_indices"), py::arg("layers_done"), py::arg("is_last_chunk"),
+          py::arg("state_indices") = py::none(),
+          "Layer-wise streaming: the first layers_done KV layers of this chunk are computed "
+          "(KVSender::SendLayers); layers_done == num_layers completes the chunk like send().")
+      .def_property_readonly(
+          "num_layers",
+          [](Sender& s) {
+            HandleBase::Call call(&s, "KVSender");
+            return s.get()->num_layers();
+          },
+          "This rank's KV layers: the layers_done that completes a chunk in send_layers().");
   BindHandleCommon(sender);
 
   py::class_<Receiver, HandleBase> receiver(m, "KVReceiver", "Decode side of one request.");

@@ -3,7 +3,10 @@
 // state through the gRPC control plane and real one-sided writes; decode checks every byte
 // against the model-wide pattern (e2e_scenario.h). Test names carry `tp`, `pipeline` and `state`
 // so that `ctest -R tp` (and -R pipeline, -R state) select them.
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,16 +29,38 @@ bool HaveUcx() {
 // Runs scenario `name`; with `corrupt_room`, prefill spoils one byte of that room and decode must
 // report exactly that room (on the ranks that own the byte) as bad. With `wrong_aux_room`,
 // prefill writes that room's aux slot as another room's, and pdlib itself must fail the room.
-void RunScenario(const std::string& name, int64_t corrupt_room = -1, int64_t wrong_aux_room = -1) {
-  if (!HaveUcx()) {
-    WARN("SKIP: this build has no ucx backend (PDLIB_WITH_UCX=OFF or libucx-dev missing)");
-    return;
+// One transport the scenarios run over: a backend and its options, as peer flags.
+struct Transport {
+  std::string name;  // "ucx:shm", "ucx:tcp", "verbs"
+  std::vector<std::string> flags;
+};
+
+std::optional<Transport> TransportNamed(const std::string& name) {
+  if (name == "ucx:shm")
+    return Transport{name, {"--backend", "ucx", "--backend-option", "ucx.tls=shm"}};
+  if (name == "ucx:tcp") {
+    return Transport{name,
+                     {"--backend", "ucx", "--backend-option", "ucx.tls=tcp", "--backend-option",
+                      "ucx.net_devices=lo"}};
   }
+  if (name == "verbs") return Transport{name, {"--backend", "verbs"}};
+  return std::nullopt;
+}
+
+// Runs scenario `name`; with `corrupt_room`, prefill spoils one byte of that room and decode must
+// report exactly that room (on the ranks that own the byte) as bad. With `wrong_aux_room`,
+// prefill writes that room's aux slot as another room's, and pdlib itself must fail the room.
+// With `layerwise_seed`, prefill announces every chunk layer by layer (SendLayers).
+void RunScenarioOver(const Transport& transport, const std::string& name, int64_t corrupt_room,
+                     int64_t wrong_aux_room, uint64_t layerwise_seed) {
   auto s = pdlib_e2e::FindScenario(name);
   REQUIRE(s);
+  INFO("scenario " << name << " over " << transport.name
+                   << (layerwise_seed ? " layer-wise, seed " + std::to_string(layerwise_seed)
+                                      : std::string()));
   const std::string port = std::to_string(pdlib_test::UnusedLocalPort());
-  const std::vector<std::string> common = {"--scenario", name,  "--bootstrap-port", port,
-                                           "--backend",  "ucx", "--backend-option", "ucx.tls=shm"};
+  std::vector<std::string> common = {"--scenario", name, "--bootstrap-port", port};
+  common.insert(common.end(), transport.flags.begin(), transport.flags.end());
   Scene scene;
   auto args = [&](const char* role) {
     std::vector<std::string> a = {"--role", role};
@@ -50,6 +75,10 @@ void RunScenario(const std::string& name, int64_t corrupt_room = -1, int64_t wro
   if (wrong_aux_room >= 0) {
     pargs.push_back("--wrong-aux-room");
     pargs.push_back(std::to_string(wrong_aux_room));
+  }
+  if (layerwise_seed != 0) {
+    pargs.push_back("--layerwise");
+    pargs.push_back(std::to_string(layerwise_seed));
   }
   PeerProcess& prefill = scene.Start("prefill", pargs, PDLIB_PLANNER_PEER_BINARY);
   SCENE_REQUIRE(scene, prefill.started());
@@ -96,7 +125,61 @@ void RunScenario(const std::string& name, int64_t corrupt_room = -1, int64_t wro
   SCENE_CHECK(scene, prefill.Wait(std::chrono::milliseconds(20000)) == 0);
 }
 
+void RunScenario(const std::string& name, int64_t corrupt_room = -1, int64_t wrong_aux_room = -1) {
+  if (!HaveUcx()) {
+    WARN("SKIP: this build has no ucx backend (PDLIB_WITH_UCX=OFF or libucx-dev missing)");
+    return;
+  }
+  RunScenarioOver(*TransportNamed("ucx:shm"), name, corrupt_room, wrong_aux_room, 0);
+}
+
+// The transports of the layer-wise tests: PDLIB_E2E_TRANSPORTS (comma-separated names, e.g.
+// "verbs" in the Soft-RoCE VM), else ucx over shm and over tcp.
+std::vector<Transport> LayerwiseTransports() {
+  const char* env = std::getenv("PDLIB_E2E_TRANSPORTS");
+  std::string list = env != nullptr ? env : "ucx:shm,ucx:tcp";
+  std::vector<Transport> out;
+  for (size_t at = 0; at <= list.size();) {
+    size_t comma = std::min(list.find(',', at), list.size());
+    std::string name = list.substr(at, comma - at);
+    at = comma + 1;
+    if (name.empty()) continue;
+    auto t = TransportNamed(name);
+    if (!t) FAIL("PDLIB_E2E_TRANSPORTS: unknown transport '" << name << "'");
+    out.push_back(*t);
+  }
+  return out;
+}
+
+// Layer-wise streaming over every transport, with two seeds (different chunk sizes and steps).
+void RunLayerwise(const std::string& name, int64_t corrupt_room = -1) {
+  const std::vector<Transport> transports = LayerwiseTransports();
+  for (const Transport& t : transports) {
+    if (t.flags[1] == "ucx" && !HaveUcx()) {
+      WARN("SKIP " << t.name << ": this build has no ucx backend");
+      continue;
+    }
+    for (uint64_t seed : {1, 2}) RunScenarioOver(t, name, corrupt_room, -1, seed);
+  }
+}
+
 }  // namespace
+
+TEST_CASE("planner e2e layerwise tp 2P1D HND: layers announced one step at a time land intact") {
+  RunLayerwise("tp_2p1d_hnd");
+}
+TEST_CASE("planner e2e layerwise pipeline PP2: each stage announces its own layers") {
+  RunLayerwise("pipeline_pp2");
+}
+TEST_CASE("planner e2e layerwise tp MLA 4P2D: latent layers stream, dummies still finish") {
+  RunLayerwise("mla_4p2d");
+}
+TEST_CASE("planner e2e layerwise state mamba 2P1D: state follows the last layer") {
+  RunLayerwise("state_mamba_2p1d");
+}
+TEST_CASE("planner e2e layerwise negative control: a spoiled byte still fails its room") {
+  RunLayerwise("tp_2p1d_nhd", 1002);
+}
 
 TEST_CASE("planner e2e tp 2P1D HND: two prefill ranks' head slices fill one decode rank's pages") {
   RunScenario("tp_2p1d_hnd");

@@ -6,6 +6,8 @@
 //                      [--backend ucx] [--backend-option k=v]... [--first-room R]
 //                      [--corrupt-room R]   (prefill: flip one KV byte of room R)
 //                      [--wrong-aux-room R] (prefill: write room R's aux slot as another room's)
+//                      [--layerwise SEED]   (prefill: announce layers with SendLayers, random
+//                                            chunk sizes and steps from SEED)
 //
 // Prefill: rank (tp 0, pp 0) runs the bootstrap server. Every rank fills its pools with the
 // scenario's pattern for each room before sending it in `chunks` chunks, then prints
@@ -14,13 +16,17 @@
 // slots, prints `ROOM <room> <Success|Failed> tp=<r> pp=<r> <reason>`, then `DONE ...`.
 // Both then wait for `QUIT` on stdin and exit 0 when every room of every rank succeeded (decode:
 // arrived intact), 1 otherwise.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -50,6 +56,9 @@ struct Flags {
   // prefill: write this room's aux slot as if it were room + kWrongRoomOffset's (the decode-side
   // bootstrap_room check, SPEC R4.4, must fail it)
   int64_t wrong_aux_room = -1;
+  // prefill: announce every chunk layer by layer (SendLayers), chunk sizes and steps drawn from
+  // this seed; 0: Send() whole chunks
+  uint64_t layerwise_seed = 0;
 };
 
 constexpr uint64_t kWrongRoomOffset = 1000000;
@@ -155,23 +164,69 @@ class Rank {
   uint32_t AuxSlot(uint64_t room) const { return static_cast<uint32_t>(room % s_.rooms); }
   int64_t AuxWord(uint64_t room) const { return static_cast<int64_t>(room * 31 + 7); }
 
-  std::string SendRoom(uint64_t room) {
-    const auto pages = pdlib_e2e::RequestPages(s_, room, false);
-    // Fill this rank's share of the model for the request.
+  // Writes the pattern of local KV layers [first, end) into pages [from, to) of the request.
+  void FillLayers(uint64_t room, const std::vector<int32_t>& pages, size_t from, size_t to,
+                  int32_t first, int32_t end) {
+    const uint64_t item = pdlib_e2e::KvItemBytes(s_, shape_);
     for (size_t b = 0; b < kv_.size(); ++b) {
-      const int32_t layer = shape_.start_layer + static_cast<int32_t>(b % shape_.num_layers);
+      const int32_t local = static_cast<int32_t>(b % static_cast<size_t>(shape_.num_layers));
+      if (local < first || local >= end) continue;
+      const int32_t layer = shape_.start_layer + local;
       const int kv = s_.mla ? 0 : static_cast<int>(b / static_cast<size_t>(shape_.num_layers));
-      const uint64_t item = pdlib_e2e::KvItemBytes(s_, shape_);
-      for (size_t p = 0; p < pages.size(); ++p) {
+      for (size_t p = from; p < to; ++p) {
         uint8_t* page = kv_[b].data() + static_cast<uint64_t>(pages[p]) * item;
         for (uint64_t off = 0; off < item; ++off) {
           page[off] = pdlib_e2e::KvByte(s_, shape_, room, layer, kv, static_cast<int64_t>(p), off);
         }
+        if (static_cast<int64_t>(room) == f_.corrupt_room && b + 1 == kv_.size() &&
+            p + 1 == pages.size()) {
+          page[0] ^= 1;
+        }
       }
     }
-    if (static_cast<int64_t>(room) == f_.corrupt_room) {
-      kv_.back()[static_cast<uint64_t>(pages.back()) * pdlib_e2e::KvItemBytes(s_, shape_)] ^= 1;
+  }
+
+  // Layer-wise streaming (--layerwise SEED): chunks of random sizes; each chunk's layers are
+  // computed (written into the pool) a random number at a time, each step announced with
+  // SendLayers, repeats and 0 included. A layer pdlib read before its announcement would reach
+  // decode as the poison byte the pages hold until then.
+  std::string SendLayerwise(pdlib::KVSender& h, uint64_t room, const std::vector<int32_t>& pages,
+                            std::span<const int32_t> state_idx) {
+    std::mt19937_64 rng(f_.layerwise_seed * 1000003 + room * 7919 +
+                        static_cast<uint64_t>(shape_.tp_rank * 31 + shape_.pp_rank));
+    const int32_t layers = h.num_layers();
+    if (layers != shape_.num_layers) {
+      return "num_layers() " + std::to_string(layers) + ", expected " +
+             std::to_string(shape_.num_layers);
     }
+    const uint64_t item = pdlib_e2e::KvItemBytes(s_, shape_);
+    for (auto& b : kv_) {
+      for (int32_t p : pages) std::memset(b.data() + static_cast<uint64_t>(p) * item, 0x5A, item);
+    }
+    for (size_t at = 0; at < pages.size();) {
+      const size_t n = std::uniform_int_distribution<size_t>(1, pages.size() - at)(rng);
+      const bool last = at + n == pages.size();
+      const auto chunk = std::span<const int32_t>(pages).subspan(at, n);
+      int32_t done = 0;
+      while (true) {
+        const int32_t next = std::min(
+            layers, done + std::uniform_int_distribution<int32_t>(0, std::max(1, layers / 2))(rng));
+        FillLayers(room, pages, at, at + n, done, next);
+        auto st = h.SendLayers(chunk, next, last,
+                               last && next == layers ? state_idx : std::span<const int32_t>());
+        if (!st.ok()) return "SendLayers(" + std::to_string(next) + "): " + st.ToString();
+        done = next;
+        if (done == layers) break;
+      }
+      at += n;
+    }
+    return "";
+  }
+
+  std::string SendRoom(uint64_t room) {
+    const auto pages = pdlib_e2e::RequestPages(s_, room, false);
+    // Fill this rank's share of the model for the request (layer-wise: as announced).
+    if (f_.layerwise_seed == 0) FillLayers(room, pages, 0, pages.size(), 0, shape_.num_layers);
     const int32_t slot = pdlib_e2e::RequestStateSlot(s_, room, false);
     for (int32_t i = 0; i < shape_.num_states; ++i) {
       const int32_t g = shape_.state_start + i;
@@ -197,7 +252,10 @@ class Rank {
         (pages.size() + static_cast<size_t>(s_.chunks) - 1) / static_cast<size_t>(s_.chunks);
     std::vector<int32_t> state_idx;
     if (shape_.num_states > 0) state_idx.push_back(slot);
-    for (size_t at = 0; at < pages.size(); at += per_chunk) {
+    if (f_.layerwise_seed != 0) {
+      if (std::string why = SendLayerwise(h, room, pages, state_idx); !why.empty()) return why;
+    }
+    for (size_t at = 0; f_.layerwise_seed == 0 && at < pages.size(); at += per_chunk) {
       const size_t n = std::min(per_chunk, pages.size() - at);
       const bool last = at + n == pages.size();
       auto st = h.Send(std::span<const int32_t>(pages).subspan(at, n), last,
@@ -281,7 +339,7 @@ int Usage(const std::string& why) {
   std::cerr << "pdlib_planner_peer: " << why
             << "\nusage: pdlib_planner_peer --role prefill|decode --scenario NAME "
                "--bootstrap-port P [--backend B] [--backend-option k=v]... [--first-room R] "
-               "[--corrupt-room R] [--wrong-aux-room R]\n";
+               "[--corrupt-room R] [--wrong-aux-room R] [--layerwise SEED]\n";
   return 2;
 }
 
@@ -309,6 +367,8 @@ int main(int argc, char** argv) {
       f.corrupt_room = std::stoll(v);
     } else if (arg == "--wrong-aux-room") {
       f.wrong_aux_room = std::stoll(v);
+    } else if (arg == "--layerwise") {
+      f.layerwise_seed = std::stoull(v);
     } else if (arg == "--first-room") {
       f.first_room = std::stoull(v);
     } else {
