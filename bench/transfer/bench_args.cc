@@ -71,6 +71,12 @@ ABSL_FLAG(bool, compare_perftest, false,
           "ucx.net_devices and ucx.config.<NAME> (UCX's defaults otherwise), after the ranks have "
           "exited; adds perftest_gbytes_per_s (null, with a word on stderr, when ucx_perftest is "
           "not on PATH)");
+ABSL_FLAG(uint64_t, layer_compute_us, 0,
+          "simulate a prefill forward of this many microseconds per layer before each request's "
+          "KV is sent (0: send at once); reports the exposed transfer time after the last layer");
+ABSL_FLAG(std::string, layerwise, "off,on",
+          "with --layer_compute_us: off (Send() after the last layer), on (SendLayers() after "
+          "every layer), or a list; each is one configuration");
 ABSL_FLAG(bool, json, false, "one JSON object per configuration instead of the table");
 ABSL_FLAG(std::string, role, "", "internal: the role of a child process (prefill or decode)");
 ABSL_FLAG(uint64_t, bootstrap_port, 8998, "internal: the bootstrap port of a child process");
@@ -92,7 +98,17 @@ constexpr char kUsage[] =
     "(near zero for the data path when puts land directly, as with UCX shm into a UCX pool);\n"
     "gbps: KV payload (pages x 2 x layers x item_bytes per request) in Gbit/s\n"
     "(10^9 bits), gbytes_per_s: the same in GB/s (10^9 bytes). The fake backend moves no bytes:\n"
-    "its figures are the rate at which write batches were validated and completed.\n";
+    "its figures are the rate at which write batches were validated and completed.\n"
+    "\n"
+    "Layer-wise streaming: --layer_compute_us N makes prefill compute each request before sending\n"
+    "it, one request at a time (one GPU), N us per layer (it sleeps: a GPU leaves the CPU free);\n"
+    "with --layerwise on it announces each finished layer (KVSender::SendLayers), with off it\n"
+    "calls Send() after the last one. exposed_*_us: from the end of the last layer to decode's\n"
+    "Success, per request (prefill stamps the end in the metadata slot; both processes read one\n"
+    "monotonic clock). The transfer time that streaming hides is the difference of the two.\n"
+    "  e.g. pdlib-transfer-bench --backend ucx --backend-option ucx.tls=tcp --backend-option\n"
+    "       ucx.net_devices=lo --layers 32 --item-bytes 32768 --pages 64 --concurrency 1\n"
+    "       --requests 20 --warmup 3 --layer-compute-us 2000\n";
 
 bool ParseU64(std::string_view text, uint64_t* out) {
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
@@ -208,6 +224,17 @@ bool ParseArgs(int argc, char** argv, Options* o) {
   b.idle_sleep_us = absl::GetFlag(FLAGS_idle_sleep_us);
   b.idle_sleep_max_us = absl::GetFlag(FLAGS_idle_sleep_max_us);
   b.seed = absl::GetFlag(FLAGS_seed);
+  b.layer_compute_us = absl::GetFlag(FLAGS_layer_compute_us);
+  if (b.layer_compute_us > 10'000'000) {
+    return bad("layer_compute_us", std::to_string(b.layer_compute_us));
+  }
+  o->layerwise.clear();
+  const std::string layerwise = absl::GetFlag(FLAGS_layerwise);
+  for (absl::string_view v : absl::StrSplit(layerwise, ',')) {
+    if (v != "on" && v != "off") return bad("layerwise", layerwise);
+    o->layerwise.push_back(v == "on");
+  }
+  if (b.layer_compute_us == 0) o->layerwise = {false};
   o->role = absl::GetFlag(FLAGS_role);
   if (!o->role.empty() && o->role != "prefill" && o->role != "decode") return bad("role", o->role);
   const uint64_t bootstrap_port = absl::GetFlag(FLAGS_bootstrap_port);
@@ -266,7 +293,11 @@ std::vector<std::string> ChildArgs(const BenchConfig& c, std::string_view role) 
                                 "--page-size",
                                 std::to_string(c.page_size),
                                 "--bootstrap-port",
-                                std::to_string(c.bootstrap_port)};
+                                std::to_string(c.bootstrap_port),
+                                "--layer-compute-us",
+                                std::to_string(c.layer_compute_us),
+                                "--layerwise",
+                                c.layerwise ? "on" : "off"};
   if (c.verify) a.push_back("--verify");
   for (const auto& [k, v] : c.backend_options) {
     a.push_back("--backend-option");

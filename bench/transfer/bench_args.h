@@ -17,6 +17,7 @@ struct Options {
   BenchConfig base;
   std::vector<uint64_t> concurrency{256}, pages{4}, layers{4}, item_bytes{4096};
   std::vector<Layout> layouts{Layout::kScattered};
+  std::vector<bool> layerwise{false};  // with layer_compute_us: off and/or on
   bool json = false;
   bool in_process = false;
   bool baseline_memcpy = false;

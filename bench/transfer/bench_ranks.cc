@@ -10,6 +10,7 @@
 #include <cinttypes>
 #include <condition_variable>
 #include <cstdio>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -30,10 +31,14 @@ using Clock = std::chrono::steady_clock;
 // switches) while a busy one still reacts within microseconds.
 class Idler {
  public:
+  // With a simulated forward the decode driver measures exposed transfer times: it never
+  // sleeps more than 50 us, so that its polling adds little to them.
   explicit Idler(const BenchConfig& c)
       : spins_(c.idle_spins),
         first_sleep_(c.idle_sleep_us),
-        max_sleep_(std::max(c.idle_sleep_us, c.idle_sleep_max_us)) {
+        max_sleep_(c.layer_compute_us > 0
+                       ? std::min<uint64_t>(200, std::max(c.idle_sleep_us, c.idle_sleep_max_us))
+                       : std::max(c.idle_sleep_us, c.idle_sleep_max_us)) {
     ::prctl(PR_SET_TIMERSLACK, 1000UL);  // 1 us: short sleeps stay short
   }
   void Progress() {
@@ -119,12 +124,68 @@ void CountFailure(RankResult* r, const pdlib::KVPollable& h) {
   if (r->failed++ == 0) r->first_failure = h.FailureReason().ToString();
 }
 
+// The simulated prefill forward (BenchConfig::layer_compute_us): one request at a time, FIFO,
+// layer l finishing layer_compute_us x (l + 1) after the forward began.
+struct Forward {
+  uint64_t index = 0;  // the request's index (its entry in `active` may move)
+  Clock::time_point start;
+  uint64_t layers_done = 0;
+};
+
+// Nanoseconds on the monotonic clock both processes share; prefill stamps the end of a
+// request's last layer with it in bootstrap_room(slot)[1], decode subtracts it at Success.
+uint64_t MonotonicNs() {
+  return uint64_t(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+          .count());
+}
+
 // Drives requests [begin, end) through the prefill rank's senders.
 void DrivePrefill(const BenchConfig& c, Rank& rank, const PageRing& pages, uint64_t begin,
                   uint64_t end, RankResult* result) {
   std::vector<InFlight<pdlib::KVSender>> active;
   active.reserve(c.concurrency);
   Idler idler(c);
+  const auto per_layer = std::chrono::microseconds(c.layer_compute_us);
+  std::deque<uint64_t> to_compute;  // request indices with their TransferInfo, FIFO
+  Forward forward;
+  bool computing = false;
+  auto find = [&](uint64_t index) -> InFlight<pdlib::KVSender>* {
+    for (auto& f : active) {
+      if (f.index == index) return &f;
+    }
+    return nullptr;
+  };
+  // Advances the forward in progress: announces the layers finished by now; after the last one
+  // stamps the end and completes the request's only chunk.
+  auto compute = [&]() -> bool {
+    if (!computing && !to_compute.empty()) {
+      forward = Forward{to_compute.front(), Clock::now(), 0};
+      computing = true;
+      to_compute.pop_front();
+    }
+    if (!computing) return false;
+    InFlight<pdlib::KVSender>* f = find(forward.index);
+    if (f == nullptr) {  // failed meanwhile
+      computing = false;
+      return true;
+    }
+    const uint64_t due =
+        std::min<uint64_t>(c.layers, uint64_t((Clock::now() - forward.start) / per_layer));
+    if (due == forward.layers_done) return false;
+    forward.layers_done = due;
+    const auto src = pages.For(f->index);
+    pdlib::Status s;
+    if (due == c.layers) {
+      if (f->aux) rank.aux->bootstrap_room(*f->aux)[1] = MonotonicNs();
+      s = f->handle->Send(src, true);
+      computing = false;
+    } else if (c.layerwise) {
+      s = f->handle->SendLayers(src, int32_t(due), true);
+    }
+    if (!s.ok()) f->handle->Abort(s.ToString());
+    return true;
+  };
   uint64_t next = begin;
   while (next < end || !active.empty()) {
     bool progressed = false;
@@ -161,13 +222,24 @@ void DrivePrefill(const BenchConfig& c, Rank& rank, const PageRing& pages, uint6
         f.acted = true;
         const auto src = pages.For(f.index);
         pdlib::Status s = f.handle->Init(src.size(), f.aux);
-        if (s.ok()) s = f.handle->Send(src, true);
+        if (s.ok() && c.layer_compute_us > 0) {
+          to_compute.push_back(f.index);
+        } else if (s.ok()) {
+          s = f.handle->Send(src, true);
+        }
         if (!s.ok()) f.handle->Abort(s.ToString());
         progressed = true;
       }
       ++i;
     }
-    if (progressed) {
+    if (c.layer_compute_us > 0) progressed |= compute();
+    if (computing) {
+      // The next layer ends at a known time: sleep until then (or poll again at once).
+      std::this_thread::sleep_until(std::min<Clock::time_point>(
+          forward.start + per_layer * int64_t(forward.layers_done + 1),
+          Clock::now() + std::chrono::microseconds(c.idle_sleep_max_us)));
+      idler.Progress();
+    } else if (progressed) {
       idler.Progress();
     } else {
       idler.Idle();
@@ -245,6 +317,13 @@ void DriveDecode(const BenchConfig& c, Rank& rank, const PageRing& pages, uint64
           if (latencies) {
             const auto us = std::chrono::duration_cast<std::chrono::microseconds>(now - f.start);
             latencies->push_back(uint32_t(std::min<int64_t>(us.count(), UINT32_MAX)));
+            if (c.layer_compute_us > 0 && f.aux) {
+              // Prefill stamped the end of the request's last layer (DrivePrefill).
+              const uint64_t stamped = rank.aux->bootstrap_room(*f.aux)[1];
+              const uint64_t now_ns = MonotonicNs();
+              result->exposed_us.push_back(uint32_t(std::min<uint64_t>(
+                  now_ns > stamped ? (now_ns - stamped) / 1000 : 0, UINT32_MAX)));
+            }
           }
         } else {
           CountFailure(result, *f.handle);
@@ -342,6 +421,7 @@ void Merge(const RankResult& from, bool first, RankResult* into) {
   into->cpu_seconds = std::max(into->cpu_seconds, from.cpu_seconds);
   into->latencies_us.insert(into->latencies_us.end(), from.latencies_us.begin(),
                             from.latencies_us.end());
+  into->exposed_us.insert(into->exposed_us.end(), from.exposed_us.begin(), from.exposed_us.end());
   if (into->pool_allocator.empty()) into->pool_allocator = from.pool_allocator;
 }
 

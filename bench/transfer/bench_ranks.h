@@ -62,6 +62,12 @@ struct BenchConfig {
   // Decode prints a progress line on stderr every this many seconds once a run is past it
   // (0: never).
   double progress_every_s = 5;
+  // Simulated prefill forward (issue #17): each request is computed, one at a time, for this
+  // many microseconds per layer before its KV is complete (0: none, send at once). With
+  // `layerwise` each finished layer is announced with SendLayers(); else Send() follows the
+  // last layer.
+  uint64_t layer_compute_us = 0;
+  bool layerwise = false;
 
   // Pages per K or V buffer: pool_pages, else what pool_bytes holds; never fewer than `pages`.
   uint64_t PoolPages() const;
@@ -79,8 +85,10 @@ struct RankResult {
   double seconds = 0;      // decode: first measured request to last completion
   double cpu_seconds = 0;  // decode: CPU time of the whole process (all threads) over `seconds`
   std::vector<uint32_t> latencies_us;  // decode: CreateReceiver() to Success, measured requests
-  pdlib::KVManagerMetrics metrics;     // of the rank's manager, at the end
-  std::string pool_allocator;          // who allocated the KV pool (BenchPool::allocator())
+  // decode, with layer_compute_us: the end of prefill's last layer to Success, measured requests
+  std::vector<uint32_t> exposed_us;
+  pdlib::KVManagerMetrics metrics;  // of the rank's manager, at the end
+  std::string pool_allocator;       // who allocated the KV pool (BenchPool::allocator())
 };
 
 // Runs the prefill rank: creates its manager (serving the bootstrap server when

@@ -79,12 +79,14 @@ Summary Summarize(std::vector<uint32_t> v) {
 // One line "RESULT key=value ..." for the parent; first_failure goes last, verbatim.
 std::string ResultLine(const RankResult& r) {
   const Summary s = Summarize(r.latencies_us);
+  const Summary e = Summarize(r.exposed_us);
   std::ostringstream out;
   out << "RESULT error=" << (r.error.empty() ? "none" : "yes") << " succeeded=" << r.succeeded
       << " failed=" << r.failed << " seconds=" << r.seconds << " cpu=" << r.cpu_seconds
       << " p50=" << s.p50 << " p99=" << s.p99 << " p999=" << s.p999 << " mean=" << s.mean
-      << " max=" << s.max << " bytes=" << r.metrics.bytes_transferred
-      << " batches=" << r.metrics.write_batches
+      << " max=" << s.max << " exposed_n=" << r.exposed_us.size() << " exposed_mean=" << e.mean
+      << " exposed_p50=" << e.p50 << " exposed_p99=" << e.p99
+      << " bytes=" << r.metrics.bytes_transferred << " batches=" << r.metrics.write_batches
       << " pool=" << (r.pool_allocator.empty() ? "none" : r.pool_allocator)
       << " why=" << (r.error.empty() ? r.first_failure : r.error);
   return out.str();
@@ -350,6 +352,13 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
     j.Num("succeeded", ok, 0);
     j.Num("failed", Num(d, "failed"), 0);
     j.Num("prefill_write_batches", Num(p, "batches"), 0);
+    if (c.layer_compute_us > 0) {
+      j.Int("layer_compute_us", c.layer_compute_us);
+      j.Str("layerwise", c.layerwise ? "on" : "off");
+      j.Num("exposed_mean_us", Num(d, "exposed_mean"), 1);
+      j.Num("exposed_p50_us", Num(d, "exposed_p50"), 0);
+      j.Num("exposed_p99_us", Num(d, "exposed_p99"), 0);
+    }
     if (failed) {
       j.Str("error", why);
     } else {
@@ -372,6 +381,14 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
     std::string row = buf;
     if (baseline_gbps) {
       std::snprintf(buf, sizeof(buf), " %14.3f %6.3f", *baseline_gbps, gbps / *baseline_gbps);
+      row += buf;
+    }
+    if (c.layer_compute_us > 0) {
+      std::snprintf(buf, sizeof(buf),
+                    "  layer_compute_us %" PRIu64
+                    " layerwise %-3s exposed_us mean %.1f p50 %.0f p99 %.0f",
+                    c.layer_compute_us, c.layerwise ? "on" : "off", Num(d, "exposed_mean"),
+                    Num(d, "exposed_p50"), Num(d, "exposed_p99"));
       row += buf;
     }
     Emit(row);
@@ -416,26 +433,42 @@ int main(int argc, char** argv) {
     o.base.layers = o.layers.front();
     o.base.item_bytes = o.item_bytes.front();
     o.base.layout = o.layouts.front();
+    o.base.layerwise = o.layerwise.front();
     return RunChild(o);
   }
 
   bool all_ok = true, first = true;
+  std::map<bool, double> exposed;  // mean exposed transfer by layerwise, per configuration
   for (uint64_t layers : o.layers) {
     for (uint64_t item : o.item_bytes) {
       for (uint64_t pages : o.pages) {
         for (Layout layout : o.layouts) {
           for (uint64_t conc : o.concurrency) {
-            BenchConfig c = o.base;
-            c.layers = layers;
-            c.item_bytes = item;
-            c.pages = pages;
-            c.layout = layout;
-            c.concurrency = conc;
-            std::map<std::string, std::string> prefill;
-            auto decode = o.in_process ? RunInProcess(c, &prefill) : RunTwoProcesses(c, &prefill);
-            const Comparisons cmp = Compare(o, c);
-            all_ok &= Report(o, c, decode, prefill, cmp, first);
-            first = false;
+            for (bool layerwise : o.layerwise) {
+              BenchConfig c = o.base;
+              c.layerwise = layerwise;
+              c.layers = layers;
+              c.item_bytes = item;
+              c.pages = pages;
+              c.layout = layout;
+              c.concurrency = conc;
+              std::map<std::string, std::string> prefill;
+              auto decode = o.in_process ? RunInProcess(c, &prefill) : RunTwoProcesses(c, &prefill);
+              const Comparisons cmp = Compare(o, c);
+              all_ok &= Report(o, c, decode, prefill, cmp, first);
+              first = false;
+              if (c.layer_compute_us > 0) {
+                exposed[layerwise] = Num(decode, "exposed_mean");
+                if (exposed.size() == 2 && exposed[false] > 0) {
+                  std::fprintf(
+                      o.json ? stderr : stdout,
+                      "  exposed transfer with streaming / without: %.1f / %.1f us = 1/%.1f\n",
+                      exposed[true], exposed[false],
+                      exposed[true] > 0 ? exposed[false] / exposed[true] : 0.0);
+                  exposed.clear();
+                }
+              }
+            }
           }
         }
       }
