@@ -96,7 +96,7 @@ struct Deployment::Impl {
   }
 
   Status StartAll() {
-    std::vector<std::string> prefill_addrs, decode_addrs;
+    std::vector<std::string> prefill_addrs, decode_addrs, prefill_bootstraps;
     for (size_t i = 0; i < options.prefills.size(); ++i) {
       const std::string n = std::to_string(i);
       auto boot = Launch("bootstrap" + n, options.bootstrap_bin,
@@ -107,7 +107,9 @@ struct Deployment::Impl {
       std::vector<std::string> args = HostArgs();
       args.insert(args.end(), {"--bootstrap-host", "127.0.0.1", "--bootstrap-port", boot_port,
                                "--tp", std::to_string(options.prefills[i].tp), "--pp",
-                               std::to_string(options.prefills[i].pp)});
+                               std::to_string(options.prefills[i].pp),
+                               options.layerwise ? "--layerwise=true" : "--layerwise=false"});
+      prefill_bootstraps.push_back("127.0.0.1:" + boot_port);
       auto ready = Launch("prefill" + n, options.prefill_bin, args, "READY ");
       if (!ready.ok()) return ready.status();
       prefill_procs.push_back(procs.size() - 1);
@@ -118,6 +120,8 @@ struct Deployment::Impl {
       std::vector<std::string> args = HostArgs();
       args.insert(args.end(), {"--tp", std::to_string(options.decode_tp), "--pp",
                                std::to_string(options.decode_pp)});
+      // Warm-up: connect to every prefill deployment before the first request.
+      for (const std::string& b : prefill_bootstraps) args.insert(args.end(), {"--connect", b});
       if (!options.decode_test_fault.empty()) {
         args.insert(args.end(), {"--test-fault", options.decode_test_fault});
       }
@@ -248,6 +252,7 @@ Outcome Deployment::Generate(const std::vector<int32_t>& prompt, int32_t max_new
       *stub, req, impl_->options.request_timeout_ms + 10000, "router",
       [](const pdlib::serving::GenerateResult& r, Outcome* out) {
         out->transfer_us = r.transfer_us();
+        out->exposed_transfer_us = r.exposed_transfer_us();
         out->kv_bytes = r.kv_bytes();
         out->room = r.room();
         out->prefill_host = r.prefill_host();

@@ -35,6 +35,8 @@ struct DeploymentOptions {
   // TEST ONLY: passed to every decode host as --test-fault (e.g. "swap-heads": outputs must
   // differ); "" for none.
   std::string decode_test_fault;
+  // Prefill hosts' layer-wise streaming (pd-prefill --layerwise).
+  bool layerwise = true;
   uint64_t seed = 1;  // model weights; every host uses the same
   std::string backend = "ucx";
   std::vector<std::string> backend_options;  // "key=value", passed to every host
@@ -50,9 +52,10 @@ struct Outcome {
   bool ok = false;
   std::string reason;  // why it failed
   std::vector<int32_t> output_ids;
-  int64_t ttft_us = 0;      // client: sent until the first token arrived
-  int64_t latency_us = 0;   // client: sent until the stream ended
-  int64_t transfer_us = 0;  // router's GenerateResult (decode host's measure)
+  int64_t ttft_us = 0;              // client: sent until the first token arrived
+  int64_t latency_us = 0;           // client: sent until the stream ended
+  int64_t transfer_us = 0;          // router's GenerateResult (decode host's measure)
+  int64_t exposed_transfer_us = 0;  // router's GenerateResult (prefill host's measure)
   uint64_t kv_bytes = 0;
   uint64_t room = 0;
   std::string prefill_host, decode_host;

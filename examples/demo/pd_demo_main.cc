@@ -53,6 +53,10 @@ ABSL_FLAG(std::string, policy, "power-of-two",
 ABSL_FLAG(std::string, log_dir, "",
           "where each process's log goes (\"\": a new /tmp/pd-demo-* directory)");
 ABSL_FLAG(bool, quiet, false, "no per-request table");
+ABSL_FLAG(std::string, layerwise, "on",
+          "prefill hosts' layer-wise streaming (pd-prefill --layerwise): on | off | both (the "
+          "whole run twice, off then on, each on a fresh deployment, then how much of the TTFT "
+          "gap between disaggregated and colocated streaming removed)");
 
 namespace {
 
@@ -74,13 +78,24 @@ constexpr char kUsage[] =
     "across its ranks (hardware threads / ranks each).\n"
     "\n"
     "  pd-demo --model small-mla --prefill-tp 2 --decode-tp 1\n"
-    "  pd-demo --prefill-tp 2 --prefill-pp 2 --decode-tp 2 --decode-pp 2\n";
+    "  pd-demo --prefill-tp 2 --prefill-pp 2 --decode-tp 2 --decode-pp 2\n"
+    "\n"
+    "Layer-wise streaming (on by default): prefill hands each layer's KV to pdlib as the model\n"
+    "finishes it, so the transfer runs during the forward pass. The table's exposed_ms is the\n"
+    "transfer time left after a request's last forward pass (prefill's measure); transfer_ms is\n"
+    "decode's wait from KVReceiver::Init to the KV's arrival (prefill's queue and forward\n"
+    "included). --layerwise both compares the two modes in one run:\n"
+    "  pd-demo --requests 32 --max-new-tokens 32 --rates 20 --layerwise both \\\n"
+    "      --backend-option ucx.tls=tcp --backend-option ucx.net_devices=lo\n"
+    "Before each measured batch one short warm-up request goes through each path (not counted),\n"
+    "and decode hosts connect to the prefill deployments at start (pd-decode --connect).\n";
 
 struct Args {
   int requests = 16;
   int max_new_tokens = 16;
   std::vector<double> rates = {0};
   bool quiet = false;
+  std::vector<bool> layerwise = {true};  // one phase per entry
   DeploymentOptions d;
 };
 
@@ -134,6 +149,18 @@ bool ParseArgs(int argc, char** argv, Args* a) {
   a->d.policy = absl::GetFlag(FLAGS_policy);
   a->d.log_dir = absl::GetFlag(FLAGS_log_dir);
   a->quiet = absl::GetFlag(FLAGS_quiet);
+  const std::string layerwise = absl::GetFlag(FLAGS_layerwise);
+  if (layerwise == "on") {
+    a->layerwise = {true};
+  } else if (layerwise == "off") {
+    a->layerwise = {false};
+  } else if (layerwise == "both") {
+    a->layerwise = {false, true};
+  } else {
+    std::fprintf(stderr, "pd-demo: --layerwise '%s': expected on, off or both\n",
+                 layerwise.c_str());
+    return false;
+  }
   return true;
 }
 
@@ -154,6 +181,15 @@ struct RunStats {
   double seconds = 0;
   uint64_t tokens = 0;
   std::vector<int64_t> ttft_us;
+  std::vector<int64_t> exposed_us;  // disaggregated: prefill's exposed transfer time
+
+  double MeanTtftMs() const { return Mean(ttft_us); }
+  double MeanExposedMs() const { return Mean(exposed_us); }
+  static double Mean(const std::vector<int64_t>& v) {
+    double sum = 0;
+    for (int64_t t : v) sum += double(t) / 1000.0;
+    return v.empty() ? 0 : sum / double(v.size());
+  }
 };
 
 // Sends every prompt (at `rate` requests/s, or all at once) through `send` on its own thread.
@@ -174,6 +210,7 @@ std::vector<Outcome> RunBatch(const std::vector<std::vector<int32_t>>& prompts, 
   for (const Outcome& o : out) {
     stats->tokens += o.output_ids.size();
     if (o.ok) stats->ttft_us.push_back(o.ttft_us);
+    if (o.ok) stats->exposed_us.push_back(o.exposed_transfer_us);
   }
   std::sort(stats->ttft_us.begin(), stats->ttft_us.end());
   return out;
@@ -184,16 +221,105 @@ double Percentile(const std::vector<int64_t>& sorted, double p) {
   return double(sorted[std::min(sorted.size() - 1, size_t(p * double(sorted.size())))]) / 1000.0;
 }
 
-void PrintSummary(const char* what, double rate, const RunStats& s) {
-  double mean = 0;
-  for (int64_t t : s.ttft_us) mean += double(t) / 1000.0;
-  if (!s.ttft_us.empty()) mean /= double(s.ttft_us.size());
+void PrintSummary(const char* what, double rate, const RunStats& s, bool exposed) {
   std::printf(
       "%-13s rate %-6s %4zu ok  %6.1f tokens/s  TTFT mean %7.1f ms  p50 %7.1f ms  "
-      "p90 %7.1f ms  (%.2f s)\n",
+      "p90 %7.1f ms  (%.2f s)",
       what, rate > 0 ? std::to_string(int(rate)).c_str() : "burst", s.ttft_us.size(),
-      double(s.tokens) / s.seconds, mean, Percentile(s.ttft_us, 0.5), Percentile(s.ttft_us, 0.9),
-      s.seconds);
+      double(s.tokens) / s.seconds, s.MeanTtftMs(), Percentile(s.ttft_us, 0.5),
+      Percentile(s.ttft_us, 0.9), s.seconds);
+  if (exposed) std::printf("  exposed transfer mean %.2f ms", s.MeanExposedMs());
+  std::printf("\n");
+}
+
+// What one phase (one layer-wise setting) measured, per rate.
+struct PhaseResult {
+  bool started = false;
+  int differ = 0, failed = 0;
+  std::vector<double> gap_ms;  // mean TTFT disaggregated - colocated, per rate
+  std::vector<double> exposed_ms;
+};
+
+// Starts a deployment with the prefill hosts' layer-wise streaming `layerwise`, runs the batch at
+// every rate through it and through the colocated host, prints the table and summaries.
+PhaseResult RunPhase(const Args& args, bool layerwise,
+                     const std::vector<std::vector<int32_t>>& prompts) {
+  Args a = args;
+  a.d.layerwise = layerwise;
+  if (args.layerwise.size() > 1) {  // each phase keeps its own logs
+    a.d.log_dir += layerwise ? "/layerwise-on" : "/layerwise-off";
+    std::filesystem::create_directories(a.d.log_dir);
+  }
+  PhaseResult ph;
+  std::printf(
+      "pd-demo: starting bootstrap, %zu prefill (tp %d, pp %d), %d decode (tp %d, pp %d), "
+      "colocated and router on 127.0.0.1 (backend %s, model %s, layer-wise streaming %s); logs "
+      "in %s\n",
+      a.d.prefills.size(), a.d.prefills[0].tp, a.d.prefills[0].pp, a.d.decodes, a.d.decode_tp,
+      a.d.decode_pp, a.d.backend.c_str(), a.d.model.c_str(), layerwise ? "on" : "off",
+      a.d.log_dir.c_str());
+  std::fflush(stdout);
+  const auto t0 = Clock::now();
+  auto dep = Deployment::Start(a.d);
+  if (!dep.ok()) {
+    std::fprintf(stderr, "pd-demo: %s\n", dep.status().ToString().c_str());
+    return ph;
+  }
+  ph.started = true;
+  std::printf(
+      "pd-demo: ready in %.1f s; router at %s (HTTP: curl -s 127.0.0.1:%d/v1/completions "
+      "-d '{\"prompt\":\"hello\",\"max_tokens\":8}')\n",
+      std::chrono::duration<double>(Clock::now() - t0).count(), (*dep)->router_address().c_str(),
+      (*dep)->http_port());
+  // One short warm-up request per path, not counted (first-use costs are not the subject).
+  const std::vector<int32_t> warm(prompts[0].begin(),
+                                  prompts[0].begin() + std::min<size_t>(8, prompts[0].size()));
+  (*dep)->Generate(warm, 2);
+  (*dep)->GenerateColocated(warm, 2);
+  for (double rate : a.rates) {
+    RunStats ds, cs;
+    auto disagg = RunBatch(
+        prompts, rate,
+        [&](const std::vector<int32_t>& p) { return (*dep)->Generate(p, a.max_new_tokens); }, &ds);
+    auto coloc = RunBatch(
+        prompts, rate,
+        [&](const std::vector<int32_t>& p) {
+          return (*dep)->GenerateColocated(p, a.max_new_tokens);
+        },
+        &cs);
+    if (!a.quiet) {
+      std::printf("\n%4s %6s %4s %9s %11s %10s %9s %12s  %s\n", "req", "prompt", "out", "ttft_ms",
+                  "transfer_ms", "exposed_ms", "kv_bytes", "coloc_ttft", "output");
+    }
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const Outcome& d = disagg[i];
+      const Outcome& c = coloc[i];
+      const bool same = d.ok && c.ok && d.output_ids == c.output_ids &&
+                        int(d.output_ids.size()) == a.max_new_tokens;
+      if (!d.ok || !c.ok)
+        ++ph.failed;
+      else if (!same)
+        ++ph.differ;
+      if (!a.quiet || !same) {
+        std::printf("%4zu %6zu %4zu %9.1f %11.2f %10.2f %9llu %12.1f  %s\n", i, prompts[i].size(),
+                    d.output_ids.size(), double(d.ttft_us) / 1000, double(d.transfer_us) / 1000,
+                    double(d.exposed_transfer_us) / 1000,
+                    static_cast<unsigned long long>(d.kv_bytes), double(c.ttft_us) / 1000,
+                    same    ? "identical"
+                    : !d.ok ? ("FAILED: " + d.reason).c_str()
+                    : !c.ok ? ("colocated FAILED: " + c.reason).c_str()
+                            : "DIFFERS from the colocated run");
+      }
+    }
+    std::printf("\n");
+    PrintSummary("disaggregated", rate, ds, true);
+    PrintSummary("colocated", rate, cs, false);
+    ph.gap_ms.push_back(ds.MeanTtftMs() - cs.MeanTtftMs());
+    ph.exposed_ms.push_back(ds.MeanExposedMs());
+  }
+  if (ph.differ + ph.failed > 0) std::fprintf(stderr, "%s", (*dep)->LogTails().c_str());
+  std::printf("\n");
+  return ph;
 }
 
 }  // namespace
@@ -214,69 +340,34 @@ int main(int argc, char** argv) {
     a.d.log_dir = tmpl;
   }
   std::filesystem::create_directories(a.d.log_dir);
-  std::printf(
-      "pd-demo: starting bootstrap, %zu prefill (tp %d, pp %d), %d decode (tp %d, pp %d), "
-      "colocated and router on 127.0.0.1 (backend %s, model %s); logs in %s\n",
-      a.d.prefills.size(), a.d.prefills[0].tp, a.d.prefills[0].pp, a.d.decodes, a.d.decode_tp,
-      a.d.decode_pp, a.d.backend.c_str(), a.d.model.c_str(), a.d.log_dir.c_str());
-  std::fflush(stdout);
-  const auto t0 = Clock::now();
-  auto dep = Deployment::Start(a.d);
-  if (!dep.ok()) {
-    std::fprintf(stderr, "pd-demo: %s\n", dep.status().ToString().c_str());
-    return 1;
-  }
-  std::printf(
-      "pd-demo: ready in %.1f s; router at %s (HTTP: curl -s 127.0.0.1:%d/v1/completions "
-      "-d '{\"prompt\":\"hello\",\"max_tokens\":8}')\n",
-      std::chrono::duration<double>(Clock::now() - t0).count(), (*dep)->router_address().c_str(),
-      (*dep)->http_port());
   const auto prompts = MakePrompts(a.requests, a.d.seed);
-  int differ = 0, failed = 0;
-  for (double rate : a.rates) {
-    RunStats ds, cs;
-    auto disagg = RunBatch(
-        prompts, rate,
-        [&](const std::vector<int32_t>& p) { return (*dep)->Generate(p, a.max_new_tokens); }, &ds);
-    auto coloc = RunBatch(
-        prompts, rate,
-        [&](const std::vector<int32_t>& p) {
-          return (*dep)->GenerateColocated(p, a.max_new_tokens);
-        },
-        &cs);
-    if (!a.quiet) {
-      std::printf("\n%4s %6s %4s %9s %11s %9s %12s  %s\n", "req", "prompt", "out", "ttft_ms",
-                  "transfer_ms", "kv_bytes", "coloc_ttft", "output");
-    }
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      const Outcome& d = disagg[i];
-      const Outcome& c = coloc[i];
-      const bool same = d.ok && c.ok && d.output_ids == c.output_ids &&
-                        int(d.output_ids.size()) == a.max_new_tokens;
-      if (!d.ok || !c.ok)
-        ++failed;
-      else if (!same)
-        ++differ;
-      if (!a.quiet || !same) {
-        std::printf("%4zu %6zu %4zu %9.1f %11.2f %9llu %12.1f  %s\n", i, prompts[i].size(),
-                    d.output_ids.size(), double(d.ttft_us) / 1000, double(d.transfer_us) / 1000,
-                    static_cast<unsigned long long>(d.kv_bytes), double(c.ttft_us) / 1000,
-                    same    ? "identical"
-                    : !d.ok ? ("FAILED: " + d.reason).c_str()
-                    : !c.ok ? ("colocated FAILED: " + c.reason).c_str()
-                            : "DIFFERS from the colocated run");
-      }
-    }
-    std::printf("\n");
-    PrintSummary("disaggregated", rate, ds);
-    PrintSummary("colocated", rate, cs);
+  std::vector<PhaseResult> phases;
+  for (bool layerwise : a.layerwise) {
+    PhaseResult ph = RunPhase(a, layerwise, prompts);
+    if (!ph.started) return 1;
+    phases.push_back(std::move(ph));
   }
-  const int total = a.requests * int(a.rates.size());
+  int differ = 0, failed = 0;
+  for (const PhaseResult& ph : phases) {
+    differ += ph.differ;
+    failed += ph.failed;
+  }
+  if (phases.size() == 2) {
+    for (size_t k = 0; k < a.rates.size(); ++k) {
+      const double off = phases[0].gap_ms[k], on = phases[1].gap_ms[k];
+      std::printf(
+          "\nlayer-wise streaming, rate %s: mean TTFT gap disaggregated - colocated %.1f ms off, "
+          "%.1f ms on (%.0f%% smaller); exposed transfer %.2f ms off, %.2f ms on\n",
+          a.rates[k] > 0 ? std::to_string(int(a.rates[k])).c_str() : "burst", off, on,
+          off > 0 ? 100.0 * (off - on) / off : 0.0, phases[0].exposed_ms[k],
+          phases[1].exposed_ms[k]);
+    }
+  }
+  const int total = a.requests * int(a.rates.size()) * int(phases.size());
   const int identical = total - differ - failed;
   std::printf("\n%d/%d outputs identical to the colocated run", identical, total);
   if (differ + failed > 0) std::printf(" (%d differ, %d failed)", differ, failed);
   std::printf("\n");
   std::fflush(stdout);
-  if (differ + failed > 0) std::fprintf(stderr, "%s", (*dep)->LogTails().c_str());
   return differ + failed == 0 ? 0 : 1;
 }

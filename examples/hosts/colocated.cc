@@ -71,9 +71,9 @@ class ColocatedReceiver final : public KVReceiver {
           .start_pos = pos,
           .page_table = pages,
           .state_slot = state_slot};
-      if (Status s = model_->Prefill(chunk, kernels::ForwardOptions{.top_k = 5}, &last); !s.ok()) {
-        return s;
-      }
+      kernels::ForwardOptions options;
+      options.top_k = 5;
+      if (Status s = model_->Prefill(chunk, options, &last); !s.ok()) return s;
     }
     for (int f = 0; f < kMetadataFieldCount; ++f) {
       std::span<std::byte> row = metadata_->Row(static_cast<MetadataField>(f), slot);

@@ -341,6 +341,10 @@ void Host::Rep::Report(Live& l) {
     }
     end = std::max(end, d->transfer_end_us);
     ended = ended && d->transfer_end_us != 0;
+    if (options.role == Role::kPrefill && d->transfer_end_us != 0 && d->first_token_us != 0) {
+      r.exposed_transfer_us = std::max(
+          r.exposed_transfer_us, std::max<int64_t>(0, d->transfer_end_us - d->first_token_us));
+    }
     r.kv_bytes += d->kv_bytes;
   }
   if (ended && start != 0) r.transfer_us = std::max<int64_t>(0, end - start);

@@ -79,6 +79,9 @@ struct HostOptions {
   int32_t chunked_prefill_size = 512;  // prefill and colocated prefill token budget
   int32_t max_context_len = 4096;
   int32_t reserved_decode_tokens = 64;  // decode
+  // Prefill: layer-wise streaming (PrefillSchedulerOptions::layerwise): each chunk's KV layers
+  // are handed to pdlib as the model finishes them, so the transfer overlaps the forward.
+  bool layerwise = true;
   // How long the loop sleeps after a step that ran no forward pass (waiting on the network).
   std::chrono::microseconds idle_poll{500};
 
@@ -111,6 +114,9 @@ struct HostRequestResult {
                             // receiver Init until the KV arrived
   int64_t finish_us = 0;
   uint64_t kv_bytes = 0;  // KV and state bytes moved (0 in colocated mode)
+  // Prefill: the transfer time left after the request's last forward pass (its end to the
+  // transfer's Success, the slowest rank's); what layer-wise streaming hides is the rest.
+  int64_t exposed_transfer_us = 0;
 
   static HostRequestResult Failed(Status why) {
     HostRequestResult r;

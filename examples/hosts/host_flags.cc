@@ -76,6 +76,10 @@ ABSL_FLAG(std::vector<std::string>, connect, {},
           "the first request (warm-up; repeatable or comma-separated; a failure is logged)");
 ABSL_FLAG(int32_t, idle_poll_us, int32_t(pdlib::hosts::HostOptions{}.idle_poll.count()),
           "sleep between steps that only wait on the network");
+ABSL_FLAG(bool, layerwise, pdlib::hosts::HostOptions{}.layerwise,
+          "pd-prefill: layer-wise streaming: hand each chunk's KV layers to pdlib as the model "
+          "finishes them (KVSender::SendLayers), so the transfer overlaps the forward pass; "
+          "--nolayerwise sends each chunk after its forward");
 ABSL_FLAG(bool, verbose, false, "pdlib info logs on stderr");
 ABSL_FLAG(std::string, test_fault, "",
           "pd-decode, TEST ONLY: 'swap-heads' makes decode rank tp 0 pp 0 corrupt every "
@@ -91,6 +95,8 @@ namespace {
 constexpr std::string_view kPrefillOnly[] = {"bootstrap_host", "bootstrap_port", "start_bootstrap"};
 constexpr std::string_view kDecodeOnly[] = {"colocated", "reserved_decode_tokens", "connect",
                                             "test_fault"};
+// pd-prefill only, beyond kPrefillOnly's bootstrap flags (decode rejects them the same way).
+constexpr std::string_view kPrefillPolicy[] = {"layerwise"};
 
 bool Contains(std::span<const std::string_view> names, std::string_view name) {
   return std::find(names.begin(), names.end(), name) != names.end();
@@ -98,7 +104,9 @@ bool Contains(std::span<const std::string_view> names, std::string_view name) {
 
 // Whether `program` takes flag `name`.
 bool Takes(Role program, std::string_view name) {
-  return program == Role::kPrefill ? !Contains(kDecodeOnly, name) : !Contains(kPrefillOnly, name);
+  return program == Role::kPrefill
+             ? !Contains(kDecodeOnly, name)
+             : !Contains(kPrefillOnly, name) && !Contains(kPrefillPolicy, name);
 }
 
 // The value of int flag `name`, checked to lie in [min, max].
@@ -188,6 +196,7 @@ StatusOr<HostFlags> ParseHostFlags(Role program, std::span<const std::string_vie
   o.liveness_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_liveness_timeout_ms));
   o.connect_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_connect_timeout_ms));
   o.idle_poll = std::chrono::microseconds(absl::GetFlag(FLAGS_idle_poll_us));
+  o.layerwise = absl::GetFlag(FLAGS_layerwise);
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
   const int32_t tp = absl::GetFlag(FLAGS_tp), pp = absl::GetFlag(FLAGS_pp);
   const int32_t bootstrap_port = absl::GetFlag(FLAGS_bootstrap_port);

@@ -28,7 +28,12 @@ class RankRunner final : public sched::ModelRunner {
 
   Status Forward(std::span<const sched::ForwardChunk> batch,
                  std::vector<sched::ForwardOutput>* results) override {
-    Status s = inner_.Forward(batch, results);
+    return ForwardStreaming(batch, {}, results);
+  }
+  Status ForwardStreaming(std::span<const sched::ForwardChunk> batch,
+                          const std::function<void(int32_t)>& kv_layers_done,
+                          std::vector<sched::ForwardOutput>* results) override {
+    Status s = inner_.ForwardStreaming(batch, kv_layers_done, results);
     if (!s.ok() && comm_ != nullptr) comm_->Abort(s);
     return s;
   }
@@ -246,6 +251,7 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
     so.whole_sequence_state = config.has_indexer();
     so.kv_bytes_per_page = kv_bytes_per_page;
     so.page_state_bytes_per_page = page_state_bytes_per_page;
+    so.layerwise = options.layerwise;
     so.group = placement.group;
     auto s = sched::PrefillScheduler::Create(
         so, {rep->pages.get(), rep->metadata.get(), rep->transport.get(), rep->runner.get()});

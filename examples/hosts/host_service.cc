@@ -20,6 +20,7 @@ void ToProto(const HostRequestResult& r, pb::HostResult* out) {
   out->set_reason(std::string(r.status.message()));
   out->mutable_output_ids()->Add(r.output_ids.begin(), r.output_ids.end());
   out->set_first_token_us(r.first_token_us);
+  out->set_exposed_transfer_us(r.exposed_transfer_us);
   out->set_transfer_us(r.transfer_us);
   out->set_finish_us(r.finish_us);
   out->set_kv_bytes(r.kv_bytes);

@@ -45,6 +45,7 @@ void AddUsageAndPdlib(Object* o, const RequestResult& r) {
                          {"ttft_us", r.ttft_us},
                          {"latency_us", r.latency_us},
                          {"transfer_us", r.transfer_us},
+                         {"exposed_transfer_us", r.exposed_transfer_us},
                          {"kv_bytes", r.kv_bytes},
                          {"prefill", r.prefill_host},
                          {"decode", r.decode_host},

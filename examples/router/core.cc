@@ -315,6 +315,7 @@ class RequestCall : public std::enable_shared_from_this<RequestCall> {
         r.kv_bytes = d.result.kv_bytes();
       }
       if (d.has_result) r.transfer_us = d.result.transfer_us();
+      if (p.has_result && p.result.ok()) r.exposed_transfer_us = p.result.exposed_transfer_us();
       r.status = ComposeStatusLocked();
       r.latency_us =
           Micros((r.status.ok() && !output_ids_.empty() ? last_token_at_ : now) - received_);

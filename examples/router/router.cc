@@ -37,6 +37,7 @@ void ToProto(const RequestResult& r, serving::GenerateResult* out) {
   out->set_ttft_us(r.ttft_us);
   out->set_latency_us(r.latency_us);
   out->set_transfer_us(r.transfer_us);
+  out->set_exposed_transfer_us(r.exposed_transfer_us);
   out->set_kv_bytes(r.kv_bytes);
   out->set_prompt_tokens(r.prompt_tokens);
 }

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -79,6 +80,17 @@ class ModelRunner {
   // One result per chunk, in order. On error the scheduler fails every request of the batch.
   virtual Status Forward(std::span<const ForwardChunk> batch,
                          std::vector<ForwardOutput>* results) = 0;
+  // Forward that reports, as it runs, how many of this rank's KV layers (pdlib's, KVArgs::kv
+  // order) hold every chunk's K/V (layer-wise streaming): `kv_layers_done` is called with a
+  // growing count, at most once per layer; every call returns before this does (a GPU runner
+  // may call it from a host-callback thread). The default reports nothing: the scheduler then
+  // sends each chunk after its forward, as without streaming.
+  virtual Status ForwardStreaming(std::span<const ForwardChunk> batch,
+                                  const std::function<void(int32_t)>& kv_layers_done,
+                                  std::vector<ForwardOutput>* results) {
+    (void)kv_layers_done;
+    return Forward(batch, results);
+  }
   // Copies the KV of the first `num_tokens` tokens in `page_table` (and the state slot) to host
   // memory. The default refuses, and the decode scheduler then cannot retract.
   virtual StatusOr<HostKV> OffloadKV(std::span<const int32_t> page_table, int64_t num_tokens,

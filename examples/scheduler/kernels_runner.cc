@@ -65,6 +65,12 @@ size_t StateFloats(const kernels::KVCache& cache, int32_t layer) {
 
 Status KernelsModelRunner::Forward(std::span<const ForwardChunk> batch,
                                    std::vector<ForwardOutput>* results) {
+  return ForwardStreaming(batch, {}, results);
+}
+
+Status KernelsModelRunner::ForwardStreaming(std::span<const ForwardChunk> batch,
+                                            const std::function<void(int32_t)>& kv_layers_done,
+                                            std::vector<ForwardOutput>* results) {
   std::vector<kernels::SequenceChunk> chunks;
   chunks.reserve(batch.size());
   for (const ForwardChunk& c : batch) {
@@ -76,6 +82,7 @@ Status KernelsModelRunner::Forward(std::span<const ForwardChunk> batch,
   std::vector<kernels::ForwardResult> out;
   kernels::ForwardOptions options;
   options.top_k = top_k_;
+  options.on_kv_layers_done = kv_layers_done;
   if (Status s = model_->Forward(chunks, options, &out); !s.ok()) return s;
   results->clear();
   for (auto& r : out) {

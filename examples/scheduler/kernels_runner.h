@@ -21,6 +21,10 @@ class KernelsModelRunner final : public ModelRunner {
       : model_(model), top_k_(top_k) {}
 
   Status Forward(std::span<const ForwardChunk> batch, std::vector<ForwardOutput>* results) override;
+  // The model's ForwardOptions::on_kv_layers_done (after each full-attention or MLA layer).
+  Status ForwardStreaming(std::span<const ForwardChunk> batch,
+                          const std::function<void(int32_t)>& kv_layers_done,
+                          std::vector<ForwardOutput>* results) override;
   StatusOr<HostKV> OffloadKV(std::span<const int32_t> page_table, int64_t num_tokens,
                              int32_t state_slot) override;
   Status RestoreKV(const HostKV& kv, std::span<const int32_t> page_table,

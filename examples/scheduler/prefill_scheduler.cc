@@ -21,7 +21,7 @@ struct PrefillScheduler::Req {
   int64_t first_sent_us = 0;
   int64_t last_sent_us = 0;
   int64_t first_token_us = 0;
-  int64_t transfer_end_us = 0;
+  int64_t transfer_end_us = 0;  // when Success was first seen (NoteSuccesses or a poll)
 };
 
 StatusOr<std::unique_ptr<PrefillScheduler>> PrefillScheduler::Create(
@@ -141,7 +141,7 @@ void PrefillScheduler::ProcessInflight(std::span<const KVPoll> polls) {
   SweepQueue(inflight_, polls, [&](std::unique_ptr<Req>& r, KVPoll p) {
     if (p == KVPoll::kSuccess) {
       r->transferred = true;
-      r->transfer_end_us = Now();
+      if (r->transfer_end_us == 0) r->transfer_end_us = Now();
       CountTransferLatency(r->last_sent_us, r->transfer_end_us);
       Finish(std::move(r), Status::OK(), FailStage::kTransfer);
     } else if (p == KVPoll::kFailed) {
@@ -204,9 +204,43 @@ void PrefillScheduler::RunPrefillBatch() {
                       .state_slot = r->mem.state_slot});
   }
   if (chunks.empty()) return;
-  std::vector<ForwardOutput> results;
-  const Status forward = Forward(chunks, &results);
   const size_t n = chunks.size();
+  // Layer-wise streaming: the pages each chunk sends, announced as layers finish; the last
+  // layers go with SendChunk's Send() after the forward (with the first token, aux and state).
+  struct Streamed {
+    KVSender* sender;
+    std::span<const int32_t> pages;
+    bool last;
+    int32_t layers;  // the sender's KV layers
+    Status status;
+  };
+  std::vector<Streamed> streamed;
+  std::function<void(int32_t)> on_layers;
+  if (options_.layerwise) {
+    for (size_t k = 0; k < n; ++k) {
+      const Req& r = *waiting_[k];
+      const int32_t filled = r.filled + static_cast<int32_t>(chunks[k].tokens.size());
+      const bool last = filled == static_cast<int32_t>(r.request.prompt.size());
+      std::span<const int32_t> pages = ChunkPages(r, filled, last);
+      if (!pages.empty() && r.sender->num_layers() > 0) {
+        streamed.push_back({r.sender.get(), pages, last, r.sender->num_layers(), Status::OK()});
+      }
+    }
+    on_layers = [&](int32_t done) {
+      for (Streamed& s : streamed) {
+        if (s.status.ok() && done < s.layers)
+          s.status = s.sender->SendLayers(s.pages, done, s.last);
+      }
+      NoteSuccesses();
+    };
+  }
+  std::vector<ForwardOutput> results;
+  const Status forward = Forward(chunks, &results, on_layers);
+  for (const Streamed& s : streamed) {
+    // A request whose announcement failed fails on every rank at the next poll (its Send below
+    // fails too when the room is gone; a refused announcement is a scheduler bug: say so).
+    if (!s.status.ok()) FailEverywhere(*s.sender, s.status.WithPrefix("KVSender::SendLayers"));
+  }
   std::deque<std::unique_ptr<Req>> partial;
   for (size_t k = 0; k < n; ++k) {
     std::unique_ptr<Req> r = std::move(waiting_[k]);
@@ -229,11 +263,25 @@ void PrefillScheduler::RunPrefillBatch() {
   for (auto it = partial.rbegin(); it != partial.rend(); ++it) waiting_.push_front(std::move(*it));
 }
 
-Status PrefillScheduler::SendChunk(Req& r, const ForwardOutput* last) {
+std::span<const int32_t> PrefillScheduler::ChunkPages(const Req& r, int32_t filled,
+                                                      bool last) const {
   const std::vector<int32_t>& table = page_table(r.mem);
   // A non-last chunk sends only whole pages (SPEC R5.2): the partial page is still being filled.
-  const int32_t end = last != nullptr ? static_cast<int32_t>(table.size()) : r.filled / page_size();
-  std::span<const int32_t> pages = std::span(table).subspan(r.sent_pages, end - r.sent_pages);
+  const int32_t end = last ? static_cast<int32_t>(table.size()) : filled / page_size();
+  return std::span(table).subspan(r.sent_pages, end - r.sent_pages);
+}
+
+void PrefillScheduler::NoteSuccesses() {
+  for (auto& r : inflight_) {
+    if (r->transfer_end_us == 0 && r->sender->Poll() == KVPoll::kSuccess) {
+      r->transfer_end_us = Now();
+    }
+  }
+}
+
+Status PrefillScheduler::SendChunk(Req& r, const ForwardOutput* last) {
+  std::span<const int32_t> pages = ChunkPages(r, r.filled, last != nullptr);
+  const int32_t end = r.sent_pages + static_cast<int32_t>(pages.size());
   if (last == nullptr && pages.empty()) return Status::OK();
   std::vector<int32_t> state;
   if (last != nullptr) {

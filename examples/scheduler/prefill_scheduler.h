@@ -72,6 +72,11 @@ struct PrefillSchedulerOptions {
   // Bytes of one page over every page-indexed state buffer (sliding-window or index pools), for
   // kv_bytes of the state pages sent.
   uint64_t page_state_bytes_per_page = 0;
+  // Layer-wise streaming: each chunk's KV layers are announced to pdlib as the model finishes
+  // them (ModelRunner::ForwardStreaming -> KVSender::SendLayers), so the transfer runs during
+  // the forward and only the last layers, aux and state remain after it. Off: Send() after the
+  // forward. Either way decode gets the same bytes.
+  bool layerwise = false;
   // The TP group whose ranks must agree on every request's state; null for a single rank.
   ProcessGroup* group = nullptr;
   // Microsecond clock for latency metrics; null means std::chrono::steady_clock.
@@ -126,6 +131,12 @@ class PrefillScheduler final : public SchedulerCore {
   void ProcessBootstrap(std::span<const KVPoll> polls);
   void RunPrefillBatch();
   Status SendChunk(Req& r, const ForwardOutput* last);
+  // The page-table entries a chunk that ends with `filled` tokens prefilled sends (SPEC R5.2:
+  // whole pages unless it is the last).
+  std::span<const int32_t> ChunkPages(const Req& r, int32_t filled, bool last) const;
+  // Notes when in-flight transfers reached Success (for the exposed transfer time), between
+  // polls too: from inside a forward pass. Decides nothing.
+  void NoteSuccesses();
   void WriteMetadata(uint32_t slot, uint64_t room, const ForwardOutput& out);
   void Finish(std::unique_ptr<Req> r, Status status, FailStage stage);
 

@@ -199,8 +199,10 @@ std::vector<int32_t> SchedulerCore::StateIndices(const RequestMemory& mem,
 }
 
 Status SchedulerCore::Forward(std::span<const ForwardChunk> chunks,
-                              std::vector<ForwardOutput>* results) {
-  Status s = model_->Forward(chunks, results);
+                              std::vector<ForwardOutput>* results,
+                              const std::function<void(int32_t)>& kv_layers_done) {
+  Status s = kv_layers_done ? model_->ForwardStreaming(chunks, kv_layers_done, results)
+                            : model_->Forward(chunks, results);
   if (s.ok() && results->size() != chunks.size()) {
     s = Status::Internal(
         absl::StrFormat("model returned %d results for %d chunks", results->size(), chunks.size()));

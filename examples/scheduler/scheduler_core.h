@@ -167,7 +167,8 @@ class SchedulerCore {
   std::vector<int32_t> StateIndices(const RequestMemory& mem, int64_t num_tokens) const;
 
   // One forward pass, counted; an error when the model returns the wrong number of results.
-  Status Forward(std::span<const ForwardChunk> chunks, std::vector<ForwardOutput>* results);
+  Status Forward(std::span<const ForwardChunk> chunks, std::vector<ForwardOutput>* results,
+                 const std::function<void(int32_t)>& kv_layers_done = {});
   void CountTransferredPages(uint64_t pages);
   void CountTransferLatency(int64_t start_us, int64_t end_us);
 

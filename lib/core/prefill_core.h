@@ -58,7 +58,7 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   // KVSender::SendLayers; Send is SendLayers with every layer (num_layers()).
   Status SendLayers(uint64_t room, std::span<const int32_t> pages, int32_t layers_done, bool last,
                     std::span<const int32_t> state_indices);
-  int32_t num_layers() const { return layout_.num_layers(); }
+  int32_t num_layers() const { return layout_.engine_layers(); }
   void AbortRoom(uint64_t room, std::string_view reason);
   void ReleaseRoom(uint64_t room, const RoomState* state);
 

@@ -25,7 +25,7 @@ Status PrefillCore::SendLayers(uint64_t room_id, std::span<const int32_t> pages,
         absl::StrFormat("room %d: Send() in state %s (needs the decode side's TransferInfo first)",
                         room_id, KVPollName(state)));
   }
-  const int32_t layers = layout_.num_layers();
+  const int32_t layers = layout_.engine_layers();
   if (layers_done < 0 || layers_done > layers) {
     return Status::OutOfRange(
         absl::StrFormat("room %d: SendLayers() announces %d layers; this rank has %d KV layers",
@@ -199,7 +199,7 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
     }
     // A chunk announced layer by layer counts its pages once, with its last layers.
     const uint64_t bytes = plan.bytes;
-    const uint64_t pages = chunk.layer_end == layout_.num_layers() ? chunk.src_pages.size() : 0;
+    const uint64_t pages = chunk.layer_end == layout_.engine_layers() ? chunk.src_pages.size() : 0;
     auto self = shared_from_this();
     s = transport_->PostWrites(t.peer->peer, ops, [self, room, bytes, pages](Status st) {
       self->OnBatchDone(room, bytes, pages, std::move(st));

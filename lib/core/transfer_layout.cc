@@ -15,6 +15,7 @@ Status MakeOpaque(planner::SideLayout* l, const char* side) {
         l->pp_size));
   }
   l->is_mla = true;
+  l->opaque_kv = true;
   l->total_layers = static_cast<int32_t>(l->kv.size());
   l->start_layer = 0;
   return Status::OK();

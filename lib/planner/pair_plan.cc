@@ -143,7 +143,7 @@ Status PlanKv(const SideLayout& p, const SideLayout& d, const Topology& t, PairP
       if (!slice.ok()) return slice.status();
       plan->kv.push_back(
           MapOf(src, dst, bp.item_bytes, bd.item_bytes, bp.buffer_bytes, bd.buffer_bytes, *slice));
-      plan->kv.back().layer = i;
+      plan->kv.back().layer = p.LayerOf(i);
     }
   }
   return Status::OK();
@@ -413,7 +413,7 @@ StatusOr<PairPlan> MakePairPlan(const SideLayout& p, const SideLayout& d) {
   plan.prefill = {p.tp_rank, p.pp_rank};
   plan.decode = {d.tp_rank, d.pp_rank};
   plan.page_size = p.page_size;
-  plan.prefill_layers = p.num_layers();
+  plan.prefill_layers = p.engine_layers();
   plan.state_type = p.state_type;
   plan.topology = *topology;
   plan.active = internal::TpPairTalks(*topology, p.tp_rank, d.tp_rank);

@@ -58,6 +58,7 @@
 #ifndef PDLIB_LIB_PLANNER_PLANNER_H_
 #define PDLIB_LIB_PLANNER_PLANNER_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -119,8 +120,19 @@ struct SideLayout {
   int32_t state_start = 0;  // model-wide index of this stage's first state buffer
   std::vector<StateBufferDesc> state;
 
+  // KVArgs without kv_head_num (and not MLA): each buffer is planned whole, as MLA latents are;
+  // the buffers are still K of each layer, then V of each layer (see LayerOf).
+  bool opaque_kv = false;
+
   // Local KV layers, derived from the kv buffer count.
   int32_t num_layers() const { return static_cast<int32_t>(is_mla ? kv.size() : kv.size() / 2); }
+  // The engine's local layers (layer-wise streaming counts these): num_layers(), except that
+  // opaque K/V buffers pair up again.
+  int32_t engine_layers() const {
+    return opaque_kv && kv.size() % 2 == 0 ? static_cast<int32_t>(kv.size() / 2) : num_layers();
+  }
+  // The engine layer of planner layer `i` (i < num_layers()).
+  int32_t LayerOf(int32_t i) const { return i % std::max(1, engine_layers()); }
 };
 
 // Fills a SideLayout from a rank's KVArgs: parallel sizes and ranks, fingerprint layers (PP 1

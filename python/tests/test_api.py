@@ -64,6 +64,30 @@ def test_full_transfer_and_metrics(fake_pair):
     assert decode.take_reusable_rooms() == []
 
 
+def test_send_layers_streams_a_chunk_layer_by_layer(fake_pair):
+    prefill, decode, address, pbufs, dbufs = fake_pair
+    sender = prefill.create_sender(8)
+    receiver = decode.create_receiver(address, 8)
+    receiver.init(np.array([1, 2, 3], np.int32), 0)
+    wait_for(lambda: sender.poll() == pdlib.KVPoll.WaitingForInput, 5, "WaitingForInput")
+    pbufs["aux"].bootstrap_room[0, 0] = 8
+    sender.init(3, 0)
+    assert sender.num_layers == 2
+    pages = np.array([4, 5, 6], np.int32)
+    sender.send_layers(pages, 1, True)  # layer 0 of K and V: 2 buffers x 3 pages x 128 bytes
+    wait_for(lambda: prefill.metrics()["bytes_transferred"] == 768, 5, "layer 0 written")
+    with pytest.raises(pdlib.InvalidArgumentError, match="announces 0 layers after 1"):
+        sender.send_layers(pages, 0, True)
+    with pytest.raises(pdlib.OutOfRangeError, match="this rank has 2 KV layers"):
+        sender.send_layers(pages, 3, True)
+    with pytest.raises(pdlib.InvalidArgumentError, match="differing from the 3 pages"):
+        sender.send_layers([4, 5], 2, True)
+    assert receiver.poll() != pdlib.KVPoll.Success
+    sender.send_layers(pages, 2, True)  # the last layer completes the chunk, like send()
+    assert wait_terminal([sender, receiver]) == [pdlib.KVPoll.Success] * 2
+    assert prefill.metrics()["bytes_transferred"] == 1536
+
+
 def test_fingerprint_element_types_are_compared_by_name():
     port = free_port()
     po, pbufs = fake_options(pdlib.Mode.Prefill, port)

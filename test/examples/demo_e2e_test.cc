@@ -172,6 +172,13 @@ TEST_CASE("demo e2e: 1P1D, outputs identical to the colocated run and the refere
   const auto prompts = Prompts(6, 7);
   auto outcomes = SendAll(**d, prompts, 8);
   ExpectReference(**d, o, prompts, outcomes, 8);
+  for (const Outcome& out : outcomes) {
+    // Layer-wise streaming is on by default: prefill reports the transfer left after the
+    // forward, through the router.
+    CHECK(o.layerwise);
+    CHECK(out.exposed_transfer_us > 0);
+    CHECK(out.exposed_transfer_us < 10'000'000);
+  }
   for (size_t i = 0; i < prompts.size(); ++i) {
     Outcome c = (*d)->GenerateColocated(prompts[i], 8);
     INFO("request " << i << ": " << c.reason);
@@ -199,6 +206,14 @@ TEST_CASE("demo e2e: 2P2D, both prefill and both decode hosts serve, outputs ide
   // 12 requests spread at random over two hosts each: all on one side has odds 2 * 2^-12.
   CHECK(prefills.size() == 2);
   CHECK(decodes.size() == 2);
+}
+
+// Streaming is on in every other case; the same outputs without it (Send after the forward).
+TEST_CASE("demo e2e: layer-wise streaming off (pd-prefill --layerwise=false), outputs identical") {
+  DeploymentOptions o = Options("nolayerwise");
+  o.layerwise = false;
+  o.prefills = {PrefillSpec{2, 1}};
+  RunTopology("nolayerwise", o, 6);
 }
 
 TEST_CASE("demo e2e: prefill TP 2 -> decode TP 1, outputs identical") {

@@ -5,6 +5,7 @@
 #define PDLIB_TEST_EXAMPLES_SCHEDULER_FAKES_H_
 
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -34,6 +35,17 @@ struct HandleState {
     std::vector<int32_t> state;
   };
   std::vector<SendCall> sends;
+  // KVSender::SendLayers calls (layer-wise streaming), in order; `sends_before` is how many
+  // Send() calls had been made then. num_layers is what the sender reports (0: no streaming).
+  struct LayerCall {
+    std::vector<int32_t> pages;
+    int32_t layers;
+    bool last;
+    size_t sends_before;
+  };
+  std::vector<LayerCall> layer_sends;
+  int32_t num_layers = 0;
+  Status layer_error;  // when set, SendLayers (below num_layers) returns it
 
   // When set, KVSender::Init / Send and KVReceiver::Init return it (a call refused on this rank
   // only) and record nothing.
@@ -99,6 +111,16 @@ class FakeSender final : public FakeHandle<KVSender> {
                          {state_indices.begin(), state_indices.end()}});
     return Status::OK();
   }
+  Status SendLayers(std::span<const int32_t> pages, int32_t layers_done, bool is_last_chunk,
+                    std::span<const int32_t> state_indices) override {
+    if (layers_done == s_->num_layers) return Send(pages, is_last_chunk, state_indices);
+    if (!s_->layer_error.ok()) return s_->layer_error;
+    if (s_->state < KVPoll::kWaitingForInput) return Status::FailedPrecondition("not bootstrapped");
+    s_->layer_sends.push_back(
+        {{pages.begin(), pages.end()}, layers_done, is_last_chunk, s_->sends.size()});
+    return Status::OK();
+  }
+  int32_t num_layers() const override { return s_->num_layers; }
 };
 
 class FakeReceiver final : public FakeHandle<KVReceiver> {
@@ -159,6 +181,17 @@ class FakeModel final : public ModelRunner {
  public:
   FakeModel(int32_t num_pages, int32_t page_size, int32_t vocab = 50)
       : page_size_(page_size), vocab_(vocab), kv_(static_cast<size_t>(num_pages * page_size), -1) {}
+
+  // With kv_layers > 0, ForwardStreaming reports layers 1..kv_layers once the chunks' "KV"
+  // is stored.
+  int32_t kv_layers = 0;
+  Status ForwardStreaming(std::span<const ForwardChunk> batch,
+                          const std::function<void(int32_t)>& kv_layers_done,
+                          std::vector<ForwardOutput>* out) override {
+    Status s = Forward(batch, out);
+    for (int32_t l = 1; s.ok() && kv_layers_done && l <= kv_layers; ++l) kv_layers_done(l);
+    return s;
+  }
 
   Status Forward(std::span<const ForwardChunk> batch, std::vector<ForwardOutput>* out) override {
     batches.emplace_back();

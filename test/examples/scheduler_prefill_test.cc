@@ -129,6 +129,74 @@ TEST_CASE("scheduler: prefill chunks under the token budget and sends whole page
   CHECK(ev[0].page_size == 4);
 }
 
+TEST_CASE("scheduler: layer-wise prefill announces each chunk's layers during its forward") {
+  PrefillSchedulerOptions o;
+  o.chunked_prefill_size = 8;
+  o.layerwise = true;
+  PrefillRig rig(o, /*num_pages=*/32, /*page_size=*/4);
+  rig.model.kv_layers = 3;
+  rig.Add(1, 10);
+  rig.Add(2, 2);
+  rig.transport[1].num_layers = 3;
+  rig.transport[2].num_layers = 3;
+  rig.Step();
+  // Chunk 1 of room 1 (8 tokens: pages 0, 1): layers 1 and 2 announced during the forward, all
+  // three completed by Send() after it.
+  const auto& r1 = rig.transport[1];
+  REQUIRE(r1.layer_sends.size() == 2);
+  CHECK(r1.layer_sends[0].pages == std::vector<int32_t>{0, 1});
+  CHECK(r1.layer_sends[0].layers == 1);
+  CHECK(r1.layer_sends[1].layers == 2);
+  CHECK_FALSE(r1.layer_sends[1].last);
+  CHECK(r1.layer_sends[1].sends_before == 0);
+  REQUIRE(r1.sends.size() == 1);
+  CHECK(r1.sends[0].pages == std::vector<int32_t>{0, 1});
+  rig.Step();
+  // Last chunk of room 1 (the partial page 2) and room 2 (page 3), in one forward.
+  REQUIRE(r1.layer_sends.size() == 4);
+  CHECK(r1.layer_sends[2].pages == std::vector<int32_t>{2});
+  CHECK(r1.layer_sends[2].last);
+  CHECK(r1.layer_sends[3].layers == 2);
+  CHECK(r1.layer_sends[3].sends_before == 1);
+  REQUIRE(r1.sends.size() == 2);
+  CHECK(r1.sends[1].last);
+  const auto& r2 = rig.transport[2];
+  REQUIRE(r2.layer_sends.size() == 2);
+  CHECK(r2.layer_sends[0].pages == std::vector<int32_t>{3});
+  REQUIRE(r2.sends.size() == 1);
+  CHECK(r2.sends[0].last);
+
+  // Without the option the same requests are only Send()-ed.
+  PrefillSchedulerOptions off = o;
+  off.layerwise = false;
+  PrefillRig plain(off, 32, 4);
+  plain.model.kv_layers = 3;
+  plain.Add(1, 10);
+  plain.transport[1].num_layers = 3;
+  plain.Step();
+  plain.Step();
+  CHECK(plain.transport[1].layer_sends.empty());
+  CHECK(plain.transport[1].sends.size() == 2);
+}
+
+TEST_CASE("scheduler: a refused layer announcement fails the request with the reason") {
+  PrefillSchedulerOptions o;
+  o.layerwise = true;
+  PrefillRig rig(o, 32, 4);
+  rig.model.kv_layers = 2;
+  rig.Add(1, 6);
+  rig.transport[1].num_layers = 2;
+  rig.Step();  // bootstrapped, prefilled, announced, sent
+  REQUIRE(rig.transport[1].layer_sends.size() == 1);
+  rig.Add(2, 6);
+  rig.transport[2].num_layers = 2;
+  rig.transport[2].layer_error = Status::InvalidArgument("pages differ");
+  rig.Step();
+  rig.Step();
+  REQUIRE(rig.finished.count(2) == 1);
+  CHECK(rig.finished[2].status.ToString().find("pages differ") != std::string::npos);
+}
+
 TEST_CASE("scheduler: prefill rejects a request longer than the KV capacity, with the numbers") {
   PrefillSchedulerOptions o;
   PrefillRig rig(o, /*num_pages=*/4, /*page_size=*/4);

@@ -21,6 +21,7 @@ using testing::ReadPage;
 using testing::Request;
 using testing::RequireSame;
 using testing::TinyConfig;
+using testing::TinyHybridConfig;
 
 // Prefills `prompt` in chunks of `chunk` tokens, then decodes `steps` tokens greedily. Returns
 // the result after the prompt and after each decode step.
@@ -331,6 +332,51 @@ TEST_CASE("the default config generates varied tokens") {
   CHECK(std::unique(generated.begin(), generated.end()) - generated.begin() > 1);
   CHECK(out[0].logprob > -3.0f);
   CHECK(out[0].top_ids[0] == out[0].token);
+}
+
+// Layer-wise streaming (ForwardOptions::on_kv_layers_done): one call per KV layer, in order,
+// made once that layer's pages hold the chunk's final K/V and before the next KV layer is
+// written; recurrent layers are not counted; the results are those of a plain forward.
+TEST_CASE("on_kv_layers_done reports each KV layer as soon as its pages are final") {
+  for (const ModelConfig& c : {TinyConfig(), TinyHybridConfig()}) {
+    INFO("layers " << c.num_layers << ", KV layers " << c.num_attention_layers());
+    auto streamed = MakeModel(c);
+    auto plain = MakeModel(c);
+    Request r{PromptTokens(5, 10, c.vocab_size)};
+    int32_t next_page = 0;
+    EnsurePages(&r, 10, c.page_size, &next_page);
+    const SequenceChunk chunk = ChunkOf(r, 0, 10);
+    struct Seen {
+      int32_t done;
+      std::vector<std::vector<std::byte>> last, next;  // pages of layer done-1 and of layer done
+    };
+    std::vector<Seen> seen;
+    auto pages_of = [&](const Model& m, int32_t layer) {
+      std::vector<std::vector<std::byte>> out;
+      for (int32_t p : r.pages) {
+        out.push_back(ReadPage(m.kv_cache(), KVKind::kKey, layer, p));
+        out.push_back(ReadPage(m.kv_cache(), KVKind::kValue, layer, p));
+      }
+      return out;
+    };
+    ForwardOptions o = FullOptions();
+    o.on_kv_layers_done = [&](int32_t done) {
+      Seen s{done, pages_of(*streamed, done - 1), {}};
+      if (done < c.num_attention_layers()) s.next = pages_of(*streamed, done);
+      seen.push_back(std::move(s));
+    };
+    ForwardResult a, b;
+    REQUIRE(streamed->Prefill(chunk, o, &a).ok());
+    REQUIRE(plain->Prefill(chunk, FullOptions(), &b).ok());
+    RequireSame(a, b);
+    REQUIRE(static_cast<int32_t>(seen.size()) == c.num_attention_layers());
+    for (size_t i = 0; i < seen.size(); ++i) {
+      CHECK(seen[i].done == static_cast<int32_t>(i) + 1);
+      CHECK(seen[i].last == pages_of(*streamed, seen[i].done - 1));  // final when reported
+      CHECK(seen[i].last == pages_of(*plain, seen[i].done - 1));
+      if (!seen[i].next.empty()) CHECK(seen[i].next != pages_of(*streamed, seen[i].done));
+    }
+  }
 }
 
 }  // namespace

@@ -24,6 +24,7 @@
 #define PDLIB_KERNELS_MODEL_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -66,6 +67,15 @@ struct ForwardOptions {
   int32_t top_k = 5;           // top logprobs to return, in [0, vocab_size]
   bool return_logits = false;  // fill ForwardResult::logits
   bool return_hidden = false;  // fill ForwardResult::hidden
+  // Layer-wise streaming: called once per layer whose K/V go into the KV pools (full-attention
+  // and MLA layers; not sliding-window, recurrent or index pools), in order, with the count of
+  // this rank's KV pools (kv_cache().DescribeKV() layers) that now hold every chunk's K/V, so the
+  // caller can hand them to pdlib (KVSender::SendLayers) while the rest of the forward runs.
+  // CPU: on the Forward thread, after the layer. CUDA: on CUDA's host-callback thread
+  // (cudaLaunchHostFunc, enqueued after the layer's KV write, so the bytes are in memory when it
+  // runs); every call has returned before Forward does. It must not call CUDA. Not called when
+  // Forward fails validation.
+  std::function<void(int32_t kv_layers_done)> on_kv_layers_done;
 };
 
 // What Forward produces for each chunk: the greedy choice after the chunk's last token.

@@ -247,6 +247,9 @@ Status CpuModel::Forward(std::span<const SequenceChunk> batch, const ForwardOpti
     }
     RmsNorm(x_.data(), layer.post_norm.data(), n, h, c.rms_norm_eps, xn_.data());
     if (Status s = Mlp(layer, n); !s.ok()) return s;
+    if (options.on_kv_layers_done && layer.kind == LayerKind::kAttention) {
+      options.on_kv_layers_done(layer.pool_index + 1);
+    }
   }
   if (!layout_.last_stage()) {
     if (Status s = comm_->SendToNextStage(x_); !s.ok()) {

@@ -2,6 +2,7 @@
 // Batch validation, page-table flattening and RoPE angles come from the same host code as the
 // CPU path (batch_plan.h, cpu/ops.h RopeTable), so only the kernels' arithmetic differs.
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,7 +51,9 @@ class CudaModel final : public Model {
 
  private:
   Status UploadPlan(const BatchPlan& plan);
-  Status RunLayers(const BatchPlan& plan);
+  // `on_kv_layers_done` (ForwardOptions) is enqueued as a host callback after each attention
+  // layer's KV write.
+  Status RunLayers(const BatchPlan& plan, const std::function<void(int32_t)>* on_kv_layers_done);
   // `local` holds [rows][width] of this rank's columns; `full` gets every TP rank's columns in
   // rank order. Synchronises the stream.
   Status GatherColumns(const DeviceBuffer& local, int32_t rows, int32_t width, DeviceBuffer* full);
@@ -75,6 +78,12 @@ class CudaModel final : public Model {
   std::vector<float> host_local_, host_all_, host_full_;  // TP gathers and PP hand-offs
   DeviceBuffer out_token_, out_logprob_, out_top_ids_, out_top_logprobs_;
   int32_t max_position_ = 0;
+  // Layer-wise streaming: what each host callback of the running Forward reports.
+  struct LayerCallback {
+    const std::function<void(int32_t)>* hook = nullptr;
+    int32_t kv_layers_done = 0;
+  };
+  std::vector<LayerCallback> layer_callbacks_;
 };
 
 Status CudaModel::Init(const ModelWeights& w, const RuntimeOptions& options) {
@@ -158,7 +167,8 @@ Status CudaModel::GatherColumns(const DeviceBuffer& local, int32_t rows, int32_t
   return Status::OK();
 }
 
-Status CudaModel::RunLayers(const BatchPlan& plan) {
+Status CudaModel::RunLayers(const BatchPlan& plan,
+                            const std::function<void(int32_t)>* on_kv_layers_done) {
   const ModelConfig& c = config_;
   const ModelConfig& local = cache_->config();  // this rank's heads
   cudaStream_t st = stream_.get();
@@ -241,6 +251,19 @@ Status CudaModel::RunLayers(const BatchPlan& plan) {
                     v_pool, st);
       attn.k_pool = k_pool;
       attn.v_pool = v_pool;
+      if (on_kv_layers_done != nullptr) {
+        // The KV of this layer is in the pools once the stream gets here: tell the caller from
+        // CUDA's host-callback thread (the entries outlive the Forward that synchronises).
+        LayerCallback& cb = layer_callbacks_[static_cast<size_t>(layer.pool_index)];
+        cb = {on_kv_layers_done, layer.pool_index + 1};
+        PDLIB_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(
+            st,
+            [](void* arg) {
+              auto* c = static_cast<LayerCallback*>(arg);
+              (*c->hook)(c->kv_layers_done);
+            },
+            &cb));
+      }
       LaunchPagedAttention(attn, workspace_.get(), st);
       StatusOr<const DeviceBuffer*> in = whole(qw);
       if (!in.ok()) return in.status();
@@ -284,8 +307,17 @@ Status CudaModel::Forward(std::span<const SequenceChunk> batch, const ForwardOpt
   PDLIB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   Status s = UploadPlan(plan);
   if (!s.ok()) return s;
-  if (!(s = RunLayers(plan)).ok()) return s;
-  return Head(plan, options, results);
+  const std::function<void(int32_t)>* hook =
+      options.on_kv_layers_done ? &options.on_kv_layers_done : nullptr;
+  if (hook != nullptr) layer_callbacks_.resize(layers_.size());
+  if (!(s = RunLayers(plan, hook)).ok()) {
+    // Callbacks already enqueued refer to `options`: let them run before returning.
+    if (hook != nullptr) cudaStreamSynchronize(stream_.get());
+    return s;
+  }
+  s = Head(plan, options, results);
+  if (!s.ok() && hook != nullptr) cudaStreamSynchronize(stream_.get());
+  return s;
 }
 
 Status CudaModel::Head(const BatchPlan& plan, const ForwardOptions& options,
