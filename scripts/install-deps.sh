@@ -23,6 +23,9 @@ PACKAGES=(
   ibverbs-providers perftest
   # valgrind_* tests (memcheck over two processes); openssl makes the TLS test's certificates.
   valgrind openssl
+  # NetnsCluster (tools/netns, issue #18): nft puts packet loss and partitions on a host's link
+  # (this kernel has no sch_netem); iperf3 measures a link's baseline throughput.
+  nftables iperf3
   # The Python package (python/): pybind11 for the module; numpy, torch and pytest for its tests,
   # the example engine pair and the benchmark.
   python3-dev pybind11-dev python3-pybind11 python3-numpy python3-pytest python3-torch
