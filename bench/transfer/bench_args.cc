@@ -71,6 +71,17 @@ ABSL_FLAG(bool, compare_perftest, false,
           "ucx.net_devices and ucx.config.<NAME> (UCX's defaults otherwise), after the ranks have "
           "exited; adds perftest_gbytes_per_s (null, with a word on stderr, when ucx_perftest is "
           "not on PATH)");
+ABSL_FLAG(bool, netns, false,
+          "the prefill and the decode process each in a network namespace of its own (two hosts "
+          "on a bridge, tools/netns; needs root), with ucx.tls=tcp and ucx.net_devices=eth0: "
+          "what pdlib gets between two machines' network stacks");
+ABSL_FLAG(bool, compare_iperf3, false,
+          "after the ranks have exited, runs iperf3 (one TCP stream, 5 s) from where prefill ran "
+          "to where decode ran (with --netns: between the two hosts, over the same veth link); "
+          "adds iperf3_gbps and iperf3_ratio = gbps / iperf3_gbps (null, with a word on stderr, "
+          "when iperf3 is not installed)");
+ABSL_FLAG(std::string, prefill_host, "127.0.0.1",
+          "internal: where a child's prefill rank listens and decode finds it");
 ABSL_FLAG(uint64_t, layer_compute_us, 0,
           "simulate a prefill forward of this many microseconds per layer before each request's "
           "KV is sent (0: send at once); reports the exposed transfer time after the last layer");
@@ -242,6 +253,11 @@ bool ParseArgs(int argc, char** argv, Options* o) {
     return bad("bootstrap_port", std::to_string(bootstrap_port));
   }
   b.bootstrap_port = uint16_t(bootstrap_port);
+  b.prefill_host = absl::GetFlag(FLAGS_prefill_host);
+  if (b.prefill_host.empty()) return bad("prefill_host", "");
+  o->netns = absl::GetFlag(FLAGS_netns);
+  o->compare_iperf3 = absl::GetFlag(FLAGS_compare_iperf3);
+  if (o->netns && o->in_process) return bad("netns", "with --in-process");
   return true;
 }
 
@@ -294,6 +310,8 @@ std::vector<std::string> ChildArgs(const BenchConfig& c, std::string_view role) 
                                 std::to_string(c.page_size),
                                 "--bootstrap-port",
                                 std::to_string(c.bootstrap_port),
+                                "--prefill-host",
+                                c.prefill_host,
                                 "--layer-compute-us",
                                 std::to_string(c.layer_compute_us),
                                 "--layerwise",

@@ -22,6 +22,10 @@ struct Options {
   bool in_process = false;
   bool baseline_memcpy = false;
   bool compare_perftest = false;
+  // The prefill and the decode process each in a network namespace of its own (tools/netns),
+  // UCX over tcp on eth0; and iperf3 over the same link for comparison.
+  bool netns = false;
+  bool compare_iperf3 = false;
   std::string role;  // hidden: "prefill" or "decode" in the child processes
 };
 

@@ -84,6 +84,8 @@ struct Rank {
     o.backend_options = c.backend_options;
     o.control_plane = c.control_plane;
     o.bootstrap_port = c.bootstrap_port;
+    o.bootstrap_host = c.prefill_host;
+    o.listen_host = c.prefill_host;
     o.start_bootstrap_server = start_bootstrap;
     o.transfer_workers = c.transfer_workers;
     o.room_log_every = c.room_log_every;
@@ -274,7 +276,7 @@ void DriveDecode(const BenchConfig& c, Rank& rank, const PageRing& pages, uint64
   std::vector<InFlight<pdlib::KVReceiver>> active;
   active.reserve(c.concurrency);
   Idler idler(c);
-  const pdlib::BootstrapAddress bootstrap{"127.0.0.1", c.bootstrap_port};
+  const pdlib::BootstrapAddress bootstrap{c.prefill_host, c.bootstrap_port};
   const auto started = Clock::now();
   auto next_progress = started + std::chrono::duration<double>(c.progress_every_s);
   uint64_t next = begin;
@@ -367,7 +369,7 @@ std::string WaitForPrefill(const BenchConfig& c, Rank& rank) {
   std::string last = "no attempt";
   for (uint64_t attempt = 1; Clock::now() < deadline; ++attempt) {
     auto probe =
-        rank.manager->CreateReceiver({"127.0.0.1", c.bootstrap_port}, c.FirstRoom() - attempt);
+        rank.manager->CreateReceiver({c.prefill_host, c.bootstrap_port}, c.FirstRoom() - attempt);
     if (!probe.ok()) return "probe: " + probe.status().ToString();
     while ((*probe)->Poll() == pdlib::KVPoll::kBootstrapping && Clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::microseconds(200));

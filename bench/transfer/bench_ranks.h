@@ -40,6 +40,9 @@ struct BenchConfig {
   Layout layout = Layout::kScattered;
   uint64_t seed = 1;
   uint16_t bootstrap_port = 8998;
+  // Where prefill's control endpoint and bootstrap server listen, and where decode finds them
+  // (--netns: the prefill host's address).
+  std::string prefill_host = "127.0.0.1";
   int32_t transfer_workers = 2;
   uint32_t room_log_every = 0;  // KVManagerOptions::room_log_every, both sides
   // Idle passes over the handles that yield the CPU before the driver starts sleeping.

@@ -44,8 +44,10 @@
 #include "bench/transfer/baseline.h"
 #include "bench/transfer/bench_args.h"
 #include "bench/transfer/bench_ranks.h"
+#include "bench/transfer/iperf3.h"
 #include "bench/transfer/perftest.h"
 #include "tools/common/child_process.h"
+#include "tools/netns/netns_cluster.h"
 
 namespace pdlib_bench {
 
@@ -55,6 +57,24 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
+
+// --netns: hosts "prefill" and "decode", for the whole run (main's).
+pdlib_tools::NetnsCluster* g_cluster = nullptr;
+
+// A child process of role `role`, in its host with --netns.
+std::unique_ptr<ChildProcess> StartChild(const BenchConfig& c, const std::string& role) {
+  pdlib_tools::ChildOptions co{.self_name = "pdlib-transfer-bench", .args = ChildArgs(c, role)};
+  if (g_cluster != nullptr) {
+    auto in_host = g_cluster->InHost(role, co);
+    if (!in_host.ok()) {
+      std::fprintf(stderr, "pdlib-transfer-bench: %s\n", in_host.status().ToString().c_str());
+      return nullptr;
+    }
+    co = std::move(*in_host);
+  }
+  auto child = std::make_unique<ChildProcess>(std::move(co));
+  return child->started() ? std::move(child) : nullptr;
+}
 
 // Percentiles etc. of one decode run.
 struct Summary {
@@ -146,8 +166,9 @@ std::map<std::string, std::string> RunTwoProcesses(BenchConfig c,
   const auto run_deadline = Clock::now() + std::chrono::seconds(60 + (c.requests + c.warmup) / 200);
   for (int attempt = 0; attempt < 3; ++attempt) {
     c.bootstrap_port = UnusedLocalPort();
-    ChildProcess p({.self_name = "pdlib-transfer-bench", .args = ChildArgs(c, "prefill")});
-    if (!p.started()) return {{"error", "yes"}, {"why", "cannot start the prefill process"}};
+    auto prefill_child = StartChild(c, "prefill");
+    if (!prefill_child) return {{"error", "yes"}, {"why", "cannot start the prefill process"}};
+    ChildProcess& p = *prefill_child;
     // READY, or a RESULT that says why the rank could not start.
     std::optional<std::string> first;
     do {
@@ -160,8 +181,9 @@ std::map<std::string, std::string> RunTwoProcesses(BenchConfig c,
       if (failed["why"].find("bootstrap server") != std::string::npos) continue;
       return {{"error", "yes"}, {"why", "prefill: " + failed["why"]}};
     }
-    ChildProcess d({.self_name = "pdlib-transfer-bench", .args = ChildArgs(c, "decode")});
-    if (!d.started()) return {{"error", "yes"}, {"why", "cannot start the decode process"}};
+    auto decode_child = StartChild(c, "decode");
+    if (!decode_child) return {{"error", "yes"}, {"why", "cannot start the decode process"}};
+    ChildProcess& d = *decode_child;
     auto dres = d.Expect("RESULT ", run_deadline);
     auto pres = p.Expect("RESULT ", dres ? run_deadline : Clock::now());
     p.Send("QUIT");
@@ -234,6 +256,8 @@ struct Comparisons {
   bool perftest_asked = false;
   uint64_t perftest_message_bytes = 0;
   std::optional<double> perftest_gbytes_per_s;
+  bool iperf3_asked = false;
+  std::optional<double> iperf3_gbps;
 };
 
 // Runs the comparisons asked for `c`; says on stderr what could not run.
@@ -263,6 +287,14 @@ Comparisons Compare(const Options& o, const BenchConfig& c) {
         std::fprintf(stderr, "pdlib-transfer-bench: ucx_perftest: %s\n", r.why.c_str());
       }
     }
+  }
+  if (o.compare_iperf3) {
+    cmp.iperf3_asked = true;
+    const std::string server_ip =
+        g_cluster != nullptr ? g_cluster->FindHost("decode")->ip : std::string("127.0.0.1");
+    Iperf3Result r = RunIperf3(g_cluster, "decode", server_ip, "prefill", 5);
+    cmp.iperf3_gbps = r.gbps;
+    if (!r.gbps) std::fprintf(stderr, "pdlib-transfer-bench: iperf3: %s\n", r.why.c_str());
   }
   return cmp;
 }
@@ -343,6 +375,15 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
         j.Null("perftest_gbytes_per_s");
       }
     }
+    if (cmp.iperf3_asked) {
+      if (cmp.iperf3_gbps && *cmp.iperf3_gbps > 0) {
+        j.Num("iperf3_gbps", *cmp.iperf3_gbps, 3);
+        j.Num("iperf3_ratio", gbps / *cmp.iperf3_gbps, 3);
+      } else {
+        j.Null("iperf3_gbps");
+        j.Null("iperf3_ratio");
+      }
+    }
     j.Num("req_per_s", req_per_s, 0);
     j.Num("p50_us", Num(d, "p50"), 0);
     j.Num("p99_us", Num(d, "p99"), 0);
@@ -397,6 +438,13 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
                     cmp.perftest_message_bytes, *cmp.perftest_gbytes_per_s);
       Emit(buf);
     }
+    if (cmp.iperf3_gbps) {
+      std::snprintf(buf, sizeof(buf),
+                    "  iperf3, one TCP stream %s: %.3f Gbit/s; pdlib / iperf3 = %.3f",
+                    g_cluster != nullptr ? "between the two hosts" : "on 127.0.0.1",
+                    *cmp.iperf3_gbps, *cmp.iperf3_gbps > 0 ? gbps / *cmp.iperf3_gbps : 0.0);
+      Emit(buf);
+    }
   }
   if (failed) {
     std::fprintf(stderr, "pdlib-transfer-bench: %s: %s\n", error ? "error" : "first failure",
@@ -437,6 +485,28 @@ int main(int argc, char** argv) {
     return RunChild(o);
   }
 
+  std::unique_ptr<pdlib_tools::NetnsCluster> cluster;
+  if (o.netns) {
+    auto c = pdlib_tools::NetnsCluster::Create();
+    if (!c.ok()) {
+      std::fprintf(stderr, "pdlib-transfer-bench: --netns: %s\n", c.status().ToString().c_str());
+      return 2;
+    }
+    cluster = std::move(*c);
+    for (const char* host : {"prefill", "decode"}) {
+      auto ip = cluster->AddHost(host);
+      if (!ip.ok()) {
+        std::fprintf(stderr, "pdlib-transfer-bench: --netns: %s\n", ip.status().ToString().c_str());
+        return 2;
+      }
+    }
+    g_cluster = cluster.get();
+    o.base.prefill_host = cluster->FindHost("prefill")->ip;
+    if (o.base.backend == "ucx") {  // two hosts: TCP over their link, nothing shared
+      o.base.backend_options["ucx.tls"] = "tcp";
+      o.base.backend_options["ucx.net_devices"] = "eth0";
+    }
+  }
   bool all_ok = true, first = true;
   std::map<bool, double> exposed;  // mean exposed transfer by layerwise, per configuration
   for (uint64_t layers : o.layers) {
