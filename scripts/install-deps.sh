@@ -31,6 +31,9 @@ PACKAGES=(
   python3-dev pybind11-dev python3-pybind11 python3-numpy python3-pytest python3-torch
   # mypy type-checks the package and its stubs (ctest "python: mypy --strict").
   mypy
+  # The etcd client's tests (ctest -R etcd, issue #18) start a real etcd (3.4) on free local
+  # ports; etcdctl enables auth on it for the authentication test.
+  etcd-server etcd-client
 )
 
 missing=()
