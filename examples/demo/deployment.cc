@@ -1,17 +1,27 @@
 #include "examples/demo/deployment.h"
 
+#include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "examples/proto/pd_serving.grpc.pb.h"
+#include "lib/control/net_address.h"
 #include "tools/common/child_process.h"
+#include "tools/netns/netns_cluster.h"
 
 namespace pdlib::demo {
 namespace {
@@ -51,26 +61,56 @@ struct Deployment::Impl {
     std::string address;  // host:port of its gRPC service
   };
   DeploymentOptions options;
-  std::vector<Proc> procs;  // in start order; stopped in reverse
+  std::unique_ptr<pdlib_tools::NetnsCluster> cluster;  // with options.netns
+  std::string etcd_dir;                                // its data, removed at the end
+  std::vector<Proc> procs;                             // in start order; stopped in reverse
   std::vector<size_t> prefill_procs;
   std::string router_address, colocated_address;
+  std::string etcd_endpoint;  // "host:port" with discovery etcd
   int http_port = -1;
   std::shared_ptr<grpc::Channel> router_channel, colocated_channel;
 
   // Starts `bin` with `args`, waits for a stdout line starting with `ready` and returns it.
+  // With netns: a new host `name` (its namespace), else nothing. Where `name` listens.
+  StatusOr<std::string> Place(const std::string& name) {
+    if (!cluster) return std::string("127.0.0.1");
+    auto ip = cluster->AddHost(name);
+    if (!ip.ok()) return ip.status();
+    if (options.link_mbit > 0) {
+      if (Status s = cluster->SetBandwidth(name, options.link_mbit); !s.ok()) return s;
+    }
+    return *ip;
+  }
+  std::string IpOf(const std::string& name) const {
+    if (!cluster) return "127.0.0.1";
+    const auto* h = cluster->FindHost(name);
+    return h != nullptr ? h->ip : std::string();
+  }
+
+  // Starts `bin` with `args` (in host `name` with netns: Place it first), waits for a stdout
+  // line starting with `ready` ("" : none, return at once) and returns it.
   StatusOr<std::string> Launch(const std::string& name, const std::string& bin,
                                const std::vector<std::string>& args, const std::string& ready) {
     Proc p;
     p.name = name;
     p.log = options.log_dir + "/" + name + ".log";
     std::ofstream(p.log, std::ios::trunc).flush();
-    p.child = std::make_unique<ChildProcess>(
-        pdlib_tools::ChildOptions{.program = bin,
-                                  .args = args,
-                                  .stderr_mode = pdlib_tools::ChildOptions::Stderr::kAppendToFile,
-                                  .stderr_path = p.log});
+    pdlib_tools::ChildOptions co{.program = bin,
+                                 .args = args,
+                                 .stderr_mode = pdlib_tools::ChildOptions::Stderr::kAppendToFile,
+                                 .stderr_path = p.log};
+    if (cluster) {
+      auto in_host = cluster->InHost(name, co);
+      if (!in_host.ok()) return in_host.status();
+      co = std::move(*in_host);
+    }
+    p.child = std::make_unique<ChildProcess>(std::move(co));
     if (!p.child->started()) {
       return Status::Unavailable(name + ": could not start " + bin);
+    }
+    if (ready.empty()) {
+      procs.push_back(std::move(p));
+      return std::string();
     }
     const auto deadline = Clock::now() + std::chrono::milliseconds(options.start_timeout_ms);
     auto line = p.child->Expect(ready, deadline);
@@ -83,41 +123,122 @@ struct Deployment::Impl {
     return *line;
   }
 
-  std::vector<std::string> HostArgs() const {
-    std::vector<std::string> a = {
-        "--host",    "127.0.0.1",     "--port",      "0",
-        "--model",   options.model,   "--seed",      std::to_string(options.seed),
-        "--backend", options.backend, "--num-pages", std::to_string(options.num_pages)};
+  std::vector<std::string> HostArgs(const std::string& ip) const {
+    std::vector<std::string> a = {"--host",      ip,
+                                  "--port",      "0",
+                                  "--model",     options.model,
+                                  "--seed",      std::to_string(options.seed),
+                                  "--backend",   options.backend,
+                                  "--num-pages", std::to_string(options.num_pages)};
     for (const std::string& o : options.backend_options) {
       a.push_back("--backend-option");
       a.push_back(o);
     }
+    if (cluster && options.backend == "ucx") {  // separate hosts: TCP over their link only
+      a.insert(a.end(),
+               {"--backend-option", "ucx.tls=tcp", "--backend-option", "ucx.net_devices=eth0"});
+    }
+    if (!etcd_endpoint.empty()) {
+      a.insert(a.end(), {"--discovery", "etcd", "--etcd-endpoints", etcd_endpoint});
+    }
     return a;
   }
 
+  // One etcd member in host "etcd" (netns) or on 127.0.0.1, serving once its client port
+  // accepts connections.
+  Status StartEtcd() {
+    auto ip = Place("etcd");
+    if (!ip.ok()) return ip.status();
+    char tmpl[] = "/tmp/pd-demo-etcd-XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) return Status::Internal("mkdtemp for etcd's data failed");
+    etcd_dir = tmpl;
+    const uint16_t client_port = cluster ? 2379 : FreeLocalPort();
+    const uint16_t peer_port = cluster ? 2380 : FreeLocalPort();
+    const std::string client = "http://" + pdlib::control::JoinHostPort(*ip, client_port);
+    const std::string peer = "http://" + pdlib::control::JoinHostPort(*ip, peer_port);
+    auto started = Launch("etcd", options.etcd_bin,
+                          {"--name", "pd-demo", "--data-dir", etcd_dir, "--listen-client-urls",
+                           client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
+                           "--initial-advertise-peer-urls", peer, "--initial-cluster",
+                           "pd-demo=" + peer, "--log-level", "warn"},
+                          "");
+    if (!started.ok()) return started.status();
+    const auto deadline = Clock::now() + std::chrono::milliseconds(options.start_timeout_ms);
+    while (pdlib::control::ProbeTcpPort(*ip, client_port, std::chrono::milliseconds(200)) !=
+           pdlib::control::PortProbe::kListening) {
+      if (Clock::now() > deadline || procs.back().child->Wait(Clock::now()) >= 0) {
+        return Status::Unavailable("etcd did not serve at " + client + "; its log:\n" +
+                                   TailOfFile(procs.back().log, 3000));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    etcd_endpoint = pdlib::control::JoinHostPort(*ip, client_port);
+    return Status::OK();
+  }
+
+  static uint16_t FreeLocalPort() {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    uint16_t port = 0;
+    if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+      port = ntohs(a.sin_port);
+    }
+    close(fd);
+    return port;
+  }
+
   Status StartAll() {
+    if (options.netns) {
+      auto c = pdlib_tools::NetnsCluster::Create();
+      if (!c.ok()) return c.status().WithPrefix("--netns");
+      cluster = std::move(*c);
+    }
+    if (options.discovery == "etcd") {
+      if (Status s = StartEtcd(); !s.ok()) return s;
+    } else if (options.discovery != "bootstrap") {
+      return Status::InvalidArgument("discovery '" + options.discovery +
+                                     "': expected bootstrap or etcd");
+    }
     std::vector<std::string> prefill_addrs, decode_addrs, prefill_bootstraps;
     for (size_t i = 0; i < options.prefills.size(); ++i) {
       const std::string n = std::to_string(i);
-      auto boot = Launch("bootstrap" + n, options.bootstrap_bin,
-                         {"--host", "127.0.0.1", "--port", "0"}, "pdlib-bootstrap listening on ");
-      if (!boot.ok()) return boot.status();
-      const std::string boot_addr = boot->substr(boot->rfind(' ') + 1);
-      const std::string boot_port = boot_addr.substr(boot_addr.rfind(':') + 1);
-      std::vector<std::string> args = HostArgs();
-      args.insert(args.end(), {"--bootstrap-host", "127.0.0.1", "--bootstrap-port", boot_port,
-                               "--tp", std::to_string(options.prefills[i].tp), "--pp",
+      std::string boot_host, boot_port;
+      if (etcd_endpoint.empty()) {
+        auto ip = Place("bootstrap" + n);
+        if (!ip.ok()) return ip.status();
+        auto boot = Launch("bootstrap" + n, options.bootstrap_bin, {"--host", *ip, "--port", "0"},
+                           "pdlib-bootstrap listening on ");
+        if (!boot.ok()) return boot.status();
+        const std::string boot_addr = boot->substr(boot->rfind(' ') + 1);
+        boot_host = *ip;
+        boot_port = boot_addr.substr(boot_addr.rfind(':') + 1);
+      }
+      auto ip = Place("prefill" + n);
+      if (!ip.ok()) return ip.status();
+      if (!etcd_endpoint.empty()) {  // the deployment's name in etcd: its first host
+        boot_host = *ip;
+        boot_port = "8998";
+      }
+      std::vector<std::string> args = HostArgs(*ip);
+      args.insert(args.end(), {"--bootstrap-host", boot_host, "--bootstrap-port", boot_port, "--tp",
+                               std::to_string(options.prefills[i].tp), "--pp",
                                std::to_string(options.prefills[i].pp),
                                options.layerwise ? "--layerwise=true" : "--layerwise=false"});
-      prefill_bootstraps.push_back("127.0.0.1:" + boot_port);
+      prefill_bootstraps.push_back(pdlib::control::JoinHostPort(boot_host, std::stoi(boot_port)));
       auto ready = Launch("prefill" + n, options.prefill_bin, args, "READY ");
       if (!ready.ok()) return ready.status();
       prefill_procs.push_back(procs.size() - 1);
-      procs.back().address = "127.0.0.1:" + Fields(*ready)["port"];
+      procs.back().address = pdlib::control::JoinHostPort(*ip, std::stoi(Fields(*ready)["port"]));
       prefill_addrs.push_back(procs.back().address);
     }
     for (int32_t i = 0; i < options.decodes; ++i) {
-      std::vector<std::string> args = HostArgs();
+      auto ip = Place("decode" + std::to_string(i));
+      if (!ip.ok()) return ip.status();
+      std::vector<std::string> args = HostArgs(*ip);
       args.insert(args.end(), {"--tp", std::to_string(options.decode_tp), "--pp",
                                std::to_string(options.decode_pp)});
       // Warm-up: connect to every prefill deployment before the first request.
@@ -127,20 +248,24 @@ struct Deployment::Impl {
       }
       auto ready = Launch("decode" + std::to_string(i), options.decode_bin, args, "READY ");
       if (!ready.ok()) return ready.status();
-      procs.back().address = "127.0.0.1:" + Fields(*ready)["port"];
+      procs.back().address = pdlib::control::JoinHostPort(*ip, std::stoi(Fields(*ready)["port"]));
       decode_addrs.push_back(procs.back().address);
     }
     if (options.colocated) {
-      std::vector<std::string> args = HostArgs();
+      auto ip = Place("colocated");
+      if (!ip.ok()) return ip.status();
+      std::vector<std::string> args = HostArgs(*ip);
       args.push_back("--colocated");
       auto ready = Launch("colocated", options.decode_bin, args, "READY ");
       if (!ready.ok()) return ready.status();
-      colocated_address = "127.0.0.1:" + Fields(*ready)["port"];
+      colocated_address = pdlib::control::JoinHostPort(*ip, std::stoi(Fields(*ready)["port"]));
       colocated_channel =
           grpc::CreateChannel(colocated_address, grpc::InsecureChannelCredentials());
     }
+    auto router_ip = Place("router");
+    if (!router_ip.ok()) return router_ip.status();
     std::vector<std::string> router = {"--host",
-                                       "127.0.0.1",
+                                       *router_ip,
                                        "--port",
                                        "0",
                                        "--http-port",
@@ -154,19 +279,39 @@ struct Deployment::Impl {
     auto ready = Launch("router", options.router_bin, router, "READY ");
     if (!ready.ok()) return ready.status();
     auto f = Fields(*ready);
-    router_address = "127.0.0.1:" + f["port"];
+    router_address = pdlib::control::JoinHostPort(*router_ip, std::stoi(f["port"]));
     http_port = std::atoi(f["http_port"].c_str());
     router_channel = grpc::CreateChannel(router_address, grpc::InsecureChannelCredentials());
     return Status::OK();
   }
 
   void StopAll() {
-    for (auto it = procs.rbegin(); it != procs.rend(); ++it) it->child->Signal(SIGTERM);
-    const auto deadline = Clock::now() + std::chrono::seconds(10);
-    for (auto it = procs.rbegin(); it != procs.rend(); ++it) {
-      if (it->child->Wait(deadline) < 0) it->child.reset();  // SIGKILL and reap
+    // Hosts first, then what they registered with (etcd, bootstrap servers), so that prefill
+    // ranks can withdraw their registrations as they shut down.
+    for (bool infrastructure : {false, true}) {
+      auto ours = [&](const Proc& p) {
+        const bool infra = p.name.rfind("etcd", 0) == 0 || p.name.rfind("bootstrap", 0) == 0;
+        return infra == infrastructure && p.child != nullptr;
+      };
+      for (auto it = procs.rbegin(); it != procs.rend(); ++it) {
+        if (ours(*it)) it->child->Signal(SIGTERM);
+      }
+      const auto deadline = Clock::now() + std::chrono::seconds(10);
+      for (auto it = procs.rbegin(); it != procs.rend(); ++it) {
+        if (ours(*it) && it->child->Wait(deadline) < 0) it->child.reset();  // SIGKILL and reap
+      }
     }
     procs.clear();
+    if (cluster) {
+      if (Status s = cluster->Destroy(); !s.ok()) {
+        std::fprintf(stderr, "pd-demo: removing the namespaces: %s\n", s.ToString().c_str());
+      }
+      cluster.reset();
+    }
+    if (!etcd_dir.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(etcd_dir, ec);
+    }
   }
 };
 
@@ -184,6 +329,9 @@ Deployment::Deployment(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Deployment::~Deployment() { impl_->StopAll(); }
 
 std::string Deployment::router_address() const { return impl_->router_address; }
+std::string Deployment::host_ip(const std::string& name) const {
+  return impl_->cluster ? impl_->IpOf(name) : std::string();
+}
 int Deployment::http_port() const { return impl_->http_port; }
 
 std::string Deployment::prefill_address(size_t index) const {

@@ -1,6 +1,7 @@
 // Deployment: the example's processes on 127.0.0.1 — a pdlib-bootstrap and a pd-prefill per
-// prefill host, pd-decode hosts, optionally a colocated pd-decode, and pd-router in front — and
-// a client for them. pd-demo runs one; the end-to-end tests run several topologies.
+// prefill host (or one etcd for all), pd-decode hosts, optionally a colocated pd-decode, and
+// pd-router in front — and a client for them; or each in a network namespace of its own
+// (netns). pd-demo runs one; the end-to-end tests run several topologies.
 //
 // Ownership: a Deployment owns its child processes; destroying it stops them (SIGTERM, then
 // SIGKILL after a grace period). Threads: Generate/GenerateColocated may be called from many
@@ -43,6 +44,16 @@ struct DeploymentOptions {
   std::string policy = "power-of-two";
   int32_t num_pages = 512;  // KV pages per host
   std::string log_dir;      // each process's stderr goes to <log_dir>/<name>.log
+  // How prefill ranks are found: "bootstrap" (a pdlib-bootstrap per prefill host) or "etcd"
+  // (one etcd member, `etcd_bin`, that every host registers in and resolves from).
+  std::string discovery = "bootstrap";
+  std::string etcd_bin = "etcd";
+  // Hosts as network namespaces (pd-demo --netns, tools/netns): every process in a namespace
+  // of its own on one bridge, with its own address; the hosts' backend options get
+  // ucx.tls=tcp and ucx.net_devices=eth0 (no shared memory between "hosts"). Needs root.
+  bool netns = false;
+  // With netns: a bandwidth cap (Mbit/s, tc tbf) on every host's link; 0 none.
+  int32_t link_mbit = 0;
   int32_t start_timeout_ms = 60000;
   int32_t request_timeout_ms = 60000;
 };
@@ -73,6 +84,9 @@ class Deployment {
   // Straight to the colocated host (requires options.colocated).
   Outcome GenerateColocated(const std::vector<int32_t>& prompt, int32_t max_new_tokens);
 
+  // With netns: the address of the bridge's side (where this process talks to the hosts) and
+  // a host's address by its name ("prefill0", "decode0", "router", "etcd", ...); "" otherwise.
+  std::string host_ip(const std::string& name) const;
   // SIGKILLs prefill host `index` (its bootstrap server stays up).
   void KillPrefill(size_t index);
   std::string router_address() const;

@@ -58,6 +58,16 @@ ABSL_FLAG(std::string, layerwise, "on",
           "whole run twice, off then on, each on a fresh deployment, then how much of the TTFT "
           "gap between disaggregated and colocated streaming removed)");
 
+ABSL_FLAG(bool, netns, false,
+          "every process in a network namespace of its own (a host with its own address on one "
+          "bridge; UCX over tcp on eth0 only, no shared memory between hosts). Needs root and "
+          "iproute2; see tools/netns");
+ABSL_FLAG(int64_t, link_mbit, 0,
+          "with --netns: cap every host's link at N Mbit/s each way (tc tbf); 0: no cap");
+ABSL_FLAG(std::string, discovery, "bootstrap",
+          "how decode finds prefill ranks: bootstrap (a pdlib-bootstrap per prefill host) or etcd "
+          "(one etcd member, Debian's etcd-server, that every host registers in and watches)");
+
 namespace {
 
 using pdlib::demo::Deployment;
@@ -88,7 +98,12 @@ constexpr char kUsage[] =
     "  pd-demo --requests 32 --max-new-tokens 32 --rates 20 --layerwise both \\\n"
     "      --backend-option ucx.tls=tcp --backend-option ucx.net_devices=lo\n"
     "Before each measured batch one short warm-up request goes through each path (not counted),\n"
-    "and decode hosts connect to the prefill deployments at start (pd-decode --connect).\n";
+    "and decode hosts connect to the prefill deployments at start (pd-decode --connect).\n"
+    "\n"
+    "Beyond one host (root): --netns puts every process in a network namespace of its own, so\n"
+    "UCX goes over TCP between hosts as in a cluster; --link-mbit N caps each link; --discovery\n"
+    "etcd replaces the bootstrap servers with one etcd member:\n"
+    "  pd-demo --netns --prefills 2 --decodes 2 --discovery etcd\n";
 
 struct Args {
   int requests = 16;
@@ -149,6 +164,20 @@ bool ParseArgs(int argc, char** argv, Args* a) {
   a->d.policy = absl::GetFlag(FLAGS_policy);
   a->d.log_dir = absl::GetFlag(FLAGS_log_dir);
   a->quiet = absl::GetFlag(FLAGS_quiet);
+  a->d.netns = absl::GetFlag(FLAGS_netns);
+  a->d.discovery = absl::GetFlag(FLAGS_discovery);
+  if (a->d.discovery != "bootstrap" && a->d.discovery != "etcd") {
+    std::fprintf(stderr, "pd-demo: --discovery '%s': expected bootstrap or etcd\n",
+                 a->d.discovery.c_str());
+    return false;
+  }
+  const int64_t link_mbit = absl::GetFlag(FLAGS_link_mbit);
+  if (!in_range("link_mbit", link_mbit, 0, 1000000)) return false;
+  if (link_mbit > 0 && !a->d.netns) {
+    std::fprintf(stderr, "pd-demo: --link-mbit needs --netns\n");
+    return false;
+  }
+  a->d.link_mbit = int32_t(link_mbit);
   const std::string layerwise = absl::GetFlag(FLAGS_layerwise);
   if (layerwise == "on") {
     a->layerwise = {true};
@@ -251,13 +280,18 @@ PhaseResult RunPhase(const Args& args, bool layerwise,
     std::filesystem::create_directories(a.d.log_dir);
   }
   PhaseResult ph;
+  const std::string where =
+      a.d.netns ? (a.d.link_mbit > 0 ? "each in a network namespace (links capped at " +
+                                           std::to_string(a.d.link_mbit) + " Mbit/s)"
+                                     : std::string("each in a network namespace"))
+                : std::string("on 127.0.0.1");
   std::printf(
-      "pd-demo: starting bootstrap, %zu prefill (tp %d, pp %d), %d decode (tp %d, pp %d), "
-      "colocated and router on 127.0.0.1 (backend %s, model %s, layer-wise streaming %s); logs "
+      "pd-demo: starting %s, %zu prefill (tp %d, pp %d), %d decode (tp %d, pp %d), "
+      "colocated and router %s (backend %s, model %s, layer-wise streaming %s); logs "
       "in %s\n",
-      a.d.prefills.size(), a.d.prefills[0].tp, a.d.prefills[0].pp, a.d.decodes, a.d.decode_tp,
-      a.d.decode_pp, a.d.backend.c_str(), a.d.model.c_str(), layerwise ? "on" : "off",
-      a.d.log_dir.c_str());
+      a.d.discovery == "etcd" ? "etcd" : "bootstrap", a.d.prefills.size(), a.d.prefills[0].tp,
+      a.d.prefills[0].pp, a.d.decodes, a.d.decode_tp, a.d.decode_pp, where.c_str(),
+      a.d.backend.c_str(), a.d.model.c_str(), layerwise ? "on" : "off", a.d.log_dir.c_str());
   std::fflush(stdout);
   const auto t0 = Clock::now();
   auto dep = Deployment::Start(a.d);
@@ -267,10 +301,10 @@ PhaseResult RunPhase(const Args& args, bool layerwise,
   }
   ph.started = true;
   std::printf(
-      "pd-demo: ready in %.1f s; router at %s (HTTP: curl -s 127.0.0.1:%d/v1/completions "
+      "pd-demo: ready in %.1f s; router at %s (HTTP: curl -s %s:%d/v1/completions "
       "-d '{\"prompt\":\"hello\",\"max_tokens\":8}')\n",
       std::chrono::duration<double>(Clock::now() - t0).count(), (*dep)->router_address().c_str(),
-      (*dep)->http_port());
+      a.d.netns ? (*dep)->host_ip("router").c_str() : "127.0.0.1", (*dep)->http_port());
   // One short warm-up request per path, not counted (first-use costs are not the subject).
   const std::vector<int32_t> warm(prompts[0].begin(),
                                   prompts[0].begin() + std::min<size_t>(8, prompts[0].size()));

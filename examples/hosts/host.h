@@ -69,6 +69,11 @@ struct HostOptions {
   std::chrono::milliseconds transfer_timeout{30000};
   std::chrono::milliseconds liveness_timeout{5000};
   std::chrono::milliseconds connect_timeout{5000};
+  // How prefill ranks are found (KVManagerOptions::discovery): the bootstrap server, or etcd
+  // (then bootstrap_host:bootstrap_port only names the prefill deployment; nothing runs there).
+  Discovery discovery = Discovery::kBootstrapServer;
+  std::vector<std::string> etcd_endpoints;  // "host:port" each
+  std::string etcd_prefix = "/pdlib";
   // Decode: prefill deployments ("host:port" of their bootstrap servers) to connect to at start
   // (KVManager::Connect), so that their first requests pay no connection set-up.
   std::vector<std::string> connect;

@@ -48,6 +48,14 @@ ABSL_FLAG(int32_t, bootstrap_port, pdlib::hosts::HostOptions{}.bootstrap_port,
 ABSL_FLAG(bool, start_bootstrap, false,
           "pd-prefill: run pdlib's bootstrap server in this process (in rank 0's manager; for port "
           "0 the host runs it); otherwise a pdlib-bootstrap must run");
+ABSL_FLAG(std::string, discovery, "bootstrap",
+          "how prefill ranks are found: 'bootstrap' (a bootstrap server at --bootstrap-host/port) "
+          "or 'etcd' (--etcd-endpoints; pd-prefill's --bootstrap-host/port then only name its "
+          "deployment, the address decode is given in each request)");
+ABSL_FLAG(std::vector<std::string>, etcd_endpoints, {},
+          "with --discovery etcd: HOST:PORT of the etcd members (repeatable or comma-separated)");
+ABSL_FLAG(std::string, etcd_prefix, pdlib::hosts::HostOptions{}.etcd_prefix,
+          "with --discovery etcd: the key prefix every rank registers under");
 ABSL_FLAG(int32_t, num_pages, pdlib::hosts::HostOptions{}.num_pages,
           "KV pages per rank, 16 tokens each");
 ABSL_FLAG(int32_t, max_running, pdlib::hosts::HostOptions{}.max_running,
@@ -142,8 +150,9 @@ std::string HostUsage(Role program) {
 
 StatusOr<HostFlags> ParseHostFlags(Role program, std::span<const std::string_view> args) {
   const bool prefill = program == Role::kPrefill;
-  const pdlib_tools::FlagParse parsed = pdlib_tools::TryParseFlags(
-      std::vector<std::string>(args.begin(), args.end()), {"connect"}, {"backend_option"});
+  const pdlib_tools::FlagParse parsed =
+      pdlib_tools::TryParseFlags(std::vector<std::string>(args.begin(), args.end()),
+                                 {"connect", "etcd_endpoints"}, {"backend_option"});
   HostFlags f;
   if (parsed.help) {
     f.help = true;
@@ -234,6 +243,20 @@ StatusOr<HostFlags> ParseHostFlags(Role program, std::span<const std::string_vie
       return Status::InvalidArgument("--connect wants HOST:PORT, got '" + address + "'");
     }
     o.connect.push_back(address);
+  }
+  const std::string discovery = absl::GetFlag(FLAGS_discovery);
+  if (discovery == "etcd") {
+    o.discovery = Discovery::kEtcd;
+  } else if (discovery != "bootstrap") {
+    return Status::InvalidArgument("--discovery '" + discovery + "': expected bootstrap or etcd");
+  }
+  o.etcd_endpoints = absl::GetFlag(FLAGS_etcd_endpoints);
+  o.etcd_prefix = absl::GetFlag(FLAGS_etcd_prefix);
+  if (o.discovery == Discovery::kEtcd && o.etcd_endpoints.empty()) {
+    return Status::InvalidArgument("--discovery etcd needs --etcd-endpoints HOST:PORT");
+  }
+  if (o.discovery != Discovery::kEtcd && !o.etcd_endpoints.empty()) {
+    return Status::InvalidArgument("--etcd-endpoints needs --discovery etcd");
   }
   if (absl::GetFlag(FLAGS_colocated)) o.role = Role::kColocated;
   o.test_fault = absl::GetFlag(FLAGS_test_fault);

@@ -218,6 +218,9 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
     mo.transfer_timeout = options.transfer_timeout;
     mo.liveness_timeout = options.liveness_timeout;
     mo.connect_timeout = options.connect_timeout;
+    mo.discovery = options.discovery;
+    mo.etcd_endpoints = options.etcd_endpoints;
+    mo.etcd_prefix = options.etcd_prefix;
     auto manager = KVManager::Create(mo);
     if (!manager.ok()) return fail(manager.status(), "KVManager::Create");
     rep->manager = std::move(*manager);

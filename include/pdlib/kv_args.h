@@ -137,6 +137,16 @@ enum class ControlPlane : int32_t {
   kInProcess = 1,
 };
 
+// How prefill ranks are found (gRPC control plane).
+enum class Discovery : int32_t {
+  // The bootstrap server (pdlib-bootstrap, or start_bootstrap_server on one prefill rank) at
+  // the bootstrap address. The default: nothing else to run.
+  kBootstrapServer = 0,
+  // An etcd v3 cluster (etcd_endpoints): no bootstrap server, no single process that every
+  // deployment depends on.
+  kEtcd = 1,
+};
+
 // Options of one KVManager. Defaults are what a production deployment should start from.
 struct KVManagerOptions {
   Mode mode = Mode::kPrefill;
@@ -219,6 +229,30 @@ struct KVManagerOptions {
   // Empty: read PDLIB_TEST_FAILURE_STAGES from the environment; unset or empty there: "chunk".
   // "all" names every stage. An unknown name is an error naming it.
   std::string failure_injection_stages;
+
+  // Where prefill ranks publish their addresses and decode finds them (gRPC control plane).
+  // See Discovery and the etcd_* options below.
+  Discovery discovery = Discovery::kBootstrapServer;
+  // Discovery::kEtcd: the etcd cluster's client endpoints, "host:port" each (at least one; a
+  // call that finds one member unreachable tries the next). The bootstrap address still names
+  // the deployment (prefill: bootstrap_host:bootstrap_port; decode: the request's
+  // BootstrapAddress), but no server runs there: prefill ranks put their registration under
+  //   <etcd_prefix>/<host:port>/rank/<dp>/<tp>/<pp>
+  // with a lease whose TTL is liveness_timeout (rounded up to whole seconds), keep it alive,
+  // and revoke it on clean shutdown; decode reads the deployment from there and watches the
+  // prefix, so that a rank whose lease expired (it died) or that registered anew (it moved)
+  // drops decode's cached lookup at once. Create fails when no endpoint answers within
+  // connect_timeout.
+  std::vector<std::string> etcd_endpoints;
+  std::string etcd_prefix = "/pdlib";  // non-empty, starts with '/', no trailing '/'
+  // etcd authentication (etcd's own users, `etcdctl user add`); both empty: none.
+  std::string etcd_username;
+  std::string etcd_password;
+  // TLS to etcd (PEM files; all empty: plaintext): the CA that verifies etcd's certificate,
+  // and a client certificate and key when etcd requires one (--client-cert-auth).
+  std::string etcd_tls_ca_file;
+  std::string etcd_tls_cert_file;
+  std::string etcd_tls_key_file;
 };
 
 }  // namespace v1

@@ -127,8 +127,9 @@ Status EtcdClient::Rep::Describe(const std::string& address, const char* method,
       return Status(s.code(),
                     absl::StrFormat("etcd %s unreachable (%s): %s", address, method, s.message()));
     case StatusCode::kDeadlineExceeded:
-      return Status(s.code(), absl::StrFormat("etcd %s did not answer %s within %d ms: %s", address,
-                                              method, timeout.count(), s.message()));
+      return Status(s.code(),
+                    absl::StrFormat("etcd %s did not answer %s within %d ms: %s", address, method,
+                                    std::max<int64_t>(0, timeout.count()), s.message()));
     default:
       return Status(s.code(), absl::StrFormat("etcd %s: %s: %s", address, method, s.message()));
   }

@@ -9,8 +9,8 @@
 #include "absl/strings/str_format.h"
 #include "lib/base/log_internal.h"
 #include "lib/base/mutex.h"
-#include "lib/control/bootstrap_client.h"
 #include "lib/control/bootstrap_server.h"
+#include "lib/control/discovery.h"
 #include "lib/control/net_address.h"
 #include "lib/control/peer_client.h"
 #include "lib/control/peer_server.h"
@@ -19,9 +19,6 @@
 namespace pdlib {
 inline namespace v1 {
 namespace {
-
-using control::BootstrapClient;
-using control::BootstrapClientOptions;
 
 // A bootstrap lookup or connection that failed this way may succeed on a later try: no such
 // rank registered yet, bootstrap or prefill unreachable or slow.
@@ -68,67 +65,28 @@ class GrpcPrefillManager final : public PrefillManagerBase {
     m->peer_server_ = std::move(*server);
     m->endpoint_ = control::JoinHostPort(o.listen_host, m->peer_server_->port());
 
-    BootstrapClientOptions bco;
-    bco.register_deadline = std::chrono::hours(24 * 365);  // keep trying until shut down
-    bco.security = Security(o);
-    auto client = BootstrapClient::Create(o.bootstrap_host, o.bootstrap_port, bco);
-    if (!client.ok()) return client.status().WithPrefix("bootstrap address");
-    m->bootstrap_ = std::move(*client);
+    auto discovery = control::DiscoveryBackend::Create(o);
+    if (!discovery.ok()) return discovery.status();
+    m->discovery_ = std::move(*discovery);
     control::RankRegistration reg;
     reg.parallel = o.args.parallel;
     reg.host = o.listen_host;
     reg.port = static_cast<uint32_t>(m->peer_server_->port());
     reg.page_size = o.args.page_size;
     reg.fingerprint = o.args.fingerprint;
-    m->registration_ = reg;
-    // One quick attempt now, so a deployment whose bootstrap server is up is reachable as soon
-    // as Create returns; otherwise retry in the background, so prefill may start before its
-    // bootstrap server.
-    BootstrapClientOptions once;
-    once.rpc_timeout = std::chrono::milliseconds(1000);
-    once.register_max_attempts = 1;
-    once.security = Security(o);
-    if (auto quick = BootstrapClient::Create(o.bootstrap_host, o.bootstrap_port, once);
-        quick.ok()) {
-      if (auto r = (*quick)->RegisterRank(reg); r.ok()) {
-        PDLIB_LOG(kInfo, "prefill %s registered with bootstrap %s", m->endpoint_,
-                  (*quick)->address());
-        return std::unique_ptr<KVManager>(std::move(m));
-      } else if (r.status().code() != StatusCode::kUnavailable &&
-                 r.status().code() != StatusCode::kDeadlineExceeded) {
-        return r.status().WithPrefix("registering with the bootstrap server");
-      }
+    auto publisher = m->discovery_->Publish(reg);
+    if (!publisher.ok()) {
+      return publisher.status().WithPrefix("registering with " + m->discovery_->Describe());
     }
-    m->register_thread_ = std::thread([mgr = m.get(), reg] {
-      auto result = mgr->bootstrap_->RegisterRank(reg);
-      if (result.ok()) {
-        PDLIB_LOG(kInfo, "prefill %s registered with bootstrap %s (%d/%d ranks)", mgr->endpoint_,
-                  mgr->bootstrap_->address(), result->ranks_registered, result->ranks_expected);
-      } else if (result.status().code() != StatusCode::kCancelled) {
-        PDLIB_LOG(kError, "prefill %s: registration with bootstrap failed: %s", mgr->endpoint_,
-                  result.status().ToString());
-      }
-    });
+    m->publisher_ = std::move(*publisher);
     PDLIB_LOG(kInfo, "prefill manager listening on %s (backend %s)", m->endpoint_, o.backend);
     return std::unique_ptr<KVManager>(std::move(m));
   }
 
   ~GrpcPrefillManager() override {
-    if (bootstrap_) bootstrap_->Cancel();
-    if (register_thread_.joinable()) register_thread_.join();
-    // Withdraw this rank's address so decode stops choosing it (best effort, bounded).
-    if (bootstrap_ && peer_server_) {
-      BootstrapClientOptions quick;
-      quick.security = Security(core_->options());
-      quick.rpc_timeout = std::chrono::milliseconds(500);
-      if (auto c = BootstrapClient::Create(core_->options().bootstrap_host,
-                                           core_->options().bootstrap_port, quick);
-          c.ok()) {
-        (*c)->UnregisterRank(registration_.rank_id(), registration_.host, registration_.port)
-            .status()
-            .IgnoreError();
-      }
-    }
+    // Withdraw this rank's address first so decode stops choosing it.
+    publisher_.reset();
+    if (discovery_) discovery_->Cancel();
     if (peer_server_) peer_server_->Shutdown();  // decode sees every stream end
     if (core_) core_->Shutdown();
     bootstrap_server_.reset();
@@ -142,11 +100,10 @@ class GrpcPrefillManager final : public PrefillManagerBase {
 
   std::unique_ptr<control::BootstrapServer> bootstrap_server_;
   std::unique_ptr<control::PeerServer> peer_server_;
-  std::unique_ptr<BootstrapClient> bootstrap_;
-  control::RankRegistration registration_;
+  std::unique_ptr<control::DiscoveryBackend> discovery_;
+  std::unique_ptr<control::RankPublisher> publisher_;
   std::string endpoint_;
   std::string bootstrap_endpoint_;  // "host:port" of bootstrap_server_, "" without one
-  std::thread register_thread_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -162,7 +119,23 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     session = (session << 32) ^ std::random_device{}();
     auto core = DecodeCore::Create(o, std::move(transport), session);
     if (!core.ok()) return core.status();
+    auto discovery = control::DiscoveryBackend::Create(o);
+    if (!discovery.ok()) return discovery.status();
     std::unique_ptr<GrpcDecodeManager> m(new GrpcDecodeManager(o, *core));
+    m->discovery_ = std::move(*discovery);
+    // A rank that registered anew, moved or died: the cached lookup goes at once, so the next
+    // room of that deployment resolves afresh instead of trying a stale address.
+    Status watched = m->discovery_->Watch([mgr = m.get()](const std::string& deployment) {
+      MutexLock lock(&mgr->mu_);
+      ++mgr->discovery_generation_;
+      if (deployment.empty()) {
+        mgr->deployments_.clear();
+      } else if (mgr->deployments_.erase(deployment) > 0) {
+        PDLIB_LOG(kInfo, "decode: deployment %s changed in %s: its ranks will be looked up again",
+                  deployment, mgr->discovery_->Describe());
+      }
+    });
+    if (!watched.ok()) return watched.WithPrefix("watching " + m->discovery_->Describe());
     for (int i = 0; i < kBootstrapWorkers; ++i) {
       m->workers_.emplace_back([mgr = m.get()] { mgr->BootstrapLoop(); });
     }
@@ -174,12 +147,13 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     {
       MutexLock lock(&mu_);
       stopping_ = true;
-      for (auto& [addr, client] : clients_) client->Cancel();
+      for (auto& [addr, directory] : directories_) directory->Cancel();
     }
+    discovery_->Cancel();  // ends the watch: no callback runs after this
     cv_.SignalAll();
     probe_cv_.SignalAll();
     for (std::thread& t : workers_) t.join();
-    prober_.join();
+    if (prober_.joinable()) prober_.join();
     core_->Shutdown();
   }
 
@@ -363,7 +337,10 @@ class GrpcDecodeManager final : public DecodeManagerBase {
         auto bound = Resolve(p);
         if (bound.ok()) {
           MutexLock lock(&mu_);
-          dp_size = deployments_[addr].info.dp_size;
+          // Not cached when the deployment changed meanwhile: keep the size known so far.
+          if (auto it = deployments_.find(addr); it != deployments_.end()) {
+            dp_size = it->second.info.dp_size;
+          }
           break;
         }
         const StatusCode code = bound.status().code();
@@ -450,24 +427,23 @@ class GrpcDecodeManager final : public DecodeManagerBase {
   StatusOr<std::vector<BoundPrefill>> Resolve(const Pending& p) {
     if (auto prefills = CachedConnected(p); !prefills.empty()) return prefills;
     const std::string addr = AddrKey(p.bootstrap);
-    BootstrapClient* client = nullptr;
+    control::DeploymentDirectory* directory = nullptr;
+    uint64_t generation = 0;  // what is read below is cached only if no change came meanwhile
     {
       MutexLock lock(&mu_);
-      auto& c = clients_[addr];
-      if (!c) {
-        BootstrapClientOptions bco;
-        bco.rpc_timeout = options_.connect_timeout;
-        bco.security = Security(options_);
-        auto created = BootstrapClient::Create(p.bootstrap.host, p.bootstrap.port, bco);
-        if (!created.ok()) {
-          clients_.erase(addr);
-          return created.status();
+      generation = discovery_generation_;
+      auto& d = directories_[addr];
+      if (!d) {
+        auto opened = discovery_->Open(p.bootstrap.host, p.bootstrap.port);
+        if (!opened.ok()) {
+          directories_.erase(addr);
+          return opened.status();
         }
-        c = std::move(*created);
+        d = std::move(*opened);
       }
-      client = c.get();  // clients_ entries live until the manager is destroyed
+      directory = d.get();  // directories_ entries live until the manager is destroyed
     }
-    auto info = client->GetParallelInfo();
+    auto info = directory->GetParallelInfo();
     if (!info.ok()) return info.status();
     const KVArgs& mine = options_.args;
     if (info->page_size != mine.page_size) {
@@ -485,7 +461,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     }
     std::vector<BoundPrefill> prefills;
     for (const PrefillTarget& t : *targets) {
-      auto rank = client->GetRankAddress({dp, t.rank.tp_rank, t.rank.pp_rank});
+      auto rank = directory->GetRankAddress({dp, t.rank.tp_rank, t.rank.pp_rank});
       if (!rank.ok()) return rank.status();
       control::PeerClientOptions pco = PeerOptions(rank->host, static_cast<uint16_t>(rank->port));
       const std::string key = pco.key;
@@ -498,6 +474,9 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     }
     if (Status s = core_->CheckStageCoverage(prefills); !s.ok()) return s;
     MutexLock lock(&mu_);
+    if (discovery_generation_ != generation) {
+      return prefills;  // the deployment changed while we read it: use once, do not cache
+    }
     Deployment& d = deployments_[addr];
     d.info = *info;
     d.by_dp[dp] = prefills;
@@ -511,8 +490,13 @@ class GrpcDecodeManager final : public DecodeManagerBase {
   CondVar probe_cv_;  // the prober's (only shutdown wakes it early)
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::unique_ptr<BootstrapClient>> clients_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<control::DiscoveryBackend> discovery_;
+  absl::flat_hash_map<std::string, std::unique_ptr<control::DeploymentDirectory>> directories_
+      ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Deployment> deployments_ ABSL_GUARDED_BY(mu_);
+  // Changes the discovery's watch reported (any deployment): a lookup that overlapped one is
+  // used once and not cached.
+  uint64_t discovery_generation_ ABSL_GUARDED_BY(mu_) = 0;
   // Every prefill rank ever resolved, by key (bounded by the deployment's ranks).
   absl::flat_hash_map<std::string, control::PeerClientOptions> addresses_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> workers_;  // kBootstrapWorkers BootstrapLoop()s

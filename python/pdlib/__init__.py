@@ -23,6 +23,7 @@ from typing import Any
 
 from ._enums import (
     ControlPlane,
+    Discovery,
     KVLayout,
     KVPoll,
     LogLevel,
@@ -148,7 +149,7 @@ def log_to_python_logging(logger_name: str = "pdlib") -> None:
 # Spelled out, so that type checkers (mypy --strict) see what the package exports.
 __all__ = [
     'AUX_ROOM_BUFFER_AUTO', 'AbortedError', 'AlreadyExistsError', 'BootstrapServer',
-    'BufferFamily', 'CancelledError', 'ClosedError', 'ControlPlane', 'DataLossError',
+    'BufferFamily', 'CancelledError', 'ClosedError', 'ControlPlane', 'DataLossError', 'Discovery',
     'DeadlineExceededError', 'Error', 'FailedPreconditionError', 'InternalError',
     'InvalidArgumentError', 'KVArgs', 'KVLayout', 'KVManager', 'KVManagerOptions', 'KVPoll',
     'KVPool', 'KVReceiver', 'KVSender', 'LogLevel', 'MemoryKind', 'MetadataBuffers',

@@ -50,6 +50,12 @@ class ControlPlane(enum.IntEnum):
     InProcess = 1
 
 
+class Discovery(enum.IntEnum):
+    """How prefill ranks are found: the bootstrap server (default) or etcd (etcd_endpoints)."""
+    BootstrapServer = 0
+    Etcd = 1
+
+
 class StatusCode(enum.IntEnum):
     Ok = 0
     Cancelled = 1

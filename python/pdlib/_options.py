@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._enums import ControlPlane, KVLayout, MemoryKind, Mode, StateType
+from ._enums import ControlPlane, Discovery, KVLayout, MemoryKind, Mode, StateType
 from ._errors import InvalidArgumentError
 
 
@@ -231,6 +231,15 @@ class KVManagerOptions:
     room_log_every: int = 0
     failure_injection_prob: float = -1.0
     failure_injection_stages: str = ""
+    # Discovery.Etcd: prefill ranks register in etcd (no bootstrap server); see the README.
+    discovery: Discovery = Discovery.BootstrapServer
+    etcd_endpoints: List[str] = dataclasses.field(default_factory=list)
+    etcd_prefix: str = "/pdlib"
+    etcd_username: str = ""
+    etcd_password: str = ""
+    etcd_tls_ca_file: str = ""
+    etcd_tls_cert_file: str = ""
+    etcd_tls_key_file: str = ""
 
 
 def parse_bootstrap_address(address: Any) -> Tuple[str, int]:

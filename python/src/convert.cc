@@ -365,6 +365,14 @@ pdlib::KVManagerOptions ToOptions(py::handle options) {
   out.room_log_every = o.U32("room_log_every");  // 0: auto
   out.failure_injection_prob = o.Float("failure_injection_prob");
   out.failure_injection_stages = o.Str("failure_injection_stages");
+  out.discovery = o.Enum<pdlib::Discovery>("discovery", 0, 1);
+  out.etcd_endpoints = o.StrList("etcd_endpoints");
+  out.etcd_prefix = o.Str("etcd_prefix");
+  out.etcd_username = o.Str("etcd_username");
+  out.etcd_password = o.Str("etcd_password");
+  out.etcd_tls_ca_file = o.Str("etcd_tls_ca_file");
+  out.etcd_tls_cert_file = o.Str("etcd_tls_cert_file");
+  out.etcd_tls_key_file = o.Str("etcd_tls_key_file");
   return out;
 }
 

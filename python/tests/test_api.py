@@ -4,7 +4,9 @@ control plane unless a test says otherwise)."""
 from __future__ import annotations
 
 import gc
+import shutil
 import socket
+import subprocess
 
 import numpy as np
 import pytest
@@ -502,3 +504,54 @@ def test_in_process_group_threads(fake_pair):
     assert out[0] == out[1] == [pdlib.KVPoll.Failed]
     with pytest.raises(pdlib.InvalidArgumentError):
         pdlib.in_process_group(0)
+
+
+def test_etcd_discovery_options_are_checked_by_name():
+    po, _ = fake_options(pdlib.Mode.Decode, 1, control_plane=pdlib.ControlPlane.Grpc)
+    po.discovery = pdlib.Discovery.Etcd
+    with pytest.raises(pdlib.InvalidArgumentError, match="etcd_endpoints"):
+        pdlib.KVManager.create(po)
+    po.etcd_endpoints = ["127.0.0.1"]
+    with pytest.raises(pdlib.InvalidArgumentError, match="'127.0.0.1'"):
+        pdlib.KVManager.create(po)
+    po.etcd_endpoints = [f"127.0.0.1:{free_port()}"]  # nobody there
+    po.connect_timeout = 0.5
+    with pytest.raises(pdlib.UnavailableError, match=po.etcd_endpoints[0]):
+        pdlib.KVManager.create(po)
+
+
+def test_etcd_discovery_prefill_and_decode_meet_through_a_real_etcd(tmp_path):
+    etcd = shutil.which("etcd")
+    if etcd is None:
+        pytest.skip("etcd is not installed (Debian: etcd-server; scripts/install-deps.sh)")
+    client, peer = free_port(), free_port()
+    curl, purl = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    proc = subprocess.Popen(
+        [etcd, "--name", "t", "--data-dir", str(tmp_path / "etcd"), "--listen-client-urls", curl,
+         "--advertise-client-urls", curl, "--listen-peer-urls", purl,
+         "--initial-advertise-peer-urls", purl, "--initial-cluster", f"t={purl}",
+         "--log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deployment = free_port()  # names the deployment; no server runs there
+        options = []
+        for mode in (pdlib.Mode.Prefill, pdlib.Mode.Decode):
+            o, bufs = fake_options(mode, deployment, control_plane=pdlib.ControlPlane.Grpc)
+            o.start_bootstrap_server = False
+            o.discovery = pdlib.Discovery.Etcd
+            o.etcd_endpoints = [f"127.0.0.1:{client}"]
+            o.etcd_prefix = "/pytest"
+            o.connect_timeout = 10.0  # etcd may still be starting
+            options.append((o, bufs))
+        with pdlib.KVManager.create(options[0][0]) as prefill, \
+                pdlib.KVManager.create(options[1][0]) as decode:
+            sender = prefill.create_sender(7)
+            receiver = decode.create_receiver(f"127.0.0.1:{deployment}", 7)
+            receiver.init(np.array([1, 2], np.int32), 0)
+            wait_for(lambda: sender.poll() == pdlib.KVPoll.WaitingForInput, 10, "bootstrap")
+            sender.init(2, 0)
+            sender.send(np.array([3, 4], np.int32), True)
+            assert wait_terminal([sender, receiver]) == [pdlib.KVPoll.Success] * 2
+    finally:
+        proc.kill()
+        proc.wait()

@@ -22,6 +22,7 @@
 
 #include "examples/demo/deployment.h"
 #include "examples/hosts/reference.h"
+#include "tools/netns/netns_cluster.h"
 
 namespace {
 
@@ -206,6 +207,51 @@ TEST_CASE("demo e2e: 2P2D, both prefill and both decode hosts serve, outputs ide
   // 12 requests spread at random over two hosts each: all on one side has odds 2 * 2^-12.
   CHECK(prefills.size() == 2);
   CHECK(decodes.size() == 2);
+}
+
+// Issue #18: every process a host of its own (network namespaces on a bridge, UCX over TCP on
+// eth0 only) and discovery through one etcd member instead of bootstrap servers.
+TEST_CASE("demo e2e: 2P2D in network namespaces over etcd, outputs identical") {
+  const auto& caps = pdlib_tools::NetnsCluster::Probe();
+  if (!caps.netns) {
+    WARN("SKIP: network namespaces: " << caps.netns_reason);
+    return;
+  }
+  if (std::system("command -v etcd > /dev/null 2>&1") != 0) {
+    WARN("SKIP: etcd is not installed (Debian: etcd-server; scripts/install-deps.sh installs it)");
+    return;
+  }
+  DeploymentOptions o = Options("netns-etcd");
+  o.backend_options.clear();  // the deployment sets ucx.tls=tcp, ucx.net_devices=eth0
+  o.netns = true;
+  o.discovery = "etcd";
+  o.colocated = true;
+  o.prefills = {PrefillSpec{}, PrefillSpec{}};
+  o.decodes = 2;
+  o.policy = "random";
+  auto d = Deployment::Start(o);
+  INFO("logs in " << o.log_dir);
+  INFO(d.status().ToString());
+  REQUIRE(d.ok());
+  // The hosts really are apart: each has an address of its own, none of them 127.0.0.1.
+  CHECK((*d)->host_ip("prefill0") != (*d)->host_ip("decode0"));
+  CHECK((*d)->router_address().rfind("127.0.0.1", 0) == std::string::npos);
+  const auto prompts = Prompts(12, 13);
+  auto outcomes = SendAll(**d, prompts, 8);
+  ExpectReference(**d, o, prompts, outcomes, 8);
+  std::map<std::string, int> prefills;
+  for (const Outcome& out : outcomes) ++prefills[out.prefill_host];
+  CHECK(prefills.size() == 2);
+  int same = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    Outcome c = (*d)->GenerateColocated(prompts[i], 8);
+    same += c.ok && c.output_ids == outcomes[i].output_ids;
+  }
+  std::printf(
+      "demo_e2e_test netns-etcd (2P2D, each host a network namespace, etcd discovery): "
+      "%d/%zu outputs identical to the colocated run\n",
+      same, prompts.size());
+  CHECK(same == int(prompts.size()));
 }
 
 // Streaming is on in every other case; the same outputs without it (Send after the forward).
