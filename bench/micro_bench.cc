@@ -2,6 +2,7 @@
 //   make bench   (or build/release/bench/pdlib_micro_bench --benchmark_format=json)
 #include <benchmark/benchmark.h>
 
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -97,6 +98,68 @@ void BM_CoalescePages(benchmark::State& state) {
   state.counters["runs"] = static_cast<double>(runs.size());
 }
 BENCHMARK(BM_CoalescePages)->Arg(0)->Arg(10)->Arg(100);
+
+// KVSender::SendLayers as a forward loop calls it after each layer (issue #17: <= 2 us, never
+// blocking on the network): one announcement of one more layer of a 16-page chunk, on a room
+// of a prefill manager whose decode peer is ready, over the fake backend (the writes it queues
+// are planned and posted on pdlib's workers, not in this call). 64 layers per room; setting up
+// the next room is outside the timing.
+void BM_SendLayers(benchmark::State& state) {
+  pdlib::SetLogLevel(pdlib::LogLevel::kError);
+  constexpr int32_t kLayers = 64, kPages = 16, kPoolPages = 64;
+  constexpr uint64_t kItem = 1024;
+  std::vector<std::vector<uint8_t>> pools(2 * 2 * kLayers,
+                                          std::vector<uint8_t>(kPoolPages * kItem));
+  auto options = [&](pdlib::Mode mode, size_t first) {
+    pdlib::KVManagerOptions o;
+    o.mode = mode;
+    o.control_plane = pdlib::ControlPlane::kInProcess;
+    o.bootstrap_port = 2;  // in-process only
+    for (size_t b = first; b < first + 2 * kLayers; ++b) {
+      o.args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(pools[b].data()));
+      o.args.kv.lens.push_back(pools[b].size());
+      o.args.kv.item_lens.push_back(kItem);
+    }
+    o.args.page_size = 16;
+    o.args.fingerprint = {kLayers, 1, 512, 2, 1, "micro-bench"};
+    return o;
+  };
+  auto prefill = pdlib::KVManager::Create(options(pdlib::Mode::kPrefill, 0));
+  auto decode = pdlib::KVManager::Create(options(pdlib::Mode::kDecode, 2 * kLayers));
+  if (!prefill.ok() || !decode.ok()) {
+    state.SkipWithError("KVManager::Create failed");
+    return;
+  }
+  std::vector<int32_t> pages(kPages);
+  for (int32_t i = 0; i < kPages; ++i) pages[size_t(i)] = i * 3 % kPoolPages;
+  uint64_t room = 0;
+  std::unique_ptr<pdlib::KVSender> sender;
+  std::unique_ptr<pdlib::KVReceiver> receiver;
+  int32_t done = kLayers;
+  for (auto _ : state) {
+    if (done == kLayers) {  // the next room, ready for its first announcement
+      state.PauseTiming();
+      sender.reset();
+      receiver.reset();
+      sender = std::move(*(*prefill)->CreateSender(++room));
+      receiver = std::move(*(*decode)->CreateReceiver({"127.0.0.1", 2}, room));
+      receiver->Init(pages, std::nullopt).IgnoreError();
+      while (sender->Poll() != pdlib::KVPoll::kWaitingForInput) {
+        if (pdlib::IsTerminal(sender->Poll())) {
+          state.SkipWithError("room failed before its first announcement");
+          return;
+        }
+      }
+      sender->Init(kPages, std::nullopt).IgnoreError();
+      done = 0;
+      state.ResumeTiming();
+    }
+    ++done;
+    benchmark::DoNotOptimize(sender->SendLayers(pages, done, true));
+  }
+  state.counters["layers_per_room"] = kLayers;
+}
+BENCHMARK(BM_SendLayers);
 
 // Metadata slot alloc + free, as the schedulers do per request.
 void BM_MetadataSlotAllocFree(benchmark::State& state) {
