@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
@@ -27,18 +29,98 @@ ControlSecurity Security(const KVManagerOptions& o) {
   return {o.auth_secret, o.tls_cert_file, o.tls_key_file, o.tls_ca_file};
 }
 
+// A BootstrapClient that never answers from a stale failure. A gRPC channel that failed to
+// connect remembers the failure and fails every call with it at once (TRANSIENT_FAILURE), while
+// the reconnection it starts after its backoff completes only when some thread polls the
+// channel; with no call waiting on it (they all fail at once) that is gRPC's backup poller,
+// every 5 s. So after a bootstrap server restart, or a heal of the network, decode's lookups
+// kept failing "connection refused" for 5-8 s against a server that was up (pdlib-chaos,
+// bootstrap_lookup_restart_test). Here a call that fails UNAVAILABLE or DEADLINE_EXCEEDED drops
+// its client, and the next call makes a new channel, whose connection attempt that call drives
+// itself: its answer is the server's (or the network's) current one. Thread-safe; Cancel()
+// cancels the clients in use and every later call.
+class FreshBootstrapClient {
+ public:
+  FreshBootstrapClient(std::string host, int32_t port, BootstrapClientOptions options)
+      : host_(std::move(host)), port_(port), options_(std::move(options)) {}
+
+  // Validates the address and options (what BootstrapClient::Create checks).
+  Status Check() {
+    auto c = Client();
+    return c.ok() ? Status::OK() : c.status();
+  }
+
+  // Runs `call(client)` (returning a StatusOr) on the current client. A CANCELLED that Cancel()
+  // did not cause is the server giving up on the call at its deadline (it cancels the stream when
+  // its own copy of the deadline passes, which can reach the client before the client's timer
+  // fires: seen under packet loss): returned as DEADLINE_EXCEEDED, which callers retry.
+  template <typename Call>
+  auto Run(Call&& call) -> decltype(call(std::declval<BootstrapClient&>())) {
+    auto client = Client();
+    if (!client.ok()) return client.status();
+    auto result = call(**client);
+    const StatusCode code = result.status().code();
+    if (code != StatusCode::kUnavailable && code != StatusCode::kDeadlineExceeded &&
+        code != StatusCode::kCancelled) {
+      return result;
+    }
+    MutexLock lock(&mu_);
+    if (current_ == *client) current_.reset();
+    if (code == StatusCode::kCancelled && !cancelled_) {
+      return Status::DeadlineExceeded(result.status().message());
+    }
+    return result;
+  }
+
+  void Cancel() {
+    MutexLock lock(&mu_);
+    cancelled_ = true;
+    for (const auto& weak : handed_out_) {
+      if (auto c = weak.lock()) c->Cancel();
+    }
+  }
+
+  std::string address() const { return JoinHostPort(host_, port_); }
+
+ private:
+  StatusOr<std::shared_ptr<BootstrapClient>> Client() {
+    MutexLock lock(&mu_);
+    if (cancelled_) {
+      return Status::Cancelled(absl::StrFormat("bootstrap %s: cancelled", address()));
+    }
+    if (current_) return current_;
+    auto created = BootstrapClient::Create(host_, port_, options_);
+    if (!created.ok()) return created.status();
+    current_ = std::shared_ptr<BootstrapClient>(std::move(*created));
+    // Clients still in use by other calls stay reachable for Cancel(); forget the finished ones.
+    std::erase_if(handed_out_, [](const std::weak_ptr<BootstrapClient>& w) { return w.expired(); });
+    handed_out_.push_back(current_);
+    return current_;
+  }
+
+  const std::string host_;
+  const int32_t port_;
+  const BootstrapClientOptions options_;
+  Mutex mu_;
+  std::shared_ptr<BootstrapClient> current_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::weak_ptr<BootstrapClient>> handed_out_ ABSL_GUARDED_BY(mu_);
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
 class BootstrapDirectory final : public DeploymentDirectory {
  public:
-  explicit BootstrapDirectory(std::unique_ptr<BootstrapClient> client)
+  explicit BootstrapDirectory(std::unique_ptr<FreshBootstrapClient> client)
       : client_(std::move(client)) {}
-  StatusOr<ParallelInfo> GetParallelInfo() override { return client_->GetParallelInfo(); }
+  StatusOr<ParallelInfo> GetParallelInfo() override {
+    return client_->Run([](BootstrapClient& c) { return c.GetParallelInfo(); });
+  }
   StatusOr<RankAddress> GetRankAddress(const RankId& id) override {
-    return client_->GetRankAddress(id);
+    return client_->Run([&](BootstrapClient& c) { return c.GetRankAddress(id); });
   }
   void Cancel() override { client_->Cancel(); }
 
  private:
-  std::unique_ptr<BootstrapClient> client_;
+  std::unique_ptr<FreshBootstrapClient> client_;
 };
 
 // Registers the rank and keeps it registered; withdraws the registration when destroyed.
@@ -68,13 +150,14 @@ class BootstrapPublisher final : public RankPublisher {
         options_.connect_timeout, std::chrono::milliseconds(100), std::chrono::milliseconds(1000));
     bco.register_max_attempts = 1;
     bco.security = Security(options_);
-    auto client = BootstrapClient::Create(options_.bootstrap_host, options_.bootstrap_port, bco);
-    if (!client.ok()) return client.status().WithPrefix("bootstrap address");
-    client_ = std::move(*client);
+    auto client = std::make_unique<FreshBootstrapClient>(options_.bootstrap_host,
+                                                         options_.bootstrap_port, bco);
+    if (Status s = client->Check(); !s.ok()) return s.WithPrefix("bootstrap address");
+    client_ = std::move(client);
     // One quick attempt now, so a deployment whose bootstrap server is up is reachable as soon
     // as Create returns; otherwise retry in the background.
     bool registered = false;
-    if (auto r = client_->RegisterRank(registration_); r.ok()) {
+    if (auto r = Register(); r.ok()) {
       PDLIB_LOG(kInfo, "prefill %s:%d registered with bootstrap %s", registration_.host,
                 registration_.port, client_->address());
       registered = true;
@@ -107,8 +190,17 @@ class BootstrapPublisher final : public RankPublisher {
   }
 
  private:
+  StatusOr<RegisterResult> Register() {
+    return client_->Run([&](BootstrapClient& c) { return c.RegisterRank(registration_); });
+  }
+
   static bool Retryable(const Status& s) {
     return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded;
+  }
+
+  bool Stopping() ABSL_LOCKS_EXCLUDED(mu_) {
+    MutexLock lock(&mu_);
+    return stopping_;
   }
 
   // Sleeps for `d` unless the publisher is being destroyed; false when it is.
@@ -129,13 +221,13 @@ class BootstrapPublisher final : public RankPublisher {
     bool taken = false;      // the server holds the rank at a successor's address
     while (Pause(registered ? period_ : backoff)) {
       if (!registered) {
-        auto r = client_->RegisterRank(registration_);
+        auto r = Register();
         if (r.ok()) {
           PDLIB_LOG(kInfo, "prefill %s:%d registered with bootstrap %s (%d/%d ranks)",
                     registration_.host, registration_.port, client_->address(), r->ranks_registered,
                     r->ranks_expected);
           registered = true;
-        } else if (r.status().code() == StatusCode::kCancelled) {
+        } else if (Stopping()) {
           return;
         } else if (!Retryable(r.status()) && r.status().ToString() != last_error) {
           last_error = r.status().ToString();
@@ -146,7 +238,8 @@ class BootstrapPublisher final : public RankPublisher {
                                             period_, std::chrono::milliseconds(2000)));
         continue;
       }
-      auto held = client_->GetRankAddress(registration_.rank_id());
+      auto held = client_->Run(
+          [&](BootstrapClient& c) { return c.GetRankAddress(registration_.rank_id()); });
       if (held.ok()) {
         const bool ours =
             held->host == registration_.host && uint32_t{held->port} == registration_.port;
@@ -162,7 +255,7 @@ class BootstrapPublisher final : public RankPublisher {
       }
       if (held.status().code() != StatusCode::kNotFound) continue;  // unreachable: next time
       // The server lost the rank (it restarted, or the successor that held it went away).
-      auto r = client_->RegisterRank(registration_);
+      auto r = Register();
       if (r.ok()) {
         PDLIB_LOG(kWarning,
                   "prefill %s:%d: bootstrap %s no longer had rank %s (restarted?); registered "
@@ -170,7 +263,7 @@ class BootstrapPublisher final : public RankPublisher {
                   registration_.host, registration_.port, client_->address(),
                   RankIdString(registration_.rank_id()), r->ranks_registered, r->ranks_expected);
         taken = false;
-      } else if (r.status().code() == StatusCode::kCancelled) {
+      } else if (Stopping()) {
         return;
       } else if (!Retryable(r.status()) && r.status().ToString() != last_error) {
         last_error = r.status().ToString();
@@ -183,7 +276,7 @@ class BootstrapPublisher final : public RankPublisher {
   const KVManagerOptions options_;
   const RankRegistration registration_;
   const std::chrono::milliseconds period_;  // between checks that the server still has the rank
-  std::unique_ptr<BootstrapClient> client_;
+  std::unique_ptr<FreshBootstrapClient> client_;
   std::thread thread_;
   Mutex mu_;
   CondVar cv_;  // wakes Pause() at destruction
@@ -209,10 +302,10 @@ class BootstrapDiscovery final : public DiscoveryBackend {
     BootstrapClientOptions bco;
     bco.rpc_timeout = options_.connect_timeout;
     bco.security = Security(options_);
-    auto client = BootstrapClient::Create(host, port, bco);
-    if (!client.ok()) return client.status();
+    auto client = std::make_unique<FreshBootstrapClient>(std::string(host), port, bco);
+    if (Status s = client->Check(); !s.ok()) return s;
     return std::unique_ptr<DeploymentDirectory>(
-        std::make_unique<BootstrapDirectory>(std::move(*client)));
+        std::make_unique<BootstrapDirectory>(std::move(client)));
   }
 
   Status Watch(std::function<void(const std::string&)>) override { return Status::OK(); }

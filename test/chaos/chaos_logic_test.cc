@@ -1,11 +1,18 @@
 // The pure parts of pdlib-chaos: the byte pattern and its check (which must catch any wrong
-// byte), the page allocator, the failure categories and the leftover count from METRICS.
+// byte), the page allocator, the failure categories and the leftover count from METRICS, the
+// fault kinds --faults names, their random parameters, which requests a fault touched, and the
+// report.
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <chrono>
+#include <climits>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "tools/chaos/chaos_accounting.h"
+#include "tools/chaos/chaos_faults.h"
 #include "tools/chaos/chaos_pattern.h"
 #include "tools/chaos/chaos_report.h"
 
@@ -149,4 +156,215 @@ TEST_CASE("a child's log with UCX 1.13's wireup assertion is a known UCX abort, 
   CHECK_FALSE(pdlib_chaos::IsKnownUcxAbort(ucx_abort.substr(0, ucx_abort.find("===="))));
   CHECK_FALSE(pdlib_chaos::IsKnownUcxAbort("==1==ERROR: AddressSanitizer: heap-use-after-free"));
   CHECK_FALSE(pdlib_chaos::IsKnownUcxAbort(""));
+}
+
+// --- faults (chaos_faults.h) ---
+
+namespace {
+
+using pdlib_chaos::FaultKind;
+
+std::string Names(const std::vector<FaultKind>& kinds) {
+  std::string out;
+  for (FaultKind k : kinds) out += (out.empty() ? "" : ",") + std::string(FaultKindName(k));
+  return out;
+}
+
+std::string Parsed(const std::string& text, bool etcd) {
+  std::vector<FaultKind> kinds = {FaultKind::kKill};
+  std::string error;
+  if (!pdlib_chaos::ParseFaultKinds(text, etcd, &kinds, &error)) return "error: " + error;
+  return Names(kinds);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "a faults list names groups and kinds; the network group brings the discovery's own fault") {
+  CHECK(Parsed("process", false) == "kill,stop");
+  CHECK(Parsed("kill,stop", false) == "kill,stop");
+  CHECK(Parsed("stop,kill", false) == "kill,stop");  // one canonical order
+  CHECK(Parsed("kill", false) == "kill");
+  CHECK(Parsed("none", false).empty());
+  CHECK(Parsed("network", false) == "partition,loss,bandwidth,latency,bootstrap_restart");
+  CHECK(Parsed("network", true) == "partition,loss,bandwidth,latency,etcd_member");
+  CHECK(Parsed("network,process", false) ==
+        "kill,stop,partition,loss,bandwidth,latency,bootstrap_restart");
+  CHECK(Parsed("process,network,kill,partition", true) ==
+        "kill,stop,partition,loss,bandwidth,latency,etcd_member");  // repeats once
+  CHECK(Parsed("partition,bootstrap_restart", false) == "partition,bootstrap_restart");
+  // Refused, naming what is wrong.
+  CHECK(Parsed("partiton", false).find("unknown fault 'partiton'") != std::string::npos);
+  CHECK(Parsed("", false).find("unknown fault ''") != std::string::npos);
+  CHECK(Parsed("kill,", false).find("unknown fault ''") != std::string::npos);
+  CHECK(Parsed("none,kill", false).find("'none' cannot go with") != std::string::npos);
+  CHECK(Parsed("etcd_member", false).find("needs --discovery etcd") != std::string::npos);
+  CHECK(Parsed("bootstrap_restart", true).find("no bootstrap server with etcd") !=
+        std::string::npos);
+}
+
+TEST_CASE("fault kinds by what they hit") {
+  for (FaultKind k : {FaultKind::kKill, FaultKind::kStop}) {
+    CHECK(pdlib_chaos::IsProcessFault(k));
+    CHECK_FALSE(pdlib_chaos::IsLinkFault(k));
+    CHECK_FALSE(pdlib_chaos::IsDiscoveryFault(k));
+  }
+  for (FaultKind k :
+       {FaultKind::kPartition, FaultKind::kLoss, FaultKind::kBandwidth, FaultKind::kLatency}) {
+    CHECK(pdlib_chaos::IsLinkFault(k));
+    CHECK_FALSE(pdlib_chaos::IsProcessFault(k));
+    CHECK_FALSE(pdlib_chaos::IsDiscoveryFault(k));
+  }
+  for (FaultKind k : {FaultKind::kBootstrapRestart, FaultKind::kEtcdMember}) {
+    CHECK(pdlib_chaos::IsDiscoveryFault(k));
+    CHECK_FALSE(pdlib_chaos::IsLinkFault(k));
+  }
+}
+
+TEST_CASE("fault parameters stay in their ranges and cover them") {
+  pdlib_chaos::FaultTimes times;
+  times.stop_ms = 1000;
+  times.partition_ms = 2000;
+  times.link_ms = 3000;
+  times.discovery_down_ms = 400;
+  std::mt19937_64 rng(7);
+  std::set<int> losses, rates, delays;
+  int64_t shortest = INT64_MAX, longest = 0;
+  for (int i = 0; i < 4000; ++i) {
+    const auto loss = pdlib_chaos::DrawFaultParams(FaultKind::kLoss, times, rng);
+    REQUIRE(loss.loss_percent >= 1);
+    REQUIRE(loss.loss_percent <= 10);
+    REQUIRE(loss.duration_ms >= 1500);
+    REQUIRE(loss.duration_ms <= 4500);
+    losses.insert(loss.loss_percent);
+    const auto cap = pdlib_chaos::DrawFaultParams(FaultKind::kBandwidth, times, rng);
+    REQUIRE(cap.rate_mbit >= 50);
+    REQUIRE(cap.rate_mbit <= 500);
+    REQUIRE(cap.loss_percent == 0);
+    rates.insert(cap.rate_mbit);
+    const auto slow = pdlib_chaos::DrawFaultParams(FaultKind::kLatency, times, rng);
+    REQUIRE(slow.delay_ms >= 1);
+    REQUIRE(slow.delay_ms <= 50);
+    REQUIRE(slow.jitter_ms >= 0);
+    REQUIRE(slow.jitter_ms <= slow.delay_ms / 2);
+    delays.insert(slow.delay_ms);
+    const auto cut = pdlib_chaos::DrawFaultParams(FaultKind::kPartition, times, rng);
+    REQUIRE(cut.duration_ms >= 1000);
+    REQUIRE(cut.duration_ms <= 3000);
+    shortest = std::min(shortest, cut.duration_ms);
+    longest = std::max(longest, cut.duration_ms);
+    const auto kill = pdlib_chaos::DrawFaultParams(FaultKind::kKill, times, rng);
+    REQUIRE(kill.duration_ms >= 50);  // the restart delay
+    REQUIRE(kill.duration_ms <= 500);
+    const auto stop = pdlib_chaos::DrawFaultParams(FaultKind::kStop, times, rng);
+    REQUIRE(stop.duration_ms >= 500);
+    REQUIRE(stop.duration_ms <= 1500);
+    for (FaultKind k : {FaultKind::kBootstrapRestart, FaultKind::kEtcdMember}) {
+      const auto down = pdlib_chaos::DrawFaultParams(k, times, rng);
+      REQUIRE(down.duration_ms >= 200);
+      REQUIRE(down.duration_ms <= 600);
+    }
+  }
+  CHECK(losses.size() == 10);
+  CHECK(rates.size() > 400);
+  CHECK(delays.size() == 50);
+  CHECK(shortest < 1100);
+  CHECK(longest > 2900);
+  // The same seed draws the same faults (a seeded run repeats its schedule).
+  std::mt19937_64 a(3), b(3);
+  for (int i = 0; i < 10; ++i) {
+    const auto x = pdlib_chaos::DrawFaultParams(FaultKind::kLatency, times, a);
+    const auto y = pdlib_chaos::DrawFaultParams(FaultKind::kLatency, times, b);
+    CHECK(x.delay_ms == y.delay_ms);
+    CHECK(x.jitter_ms == y.jitter_ms);
+    CHECK(x.duration_ms == y.duration_ms);
+  }
+}
+
+TEST_CASE("a fault's description names its kind and parameters") {
+  pdlib_chaos::FaultParams p;
+  p.duration_ms = 1500;
+  p.loss_percent = 7;
+  CHECK(pdlib_chaos::DescribeFault(FaultKind::kLoss, p) == "loss 7% for 1500 ms");
+  p = {};
+  p.duration_ms = 900;
+  p.delay_ms = 23;
+  p.jitter_ms = 9;
+  CHECK(pdlib_chaos::DescribeFault(FaultKind::kLatency, p) == "latency 23+-9 ms for 900 ms");
+  p = {};
+  p.duration_ms = 2000;
+  p.rate_mbit = 120;
+  CHECK(pdlib_chaos::DescribeFault(FaultKind::kBandwidth, p) == "bandwidth 120 Mbit/s for 2000 ms");
+  p = {};
+  p.duration_ms = 1800;
+  CHECK(pdlib_chaos::DescribeFault(FaultKind::kPartition, p) == "partition for 1800 ms");
+  p.duration_ms = 120;
+  CHECK(pdlib_chaos::DescribeFault(FaultKind::kKill, p) == "kill, restart after 120 ms");
+}
+
+TEST_CASE("a fault touches the requests alive during it and shortly after it ended") {
+  using Clock = std::chrono::steady_clock;
+  using std::chrono::milliseconds;
+  const Clock::time_point t0{};
+  auto at = [&](int ms) { return t0 + milliseconds(ms); };
+  const milliseconds settle(1000);
+  pdlib_chaos::FaultWindow w{at(10000), at(12000), "partition of decode0"};
+  // Over before the fault began; overlapping its start, its middle, its end.
+  CHECK_FALSE(pdlib_chaos::Touches(w, at(8000), at(9999), settle));
+  CHECK(pdlib_chaos::Touches(w, at(9000), at(10000), settle));
+  CHECK(pdlib_chaos::Touches(w, at(10500), at(11000), settle));
+  CHECK(pdlib_chaos::Touches(w, at(11900), at(15000), settle));
+  // Started after the heal: within the settle time it is touched, after it not.
+  CHECK(pdlib_chaos::Touches(w, at(12500), at(13000), settle));
+  CHECK(pdlib_chaos::Touches(w, at(13000), at(13100), settle));
+  CHECK_FALSE(pdlib_chaos::Touches(w, at(13001), at(14000), settle));
+  CHECK_FALSE(pdlib_chaos::Touches(w, at(12001), at(14000), milliseconds(0)));
+  // A fault still in effect touches everything from its start on.
+  pdlib_chaos::FaultWindow open{at(10000), Clock::time_point::max(), "SIGKILL of prefill0"};
+  CHECK(pdlib_chaos::Touches(open, at(50000), at(60000), settle));
+  CHECK_FALSE(pdlib_chaos::Touches(open, at(1000), at(9000), settle));
+}
+
+TEST_CASE("a failed request no fault touched, or a fault that would not go in, is not clean") {
+  pdlib_chaos::Tally t;
+  CHECK(t.Clean());
+  t.failed_untouched = 1;
+  CHECK_FALSE(t.Clean());
+  t.failed_untouched = 0;
+  t.fault_errors = 1;
+  CHECK_FALSE(t.Clean());
+  t.fault_errors = 0;
+  // Requests that failed while a fault touched them are what chaos is for.
+  t.failed = 40;
+  t.failure_reasons["UNAVAILABLE"] = 40;
+  CHECK(t.Clean());
+}
+
+TEST_CASE("the summary names the faults by kind, what was skipped, and ends RESULT: CLEAN") {
+  pdlib_chaos::Report r;
+  r.backend = "ucx";
+  r.transport = "ucx.tls=tcp";
+  r.netns = true;
+  r.skipped_faults["latency"] = "kernel has no sch_netem";
+  r.total.requests = 10;
+  r.total.succeeded = 10;
+  r.total.faults = 3;
+  r.total.faults_by_kind = {{"partition_decode", 1}, {"loss_prefill", 1}, {"bootstrap_restart", 1}};
+  r.total.untouched_requests = 4;
+  r.total.requests_after_heal = 2;
+  r.by_topology["1p1d"] = r.total;
+  std::string text = pdlib_chaos::RenderSummary(r);
+  CHECK(text.find("partition_decode=1") != std::string::npos);
+  CHECK(text.find("loss_prefill=1") != std::string::npos);
+  CHECK(text.find("bootstrap_restart=1") != std::string::npos);
+  CHECK(text.find("skipped: latency (kernel has no sch_netem)") != std::string::npos);
+  CHECK(text.find("4 requests, 2 of them after a heal; 0 failed") != std::string::npos);
+  CHECK(text.ends_with("RESULT: CLEAN\n"));
+  const std::string json = pdlib_chaos::RenderJson(r);
+  CHECK(json.find("\"skipped_faults\":{\"latency\":\"kernel has no sch_netem\"}") !=
+        std::string::npos);
+  CHECK(json.find("\"failed_untouched\":0") != std::string::npos);
+  r.total.failed_untouched = 1;
+  text = pdlib_chaos::RenderSummary(r);
+  CHECK(text.ends_with("RESULT: NOT CLEAN\n"));
 }

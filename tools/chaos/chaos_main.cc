@@ -1,21 +1,33 @@
-// pdlib-chaos: requests between real prefill and decode processes while they are killed
-// (SIGKILL) and frozen (SIGSTOP/SIGCONT) at random moments; every request must end (no hang),
-// every Success must carry the request's bytes, and nothing may be left held at the end.
+// pdlib-chaos: requests between real prefill and decode processes while faults hit them at
+// random moments: processes killed (SIGKILL, then restarted) and frozen (SIGSTOP/SIGCONT); with
+// --netns, each process on a host (network namespace) of its own whose link is partitioned,
+// loses packets, is capped or delayed; and the discovery restarted (the bootstrap server) or a
+// member of it killed (etcd). Every request must end (no hang), every Success must carry the
+// request's bytes, every request no fault touched must succeed, and nothing may be left held at
+// the end.
 //
 //   pdlib-chaos [--requests N] [--topology 1p1d|2p2d|both] [--seed S] [--rate R]
-//       [--fault_interval_ms MS] [--fault_kinds kill,stop|kill|stop|none] [--stop_ms MS]
+//       [--faults process,network | kill,stop,partition,loss,bandwidth,latency,
+//                 bootstrap_restart,etcd_member | none]
+//       [--netns] [--discovery bootstrap|etcd] [--fault_interval_ms MS] [--stop_ms MS]
+//       [--partition_ms MS] [--link_fault_ms MS] [--discovery_down_ms MS] [--settle_ms MS]
 //       [--hang_bound_ms MS] [--backend ucx|fake] [--backend_option KEY=VALUE]...
 //       [--json] [--verbose] [--log_dir DIR] [--min_faults N] [...]  (--help lists all)
 //
 //   e.g.  UCX_TLS=shm pdlib-chaos --requests 1000 --json
+//         pdlib-chaos --netns --requests 1000 --faults network,process
+//         pdlib-chaos --netns --discovery etcd --faults network,process --topology 2p2d
 //
-// The driver hosts the bootstrap server and starts this binary again as each prefill and decode
-// process (chaos_peer.h); 2p2d is two prefill DP ranks of one deployment and two decode
-// processes, a request going to one of each (room % 2 picks the prefill). See chaos_driver.h for
-// what is counted and chaos_report.h for the figures. Exit status: 0 when hung, bad_bytes,
-// stale_writes, leaked, crashes, unclean exits, restart failures and failed probes are all 0
-// (and faults >= --min-faults); 1 otherwise; 2 on bad usage; 3 when a process could not be
-// started.
+// The driver hosts the bootstrap server (or starts 3 etcd members) and starts this binary again
+// as each prefill and decode process (chaos_peer.h); 2p2d is two prefill DP ranks of one
+// deployment and two decode processes, a request going to one of each (room % 2 picks the
+// prefill). With --netns UCX runs over tcp on each host's eth0. See chaos_driver.h for what is
+// counted and chaos_report.h for the figures. Exit status: 0 when hung, bad_bytes,
+// stale_writes, leaked, crashes, unclean exits, restart failures, failed probes, failed
+// untouched requests and fault errors are all 0 (and faults >= --min-faults); 1 otherwise; 2 on
+// bad usage; 3 when a process could not be started; 5 when this machine cannot give what was
+// asked (--netns without root or network namespaces, --discovery etcd without etcd), with the
+// reason on stderr.
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/prctl.h>
@@ -25,6 +37,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -32,10 +45,13 @@
 #include "absl/flags/flag.h"
 #include "pdlib/pdlib.h"
 #include "tools/chaos/chaos_driver.h"
+#include "tools/chaos/chaos_faults.h"
+#include "tools/chaos/chaos_infra.h"
 #include "tools/chaos/chaos_pattern.h"
 #include "tools/chaos/chaos_peer.h"
 #include "tools/chaos/chaos_report.h"
 #include "tools/common/flags.h"
+#include "tools/netns/netns_cluster.h"
 
 // ThreadSanitizer builds: Debian's gRPC, protobuf and Abseil are not instrumented. Weak, so a
 // definition elsewhere wins; TSAN_OPTIONS from the environment still applies on top.
@@ -52,11 +68,33 @@ ABSL_FLAG(uint64_t, rate, 50, "requests started per second, 0: unpaced");
 ABSL_FLAG(uint64_t, concurrency, 16, "requests in flight per process at most");
 ABSL_FLAG(int64_t, fault_interval_ms, 700,
           "mean time between faults, each uniform in [MS/2, 3MS/2]; >= 10");
-ABSL_FLAG(std::string, fault_kinds, "kill,stop", "kill,stop | kill | stop | none");
+ABSL_FLAG(std::string, faults, "",
+          "what to inject, a comma list: process (= kill,stop), network (= partition,loss,"
+          "bandwidth,latency and bootstrap_restart or, with --discovery etcd, etcd_member), or "
+          "single kinds; none: no faults (\"\": process, or --fault_kinds)");
+ABSL_FLAG(std::string, fault_kinds, "",
+          "the older name of --faults (kill,stop | kill | stop | none); give one of the two");
+ABSL_FLAG(bool, netns, false,
+          "each prefill and decode process on a host (network namespace) of its own, UCX over "
+          "tcp on eth0; needs root (exit 5 with the reason where it cannot run); link faults "
+          "need it");
+ABSL_FLAG(std::string, discovery, "bootstrap",
+          "bootstrap (a bootstrap server in the driver) or etcd (3 etcd members)");
 ABSL_FLAG(int64_t, stop_ms, 1500, "mean freeze, each uniform in [MS/2, 3MS/2]");
+ABSL_FLAG(int64_t, partition_ms, 2000, "mean partition until its heal, uniform in [MS/2, 3MS/2]");
+ABSL_FLAG(int64_t, link_fault_ms, 2000,
+          "mean loss (1-10%), bandwidth cap (50-500 Mbit/s) or latency (1-50 ms, jitter up to "
+          "half) on a link, uniform in [MS/2, 3MS/2]");
+ABSL_FLAG(int64_t, discovery_down_ms, 1000,
+          "mean time the bootstrap server or a killed etcd member stays down");
+ABSL_FLAG(int64_t, settle_ms, 0,
+          "a fault that ended less than this long before a request started still counts as "
+          "touching it (after-effects); requests no fault touched must succeed (0: the liveness "
+          "timeout)");
 ABSL_FLAG(int64_t, hang_bound_ms, 0,
-          "a room must be terminal this long after its start or the last fault event of its "
-          "processes (0: bootstrap + waiting + transfer + liveness timeouts + 2000)");
+          "a room must be terminal this long after its start or the last fault event (start or "
+          "end) of its processes, their hosts or the discovery (0: bootstrap + waiting + "
+          "transfer + liveness timeouts + 2000)");
 ABSL_FLAG(std::string, backend, "ucx", "ucx or fake (moves no bytes: bytes are not checked)");
 ABSL_FLAG(pdlib_tools::Repeated, backend_option, {},
           "a KVManagerOptions::backend_options entry K=V, repeatable, e.g. ucx.tls=shm");
@@ -89,6 +127,9 @@ ABSL_FLAG(uint64_t, corrupt_free_one_in, 0,
 ABSL_FLAG(bool, no_verify, false, "internal: decode does not check bytes");
 ABSL_FLAG(std::string, role, "", "internal: prefill or decode, in a process the driver started");
 ABSL_FLAG(uint64_t, bootstrap_port, 0, "internal: the driver's bootstrap port");
+ABSL_FLAG(std::string, bootstrap_host, "127.0.0.1", "internal: the driver's bootstrap host");
+ABSL_FLAG(std::string, listen_host, "127.0.0.1", "internal: where this process listens");
+ABSL_FLAG(std::string, etcd_endpoints, "", "internal: etcd's client endpoints, host:port,...");
 ABSL_FLAG(uint64_t, dp_size, 1, "internal: the prefill deployment's DP size");
 ABSL_FLAG(uint64_t, dp_rank, 0, "internal: this prefill process's DP rank");
 ABSL_FLAG(int64_t, max_seconds, 900, "internal: a process exits after this long");
@@ -99,10 +140,26 @@ namespace {
 constexpr char kUsage[] =
     "usage: pdlib-chaos [flags]\n"
     "\n"
-    "Runs requests between prefill and decode processes while killing (SIGKILL) and freezing\n"
-    "(SIGSTOP/SIGCONT) them at random moments; checks that every request ends within the hang\n"
-    "bound, that every Success carries the request's bytes, and that nothing is left held.\n"
-    "Flags marked internal are the driver's to the processes it starts.\n";
+    "Runs requests between prefill and decode processes while faults hit them at random\n"
+    "moments: kills (SIGKILL, then a restart) and freezes (SIGSTOP/SIGCONT) of processes\n"
+    "(--faults process); with --netns each process runs on a host (network namespace) of its\n"
+    "own, and --faults network partitions a host, makes it lose 1-10% of its packets, caps its\n"
+    "bandwidth at 50-500 Mbit/s or delays it by 1-50 ms (where the kernel has sch_netem; else\n"
+    "skipped with the reason), each for a while and then heals it, and restarts the bootstrap\n"
+    "server (or, with --discovery etcd, kills an etcd member and starts it again). Checks that\n"
+    "every request ends within the hang bound, that every Success carries the request's bytes,\n"
+    "that every request no fault touched succeeds (those after a heal), and that nothing is\n"
+    "left held; prints RESULT: CLEAN or RESULT: NOT CLEAN.\n"
+    "\n"
+    "  e.g. pdlib-chaos --netns --requests 1000 --faults network,process\n"
+    "\n"
+    "Exit status: 0 clean; 1 not clean; 2 bad usage; 3 a process could not be started; 5 this\n"
+    "machine cannot run what was asked (--netns without root or network namespaces, etcd not\n"
+    "installed), with the reason. Flags marked internal are the driver's to the processes it\n"
+    "starts.\n";
+
+// Exit status when this machine cannot give what the flags ask (see kUsage).
+constexpr int kExitCannotRunHere = 5;
 
 struct Flags {
   uint64_t requests = 1000;
@@ -123,6 +180,8 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   };
   ChaosOptions& c = f->chaos;
   PeerConfig& p = c.peer;
+  f->role = absl::GetFlag(FLAGS_role);
+  if (!f->role.empty() && f->role != "prefill" && f->role != "decode") return bad("role", f->role);
   f->json = absl::GetFlag(FLAGS_json);
   c.verbose = absl::GetFlag(FLAGS_verbose);
   p.verify = !absl::GetFlag(FLAGS_no_verify);
@@ -134,10 +193,32 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   }
   c.seed = absl::GetFlag(FLAGS_seed);
   c.rate = double(absl::GetFlag(FLAGS_rate));
-  const std::string kinds = absl::GetFlag(FLAGS_fault_kinds);
-  c.kill_faults = kinds == "kill,stop" || kinds == "stop,kill" || kinds == "kill";
-  c.stop_faults = kinds == "kill,stop" || kinds == "stop,kill" || kinds == "stop";
-  if (!c.kill_faults && !c.stop_faults && kinds != "none") return bad("fault_kinds", kinds);
+  c.netns = absl::GetFlag(FLAGS_netns);
+  const std::string discovery = absl::GetFlag(FLAGS_discovery);
+  if (discovery != "bootstrap" && discovery != "etcd") return bad("discovery", discovery);
+  c.etcd = discovery == "etcd";
+  const std::string faults = absl::GetFlag(FLAGS_faults);
+  const std::string fault_kinds = absl::GetFlag(FLAGS_fault_kinds);
+  if (!faults.empty() && !fault_kinds.empty()) {
+    std::fprintf(stderr, "pdlib-chaos: give --faults or its older name --fault_kinds, not both\n");
+    return false;
+  }
+  const std::string kinds = !faults.empty()       ? faults
+                            : fault_kinds.empty() ? "process"
+                                                  : fault_kinds;
+  if (std::string why; !ParseFaultKinds(kinds, c.etcd, &c.faults, &why)) {
+    std::fprintf(stderr, "pdlib-chaos: --faults %s: %s\n", kinds.c_str(), why.c_str());
+    return false;
+  }
+  if (!c.netns && f->role.empty()) {
+    for (FaultKind k : c.faults) {
+      if (!IsLinkFault(k)) continue;
+      std::fprintf(stderr,
+                   "pdlib-chaos: --faults %s: %s needs --netns (hosts in network namespaces)\n",
+                   kinds.c_str(), std::string(FaultKindName(k)).c_str());
+      return false;
+    }
+  }
   p.backend = absl::GetFlag(FLAGS_backend);
   if (p.backend.empty()) return bad("backend", "");
   for (const std::string& kv : absl::GetFlag(FLAGS_backend_option).values) {
@@ -158,7 +239,12 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   };
   for (const Ms& m :
        {Ms{"fault_interval_ms", absl::GetFlag(FLAGS_fault_interval_ms), 10, &c.fault_interval_ms},
-        Ms{"stop_ms", absl::GetFlag(FLAGS_stop_ms), 1, &c.stop_ms},
+        Ms{"stop_ms", absl::GetFlag(FLAGS_stop_ms), 1, &c.times.stop_ms},
+        Ms{"partition_ms", absl::GetFlag(FLAGS_partition_ms), 1, &c.times.partition_ms},
+        Ms{"link_fault_ms", absl::GetFlag(FLAGS_link_fault_ms), 1, &c.times.link_ms},
+        Ms{"discovery_down_ms", absl::GetFlag(FLAGS_discovery_down_ms), 1,
+           &c.times.discovery_down_ms},
+        Ms{"settle_ms", absl::GetFlag(FLAGS_settle_ms), 0, &c.settle_ms},
         Ms{"hang_bound_ms", absl::GetFlag(FLAGS_hang_bound_ms), 0, &c.hang_bound_ms},
         Ms{"liveness_ms", absl::GetFlag(FLAGS_liveness_ms), 1000, &p.liveness_ms},
         Ms{"connect_timeout_ms", absl::GetFlag(FLAGS_connect_timeout_ms), 1, &p.connect_ms},
@@ -185,13 +271,25 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     }
     *z.to = size_t(z.value);
   }
-  f->role = absl::GetFlag(FLAGS_role);
-  if (!f->role.empty() && f->role != "prefill" && f->role != "decode") return bad("role", f->role);
   p.mode = f->role == "prefill" ? pdlib::Mode::kPrefill : pdlib::Mode::kDecode;
   const uint64_t port = absl::GetFlag(FLAGS_bootstrap_port);
   if (!f->role.empty() && (port == 0 || port > 65535))
     return bad("bootstrap_port", std::to_string(port));
   p.bootstrap_port = uint16_t(port);
+  p.bootstrap_host = absl::GetFlag(FLAGS_bootstrap_host);
+  p.listen_host = absl::GetFlag(FLAGS_listen_host);
+  if (p.bootstrap_host.empty()) return bad("bootstrap_host", "");
+  if (p.listen_host.empty()) return bad("listen_host", "");
+  p.etcd_endpoints.clear();
+  if (const std::string e = absl::GetFlag(FLAGS_etcd_endpoints); !e.empty()) {
+    for (size_t at = 0; at <= e.size();) {
+      const size_t comma = std::min(e.find(',', at), e.size());
+      if (comma == at) return bad("etcd_endpoints", e);
+      p.etcd_endpoints.push_back(e.substr(at, comma - at));
+      at = comma + 1;
+    }
+  }
+  if (!f->role.empty() && c.etcd && p.etcd_endpoints.empty()) return bad("etcd_endpoints", "");
   const uint64_t dp_size = absl::GetFlag(FLAGS_dp_size), dp_rank = absl::GetFlag(FLAGS_dp_rank);
   if (dp_size >= 1024) return bad("dp_size", std::to_string(dp_size));
   if (dp_rank >= 1024) return bad("dp_rank", std::to_string(dp_rank));
@@ -221,6 +319,34 @@ int RunDriver(Flags f) {
   }
   // The fake backend moves no bytes: there is nothing on decode to check.
   if (c.peer.backend == "fake") c.peer.verify = false;
+  InfraOptions io;
+  io.netns = c.netns;
+  io.etcd = c.etcd;
+  if (const std::string why = ChaosInfra::Missing(io, c.faults); !why.empty()) {
+    std::fprintf(stderr, "pdlib-chaos: cannot run here: %s\n", why.c_str());
+    return kExitCannotRunHere;
+  }
+  std::map<std::string, std::string> skipped;
+  if (c.netns) {
+    // Hosts are separate machines to UCX: tcp over their one link, never shm between them.
+    if (c.peer.backend == "ucx") {
+      c.peer.backend_options["ucx.tls"] = "tcp";
+      c.peer.backend_options["ucx.net_devices"] = "eth0";
+    }
+    // What crashed runs left behind (only theirs: names carry the dead pid).
+    if (auto removed = pdlib_tools::NetnsCluster::CleanupStale(); !removed.ok()) {
+      std::fprintf(stderr, "pdlib-chaos: cleaning up after earlier runs: %s\n",
+                   removed.status().ToString().c_str());
+    }
+    if (std::find(c.faults.begin(), c.faults.end(), FaultKind::kLatency) != c.faults.end()) {
+      c.latency_skipped = ChaosInfra::LatencyMissing();
+      if (!c.latency_skipped.empty()) {
+        std::fprintf(stderr, "pdlib-chaos: skipping latency faults: %s\n",
+                     c.latency_skipped.c_str());
+        skipped["latency"] = c.latency_skipped;
+      }
+    }
+  }
   const double paced_s = c.rate > 0 ? double(f.requests) / c.rate : double(f.requests) * 0.05;
   c.peer.max_seconds = int64_t(paced_s * 4) + 600;
 
@@ -257,6 +383,9 @@ int RunDriver(Flags f) {
   report.transport = TransportOf(c.peer);
   report.bytes_checked = c.peer.verify;
   report.seed = c.seed;
+  report.netns = c.netns;
+  report.discovery = c.etcd ? "etcd" : "bootstrap";
+  report.skipped_faults = skipped;
   for (size_t k = 0; k < plans.size(); ++k) {
     const Plan& plan = plans[k];
     if (plan.requests == 0) continue;

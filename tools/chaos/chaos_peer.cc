@@ -84,10 +84,14 @@ class Peer {
     o.mode = c_.mode;
     o.backend = c_.backend;
     o.backend_options = c_.backend_options;
-    o.listen_host = "127.0.0.1";
+    o.listen_host = c_.listen_host;
     o.listen_port = 0;
-    o.bootstrap_host = "127.0.0.1";
+    o.bootstrap_host = c_.bootstrap_host;
     o.bootstrap_port = c_.bootstrap_port;
+    if (!c_.etcd_endpoints.empty()) {
+      o.discovery = pdlib::Discovery::kEtcd;
+      o.etcd_endpoints = c_.etcd_endpoints;
+    }
     o.liveness_timeout = milliseconds(c_.liveness_ms);
     o.connect_timeout = milliseconds(c_.connect_ms);
     o.bootstrap_timeout = milliseconds(c_.bootstrap_ms);
@@ -152,7 +156,7 @@ class Peer {
       s = sender.status();
       if (sender.ok()) r->sender = std::move(*sender);
     } else {
-      auto receiver = manager_->CreateReceiver({"127.0.0.1", c_.bootstrap_port}, room);
+      auto receiver = manager_->CreateReceiver({c_.bootstrap_host, c_.bootstrap_port}, room);
       s = receiver.status();
       if (receiver.ok()) r->receiver = std::move(*receiver);
     }
@@ -535,6 +539,8 @@ class Peer {
 std::vector<std::string> PeerArgs(const PeerConfig& c) {
   const std::pair<const char*, std::string> flags[] = {
       {"--role", c.mode == pdlib::Mode::kPrefill ? "prefill" : "decode"},
+      {"--listen-host", c.listen_host},
+      {"--bootstrap-host", c.bootstrap_host},
       {"--bootstrap-port", std::to_string(c.bootstrap_port)},
       {"--dp-size", std::to_string(c.dp_size)},
       {"--dp-rank", std::to_string(c.dp_rank)},
@@ -563,6 +569,11 @@ std::vector<std::string> PeerArgs(const PeerConfig& c) {
   for (const auto& [k, v] : c.backend_options) {
     a.push_back("--backend-option");
     a.push_back(k + "=" + v);
+  }
+  if (!c.etcd_endpoints.empty()) {
+    std::string endpoints;
+    for (const std::string& e : c.etcd_endpoints) endpoints += (endpoints.empty() ? "" : ",") + e;
+    a.insert(a.end(), {"--discovery", "etcd", "--etcd-endpoints", endpoints});
   }
   if (!c.verify) a.push_back("--no-verify");
   return a;

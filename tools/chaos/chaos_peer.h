@@ -36,7 +36,15 @@ namespace pdlib_chaos {
 
 struct PeerConfig {
   pdlib::Mode mode = pdlib::Mode::kPrefill;
+  // Where the KVManager listens (with --netns: the host's address on eth0).
+  std::string listen_host = "127.0.0.1";
+  // The deployment's bootstrap address: the driver's bootstrap server, or with etcd only the
+  // deployment's name.
+  std::string bootstrap_host = "127.0.0.1";
   uint16_t bootstrap_port = 0;
+  // Discovery through etcd at these client endpoints ("host:port") instead of the bootstrap
+  // server; empty: the bootstrap server.
+  std::vector<std::string> etcd_endpoints;
   int32_t dp_size = 1;  // prefill: the deployment's DP size and this rank's DP rank
   int32_t dp_rank = 0;
   std::string backend = "ucx";

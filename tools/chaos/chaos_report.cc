@@ -30,6 +30,11 @@ nlohmann::ordered_json TallyFields(const Tally& t) {
           {"restart_failures", t.restart_failures},
           {"probes", t.probes},
           {"probes_failed", t.probes_failed},
+          {"untouched_requests", t.untouched_requests},
+          {"failed_untouched", t.failed_untouched},
+          {"requests_after_heal", t.requests_after_heal},
+          {"settle_ms", t.settle_ms},
+          {"fault_errors", t.fault_errors},
           {"leaked_by_kind", t.leaked_by_kind},
           {"verified_requests", t.verified_requests},
           {"verified_bytes", t.verified_bytes},
@@ -66,6 +71,11 @@ void Tally::Add(const Tally& o) {
   restart_failures += o.restart_failures;
   probes += o.probes;
   probes_failed += o.probes_failed;
+  untouched_requests += o.untouched_requests;
+  failed_untouched += o.failed_untouched;
+  requests_after_heal += o.requests_after_heal;
+  settle_ms = std::max(settle_ms, o.settle_ms);
+  fault_errors += o.fault_errors;
   verified_requests += o.verified_requests;
   verified_bytes += o.verified_bytes;
   harness_errors += o.harness_errors;
@@ -88,7 +98,8 @@ bool IsKnownUcxAbort(std::string_view log) {
 
 bool Tally::Clean() const {
   return hung == 0 && bad_bytes == 0 && leaked == 0 && stale_writes == 0 && crashes == 0 &&
-         unclean_exits == 0 && restart_failures == 0 && probes_failed == 0;
+         unclean_exits == 0 && restart_failures == 0 && probes_failed == 0 &&
+         failed_untouched == 0 && fault_errors == 0;
 }
 
 std::string RenderJson(const Report& r) {
@@ -97,6 +108,9 @@ std::string RenderJson(const Report& r) {
   j["transport"] = r.transport;
   j["bytes_checked"] = r.bytes_checked;
   j["seed"] = r.seed;
+  j["netns"] = r.netns;
+  j["discovery"] = r.discovery;
+  j["skipped_faults"] = r.skipped_faults;
   j["topologies"] = nlohmann::ordered_json::object();
   for (const auto& [name, t] : r.by_topology) j["topologies"][name] = TallyFields(t);
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
@@ -106,7 +120,8 @@ std::string RenderSummary(const Report& r) {
   std::ostringstream o;
   const Tally& t = r.total;
   o << "pdlib-chaos: backend " << r.backend << " (" << r.transport << "), seed " << r.seed
-    << ", bytes " << (r.bytes_checked ? "checked" : "not checked (backend moves none)") << "\n";
+    << ", bytes " << (r.bytes_checked ? "checked" : "not checked (backend moves none)")
+    << ", discovery " << r.discovery << (r.netns ? ", hosts in network namespaces" : "") << "\n";
   for (const auto& [name, x] : r.by_topology) {
     o << "  " << name << ": " << x.requests << " requests, " << x.faults << " faults, "
       << x.succeeded << " succeeded, " << x.failed << " failed, " << x.hung << " hung, "
@@ -116,7 +131,13 @@ std::string RenderSummary(const Report& r) {
   o << "  faults:";
   for (const auto& [k, v] : t.faults_by_kind) o << " " << k << "=" << v;
   o << "; restarts " << t.restarts << ", succeeded after a restart " << t.succeeded_after_restart
-    << "\n  failures:";
+    << "\n";
+  for (const auto& [k, why] : r.skipped_faults) o << "  skipped: " << k << " (" << why << ")\n";
+  if (t.fault_errors > 0)
+    o << "  faults that could not be injected or ended: " << t.fault_errors << "\n";
+  o << "  untouched by any fault (settle " << t.settle_ms << " ms): " << t.untouched_requests
+    << " requests, " << t.requests_after_heal << " of them after a heal; " << t.failed_untouched
+    << " failed\n  failures:";
   for (const auto& [k, v] : t.failure_reasons) o << " " << k << "=" << v;
   o << "\n  slowest room hit by a fault: terminal " << t.max_fault_to_terminal_ms
     << " ms after the first fault (hang bound " << t.hang_bound_ms << " ms); probes "
@@ -130,7 +151,7 @@ std::string RenderSummary(const Report& r) {
          "killed process\n";
   }
   for (const auto& p : t.problems) o << "  PROBLEM: " << p << "\n";
-  o << (t.Clean() ? "  RESULT: clean\n" : "  RESULT: NOT CLEAN\n");
+  o << (t.Clean() ? "  RESULT: CLEAN\n" : "  RESULT: NOT CLEAN\n");
   return o.str();
 }
 

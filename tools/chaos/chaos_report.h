@@ -25,7 +25,7 @@ struct Tally {
   // Rooms, handles, metadata slots, pages and connections still held by the processes at the
   // end, once everything was quiesced (see leaked_by_kind).
   uint64_t leaked = 0;
-  uint64_t faults = 0;  // SIGKILLs and SIGSTOPs sent (faults_by_kind)
+  uint64_t faults = 0;  // faults injected (faults_by_kind)
   uint64_t restarts = 0;
   uint64_t succeeded_after_restart = 0;  // succeeded on a restarted prefill or decode process
   uint64_t crashes = 0;                  // children that died without being killed by the driver
@@ -37,6 +37,15 @@ struct Tally {
   uint64_t restart_failures = 0;  // restarted children not READY in time (killed, started again)
   uint64_t probes = 0;            // one request per (prefill, decode) pair after the faults
   uint64_t probes_failed = 0;
+  // Requests no fault touched: none of their processes or hosts, nor the discovery, had a fault
+  // in effect from settle_ms before their start to their end. They must all succeed:
+  // failed_untouched counts those that did not. requests_after_heal: those of them that started
+  // after a link fault on one of their hosts (or a discovery outage) had ended.
+  uint64_t untouched_requests = 0;
+  uint64_t failed_untouched = 0;
+  uint64_t requests_after_heal = 0;
+  int64_t settle_ms = 0;
+  uint64_t fault_errors = 0;       // faults that could not be injected or ended (nft, tc, etcd)
   uint64_t verified_requests = 0;  // Success requests whose bytes decode checked
   uint64_t verified_bytes = 0;
   uint64_t harness_errors = 0;  // ERROR lines from the peers (API calls refused)
@@ -53,9 +62,11 @@ struct Tally {
   int64_t hang_bound_ms = 0;
   double seconds = 0;
   std::map<std::string, uint64_t> failure_reasons;  // status code name or what happened
-  std::map<std::string, uint64_t> faults_by_kind;   // "kill_prefill", "stop_decode", ...
-  std::map<std::string, uint64_t> leaked_by_kind;   // "rooms", "handles", "connections", ...
-  std::vector<std::string> problems;                // one line per hung room, crash, leak...
+  // "kill_prefill", "stop_decode", "partition_decode", "loss_prefill", "bandwidth_decode",
+  // "latency_prefill", "bootstrap_restart", "etcd_member"
+  std::map<std::string, uint64_t> faults_by_kind;
+  std::map<std::string, uint64_t> leaked_by_kind;  // "rooms", "handles", "connections", ...
+  std::vector<std::string> problems;               // one line per hung room, crash, leak...
 
   void Add(const Tally& other);
   // True when nothing the run must never see happened.
@@ -67,6 +78,10 @@ struct Report {
   std::string transport;  // ucx.tls / UCX_TLS, or the backend name
   bool bytes_checked = false;
   uint64_t seed = 0;
+  bool netns = false;                   // each process on a host (network namespace) of its own
+  std::string discovery = "bootstrap";  // or "etcd"
+  // Fault kinds asked for but not injected here, with the reason (latency: no sch_netem).
+  std::map<std::string, std::string> skipped_faults;
   Tally total;
   std::map<std::string, Tally> by_topology;  // "1p1d", "2p2d"
 };

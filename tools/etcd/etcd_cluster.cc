@@ -1,7 +1,10 @@
-#include "test/support/etcd_launcher.h"
+#include "tools/etcd/etcd_cluster.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -15,12 +18,12 @@
 #include "lib/control/etcd_client.h"
 #include "tools/common/child_process.h"
 
-namespace pdlib::testing {
+namespace pdlib_tools {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using pdlib_tools::ChildOptions;
-using pdlib_tools::ChildProcess;
+using pdlib::Status;
+using pdlib::StatusOr;
 using std::chrono::milliseconds;
 
 // The program's path on PATH, or "".
@@ -43,7 +46,27 @@ std::optional<std::string> Missing(const std::string& program) {
       program);
 }
 
-std::string Url(uint16_t port) { return absl::StrFormat("http://127.0.0.1:%d", port); }
+std::string Url(const std::string& host, uint16_t port) {
+  return absl::StrFormat("http://%s:%d", host, port);
+}
+
+// A port of `host` (IPv4) that nothing listens on right now (bound to 0, then closed); 0 when
+// `host` is not an address of this machine.
+uint16_t UnusedPort(const std::string& host) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) return 0;
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return 0;
+  socklen_t len = sizeof(addr);
+  uint16_t port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
 
 }  // namespace
 
@@ -79,15 +102,15 @@ StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(const EtcdClusterOptio
   for (int i = 0; i < options.members; ++i) {
     auto m = std::make_unique<Member>();
     m->name = absl::StrFormat("m%d", i);
-    m->client_port = pdlib_tools::UnusedLocalPort();
-    m->peer_port = pdlib_tools::UnusedLocalPort();
+    m->client_port = UnusedPort(options.host);
+    m->peer_port = UnusedPort(options.host);
     if (m->client_port == 0 || m->peer_port == 0 || m->client_port == m->peer_port) {
-      return Status::Internal("no free local ports for etcd");
+      return Status::Internal("no free ports on " + options.host + " for etcd");
     }
-    m->endpoint = absl::StrFormat("127.0.0.1:%d", m->client_port);
+    m->endpoint = absl::StrFormat("%s:%d", options.host, m->client_port);
     m->data_dir = absl::StrFormat("%s/%s.etcd", cluster->dir_, m->name);
     m->log_path = absl::StrFormat("%s/%s.log", cluster->dir_, m->name);
-    peers.push_back(absl::StrFormat("%s=%s", m->name, Url(m->peer_port)));
+    peers.push_back(absl::StrFormat("%s=%s", m->name, Url(options.host, m->peer_port)));
     cluster->members_.push_back(std::move(m));
   }
   cluster->initial_cluster_ = absl::StrJoin(peers, ",");
@@ -112,18 +135,19 @@ EtcdCluster::~EtcdCluster() {
 
 Status EtcdCluster::Launch(int i) {
   Member& m = *members_[i];
+  const std::string& host = options_.host;
   std::vector<std::string> args = {
-      "--name", m.name, "--data-dir", m.data_dir, "--listen-client-urls", Url(m.client_port),
-      "--advertise-client-urls", Url(m.client_port), "--listen-peer-urls", Url(m.peer_port),
-      "--initial-advertise-peer-urls", Url(m.peer_port), "--initial-cluster", initial_cluster_,
-      "--initial-cluster-state", "new",
+      "--name", m.name, "--data-dir", m.data_dir, "--listen-client-urls", Url(host, m.client_port),
+      "--advertise-client-urls", Url(host, m.client_port), "--listen-peer-urls",
+      Url(host, m.peer_port), "--initial-advertise-peer-urls", Url(host, m.peer_port),
+      "--initial-cluster", initial_cluster_, "--initial-cluster-state", "new",
       // Unique per cluster, so that members of two tests' clusters never join each other.
-      "--initial-cluster-token", "pdlib-test-" + std::filesystem::path(dir_).filename().string(),
+      "--initial-cluster-token", "pdlib-etcd-" + std::filesystem::path(dir_).filename().string(),
       "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"};
   args.insert(args.end(), options_.extra_args.begin(), options_.extra_args.end());
   ChildOptions o;
   // Killed with this process even when it dies without running destructors (setpriv is in
-  // util-linux; the death signal follows the spawning thread, the test's).
+  // util-linux; the death signal follows the spawning thread, the caller's).
   const std::string setpriv = FindOnPath("setpriv");
   if (!setpriv.empty()) {
     o.program = setpriv;
@@ -147,10 +171,10 @@ Status EtcdCluster::Launch(int i) {
 
 Status EtcdCluster::WaitServing(int i, Clock::time_point deadline) {
   Member& m = *members_[i];
-  control::EtcdClientOptions o;
+  pdlib::control::EtcdClientOptions o;
   o.endpoints = {m.endpoint};
   o.dial_timeout = milliseconds(500);
-  auto client = control::EtcdClient::Create(o);
+  auto client = pdlib::control::EtcdClient::Create(o);
   if (!client.ok()) return client.status();
   Status last = Status::Unavailable("not asked yet");
   while (Clock::now() < deadline) {
@@ -197,6 +221,25 @@ Status EtcdCluster::Restart(int member) {
   return WaitServing(member, Clock::now() + options_.start_timeout);
 }
 
+Status EtcdCluster::Relaunch(int member) {
+  if (members_.at(member)->process) {
+    return Status::FailedPrecondition("etcd member " + members_[member]->name + " is running");
+  }
+  return Launch(member);
+}
+
+bool EtcdCluster::Serving(int member, milliseconds timeout) {
+  Member& m = *members_.at(member);
+  if (!m.process) return false;
+  pdlib::control::EtcdClientOptions o;
+  o.endpoints = {m.endpoint};
+  o.dial_timeout = timeout;
+  auto client = pdlib::control::EtcdClient::Create(o);
+  if (!client.ok()) return false;
+  auto status = (*client)->MemberStatus(m.endpoint, timeout);
+  return status.ok() && status->leader != 0;
+}
+
 StatusOr<std::string> EtcdCluster::Etcdctl(const std::vector<std::string>& args,
                                            const std::string& user) {
   if (auto why = EtcdctlMissing()) return Status::FailedPrecondition(*why);
@@ -226,7 +269,7 @@ StatusOr<std::string> EtcdCluster::Etcdctl(const std::vector<std::string>& args,
 }
 
 std::string EtcdCluster::LogTail(int member, size_t max_bytes) const {
-  return pdlib_tools::TailOfFile(members_.at(member)->log_path, max_bytes);
+  return TailOfFile(members_.at(member)->log_path, max_bytes);
 }
 
-}  // namespace pdlib::testing
+}  // namespace pdlib_tools
