@@ -3,10 +3,6 @@
 // the fake backend, with `discovery = kEtcd` and no bootstrap server anywhere. Registration,
 // resolution and withdrawal; lease expiry; a rank that moved; a member killed under load; etcd
 // unreachable at start; bad data under the prefix. Also the key layout's pure functions.
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <string>
@@ -18,6 +14,7 @@
 #include "lib/control/proto_convert.h"
 #include "pdlib/pdlib.h"
 #include "test/support/etcd_launcher.h"
+#include "tools/common/child_process.h"
 
 using namespace std::chrono_literals;
 using pdlib::KVPoll;
@@ -32,15 +29,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 uint16_t FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
-  close(fd);
-  return ntohs(a.sin_port);
+  const uint16_t port = pdlib_tools::UnusedLocalPort();
+  REQUIRE(port != 0);
+  return port;
 }
 
 template <typename Pred>
