@@ -27,7 +27,7 @@ struct Tally {
   uint64_t leaked = 0;
   uint64_t faults = 0;  // faults injected (faults_by_kind)
   uint64_t restarts = 0;
-  uint64_t succeeded_after_restart = 0;  // succeeded on a restarted prefill or decode process
+  uint64_t succeeded_after_restart = 0;  // succeeded on a restarted process (probes too)
   uint64_t crashes = 0;                  // children that died without being killed by the driver
   // Children that aborted on UCX 1.13's wireup assertion (IsKnownUcxAbort): a peer killed while
   // connecting over tcp; UCX bug fixed upstream (openucx/ucx#8175). Counted apart from crashes,
