@@ -37,8 +37,10 @@ struct RequestResult {
   int64_t ttft_us = 0;              // request received until the first token was sent on (0: none)
   int64_t latency_us = 0;           // request received until the last token (or the failure)
   int64_t transfer_us = 0;          // from decode's HostResult
-  int64_t exposed_transfer_us = 0;  // from prefill's HostResult (after its last forward)
-  uint64_t kv_bytes = 0;            // from prefill's HostResult
+  // From prefill's HostResult (after its last forward); 0 when that result came later than
+  // settle_time after decode finished (the router does not wait longer for a statistic).
+  int64_t exposed_transfer_us = 0;
+  uint64_t kv_bytes = 0;  // from prefill's HostResult
   int32_t prompt_tokens = 0;
   int32_t max_new_tokens = 0;
 };
