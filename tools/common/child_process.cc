@@ -216,12 +216,14 @@ int ChildProcess::KillAndReap(std::chrono::milliseconds timeout) {
   return Wait(Clock::now() + timeout);
 }
 
-uint16_t UnusedLocalPort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return 0;
+uint16_t UnusedLocalPort() { return UnusedPort("127.0.0.1"); }
+
+uint16_t UnusedPort(const std::string& ipv4) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::inet_pton(AF_INET, ipv4.c_str(), &addr.sin_addr) != 1) return 0;
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return 0;
   socklen_t len = sizeof(addr);
   uint16_t port = 0;
   if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&

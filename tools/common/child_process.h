@@ -108,6 +108,8 @@ class ChildProcess {
 
 // A port on 127.0.0.1 that nothing listens on right now (bound to 0, then closed); 0 on error.
 uint16_t UnusedLocalPort();
+// The same on the IPv4 address `ipv4` (a bridge's or a namespace host's); 0 on error.
+uint16_t UnusedPort(const std::string& ipv4);
 
 // "TSAN_OPTIONS=ignore_noninstrumented_modules=1[:<this process's TSAN_OPTIONS>]", for
 // ChildOptions::env: what a TSan-built child needs with Debian's uninstrumented gRPC and Abseil

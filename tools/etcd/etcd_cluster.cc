@@ -50,24 +50,6 @@ std::string Url(const std::string& host, uint16_t port) {
   return absl::StrFormat("http://%s:%d", host, port);
 }
 
-// A port of `host` (IPv4) that nothing listens on right now (bound to 0, then closed); 0 when
-// `host` is not an address of this machine.
-uint16_t UnusedPort(const std::string& host) {
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) return 0;
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return 0;
-  socklen_t len = sizeof(addr);
-  uint16_t port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  ::close(fd);
-  return port;
-}
-
 }  // namespace
 
 std::optional<std::string> EtcdMissing() { return Missing("etcd"); }
