@@ -205,7 +205,7 @@ bool Harness::Setup() {
   o.transfer_workers = f_.ConsumeIntegralInRange(1, 2);
   o.failure_injection_prob = 0;
   if (Hostile(f_)) o.backend_options[kFailEveryOtherOption] = "1";
-  auto transport = spi::CreateTransport(o.backend, {0, {}, o.backend_options});
+  auto transport = spi::CreateTransport(o.backend, {0, {}, o.backend_options, o.mode});
   if (!transport.ok()) PropertyViolated(transport.status().ToString());
   auto core = PrefillCore::Create(o, std::move(*transport));
   if (!core.ok()) return false;  // a config the planner refuses on its own: uninteresting
@@ -484,7 +484,15 @@ void Harness::EngineOp() {
         state =
             Indices(c_.state_pool, Hostile(f_) ? f_.ConsumeIntegralInRange(0, 3) : shape.states);
       }
-      if (core_->Send(id, pages, last, state).ok() && it != rooms_.end()) {
+      // Layer-wise now and then (issue #17): some layers first, any count when hostile; the
+      // chunk counts once its every layer is announced (what Send() does).
+      const int32_t layers = core_->num_layers();
+      if (f_.ConsumeBool()) {
+        const int32_t some = Hostile(f_) ? f_.ConsumeIntegralInRange(-1, layers + 1)
+                                         : f_.ConsumeIntegralInRange(0, layers);
+        if (some != layers) (void)core_->SendLayers(id, pages, some, last, state);
+      }
+      if (core_->SendLayers(id, pages, layers, last, state).ok() && it != rooms_.end()) {
         it->second.pages_sent += static_cast<int32_t>(pages.size());
         it->second.last_queued |= last;
       }
