@@ -35,6 +35,16 @@ Status RegisterFamily(spi::Transport& transport, const BufferFamily& family, Mem
 }  // namespace
 
 StatusOr<RegisteredBuffers> RegisterBuffers(spi::Transport& transport, const KVArgs& args) {
+  // A GPU pool with a backend that cannot reach GPU memory: refused before anything is
+  // registered, with what to do about it (the backend's own RegisterMemory would say less).
+  if (args.memory_kind == MemoryKind::kCuda && !transport.capabilities().supports_cuda_memory) {
+    return Status::FailedPrecondition(absl::StrFormat(
+        "backend '%s' cannot reach KV pools in %s memory (KVArgs::memory_kind, device %d): "
+        "use a backend that can (cuda_ipc on one node; ucx when UCX was built with CUDA; verbs "
+        "with GPUDirect RDMA), or pools in host memory",
+        std::string(transport.name()), std::string(MemoryKindName(args.memory_kind)),
+        args.device_id));
+  }
   RegisteredBuffers out;
   Status s = RegisterFamily(transport, args.kv, args.memory_kind, args.device_id, "kv", &out.kv);
   // Metadata lives in host memory (MetadataBuffers); state follows the KV memory kind.

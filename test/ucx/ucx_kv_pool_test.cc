@@ -16,6 +16,7 @@
 
 #include "backends/ucx/ucx_context.h"
 #include "pdlib/pdlib.h"
+#include "pdlib/spi/transport.h"
 
 using pdlib::KVPoll;
 using pdlib::StatusCode;
@@ -190,6 +191,53 @@ TEST_CASE("ucx KV pools: pool-backed KV buffers receive exactly the bytes sent")
   }
   prefill.manager.reset();
   decode.manager.reset();
+}
+
+// Issue #19: a GPU pool with a backend that cannot reach GPU memory is refused at Create, with a
+// message naming the backend and the memory kind (not a failure deep in the first transfer).
+TEST_CASE("ucx KV pools: a cuda pool with a backend that cannot reach GPU memory fails Create") {
+  pdlib::spi::TransportOptions transport_options;
+  transport_options.options = UcxOptions("shm");
+  auto t = pdlib::spi::CreateTransport("ucx", transport_options);
+  REQUIRE(t.ok());
+  if ((*t)->capabilities().supports_cuda_memory) {
+    WARN("skipped: this UCX reaches CUDA memory (refusal exercised with a UCX without CUDA)");
+    return;
+  }
+  std::vector<uint8_t> buffer(4 * 4096);
+  auto aux = pdlib::MetadataBuffers::Create(8, 0, 0);
+  REQUIRE(aux.ok());
+  for (pdlib::Mode mode : {pdlib::Mode::kPrefill, pdlib::Mode::kDecode}) {
+    pdlib::KVManagerOptions o;
+    o.mode = mode;
+    o.control_plane = pdlib::ControlPlane::kInProcess;
+    o.bootstrap_port = 41900;
+    o.backend = "ucx";
+    o.backend_options = UcxOptions("shm");
+    o.args.kv = {{reinterpret_cast<uint64_t>(buffer.data()),
+                  reinterpret_cast<uint64_t>(buffer.data() + 8192)},
+                 {8192, 8192},
+                 {4096, 4096}};
+    o.args.aux = (*aux)->Describe();
+    o.args.memory_kind = pdlib::MemoryKind::kCuda;
+    o.args.device_id = 3;
+    o.args.page_size = 16;
+    o.args.fingerprint = {1, 8, 128, 2, 1, "cuda-refusal-test"};
+    auto manager = pdlib::KVManager::Create(o);
+    REQUIRE_FALSE(manager.ok());
+    const std::string message = manager.status().ToString();
+    INFO(message);
+    CHECK(manager.status().code() == StatusCode::kFailedPrecondition);
+    CHECK(message.find("'ucx'") != std::string::npos);
+    CHECK(message.find("cuda memory") != std::string::npos);
+    CHECK(message.find("device 3") != std::string::npos);
+    // The same pools in host memory are accepted: it is the memory kind that was refused.
+    o.args.memory_kind = pdlib::MemoryKind::kHost;
+    o.args.device_id = 0;
+    auto host = pdlib::KVManager::Create(o);
+    INFO(host.status().ToString());
+    CHECK(host.ok());
+  }
 }
 
 // The mechanism behind pools: one UCP context per UCX configuration, shared while anyone holds
