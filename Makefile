@@ -26,7 +26,7 @@ build: configure
 	cmake --build --preset $(PRESET) -j $(JOBS)
 
 test: build
-	ctest --preset $(PRESET) -j $(JOBS)
+	ctest --preset $(PRESET) -j $(JOBS) || { scripts/ctest-failures.sh $(BUILD_DIR); exit 8; }
 
 # Builds only what the demo runs (pd-demo, the hosts, the router, pdlib-bootstrap).
 demo: configure
