@@ -13,6 +13,7 @@
 #include "examples/hosts/sharding.h"
 #include "lib/control/bootstrap_server.h"
 #include "pdlib/poll_reduce.h"
+#include "pdlib_kernels/cuda_info.h"
 
 namespace pdlib::hosts {
 namespace {
@@ -85,6 +86,24 @@ Status ValidateHostOptions(const HostOptions& o) {
                                           std::to_string(o.pp_size));
       }
     }
+  }
+  if (o.cuda_device < 0) {
+    return Status::InvalidArgument("cuda_device " + std::to_string(o.cuda_device) +
+                                   " must be >= 0");
+  }
+  if (o.device == kernels::Device::kCuda &&
+      (config->is_mla() || config->has_sliding_window() || config->has_indexer())) {
+    // kernels::Model::Create's rule, checked here so that it is refused before any GPU is asked.
+    const char* what = config->is_mla()               ? "MLA attention"
+                       : config->has_sliding_window() ? "sliding-window attention"
+                                                      : "a lightning indexer";
+    return Status::InvalidArgument("device cuda: model " + o.model + " has " + what +
+                                   ", which the CUDA model has no kernels for (it runs small "
+                                   "and small-hybrid); use device cpu");
+  }
+  if (o.device != kernels::Device::kCpu && o.device != kernels::Device::kCuda) {
+    return Status::InvalidArgument("device " + std::to_string(static_cast<int>(o.device)) +
+                                   ": expected cpu or cuda");
   }
   if (!o.test_fault.empty()) {
     if (o.test_fault != kTestFaultSwapHeads && o.test_fault != kTestFaultSwapIndex) {
@@ -358,6 +377,16 @@ void Host::Rep::Report(Live& l) {
 
 StatusOr<std::unique_ptr<Host>> Host::Create(const HostOptions& options) {
   if (Status s = ValidateHostOptions(options); !s.ok()) return s;
+  if (options.device == kernels::Device::kCuda) {
+    // Before any rank exists: a machine without a usable GPU says so once, with CUDA's reason.
+    const kernels::CudaInfo cuda = kernels::ProbeCuda();
+    if (cuda.device_count == 0) return Status::Unavailable("no CUDA device: " + cuda.reason);
+    if (options.cuda_device >= cuda.device_count) {
+      return Status::InvalidArgument("cuda_device " + std::to_string(options.cuda_device) +
+                                     ": this machine has " + std::to_string(cuda.device_count) +
+                                     " CUDA device(s)");
+    }
+  }
   auto config = ModelConfigByName(options.model);
   auto weights = kernels::ModelWeights::Random(*config, options.seed);
   if (!weights.ok()) return weights.status().WithPrefix("model weights");

@@ -36,6 +36,7 @@
 #include "pdlib/kv_args.h"
 #include "pdlib/kv_manager.h"
 #include "pdlib/status.h"
+#include "pdlib_kernels/model.h"
 
 namespace pdlib::hosts {
 
@@ -52,6 +53,14 @@ struct HostOptions {
   int32_t tp_size = 1;           // tensor-parallel ranks (threads): each holds 1/tp of the heads
   int32_t pp_size = 1;           // pipeline stages: each holds its run of layers
   int32_t threads_per_rank = 0;  // model threads per rank; 0: hardware threads / ranks (>= 1)
+  // Where every rank's model runs and its KV pools live (kernels::RuntimeOptions::device). kCuda:
+  // the CUDA model on GPU `cuda_device`, its pools in GPU memory, registered with pdlib as
+  // MemoryKind::kCuda (device_id cuda_device), so the backend must reach GPU memory ("cuda_ipc");
+  // pdlib's KVManager::Create refuses a backend that cannot, naming both. Create fails with
+  // "no CUDA device: <reason>" where none can be used. The CUDA model runs small and
+  // small-hybrid only (no MLA, sliding-window or indexer kernels).
+  kernels::Device device = kernels::Device::kCpu;
+  int32_t cuda_device = 0;
 
   // pdlib (unused in colocated mode).
   std::string backend = "ucx";

@@ -33,12 +33,20 @@ ABSL_FLAG(int32_t, pp, 1,
           "and state. pd-decode: equal to the prefill's PP, or 1 (pdlib's rule)");
 ABSL_FLAG(int32_t, threads, pdlib::hosts::HostOptions{}.threads_per_rank,
           "model threads per rank; 0: hardware threads / ranks");
+ABSL_FLAG(std::string, device, "cpu",
+          "cpu | cuda: where every rank's model runs and its KV pools live. cuda: the CUDA model "
+          "on GPU --cuda-device, KV pools in GPU memory registered with pdlib as kCuda (the "
+          "backend must reach GPU memory; --backend then defaults to cuda_ipc); models small and "
+          "small-hybrid only; exits 1 with 'no CUDA device: <reason>' where no GPU can be used");
+ABSL_FLAG(int32_t, cuda_device, pdlib::hosts::HostOptions{}.cuda_device,
+          "with --device cuda: which CUDA device every rank uses");
 ABSL_FLAG(bool, colocated, false,
           "pd-decode: prefill on this host's own model, no pdlib (role colocated); requests' "
           "bootstrap fields are ignored");
 ABSL_FLAG(std::string, backend, pdlib::hosts::HostOptions{}.backend,
-          "pdlib transport: ucx | fake | verbs. fake moves no bytes: requests complete, tokens are "
-          "wrong (control-plane tests)");
+          "pdlib transport: ucx | fake | verbs | cuda_ipc (GPU memory on one node; the default "
+          "with --device cuda). fake moves no bytes: requests complete, tokens are wrong "
+          "(control-plane tests)");
 ABSL_FLAG(pdlib_tools::Repeated, backend_option, {},
           "KEY=VALUE backend setting, repeatable (e.g. ucx.tls=shm, ucx.net_devices=lo)");
 ABSL_FLAG(std::string, bootstrap_host, pdlib::hosts::HostOptions{}.bootstrap_host,
@@ -103,6 +111,7 @@ namespace {
 constexpr std::string_view kPrefillOnly[] = {"bootstrap_host", "bootstrap_port", "start_bootstrap"};
 constexpr std::string_view kDecodeOnly[] = {"colocated", "reserved_decode_tokens", "connect",
                                             "test_fault"};
+constexpr char kCudaDefaultBackend[] = "cuda_ipc";
 // pd-prefill only, beyond kPrefillOnly's bootstrap flags (decode rejects them the same way).
 constexpr std::string_view kPrefillPolicy[] = {"layerwise"};
 
@@ -183,7 +192,19 @@ StatusOr<HostFlags> ParseHostFlags(Role program, std::span<const std::string_vie
   o.model = absl::GetFlag(FLAGS_model);
   o.seed = absl::GetFlag(FLAGS_seed);
   o.threads_per_rank = absl::GetFlag(FLAGS_threads);
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device == "cuda") {
+    o.device = kernels::Device::kCuda;
+  } else if (device != "cpu") {
+    return Status::InvalidArgument("--device '" + device + "': expected cpu or cuda");
+  }
+  o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   o.backend = absl::GetFlag(FLAGS_backend);
+  // GPU pools need a backend that reaches GPU memory: cuda_ipc unless one is named.
+  if (o.device == kernels::Device::kCuda &&
+      std::find(parsed.given.begin(), parsed.given.end(), "backend") == parsed.given.end()) {
+    o.backend = kCudaDefaultBackend;
+  }
   for (const std::string& kv : absl::GetFlag(FLAGS_backend_option).values) {
     const size_t eq = kv.find('=');
     if (eq == std::string::npos || eq == 0) {
@@ -214,6 +235,7 @@ StatusOr<HostFlags> ParseHostFlags(Role program, std::span<const std::string_vie
            InRange("tp", tp, 1, 64),
            InRange("pp", pp, 1, 64),
            InRange("threads", o.threads_per_rank, 0, 1024),
+           InRange("cuda_device", o.cuda_device, 0, 1023),
            InRange("bootstrap_port", bootstrap_port, 0, 65535),
            InRange("num_pages", o.num_pages, 1, kMax),
            InRange("max_running", o.max_running, 1, 1 << 16),

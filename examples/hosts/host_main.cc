@@ -51,10 +51,15 @@ int HostMain(Role program, int argc, char** argv) {
     std::fprintf(stderr, "%s: %s\n", name, service.status().ToString().c_str());
     return 1;
   }
-  std::fprintf(stderr, "%s: role %s, model %s seed %llu, tp %d pp %d, backend %s, %d pages/rank\n",
+  const std::string device = o.device == kernels::Device::kCuda
+                                 ? "cuda:" + std::to_string(o.cuda_device)
+                                 : std::string("cpu");
+  std::fprintf(stderr,
+               "%s: role %s, model %s seed %llu, tp %d pp %d, device %s, backend %s, %d "
+               "pages/rank\n",
                name, role.c_str(), o.model.c_str(), static_cast<unsigned long long>(o.seed),
-               o.tp_size, o.pp_size, o.role == Role::kColocated ? "none" : o.backend.c_str(),
-               o.num_pages);
+               o.tp_size, o.pp_size, device.c_str(),
+               o.role == Role::kColocated ? "none" : o.backend.c_str(), o.num_pages);
   std::string ready = "READY role=" + role + " port=" + std::to_string((*service)->port());
   if (o.role == Role::kPrefill) {
     const BootstrapAddress b = (*host)->bootstrap();

@@ -171,6 +171,8 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
   const int32_t request_slots = prefill ? options.max_running : 2 * options.max_running;
   const int32_t ranks = options.tp_size * options.pp_size;
   kernels::RuntimeOptions runtime;
+  runtime.device = options.device;
+  runtime.cuda_device = options.cuda_device;
   runtime.num_pages = options.num_pages;
   runtime.num_state_slots = std::max(1, request_slots);
   runtime.num_threads =
@@ -199,6 +201,9 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
                          "pd-example-" + options.model + "-seed" + std::to_string(options.seed));
   if (!args.ok()) return fail(args.status(), "pdlib registration");
   args->aux = rep->metadata->Describe();
+  // GPU pools (kCuda, from the cache) live on the rank's device; the metadata slots stay in host
+  // memory.
+  args->device_id = options.cuda_device;
   uint64_t kv_bytes_per_page = rep->runner->kv_bytes_per_page();
   uint64_t page_state_bytes_per_page = rep->runner->page_state_bytes_per_page();
 

@@ -13,6 +13,7 @@
 
 #include "examples/proto/pd_serving.grpc.pb.h"
 #include "hosts_reference.h"
+#include "pdlib_kernels/cuda_info.h"
 #include "tools/common/child_process.h"
 
 namespace pdlib::hosts {
@@ -143,6 +144,48 @@ TEST_CASE("hosts process: pd-decode --colocated generates on its own") {
   REQUIRE(r.result.ok());
   CHECK(r.tokens == testing::Reference("small", 3, {7, 8, 9}, 3));
   CHECK(host.Stop(SIGINT, std::chrono::seconds(15)) == 0);
+}
+
+// A host binary that must exit before serving: its stdout and stderr together, and its status.
+struct Exited {
+  int status = -1;
+  std::string output;
+};
+Exited RunToExit(std::vector<std::string> argv) {
+  pdlib_tools::ChildProcess p({.program = argv[0],
+                               .args = std::vector<std::string>(argv.begin() + 1, argv.end()),
+                               .stderr_mode = pdlib_tools::ChildOptions::Stderr::kMerge});
+  REQUIRE(p.started());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  Exited e;
+  while (auto line = p.ReadLine(deadline)) e.output += *line + "\n";
+  e.status = p.Wait(deadline);
+  if (e.status < 0) e.status = p.KillAndReap(std::chrono::seconds(5));
+  return e;
+}
+
+TEST_CASE("hosts process: --device takes cpu or cuda; cuda without a GPU exits 1 with the reason") {
+  const Exited bad = RunToExit({PD_DECODE_BIN, "--device", "tpu"});
+  INFO(bad.output);
+  CHECK(bad.status == 2);
+  CHECK_THAT(bad.output, Catch::Contains("--device 'tpu': expected cpu or cuda"));
+
+  const kernels::CudaInfo cuda = kernels::ProbeCuda();
+  if (cuda.device_count > 0) {
+    WARN("skipped the no-GPU case: CUDA device " << cuda.device_name << " is present");
+    return;
+  }
+  // Every role refuses before serving, with CUDA's own reason, and prints no READY line.
+  for (std::vector<std::string> argv :
+       {std::vector<std::string>{PD_PREFILL_BIN}, std::vector<std::string>{PD_DECODE_BIN},
+        std::vector<std::string>{PD_DECODE_BIN, "--colocated"}}) {
+    argv.insert(argv.end(), {"--device", "cuda", "--threads", "1", "--num-pages", "16"});
+    const Exited e = RunToExit(argv);
+    INFO(argv[0] << (argv.size() > 7 ? " --colocated" : "") << ": " << e.output);
+    CHECK(e.status == 1);
+    CHECK_THAT(e.output, Catch::Contains("no CUDA device: " + cuda.reason));
+    CHECK(e.output.find("READY") == std::string::npos);
+  }
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "examples/hosts/host_service.h"
 #include "examples/proto/pd_serving.grpc.pb.h"
 #include "hosts_reference.h"
+#include "pdlib_kernels/cuda_info.h"
 
 namespace pdlib::hosts {
 namespace {
@@ -267,9 +268,60 @@ TEST_CASE("hosts flags: parsing and defaults and refusals") {
         "Unknown command line flag 'bogus' (see --help)");
   CHECK(Parse(Role::kDecode, {"stray"}).status().message() ==
         "unexpected argument 'stray' (see --help)");
+  // Issue #19: the device. cpu by default (backend ucx); cuda switches the default backend to
+  // cuda_ipc (GPU pools need a backend that reaches GPU memory) but keeps one that is named.
+  CHECK((d->host.device == kernels::Device::kCpu && d->host.cuda_device == 0));
+  auto gpu = Parse(Role::kPrefill, {"--device", "cuda", "--cuda-device", "3"});
+  INFO(gpu.status().ToString());
+  REQUIRE(gpu.ok());
+  CHECK((gpu->host.device == kernels::Device::kCuda && gpu->host.cuda_device == 3));
+  CHECK(gpu->host.backend == "cuda_ipc");
+  auto gpu_ucx = Parse(Role::kDecode, {"--device=cuda", "--backend", "ucx"});
+  REQUIRE(gpu_ucx.ok());
+  CHECK((gpu_ucx->host.device == kernels::Device::kCuda && gpu_ucx->host.backend == "ucx"));
+  auto cpu = Parse(Role::kDecode, {"--device", "cpu"});
+  REQUIRE(cpu.ok());
+  CHECK((cpu->host.device == kernels::Device::kCpu && cpu->host.backend == "ucx"));
+  CHECK(Parse(Role::kDecode, {"--device", "gpu"}).status().message() ==
+        "--device 'gpu': expected cpu or cuda");
+  CHECK(Parse(Role::kDecode, {"--device", "CUDA"}).status().code() == StatusCode::kInvalidArgument);
+  CHECK(Parse(Role::kDecode, {"--cuda-device", "-1"}).status().message() ==
+        "--cuda_device '-1': not an integer in [0, 1023]");
+  // Models the CUDA model has no kernels for are refused before any GPU is asked.
+  for (const char* model : {"small-mla", "small-swa", "small-nsa"}) {
+    auto m = Parse(Role::kDecode, {"--device", "cuda", "--model", model});
+    INFO(model);
+    CHECK(m.status().code() == StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(m.status().message()),
+               Catch::Contains("device cuda: model " + std::string(model)) &&
+                   Catch::Contains("use device cpu"));
+  }
+  CHECK(Parse(Role::kDecode, {"--device", "cuda", "--model", "small-hybrid"}).ok());
+
   auto help = Parse(Role::kDecode, {"--help", "--tp", "4"});
   REQUIRE(help.ok());
   CHECK(help->help);
+}
+
+TEST_CASE("hosts: device cuda without a usable GPU fails Host::Create with CUDA's reason") {
+  const kernels::CudaInfo cuda = kernels::ProbeCuda();
+  if (cuda.device_count > 0) {
+    WARN("skipped: CUDA device " << cuda.device_name << " is present");
+    return;
+  }
+  REQUIRE(!cuda.reason.empty());
+  for (Role role : {Role::kPrefill, Role::kDecode, Role::kColocated}) {
+    HostOptions o;
+    o.role = role;
+    o.device = kernels::Device::kCuda;
+    o.backend = "cuda_ipc";
+    o.threads_per_rank = 1;
+    o.num_pages = 16;
+    auto host = Host::Create(o);
+    INFO(RoleName(role) << ": " << host.status().ToString());
+    CHECK(host.status().code() == StatusCode::kUnavailable);
+    CHECK(host.status().message() == "no CUDA device: " + cuda.reason);
+  }
 }
 
 TEST_CASE("hosts flags: --help documents every flag, each program only its own") {
@@ -293,6 +345,8 @@ TEST_CASE("hosts flags: --help documents every flag, each program only its own")
                                            "--verbose ",
                                            "--tp ",
                                            "--pp ",
+                                           "--device ",
+                                           "--cuda_device ",
                                            "READY role="};
   const std::vector<std::string> prefill_only = {"--bootstrap_host ", "--bootstrap_port ",
                                                  "--start_bootstrap "};
