@@ -1,0 +1,369 @@
+// The cuda_ipc backend's own tests (backends/cuda_ipc): its blobs (round trips, and refusal of
+// truncated, foreign, other-version and other-node blobs), its options, the process checks and
+// process_vm_writev path against a forked child (a second process whose memory we write and
+// which compares the bytes), the transport over host memory (byte compare, dead target), and
+// what it says about CUDA memory without a device. The [gpu] cases register cudaMalloc'ed
+// memory and compare bytes after copying them back; without a usable device they print why and
+// pass (WARN), never pretend: run them on a GPU machine (README.md of the backend says how).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "backends/cuda_ipc/cuda_ipc_cma.h"
+#include "backends/cuda_ipc/cuda_ipc_cuda.h"
+#include "backends/cuda_ipc/cuda_ipc_options.h"
+#include "backends/cuda_ipc/cuda_ipc_wire.h"
+#include "pdlib/spi/transport.h"
+#include "test/support/write_completions.h"
+
+namespace spi = pdlib::spi;
+namespace ci = pdlib::cuda_ipc;
+using pdlib::Status;
+using pdlib::StatusCode;
+
+namespace {
+
+using Completions = pdlib::testing::WriteCompletions;
+
+bool Contains(const Status& s, const std::string& text) {
+  return s.ToString().find(text) != std::string::npos;
+}
+
+std::unique_ptr<spi::Transport> MakeTransport(std::map<std::string, std::string> options = {}) {
+  spi::TransportOptions o;
+  o.options = std::move(options);
+  auto t = spi::CreateTransport("cuda_ipc", o);
+  INFO(t.status().ToString());
+  REQUIRE(t.ok());
+  return std::move(*t);
+}
+
+// A child process that holds a copy of our memory (fork) and, once told through a pipe,
+// compares `region` with `expected` and exits 0 when they match, 1 when not. While it waits,
+// the parent writes into its copy of `region` with process_vm_writev.
+class Child {
+ public:
+  Child(const uint8_t* region, const std::vector<uint8_t>& expected) {
+    int fds[2];
+    REQUIRE(pipe(fds) == 0);
+    pid_ = fork();
+    REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {
+      close(fds[1]);
+      char go = 0;
+      if (read(fds[0], &go, 1) != 1) _exit(2);
+      _exit(std::memcmp(region, expected.data(), expected.size()) == 0 ? 0 : 1);
+    }
+    close(fds[0]);
+    go_fd_ = fds[1];
+  }
+  ~Child() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (go_fd_ >= 0) close(go_fd_);
+  }
+  pid_t pid() const { return pid_; }
+  // Tells the child to compare; returns its exit status.
+  int Check() {
+    char go = 1;
+    REQUIRE(write(go_fd_, &go, 1) == 1);
+    int status = 0;
+    REQUIRE(waitpid(pid_, &status, 0) == pid_);
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  void Kill() {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int go_fd_ = -1;
+};
+
+std::vector<uint8_t> Pattern(size_t bytes, int salt) {
+  std::vector<uint8_t> v(bytes);
+  for (size_t i = 0; i < bytes; ++i) v[i] = static_cast<uint8_t>(i * 131 + salt + i / 251);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("cuda_ipc endpoint blobs round-trip and refuse malformed ones") {
+  ci::EndpointInfo info{42, {1234, 987654321}, std::string(ci::kBootIdBytes, 'b')};
+  spi::Blob blob = ci::EncodeEndpoint(info);
+  auto back = ci::DecodeEndpoint(blob);
+  REQUIRE(back.ok());
+  CHECK(back->target == 42);
+  CHECK(back->process.pid == 1234);
+  CHECK(back->process.start_time == 987654321);
+  CHECK(back->boot_id == info.boot_id);
+
+  for (size_t n = 0; n < blob.size(); ++n) {  // every truncation
+    spi::Blob cut(blob.begin(), blob.begin() + n);
+    auto r = ci::DecodeEndpoint(cut);
+    CHECK(r.status().code() == StatusCode::kInvalidArgument);
+  }
+  spi::Blob longer = blob;
+  longer.push_back(0);
+  CHECK(Contains(ci::DecodeEndpoint(longer).status(), "expected"));
+  spi::Blob foreign = blob;
+  foreign[0] ^= 0xff;
+  CHECK(Contains(ci::DecodeEndpoint(foreign).status(), "another backend"));
+  spi::Blob version = blob;
+  version[4] = 9;
+  CHECK(Contains(ci::DecodeEndpoint(version).status(), "version 9"));
+  ci::EndpointInfo bad_pid = info;
+  bad_pid.process.pid = 0;
+  CHECK(Contains(ci::DecodeEndpoint(ci::EncodeEndpoint(bad_pid)).status(), "pid 0"));
+}
+
+TEST_CASE("cuda_ipc key blobs round-trip and refuse malformed ones") {
+  ci::KeyInfo host;
+  host.kind = ci::KeyKind::kHost;
+  host.length = 4096;
+  host.address = 0x7f0000001000;
+  auto h = ci::DecodeKey(ci::EncodeKey(host));
+  REQUIRE(h.ok());
+  CHECK(h->kind == ci::KeyKind::kHost);
+  CHECK(h->length == 4096);
+  CHECK(h->address == host.address);
+
+  ci::KeyInfo cuda;
+  cuda.kind = ci::KeyKind::kCuda;
+  cuda.length = 1 << 20;
+  cuda.address = 0x7e0000000000;
+  cuda.offset = 512;
+  cuda.device = 3;
+  std::iota(cuda.handle.begin(), cuda.handle.end(), 1);
+  spi::Blob cblob = ci::EncodeKey(cuda);
+  auto c = ci::DecodeKey(cblob);
+  REQUIRE(c.ok());
+  CHECK(c->kind == ci::KeyKind::kCuda);
+  CHECK(c->offset == 512);
+  CHECK(c->device == 3);
+  CHECK(c->handle == cuda.handle);
+  CHECK(c->address == cuda.address);
+
+  for (size_t n = 0; n < cblob.size(); ++n) {
+    spi::Blob cut(cblob.begin(), cblob.begin() + n);
+    CHECK(ci::DecodeKey(cut).status().code() == StatusCode::kInvalidArgument);
+  }
+  spi::Blob unknown = cblob;
+  unknown[8] = 7;  // the kind
+  CHECK(Contains(ci::DecodeKey(unknown).status(), "unknown memory kind 7"));
+  ci::KeyInfo empty = host;
+  empty.length = 0;
+  CHECK(Contains(ci::DecodeKey(ci::EncodeKey(empty)).status(), "empty"));
+  ci::KeyInfo wraps = host;
+  wraps.address = ~uint64_t{0} - 10;
+  CHECK(Contains(ci::DecodeKey(ci::EncodeKey(wraps)).status(), "wraps"));
+  // An endpoint blob is not a key, and the other way round.
+  CHECK(Contains(ci::DecodeKey(ci::EncodeEndpoint({1, {1, 1}, "x"})).status(), "another backend"));
+}
+
+TEST_CASE("cuda_ipc options") {
+  auto defaults = ci::ParseCudaIpcOptions({{"ucx.tls", "shm"}});  // others' keys are ignored
+  REQUIRE(defaults.ok());
+  CHECK(defaults->copy == ci::CopyMode::kKernel);
+  CHECK(defaults->ptracer == ci::Ptracer::kAny);
+  auto set = ci::ParseCudaIpcOptions(
+      {{"cuda_ipc.copy", "memcpy"}, {"cuda_ipc.ptracer", "keep"}, {"cuda_ipc.busy_poll_us", "0"}});
+  REQUIRE(set.ok());
+  CHECK(set->copy == ci::CopyMode::kMemcpy);
+  CHECK(set->ptracer == ci::Ptracer::kKeep);
+  CHECK(set->busy_poll_us == 0);
+  Status bad = ci::ParseCudaIpcOptions({{"cuda_ipc.copy", "dma"}}).status();
+  CHECK(Contains(bad, "cuda_ipc.copy"));
+  CHECK(Contains(bad, "'kernel'"));
+  Status typo = ci::ParseCudaIpcOptions({{"cuda_ipc.cpy", "kernel"}}).status();
+  CHECK(Contains(typo, "cuda_ipc.cpy"));
+  CHECK(Contains(typo, "cuda_ipc.copy"));  // the known keys are listed
+  // The factory refuses them too, naming the key.
+  spi::TransportOptions o;
+  o.options = {{"cuda_ipc.busy_poll_us", "-1"}};
+  CHECK(Contains(spi::CreateTransport("cuda_ipc", o).status(), "cuda_ipc.busy_poll_us"));
+}
+
+TEST_CASE("cuda_ipc process identity tells a live process from a gone or reused pid") {
+  auto self = ci::SelfProcessId();
+  REQUIRE(self.ok());
+  CHECK(self->pid == getpid());
+  CHECK(ci::CheckProcessAlive(*self).ok());
+  ci::ProcessId reused = *self;
+  reused.start_time += 1;  // our pid, another start: a process that reused the pid
+  CHECK(ci::CheckProcessAlive(reused).code() == StatusCode::kUnavailable);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) _exit(0);
+  auto start = ci::ReadProcessStartTime(child);  // may already be a zombie: still readable
+  REQUIRE(waitpid(child, nullptr, 0) == child);
+  Status gone = ci::CheckProcessAlive({child, start.ok() ? *start : 1});
+  CHECK(gone.code() == StatusCode::kUnavailable);
+  CHECK(Contains(gone, std::to_string(child)));
+  auto boot = ci::ReadBootId();
+  REQUIRE(boot.ok());
+  CHECK(boot->size() == ci::kBootIdBytes);
+}
+
+TEST_CASE("cuda_ipc process_vm_writev writes another process's memory, byte for byte") {
+  // More pieces than IOV_MAX (1024), of odd sizes, scattered backwards over the region.
+  constexpr size_t kPieces = 2500, kPiece = 37;
+  std::vector<uint8_t> region(kPieces * kPiece, 0);
+  const std::vector<uint8_t> src = Pattern(region.size(), 5);
+  std::vector<uint8_t> expected(region.size());
+  std::vector<ci::CmaWrite> writes;
+  for (size_t i = 0; i < kPieces; ++i) {
+    const size_t to = (kPieces - 1 - i) * kPiece;
+    writes.push_back(
+        {src.data() + i * kPiece, reinterpret_cast<uint64_t>(region.data() + to), kPiece});
+    std::memcpy(expected.data() + to, src.data() + i * kPiece, kPiece);
+  }
+  Child child(region.data(), expected);
+  REQUIRE(ci::WriteProcessMemory(child.pid(), writes).ok());
+  CHECK(std::all_of(region.begin(), region.end(), [](uint8_t b) { return b == 0; }));  // not ours
+  CHECK(child.Check() == 0);  // the child saw every byte
+
+  // Negative control: the child compares against bytes we did not write.
+  std::vector<uint8_t> wrong = expected;
+  wrong[77] ^= 1;
+  Child strict(region.data(), wrong);
+  REQUIRE(ci::WriteProcessMemory(strict.pid(), writes).ok());
+  CHECK(strict.Check() == 1);
+
+  // A gone process and an unmapped destination are Unavailable, naming the pid.
+  Child dead(region.data(), expected);
+  const pid_t pid = dead.pid();
+  dead.Kill();
+  Status gone = ci::WriteProcessMemory(pid, writes);
+  CHECK(gone.code() == StatusCode::kUnavailable);
+  CHECK(Contains(gone, std::to_string(pid)));
+  uint8_t byte = 1;
+  ci::CmaWrite unmapped{&byte, 8, 1};  // address 8 is never mapped
+  Status fault = ci::WriteProcessMemory(getpid(), std::span(&unmapped, 1));
+  CHECK(fault.code() == StatusCode::kUnavailable);
+  CHECK(Contains(fault, "not mapped"));
+}
+
+TEST_CASE("cuda_ipc transport writes a forked target's host memory and notices when it is gone") {
+  auto t = MakeTransport();
+  constexpr size_t kPage = 4096, kPages = 64;
+  std::vector<uint8_t> src = Pattern(kPage * kPages, 9);
+  std::vector<uint8_t> dst(kPage * kPages, 0);
+  spi::Blob src_key, dst_key;
+  auto sr = t->RegisterMemory({src.data(), src.size()}, &src_key);
+  auto dr = t->RegisterMemory({dst.data(), dst.size()}, &dst_key);  // the child's copy is written
+  REQUIRE(sr.ok());
+  REQUIRE(dr.ok());
+  // Page i goes to page (i * 7) % kPages: scattered, every page once.
+  std::vector<spi::WriteOp> ops;
+  std::vector<uint8_t> expected(dst.size());
+  for (uint64_t i = 0; i < kPages; ++i) {
+    const uint64_t to = (i * 7) % kPages;
+    ops.push_back({*sr, i * kPage, 0, to * kPage, kPage});
+    std::memcpy(expected.data() + to * kPage, src.data() + i * kPage, kPage);
+  }
+  Child child(dst.data(), expected);
+  auto boot = ci::ReadBootId();
+  auto start = ci::ReadProcessStartTime(child.pid());
+  REQUIRE(boot.ok());
+  REQUIRE(start.ok());
+  // The endpoint the child would have sent (it has no transport of its own: forked, not exec'd).
+  spi::Blob endpoint = ci::EncodeEndpoint({1, {child.pid(), *start}, *boot});
+  auto conn = t->Connect(endpoint);
+  REQUIRE(conn.ok());
+  auto remote = t->ImportRemoteRegion(
+      conn->peer, {reinterpret_cast<uint64_t>(dst.data()), dst.size(), dst_key});
+  REQUIRE(remote.ok());
+  Completions done;
+  REQUIRE(t->PostWrites(conn->peer, ops, done.Callback()).ok());
+  REQUIRE(done.Wait(1));
+  CHECK(done.statuses()[0].ok());
+  const pid_t pid = child.pid();
+  CHECK(child.Check() == 0);  // compared every byte, then exited
+
+  // The target is gone now: the next batch is refused with kUnavailable naming its pid.
+  Status gone = t->PostWrites(conn->peer, ops, done.Callback());
+  CHECK(gone.code() == StatusCode::kUnavailable);
+  CHECK(Contains(gone, "process " + std::to_string(pid) + " exited"));
+  // ... and the peer stays failed with that reason.
+  CHECK(t->PostWrites(conn->peer, {}, done.Callback()).code() == StatusCode::kUnavailable);
+  t->Disconnect(conn->peer);
+}
+
+TEST_CASE("cuda_ipc Connect and ImportRemoteRegion refuse what cannot be written") {
+  auto t = MakeTransport();
+  auto boot = ci::ReadBootId();
+  auto self = ci::SelfProcessId();
+  REQUIRE(boot.ok());
+  REQUIRE(self.ok());
+  std::string other_boot = *boot;
+  other_boot[0] = other_boot[0] == 'a' ? 'b' : 'a';
+  Status other_node = t->Connect(ci::EncodeEndpoint({1, *self, other_boot})).status();
+  CHECK(other_node.code() == StatusCode::kFailedPrecondition);
+  CHECK(Contains(other_node, "another node"));
+  CHECK(Contains(other_node, "one node"));
+  CHECK(Contains(t->Connect(spi::Blob{1, 2, 3}).status(), "truncated"));
+  ci::ProcessId reused = *self;
+  reused.start_time += 5;
+  CHECK(t->Connect(ci::EncodeEndpoint({1, reused, *boot})).status().code() ==
+        StatusCode::kUnavailable);
+
+  auto ep = t->CreateTargetEndpoint();
+  REQUIRE(ep.ok());
+  auto conn = t->Connect(ep->blob);
+  REQUIRE(conn.ok());
+  std::vector<uint8_t> buf(1024);
+  spi::Blob key;
+  REQUIRE(t->RegisterMemory({buf.data(), buf.size()}, &key).ok());
+  const auto addr = reinterpret_cast<uint64_t>(buf.data());
+  // A region larger than, or outside, the one its key describes.
+  CHECK(Contains(t->ImportRemoteRegion(conn->peer, {addr, 2048, key}).status(), "not inside"));
+  CHECK(Contains(t->ImportRemoteRegion(conn->peer, {addr - 16, 64, key}).status(), "not inside"));
+  CHECK(t->ImportRemoteRegion(conn->peer, {addr + 512, 512, key}).ok());  // a part is fine
+  // A CUDA key without a device here is refused with the reason.
+  ci::DeviceProbe probe = ci::ProbeDevices();
+  if (probe.count == 0) {
+    ci::KeyInfo cuda;
+    cuda.kind = ci::KeyKind::kCuda;
+    cuda.length = 4096;
+    cuda.address = 1 << 20;
+    Status refused =
+        t->ImportRemoteRegion(conn->peer, {1 << 20, 4096, ci::EncodeKey(cuda)}).status();
+    CHECK(refused.code() == StatusCode::kFailedPrecondition);
+    CHECK(Contains(refused, "cudaGetDeviceCount"));
+  }
+  t->Disconnect(conn->peer);
+}
+
+TEST_CASE("cuda_ipc without a CUDA device: host memory works, CUDA memory is refused with why") {
+  ci::DeviceProbe probe = ci::ProbeDevices();
+  auto t = MakeTransport();
+  CHECK(t->capabilities().supports_cuda_memory == (probe.count > 0));
+  CHECK_FALSE(t->capabilities().fences);
+  CHECK(t->capabilities().moves_bytes);
+  CHECK(t->FenceTarget(1).code() == StatusCode::kUnimplemented);
+  if (probe.count > 0) {
+    WARN("a CUDA device is present: the no-device refusal is not checked here");
+    return;
+  }
+  std::vector<uint8_t> buf(4096);
+  spi::MemoryRegion region{buf.data(), buf.size(), pdlib::MemoryKind::kCuda, 0};
+  Status refused = t->RegisterMemory(region, nullptr).status();
+  INFO(refused.ToString());
+  CHECK(refused.code() == StatusCode::kFailedPrecondition);
+  CHECK(Contains(refused, "cuda_ipc"));
+  CHECK(Contains(refused, "cuda"));
+  CHECK(Contains(refused, "cudaGetDeviceCount"));
+  CHECK(Contains(refused, probe.why_none.ToString().substr(0, 20)));
+}
