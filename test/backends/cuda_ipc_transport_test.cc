@@ -5,11 +5,15 @@
 // what it says about CUDA memory without a device. The [gpu] cases register cudaMalloc'ed
 // memory and compare bytes after copying them back; without a usable device they print why and
 // pass (WARN), never pretend: run them on a GPU machine (README.md of the backend says how).
+#include <cuda_runtime_api.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -366,4 +370,257 @@ TEST_CASE("cuda_ipc without a CUDA device: host memory works, CUDA memory is ref
   CHECK(Contains(refused, "cuda"));
   CHECK(Contains(refused, "cudaGetDeviceCount"));
   CHECK(Contains(refused, probe.why_none.ToString().substr(0, 20)));
+}
+
+// ---- GPU cases: cudaMalloc'ed regions, bytes compared after copying them back ----
+namespace {
+
+// Why the GPU cases cannot run here (empty: they can).
+std::string WhyNoGpu() {
+  ci::DeviceProbe probe = ci::ProbeDevices();
+  return probe.count > 0 ? "" : probe.why_none.ToString();
+}
+
+constexpr uint64_t kGpuPage = 4096, kGpuPages = 64, kGpuBytes = kGpuPage * kGpuPages;
+constexpr uint64_t kGpuOffset = 8192;  // the target region starts this far into its allocation
+
+// The batch the GPU cases write (remote offsets within one region of kGpuBytes): whole pages
+// scattered ((i * 7) % pages, the first half) and, for the second half, an NHD-like head slice
+// of every page (8 pieces of 64 bytes at a stride of 512), which the copy plan coalesces.
+std::vector<spi::WriteOp> GpuOps(spi::LocalRegionId local, spi::RemoteRegionId remote) {
+  std::vector<spi::WriteOp> ops;
+  for (uint64_t i = 0; i < kGpuPages / 2; ++i) {
+    ops.push_back({local, i * kGpuPage, remote, ((i * 7) % (kGpuPages / 2)) * kGpuPage, kGpuPage});
+  }
+  for (uint64_t i = kGpuPages / 2; i < kGpuPages; ++i) {
+    const uint64_t to = kGpuPages / 2 + (kGpuPages - 1 - i);
+    for (uint64_t piece = 0; piece < 8; ++piece) {
+      ops.push_back(
+          {local, i * kGpuPage + piece * 512 + 128, remote, to * kGpuPage + piece * 512, 64});
+    }
+  }
+  return ops;
+}
+
+// What the destination holds after GpuOps over `src`, starting from zeros.
+std::vector<uint8_t> GpuExpected(const std::vector<uint8_t>& src) {
+  std::vector<uint8_t> dst(kGpuBytes, 0);
+  for (const spi::WriteOp& op : GpuOps(0, 0)) {
+    std::memcpy(dst.data() + op.remote_offset, src.data() + op.local_offset, op.length);
+  }
+  return dst;
+}
+
+void* DeviceCopyOf(const std::vector<uint8_t>& host, uint64_t pad = 0) {
+  void* p = nullptr;
+  REQUIRE(cudaMalloc(&p, host.size() + pad) == cudaSuccess);
+  REQUIRE(cudaMemset(p, 0, host.size() + pad) == cudaSuccess);
+  REQUIRE(cudaMemcpy(static_cast<uint8_t*>(p) + pad, host.data(), host.size(),
+                     cudaMemcpyHostToDevice) == cudaSuccess);
+  return p;
+}
+
+std::vector<uint8_t> HostCopyOf(const void* device, uint64_t bytes) {
+  std::vector<uint8_t> host(bytes);
+  REQUIRE(cudaMemcpy(host.data(), device, bytes, cudaMemcpyDeviceToHost) == cudaSuccess);
+  return host;
+}
+
+std::string Hex(const spi::Blob& blob) {
+  std::string out;
+  char buf[3];
+  for (uint8_t b : blob) {
+    std::snprintf(buf, sizeof(buf), "%02x", b);
+    out += buf;
+  }
+  return out;
+}
+
+spi::Blob Unhex(const std::string& text) {
+  spi::Blob out;
+  for (size_t i = 0; i + 1 < text.size(); i += 2) {
+    out.push_back(static_cast<uint8_t>(std::stoi(text.substr(i, 2), nullptr, 16)));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("cuda_ipc [gpu] in one process: device, host-to-device and device-to-host writes") {
+  if (const std::string why = WhyNoGpu(); !why.empty()) {
+    WARN("SKIP cuda_ipc GPU case: no usable CUDA device (" << why << ")");
+    return;
+  }
+  const std::string copy = GENERATE(std::string("kernel"), std::string("memcpy"));
+  INFO("cuda_ipc.copy=" << copy);
+  auto initiator = MakeTransport({{"cuda_ipc.copy", copy}});
+  auto target = MakeTransport();
+  REQUIRE(initiator->capabilities().supports_cuda_memory);
+  const std::vector<uint8_t> src = Pattern(kGpuBytes, 3);
+  void* src_dev = DeviceCopyOf(src);
+  void* dst_alloc = DeviceCopyOf(std::vector<uint8_t>(kGpuBytes, 0), kGpuOffset);
+  void* dst_dev = static_cast<uint8_t*>(dst_alloc) + kGpuOffset;
+  std::vector<uint8_t> host_dst(kGpuBytes, 0);  // a host region written from device memory
+  std::vector<uint8_t> host_src = Pattern(kGpuBytes, 11);
+  spi::Blob dst_key, host_key;
+  auto sr = initiator->RegisterMemory({src_dev, kGpuBytes, pdlib::MemoryKind::kCuda, 0}, nullptr);
+  auto hs = initiator->RegisterMemory({host_src.data(), kGpuBytes}, nullptr);
+  auto dr = target->RegisterMemory({dst_dev, kGpuBytes, pdlib::MemoryKind::kCuda, 0}, &dst_key);
+  auto hr = target->RegisterMemory({host_dst.data(), kGpuBytes}, &host_key);
+  REQUIRE(sr.ok());
+  REQUIRE(hs.ok());
+  INFO(dr.status().ToString());
+  REQUIRE(dr.ok());
+  REQUIRE(hr.ok());
+  auto ep = target->CreateTargetEndpoint();
+  REQUIRE(ep.ok());
+  auto conn = initiator->Connect(ep->blob);
+  REQUIRE(conn.ok());
+  auto remote = initiator->ImportRemoteRegion(
+      conn->peer, {reinterpret_cast<uint64_t>(dst_dev), kGpuBytes, dst_key});
+  auto remote_host = initiator->ImportRemoteRegion(
+      conn->peer, {reinterpret_cast<uint64_t>(host_dst.data()), kGpuBytes, host_key});
+  REQUIRE(remote.ok());
+  REQUIRE(remote_host.ok());
+
+  // Device -> device (gathered), and device -> host into the host region, in one batch.
+  std::vector<spi::WriteOp> ops = GpuOps(*sr, *remote);
+  ops.push_back({*sr, 0, *remote_host, kGpuPage, 3 * kGpuPage});
+  Completions done;
+  REQUIRE(initiator->PostWrites(conn->peer, ops, done.Callback()).ok());
+  REQUIRE(done.Wait(1));
+  INFO(done.statuses()[0].ToString());
+  CHECK(done.statuses()[0].ok());
+  CHECK(HostCopyOf(dst_dev, kGpuBytes) == GpuExpected(src));
+  CHECK(std::equal(src.begin(), src.begin() + 3 * kGpuPage, host_dst.begin() + kGpuPage));
+  CHECK(std::all_of(host_dst.begin(), host_dst.begin() + kGpuPage, [](uint8_t b) { return !b; }));
+
+  // Host -> device: every page of the host source onto the device region in reverse.
+  std::vector<spi::WriteOp> up;
+  for (uint64_t i = 0; i < kGpuPages; ++i) {
+    up.push_back({*hs, i * kGpuPage, *remote, (kGpuPages - 1 - i) * kGpuPage, kGpuPage});
+  }
+  REQUIRE(initiator->PostWrites(conn->peer, up, done.Callback()).ok());
+  REQUIRE(done.Wait(2));
+  CHECK(done.statuses()[1].ok());
+  const std::vector<uint8_t> back = HostCopyOf(dst_dev, kGpuBytes);
+  for (uint64_t i = 0; i < kGpuPages; ++i) {
+    CHECK(std::equal(host_src.begin() + i * kGpuPage, host_src.begin() + (i + 1) * kGpuPage,
+                     back.begin() + (kGpuPages - 1 - i) * kGpuPage));
+  }
+  // The bytes before the region in its allocation were never touched.
+  CHECK(HostCopyOf(dst_alloc, kGpuOffset) == std::vector<uint8_t>(kGpuOffset, 0));
+  initiator->Disconnect(conn->peer);
+  initiator.reset();
+  target.reset();
+  cudaFree(src_dev);
+  cudaFree(dst_alloc);
+}
+
+// The target half of the next case, run in a process of its own (this binary, exec'd with
+// PDLIB_CUDA_IPC_GPU_TARGET=1): registers a cudaMalloc'ed region at an offset into its
+// allocation, prints its endpoint and key, waits for "CHECK" and compares every byte.
+TEST_CASE("cuda_ipc gpu target process", "[.cuda_ipc_gpu_target]") {
+  if (std::getenv("PDLIB_CUDA_IPC_GPU_TARGET") == nullptr) return;
+  auto target = MakeTransport();
+  void* alloc = DeviceCopyOf(std::vector<uint8_t>(kGpuBytes, 0), kGpuOffset);
+  void* region = static_cast<uint8_t*>(alloc) + kGpuOffset;
+  spi::Blob key;
+  auto reg = target->RegisterMemory({region, kGpuBytes, pdlib::MemoryKind::kCuda, 0}, &key);
+  if (!reg.ok()) {
+    std::printf("BLOB ERROR %s\n", reg.status().ToString().c_str());
+    std::fflush(stdout);
+    return;
+  }
+  auto ep = target->CreateTargetEndpoint();
+  REQUIRE(ep.ok());
+  std::printf("BLOB EP %s\nBLOB KEY %s\nBLOB ADDR %llu\n", Hex(ep->blob).c_str(), Hex(key).c_str(),
+              static_cast<unsigned long long>(reinterpret_cast<uint64_t>(region)));
+  std::fflush(stdout);
+  char line[64] = {};
+  if (std::fgets(line, sizeof(line), stdin) == nullptr) return;
+  const std::vector<uint8_t> got = HostCopyOf(region, kGpuBytes);
+  const std::vector<uint8_t> want = GpuExpected(Pattern(kGpuBytes, 3));
+  size_t bad = 0;
+  while (bad < got.size() && got[bad] == want[bad]) ++bad;
+  if (bad == got.size()) {
+    std::printf("BLOB RESULT OK\n");
+  } else {
+    std::printf("BLOB RESULT BAD at byte %zu\n", bad);
+  }
+  std::fflush(stdout);
+  cudaFree(alloc);
+}
+
+TEST_CASE("cuda_ipc [gpu] across processes: writes through an opened IPC handle") {
+  if (const std::string why = WhyNoGpu(); !why.empty()) {
+    WARN("SKIP cuda_ipc GPU case: no usable CUDA device (" << why << ")");
+    return;
+  }
+  const std::string copy = GENERATE(std::string("kernel"), std::string("memcpy"));
+  INFO("cuda_ipc.copy=" << copy);
+  int to_child[2], from_child[2];
+  REQUIRE(pipe(to_child) == 0);
+  REQUIRE(pipe(from_child) == 0);
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    dup2(to_child[0], 0);
+    dup2(from_child[1], 1);
+    setenv("PDLIB_CUDA_IPC_GPU_TARGET", "1", 1);
+    execl("/proc/self/exe", "cuda_ipc_transport_test", "[.cuda_ipc_gpu_target]", nullptr);
+    _exit(127);
+  }
+  close(to_child[0]);
+  close(from_child[1]);
+  FILE* out = fdopen(from_child[0], "r");
+  // Lines starting "BLOB " are the child's; Catch2's own output is skipped.
+  auto next_blob = [&]() -> std::string {
+    char buf[8192];
+    while (true) {
+      pollfd p{from_child[0], POLLIN, 0};
+      if (poll(&p, 1, 60000) <= 0) return "TIMEOUT";
+      if (std::fgets(buf, sizeof(buf), out) == nullptr) return "EOF";
+      std::string line(buf);
+      if (line.rfind("BLOB ", 0) == 0) return line.substr(5, line.find_last_not_of("\n") - 4);
+    }
+  };
+  std::string ep_line = next_blob();
+  INFO("child said: " << ep_line);
+  REQUIRE(ep_line.rfind("EP ", 0) == 0);
+  const std::string key_line = next_blob();
+  const std::string addr_line = next_blob();
+  REQUIRE(key_line.rfind("KEY ", 0) == 0);
+  REQUIRE(addr_line.rfind("ADDR ", 0) == 0);
+
+  auto initiator = MakeTransport({{"cuda_ipc.copy", copy}});
+  const std::vector<uint8_t> src = Pattern(kGpuBytes, 3);
+  void* src_dev = DeviceCopyOf(src);
+  auto sr = initiator->RegisterMemory({src_dev, kGpuBytes, pdlib::MemoryKind::kCuda, 0}, nullptr);
+  REQUIRE(sr.ok());
+  auto conn = initiator->Connect(Unhex(ep_line.substr(3)));
+  REQUIRE(conn.ok());
+  const uint64_t addr = std::stoull(addr_line.substr(5));
+  auto remote =
+      initiator->ImportRemoteRegion(conn->peer, {addr, kGpuBytes, Unhex(key_line.substr(4))});
+  INFO(remote.status().ToString());
+  REQUIRE(remote.ok());
+  // The same allocation imported again (a second region of it) shares the opened handle.
+  auto again = initiator->ImportRemoteRegion(
+      conn->peer, {addr + kGpuPage, kGpuPage, Unhex(key_line.substr(4))});
+  CHECK(again.ok());
+  Completions done;
+  REQUIRE(initiator->PostWrites(conn->peer, GpuOps(*sr, *remote), done.Callback()).ok());
+  REQUIRE(done.Wait(1));
+  INFO(done.statuses()[0].ToString());
+  CHECK(done.statuses()[0].ok());
+  REQUIRE(write(to_child[1], "CHECK\n", 6) == 6);
+  CHECK(next_blob() == "RESULT OK");
+  initiator->Disconnect(conn->peer);  // closes the IPC mapping
+  int status = 0;
+  waitpid(pid, &status, 0);
+  fclose(out);
+  close(to_child[1]);
+  initiator.reset();
+  cudaFree(src_dev);
 }
