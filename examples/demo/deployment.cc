@@ -123,13 +123,16 @@ struct Deployment::Impl {
     return *line;
   }
 
-  std::vector<std::string> HostArgs(const std::string& ip) const {
+  // A host's flags; `device` is its --device ("cpu" or "cuda", on options.cuda_device).
+  std::vector<std::string> HostArgs(const std::string& ip, const std::string& device) const {
     std::vector<std::string> a = {"--host",      ip,
                                   "--port",      "0",
                                   "--model",     options.model,
                                   "--seed",      std::to_string(options.seed),
                                   "--backend",   options.backend,
-                                  "--num-pages", std::to_string(options.num_pages)};
+                                  "--num-pages", std::to_string(options.num_pages),
+                                  "--device",    device};
+    if (device == "cuda") a.insert(a.end(), {"--cuda-device", std::to_string(options.cuda_device)});
     for (const std::string& o : options.backend_options) {
       a.push_back("--backend-option");
       a.push_back(o);
@@ -223,7 +226,7 @@ struct Deployment::Impl {
         boot_host = *ip;
         boot_port = "8998";
       }
-      std::vector<std::string> args = HostArgs(*ip);
+      std::vector<std::string> args = HostArgs(*ip, options.device);
       args.insert(args.end(), {"--bootstrap-host", boot_host, "--bootstrap-port", boot_port, "--tp",
                                std::to_string(options.prefills[i].tp), "--pp",
                                std::to_string(options.prefills[i].pp),
@@ -238,7 +241,7 @@ struct Deployment::Impl {
     for (int32_t i = 0; i < options.decodes; ++i) {
       auto ip = Place("decode" + std::to_string(i));
       if (!ip.ok()) return ip.status();
-      std::vector<std::string> args = HostArgs(*ip);
+      std::vector<std::string> args = HostArgs(*ip, options.device);
       args.insert(args.end(), {"--tp", std::to_string(options.decode_tp), "--pp",
                                std::to_string(options.decode_pp)});
       // Warm-up: connect to every prefill deployment before the first request.
@@ -254,7 +257,7 @@ struct Deployment::Impl {
     if (options.colocated) {
       auto ip = Place("colocated");
       if (!ip.ok()) return ip.status();
-      std::vector<std::string> args = HostArgs(*ip);
+      std::vector<std::string> args = HostArgs(*ip, options.colocated_device);
       args.push_back("--colocated");
       auto ready = Launch("colocated", options.decode_bin, args, "READY ");
       if (!ready.ok()) return ready.status();

@@ -39,6 +39,12 @@ struct DeploymentOptions {
   // Prefill hosts' layer-wise streaming (pd-prefill --layerwise).
   bool layerwise = true;
   uint64_t seed = 1;  // model weights; every host uses the same
+  // The prefill and decode hosts' device (their --device: "cpu" or "cuda", KV pools in GPU
+  // memory) and GPU (--cuda-device), and the colocated host's device: the reference the
+  // disaggregated outputs are compared with.
+  std::string device = "cpu";
+  int32_t cuda_device = 0;
+  std::string colocated_device = "cpu";
   std::string backend = "ucx";
   std::vector<std::string> backend_options;  // "key=value", passed to every host
   std::string policy = "power-of-two";

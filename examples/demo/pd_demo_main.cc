@@ -26,6 +26,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "examples/demo/deployment.h"
+#include "pdlib_kernels/cuda_info.h"
 #include "tools/common/flags.h"
 
 ABSL_FLAG(int64_t, requests, 16, "prompts in the batch");
@@ -38,7 +39,19 @@ ABSL_FLAG(std::string, model, "small",
           "small-swa (sliding-window layers: SWA state) | small-nsa (a lightning indexer picks the "
           "positions each token attends to: NSA state)");
 ABSL_FLAG(int64_t, seed, 1, "model weights and prompts");
-ABSL_FLAG(std::string, backend, "ucx", "pdlib backend of the hosts: ucx | fake | verbs");
+ABSL_FLAG(std::string, backend, "",
+          "pdlib backend of the hosts: ucx | fake | verbs | cuda_ipc; default ucx, cuda_ipc with "
+          "--device cuda");
+ABSL_FLAG(std::string, device, "cpu",
+          "cpu | cuda: where the prefill and decode hosts run the model and keep their KV pools "
+          "(pd-prefill/pd-decode --device; cuda: the CUDA model, KV pools in GPU memory, models "
+          "small and small-hybrid). Without a usable GPU pd-demo exits 1 with the reason before "
+          "starting anything");
+ABSL_FLAG(int64_t, cuda_device, 0, "with --device cuda: the GPU of every host");
+ABSL_FLAG(std::string, reference_device, "cpu",
+          "cpu | cuda: where the colocated host, the reference every output is compared with, "
+          "runs. cpu (the default) checks a --device cuda run token for token against the CPU "
+          "model; cuda compares GPU with GPU (the transfer alone), on --cuda-device");
 ABSL_FLAG(pdlib_tools::Repeated, backend_option, {}, "K=V passed to every host (repeatable)");
 ABSL_FLAG(int64_t, prefills, 1, "prefill hosts");
 ABSL_FLAG(int64_t, decodes, 1, "decode hosts");
@@ -100,6 +113,12 @@ constexpr char kUsage[] =
     "Before each measured batch one short warm-up request goes through each path (not counted),\n"
     "and decode hosts connect to the prefill deployments at start (pd-decode --connect).\n"
     "\n"
+    "On a GPU: --device cuda runs the prefill and decode hosts' model on the GPU with their KV\n"
+    "pools in GPU memory, moved by pdlib over cuda_ipc (the default backend then); the colocated\n"
+    "reference stays on the CPU (--reference-device cuda moves it to the GPU), so the check is\n"
+    "GPU disaggregated against the CPU model, token for token:\n"
+    "  pd-demo --device cuda --requests 16\n"
+    "\n"
     "Beyond one host (root): --netns puts every process in a network namespace of its own, so\n"
     "UCX goes over TCP between hosts as in a cluster; --link-mbit N caps each link; --discovery\n"
     "etcd replaces the bootstrap servers with one etcd member:\n"
@@ -151,7 +170,22 @@ bool ParseArgs(int argc, char** argv, Args* a) {
   }
   a->d.model = absl::GetFlag(FLAGS_model);
   a->d.seed = uint64_t(seed);
+  a->d.device = absl::GetFlag(FLAGS_device);
+  a->d.colocated_device = absl::GetFlag(FLAGS_reference_device);
+  for (const auto& [flag, value] :
+       {std::pair<const char*, const std::string&>{"device", a->d.device},
+        {"reference_device", a->d.colocated_device}}) {
+    if (value != "cpu" && value != "cuda") {
+      std::fprintf(stderr, "pd-demo: --%s '%s': expected cpu or cuda\n", flag, value.c_str());
+      return false;
+    }
+  }
+  const int64_t cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  if (!in_range("cuda_device", cuda_device, 0, 1023)) return false;
+  a->d.cuda_device = int32_t(cuda_device);
   a->d.backend = absl::GetFlag(FLAGS_backend);
+  // GPU pools need a backend that reaches GPU memory (pd-prefill/pd-decode pick the same).
+  if (a->d.backend.empty()) a->d.backend = a->d.device == "cuda" ? "cuda_ipc" : "ucx";
   a->d.backend_options = absl::GetFlag(FLAGS_backend_option).values;
   a->d.prefills.resize(size_t(prefills), a->d.prefills[0]);
   for (auto& p : a->d.prefills) {
@@ -191,6 +225,11 @@ bool ParseArgs(int argc, char** argv, Args* a) {
     return false;
   }
   return true;
+}
+
+// "cpu" or "cuda:N".
+std::string DeviceName(const DeploymentOptions& d, const std::string& device) {
+  return device == "cuda" ? "cuda:" + std::to_string(d.cuda_device) : device;
 }
 
 // Prompts of varied lengths (8 to 300 tokens), the same for a given seed.
@@ -287,11 +326,12 @@ PhaseResult RunPhase(const Args& args, bool layerwise,
                 : std::string("on 127.0.0.1");
   std::printf(
       "pd-demo: starting %s, %zu prefill (tp %d, pp %d), %d decode (tp %d, pp %d), "
-      "colocated and router %s (backend %s, model %s, layer-wise streaming %s); logs "
-      "in %s\n",
+      "colocated and router %s (backend %s, model %s, hosts on %s, colocated reference on %s, "
+      "layer-wise streaming %s); logs in %s\n",
       a.d.discovery == "etcd" ? "etcd" : "bootstrap", a.d.prefills.size(), a.d.prefills[0].tp,
       a.d.prefills[0].pp, a.d.decodes, a.d.decode_tp, a.d.decode_pp, where.c_str(),
-      a.d.backend.c_str(), a.d.model.c_str(), layerwise ? "on" : "off", a.d.log_dir.c_str());
+      a.d.backend.c_str(), a.d.model.c_str(), DeviceName(a.d, a.d.device).c_str(),
+      DeviceName(a.d, a.d.colocated_device).c_str(), layerwise ? "on" : "off", a.d.log_dir.c_str());
   std::fflush(stdout);
   const auto t0 = Clock::now();
   auto dep = Deployment::Start(a.d);
@@ -365,6 +405,20 @@ int main(int argc, char** argv) {
   a.d.router_bin = PD_DEMO_ROUTER_BIN;
   a.d.bootstrap_bin = PD_DEMO_BOOTSTRAP_BIN;
   if (!ParseArgs(argc, argv, &a)) return 2;
+  if (a.d.device == "cuda" || a.d.colocated_device == "cuda") {
+    // Before any process starts: every host would refuse with the same reason.
+    const pdlib::kernels::CudaInfo cuda = pdlib::kernels::ProbeCuda();
+    if (cuda.device_count == 0) {
+      std::fprintf(stderr, "pd-demo: --%s cuda: no CUDA device: %s\n",
+                   a.d.device == "cuda" ? "device" : "reference-device", cuda.reason.c_str());
+      return 1;
+    }
+    if (a.d.cuda_device >= cuda.device_count) {
+      std::fprintf(stderr, "pd-demo: --cuda-device %d: this machine has %d CUDA device(s)\n",
+                   a.d.cuda_device, cuda.device_count);
+      return 2;
+    }
+  }
   if (a.d.log_dir.empty()) {
     char tmpl[] = "/tmp/pd-demo-XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) {
@@ -400,6 +454,10 @@ int main(int argc, char** argv) {
   const int total = a.requests * int(a.rates.size()) * int(phases.size());
   const int identical = total - differ - failed;
   std::printf("\n%d/%d outputs identical to the colocated run", identical, total);
+  if (a.d.device != a.d.colocated_device) {
+    std::printf(" (hosts on %s, colocated reference on %s)", DeviceName(a.d, a.d.device).c_str(),
+                DeviceName(a.d, a.d.colocated_device).c_str());
+  }
   if (differ + failed > 0) std::printf(" (%d differ, %d failed)", differ, failed);
   std::printf("\n");
   std::fflush(stdout);
