@@ -7,6 +7,11 @@
 // every K and V buffer, between two pools allocated like the ranks' (--pool-alloc). Timed like
 // the ranks: `warmup` requests first, then the clock runs over the `requests` measured ones. The
 // aux slot (a few hundred bytes per request) is not copied.
+//
+// With --memory cuda the pools are GPU memory on --cuda-device and each write is a
+// device-to-device cudaMemcpyAsync on one stream, enqueued back to back and waited for once
+// after the warm-up and once after the measured requests (the copies of many requests overlap
+// their launches, as pdlib's requests in flight do): what the copy engines give the same writes.
 #ifndef PDLIB_BENCH_TRANSFER_BASELINE_H_
 #define PDLIB_BENCH_TRANSFER_BASELINE_H_
 
@@ -29,9 +34,10 @@ uint64_t TypicalWriteBytes(const BenchConfig& c,
 
 struct BaselineResult {
   std::string error;    // empty on success
+  std::string kind;     // "memcpy" or "cudaMemcpy D2D"
   double seconds = 0;   // over the measured requests
   uint64_t bytes = 0;   // copied in the measured requests
-  uint64_t writes = 0;  // memcpy calls in the measured requests
+  uint64_t writes = 0;  // copy calls in the measured requests
 };
 
 BaselineResult RunMemcpyBaseline(const BenchConfig& c);

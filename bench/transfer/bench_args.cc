@@ -39,6 +39,12 @@ ABSL_FLAG(std::string, pool_alloc, "backend",
           "backend|malloc. backend: pdlib::AllocateKVPool, which lets the backend allocate (UCX "
           "maps it for direct shared-memory puts; plain host memory for backends without an "
           "allocator); malloc: plain malloc");
+ABSL_FLAG(std::string, memory, "host",
+          "host|cuda: where both sides' KV pools live. cuda: cudaMalloc on --cuda_device "
+          "(--pool_alloc then does not apply), registered with pdlib as kCuda, so the backend must "
+          "reach GPU memory (cuda_ipc); --baseline memcpy then copies device to device with "
+          "cudaMemcpyAsync. Exits 2 with the reason when no GPU can be used");
+ABSL_FLAG(int32_t, cuda_device, 0, "with --memory cuda: the CUDA device of both sides' pools");
 ABSL_FLAG(uint64_t, requests, 20000, "measured requests");
 ABSL_FLAG(uint64_t, warmup, 500, "requests run before them, not measured");
 ABSL_FLAG(std::string, concurrency, "256", "requests in flight at decode, a list");
@@ -63,8 +69,10 @@ ABSL_FLAG(bool, verify, false,
 ABSL_FLAG(std::string, baseline, "none",
           "memcpy|none (run after the ranks have exited). memcpy: copies the same writes (the same "
           "pages, coalesced into the same runs, every K and V buffer) with memcpy in one thread "
-          "between two pools allocated like the ranks', timed like them; adds baseline_gbps "
-          "(Gbit/s, the unit of gbps), baseline_gbytes_per_s and ratio = gbps / baseline_gbps");
+          "between two pools allocated like the ranks', timed like them (with --memory cuda: "
+          "cudaMemcpyAsync device to device on one stream, checked afterwards); adds baseline "
+          "(memcpy or cudaMemcpy D2D), baseline_gbps (Gbit/s, the unit of gbps), "
+          "baseline_gbytes_per_s and ratio = gbps / baseline_gbps");
 ABSL_FLAG(bool, compare_perftest, false,
           "runs ucx_perftest -t ucp_put_bw between two processes on 127.0.0.1 at the most "
           "frequent write size, with UCX_TLS, UCX_NET_DEVICES and UCX_<NAME> from ucx.tls, "
@@ -119,7 +127,13 @@ constexpr char kUsage[] =
     "monotonic clock). The transfer time that streaming hides is the difference of the two.\n"
     "  e.g. pdlib-transfer-bench --backend ucx --backend-option ucx.tls=tcp --backend-option\n"
     "       ucx.net_devices=lo --layers 32 --item-bytes 32768 --pages 64 --concurrency 1\n"
-    "       --requests 20 --warmup 3 --layer-compute-us 2000\n";
+    "       --requests 20 --warmup 3 --layer-compute-us 2000\n"
+    "\n"
+    "GPU memory: --memory cuda puts both pools on the GPU (cudaMalloc) and --baseline memcpy\n"
+    "then times the same writes as device-to-device cudaMemcpyAsync, in the same run:\n"
+    "  e.g. pdlib-transfer-bench --memory cuda --backend cuda_ipc --layers 32 --item-bytes 32768\n"
+    "       --pages 16 --layout scattered --concurrency 4 --requests 2000 --warmup 100\n"
+    "       --baseline memcpy\n";
 
 bool ParseU64(std::string_view text, uint64_t* out) {
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
@@ -216,6 +230,13 @@ bool ParseArgs(int argc, char** argv, Options* o) {
   const std::string pool_alloc = absl::GetFlag(FLAGS_pool_alloc);
   if (pool_alloc != "backend" && pool_alloc != "malloc") return bad("pool_alloc", pool_alloc);
   b.pool_alloc = pool_alloc == "malloc" ? PoolAlloc::kMalloc : PoolAlloc::kBackend;
+  const std::string memory = absl::GetFlag(FLAGS_memory);
+  if (memory != "host" && memory != "cuda") return bad("memory", memory);
+  b.memory = memory == "cuda" ? pdlib::MemoryKind::kCuda : pdlib::MemoryKind::kHost;
+  b.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  if (b.cuda_device < 0 || b.cuda_device > 1023) {
+    return bad("cuda_device", std::to_string(b.cuda_device));
+  }
   const std::string baseline = absl::GetFlag(FLAGS_baseline);
   if (baseline != "memcpy" && baseline != "none") return bad("baseline", baseline);
   o->baseline_memcpy = baseline == "memcpy";
@@ -315,7 +336,11 @@ std::vector<std::string> ChildArgs(const BenchConfig& c, std::string_view role) 
                                 "--layer-compute-us",
                                 std::to_string(c.layer_compute_us),
                                 "--layerwise",
-                                c.layerwise ? "on" : "off"};
+                                c.layerwise ? "on" : "off",
+                                "--memory",
+                                c.memory == pdlib::MemoryKind::kCuda ? "cuda" : "host",
+                                "--cuda-device",
+                                std::to_string(c.cuda_device)};
   if (c.verify) a.push_back("--verify");
   for (const auto& [k, v] : c.backend_options) {
     a.push_back("--backend-option");

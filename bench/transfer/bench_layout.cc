@@ -4,6 +4,7 @@
 #include <cstring>
 #include <random>
 #include <unordered_set>
+#include <vector>
 
 namespace pdlib_bench {
 
@@ -16,6 +17,7 @@ std::string BenchPool::Allocate(const BenchConfig& c, Fill fill) {
   buffers_ = 2 * c.layers;
   buffer_bytes_ = c.PoolPages() * c.item_bytes;
   const uint64_t bytes = buffers_ * buffer_bytes_;
+  if (c.memory == pdlib::MemoryKind::kCuda) return AllocateCuda(c, fill, bytes);
   if (c.pool_alloc == PoolAlloc::kMalloc) {
     malloced_ = std::malloc(bytes);
     if (malloced_ == nullptr) return "malloc of " + std::to_string(bytes) + " bytes failed";
@@ -34,6 +36,37 @@ std::string BenchPool::Allocate(const BenchConfig& c, Fill fill) {
   } else if (fill == Fill::kZero) {
     std::memset(base_, 0, bytes);
   }
+  return "";
+}
+
+std::string BenchPool::AllocateCuda(const BenchConfig& c, Fill fill, uint64_t bytes) {
+  cuda_device_ = c.cuda_device;
+  if (std::string e = CudaBuffer::Allocate(cuda_device_, bytes, &cuda_); !e.empty()) return e;
+  base_ = cuda_->data();
+  allocator_ = "cudaMalloc";
+  // Zeroes first (also the tail a pattern of 8-byte words leaves), then the same pattern as in
+  // host memory, through a bounded host buffer.
+  if (std::string e = CudaZero(cuda_device_, base_, bytes); !e.empty() || fill != Fill::kPattern) {
+    return e;
+  }
+  std::vector<uint64_t> words;
+  constexpr uint64_t kChunk = uint64_t{64} << 20;
+  for (uint64_t at = 0; at < bytes; at += kChunk) {
+    const uint64_t n = std::min(kChunk, bytes - at);
+    words.resize(n / 8);
+    for (uint64_t i = 0; i < words.size(); ++i) words[i] = at + i * 8;
+    if (std::string e = CudaCopyToDevice(cuda_device_, base_ + at, words.data(), words.size() * 8);
+        !e.empty()) {
+      return e;
+    }
+  }
+  return "";
+}
+
+std::string BenchPool::Read(uint64_t b, uint64_t offset, std::span<uint8_t> out) const {
+  const uint8_t* from = buffer(b) + offset;
+  if (cuda_) return CudaCopyToHost(cuda_device_, out.data(), from, out.size());
+  std::memcpy(out.data(), from, out.size());
   return "";
 }
 

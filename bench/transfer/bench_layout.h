@@ -13,13 +13,14 @@
 #include <vector>
 
 #include "bench/transfer/bench_ranks.h"
+#include "bench/transfer/cuda_memory.h"
 #include "pdlib/kv_pool.h"
 
 namespace pdlib_bench {
 
 // The 2 * layers KV buffers of one side, PoolPages() items each, in one allocation made as
 // --pool-alloc says: through pdlib::AllocateKVPool (the backend's allocator when it has one) or
-// with malloc.
+// with malloc; with --memory cuda, with cudaMalloc on --cuda-device (cuda_memory.h).
 class BenchPool {
  public:
   BenchPool() = default;
@@ -34,13 +35,21 @@ class BenchPool {
   enum class Fill { kPattern, kZero, kLazy };
   std::string Allocate(const BenchConfig& c, Fill fill);
 
+  // The address of buffer b: host memory, or device memory with --memory cuda.
   uint8_t* buffer(uint64_t b) const { return base_ + b * buffer_bytes_; }
   uint64_t buffer_bytes() const { return buffer_bytes_; }
   uint64_t buffers() const { return buffers_; }
-  // "ucx", "host" (AllocateKVPool without a backend allocator) or "malloc".
+  // "ucx", "host" (AllocateKVPool without a backend allocator), "malloc" or "cudaMalloc".
   std::string allocator() const { return allocator_; }
+  // Copies `out.size()` bytes at `offset` of buffer b into host memory (from the GPU with
+  // --memory cuda); returns an error message or "".
+  std::string Read(uint64_t b, uint64_t offset, std::span<uint8_t> out) const;
 
  private:
+  std::string AllocateCuda(const BenchConfig& c, Fill fill, uint64_t bytes);
+
+  std::unique_ptr<CudaBuffer> cuda_;
+  int cuda_device_ = 0;
   std::unique_ptr<pdlib::KVPool> pool_;
   void* malloced_ = nullptr;
   uint8_t* base_ = nullptr;

@@ -16,6 +16,7 @@
 #include <optional>
 #include <span>
 #include <thread>
+#include <vector>
 
 #include "bench/transfer/bench_layout.h"
 
@@ -94,6 +95,8 @@ struct Rank {
       o.args.kv.lens.push_back(pool.buffer_bytes());
       o.args.kv.item_lens.push_back(c.item_bytes);
     }
+    o.args.memory_kind = c.memory;
+    o.args.device_id = c.cuda_device;
     o.args.aux = aux->Describe();
     const int32_t tp = mode == pdlib::Mode::kPrefill ? c.prefill_tp : c.decode_tp;
     o.args.page_size = c.page_size;
@@ -255,11 +258,14 @@ void DrivePrefill(const BenchConfig& c, Rank& rank, const PageRing& pages, uint6
 std::string VerifyRequest(const BenchConfig& c, const Rank& rank, const PageRing& dst_pages,
                           const PageRing& src_pages, uint64_t index) {
   const auto dst = dst_pages.For(index), src = src_pages.For(index);
+  std::vector<uint8_t> got(c.item_bytes);  // a copy: the pool may be GPU memory
   for (uint64_t b = 0; b < rank.pool.buffers(); ++b) {
     for (size_t i = 0; i < dst.size(); ++i) {
-      const uint8_t* got = rank.pool.buffer(b) + uint64_t(dst[i]) * c.item_bytes;
+      if (std::string e = rank.pool.Read(b, uint64_t(dst[i]) * c.item_bytes, got); !e.empty()) {
+        return "verify: request " + std::to_string(index) + ": " + e;
+      }
       const uint64_t want = b * rank.pool.buffer_bytes() + uint64_t(src[i]) * c.item_bytes;
-      if (!HoldsPattern(got, c.item_bytes, want)) {
+      if (!HoldsPattern(got.data(), c.item_bytes, want)) {
         return "verify: request " + std::to_string(index) + ", buffer " + std::to_string(b) +
                ": decode page " + std::to_string(dst[i]) + " does not hold prefill page " +
                std::to_string(src[i]);

@@ -37,6 +37,10 @@ struct BenchConfig {
   uint64_t pool_bytes = uint64_t{1} << 30;  // per side, every K and V buffer together
   uint64_t pool_pages = 0;                  // pages per buffer; 0: as many as pool_bytes holds
   PoolAlloc pool_alloc = PoolAlloc::kBackend;
+  // Where both sides' KV pools live: host memory (allocated as pool_alloc says), or GPU memory
+  // on CUDA device cuda_device (cudaMalloc), registered with pdlib as kCuda.
+  pdlib::MemoryKind memory = pdlib::MemoryKind::kHost;
+  int32_t cuda_device = 0;
   Layout layout = Layout::kScattered;
   uint64_t seed = 1;
   uint16_t bootstrap_port = 8998;

@@ -1,7 +1,8 @@
 // pdlib-transfer-bench: requests per second, latency and bandwidth of whole KV transfers through
 // pdlib's public API, between a prefill and a decode process (or two threads with --in-process),
 // optionally next to a memcpy of the same writes (--baseline memcpy) and to ucx_perftest
-// (--compare-perftest). `--help` documents every flag and every figure.
+// (--compare-perftest). With --memory cuda both pools are GPU memory (cuda_memory.h) and the
+// baseline is cudaMemcpy device to device. `--help` documents every flag and every figure.
 //
 //   e.g.  pdlib-transfer-bench --backend fake --requests 20000 --concurrency 256 --json
 //         pdlib-transfer-bench --backend ucx --backend-option ucx.tls=shm --layers 32
@@ -44,6 +45,7 @@
 #include "bench/transfer/baseline.h"
 #include "bench/transfer/bench_args.h"
 #include "bench/transfer/bench_ranks.h"
+#include "bench/transfer/cuda_memory.h"
 #include "bench/transfer/iperf3.h"
 #include "bench/transfer/perftest.h"
 #include "tools/common/child_process.h"
@@ -351,6 +353,8 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
     j.Int("pool_bytes", c.PoolPages() * c.item_bytes * 2 * c.layers);
     j.Str("pool_alloc", c.pool_alloc == PoolAlloc::kMalloc ? "malloc" : "backend");
     j.Str("pool_memory", pool);
+    j.Str("memory", c.memory == pdlib::MemoryKind::kCuda ? "cuda" : "host");
+    if (c.memory == pdlib::MemoryKind::kCuda) j.Int("cuda_device", uint64_t(c.cuda_device));
     j.Int("requests", c.requests);
     j.Int("warmup", c.warmup);
     j.Int("concurrency", c.concurrency);
@@ -358,6 +362,7 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
     j.Num("decode_cpu_s", Num(d, "cpu"), 4);
     j.Num("gbps", gbps, 3);
     j.Num("gbytes_per_s", gbps / 8, 3);
+    if (cmp.baseline) j.Str("baseline", cmp.baseline->kind);
     if (baseline_gbps) {
       j.Num("baseline_gbps", *baseline_gbps, 3);
       j.Num("baseline_gbytes_per_s", *baseline_gbps / 8, 3);
@@ -410,7 +415,7 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
     if (first_row) {
       Emit(
           "backend    transport  plane       layers item_bytes pages layout     requests  conc"
-          "   seconds    Gbit/s    req/s  p50_us  p99_us failed  memcpy_Gbit/s  ratio");
+          "   seconds    Gbit/s    req/s  p50_us  p99_us failed  baseline_Gbit/s  ratio");
     }
     char buf[512];
     std::snprintf(buf, sizeof(buf),
@@ -421,7 +426,7 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
                   seconds, gbps, req_per_s, Num(d, "p50"), Num(d, "p99"), Num(d, "failed"));
     std::string row = buf;
     if (baseline_gbps) {
-      std::snprintf(buf, sizeof(buf), " %14.3f %6.3f", *baseline_gbps, gbps / *baseline_gbps);
+      std::snprintf(buf, sizeof(buf), " %16.3f %6.3f", *baseline_gbps, gbps / *baseline_gbps);
       row += buf;
     }
     if (c.layer_compute_us > 0) {
@@ -433,6 +438,14 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
       row += buf;
     }
     Emit(row);
+    if (baseline_gbps) {
+      std::snprintf(buf, sizeof(buf),
+                    "  baseline: %s of the same writes, %.3f GB/s; pdlib / baseline = %.3f "
+                    "(pools in %s memory)",
+                    cmp.baseline->kind.c_str(), *baseline_gbps / 8, gbps / *baseline_gbps,
+                    c.memory == pdlib::MemoryKind::kCuda ? "GPU" : "host");
+      Emit(buf);
+    }
     if (cmp.perftest_gbytes_per_s) {
       std::snprintf(buf, sizeof(buf), "  ucx_perftest ucp_put_bw, %" PRIu64 " B puts: %.3f GB/s",
                     cmp.perftest_message_bytes, *cmp.perftest_gbytes_per_s);
@@ -473,6 +486,13 @@ int main(int argc, char** argv) {
   if (o.base.verify && (o.concurrency.size() != 1 || o.concurrency[0] != 1)) {
     std::fprintf(stderr, "pdlib-transfer-bench: --verify needs --concurrency 1\n");
     return 2;
+  }
+  if (o.base.memory == pdlib::MemoryKind::kCuda) {
+    if (std::string why = CudaUsable(o.base.cuda_device); !why.empty()) {
+      std::fprintf(stderr, "pdlib-transfer-bench: --memory cuda: no CUDA device: %s\n",
+                   why.c_str());
+      return 2;
+    }
   }
   if (!o.role.empty()) {
     // A child runs exactly one configuration: the first of each list.
