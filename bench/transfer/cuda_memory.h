@@ -57,8 +57,9 @@ class CudaCopyStream {
 
  private:
   CudaCopyStream(int device, void* stream) : device_(device), stream_(stream) {}
-  int device_;
-  void* stream_;  // cudaStream_t
+  // Unused in the stub build (cuda_memory_stub.cc), where no stream is ever made.
+  [[maybe_unused]] int device_;
+  [[maybe_unused]] void* stream_;  // cudaStream_t
 };
 
 }  // namespace pdlib_bench
