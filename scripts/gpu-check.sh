@@ -6,12 +6,14 @@
 #   scripts/gpu-check.sh --no-build       # the build is already there
 #   scripts/gpu-check.sh --out DIR        # where the logs go (default: $OUT, else ./gpu-check-out)
 #
-# Steps (each under its own timeout, about 8 minutes together at worst on an H100 after the
+# Steps (each under its own timeout, about 8.5 minutes together at worst on an H100 after the
 # build; a failed step does not stop the others):
 #   cuda_info      nvidia-smi -L and pdlib_cuda_info (kernels::ProbeCuda())
 #   kernel_cuda    ctest -R kernel_cuda: the CUDA model against the CPU model
 #   cuda_ipc       ctest -R 'cuda_ipc|copy_plan|gather_copy': the cuda_ipc backend's tests and the
 #                  transfer bench's GPU byte check (transfer_bench_cuda_ipc_verify)
+#   hosts_cuda     ctest -R 'hosts engine: device cuda': prefill and decode hosts on the CUDA model,
+#                  GPU KV pools over cuda_ipc, tokens against the CPU reference
 #   conformance    the backend conformance suite with PDLIB_CONFORMANCE_BACKENDS=cuda_ipc
 #   transfer       pdlib-transfer-bench, two processes, GPU pools over cuda_ipc: 32 layers x K,V x
 #                  32 KiB items, 16 scattered pages, next to cudaMemcpy D2D of the same writes
@@ -102,7 +104,7 @@ if [ "$build" -eq 1 ]; then
   fi
   # Only what the steps run; test targets are found by name (the cuda_ipc tests may be several).
   targets="pd-demo pd-prefill pd-decode pd-router pdlib-bootstrap pdlib-transfer-bench"
-  targets="$targets pdlib_kernel_bench pdlib_cuda_info backend_conformance_test"
+  targets="$targets pdlib_kernel_bench pdlib_cuda_info backend_conformance_test hosts_engine_test"
   targets="$targets $(ninja -C "$build_dir" -t targets all 2>/dev/null |
     sed -n 's/^\(kernel_cuda[a-z_]*_test\|cuda_ipc[a-z_]*_test\|copy_plan[a-z_]*_test\|gather_copy[a-z_]*_test\|pdlib_relayout_bench\): phony$/\1/p' |
     sort -u | tr '\n' ' ')"
@@ -144,14 +146,16 @@ ctest_step() {  # NAME SECONDS REGEX [ENV=VALUE or ctest flag...]
   run_step "$name" "$limit" env "${envs[@]}" ctest --test-dir "$build_dir" -R "$regex" \
     --output-on-failure --no-tests=error --timeout $((limit - 5)) "${flags[@]}"
 }
-ctest_step kernel_cuda 60 'kernel_cuda' -V
+ctest_step kernel_cuda 50 'kernel_cuda' -V
 expect_absent 'skipped: no CUDA device' "a CUDA case skipped although the GPU is there"
 ctest_step cuda_ipc 60 'cuda_ipc|copy_plan|gather_copy'
-ctest_step conformance 60 '^backend_conformance_test' PDLIB_CONFORMANCE_BACKENDS=cuda_ipc
+ctest_step hosts_cuda 50 'hosts engine: device cuda' -V
+expect_absent 'skipped: no CUDA device' "the GPU hosts case skipped although the GPU is there"
+ctest_step conformance 45 '^backend_conformance_test' PDLIB_CONFORMANCE_BACKENDS=cuda_ipc
 
 # --- 5. the transfer bench: GPU pools, two processes over cuda_ipc, next to cudaMemcpy D2D ---
 transfer_json="$out/transfer.jsonl"
-run_step transfer 100 bash -c "set -o pipefail; $(bin bench/transfer/pdlib-transfer-bench) \
+run_step transfer 90 bash -c "set -o pipefail; $(bin bench/transfer/pdlib-transfer-bench) \
   --memory cuda --backend cuda_ipc --layers 32 --item-bytes 32768 --pages 16 --layout scattered \
   --concurrency 1,4,16 --requests 1000 --warmup 50 --pool-bytes 1g --progress-every 0 \
   --baseline memcpy --json | tee '$transfer_json'"
@@ -177,13 +181,13 @@ PY
 # --- 6. the re-layout bench, where this build has one ---
 relayout="$(find "$build_dir/bench" -name pdlib_relayout_bench -type f -perm -u+x 2>/dev/null | head -1)"
 if [ -n "$relayout" ]; then
-  run_step relayout 40 "$relayout"
+  run_step relayout 30 "$relayout"
 else
   printf '%-15s %-12s\n' relayout "SKIPPED (no pdlib_relayout_bench in this build)" >> "$summary"
 fi
 
 # --- 7. the kernels: CUDA decode throughput and decode-attention bandwidth against HBM ---
-run_step kernel_bench 60 "$(bin bench/kernels/pdlib_kernel_bench)" \
+run_step kernel_bench 50 "$(bin bench/kernels/pdlib_kernel_bench)" \
   --benchmark_filter='Cuda' --benchmark_counters_tabular=true
 expect_absent 'ERROR OCCURRED' "a CUDA benchmark did not run"
 

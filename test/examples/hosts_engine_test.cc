@@ -17,6 +17,7 @@
 
 #include "examples/hosts/host.h"
 #include "hosts_reference.h"
+#include "pdlib_kernels/cuda_info.h"
 
 namespace pdlib::hosts {
 namespace {
@@ -145,6 +146,8 @@ struct Layout {
   int32_t prefill_tp = 1, prefill_pp = 1;
   int32_t decode_tp = 1, decode_pp = 1;
   std::string test_fault{};
+  // Both hosts on the CUDA model with GPU KV pools, moved by cuda_ipc (issue #19).
+  bool cuda = false;
 };
 
 // Whether a side's ranks hold every KV byte exactly once (no GQA head or MLA latent replicated
@@ -163,14 +166,22 @@ int RunDisaggregated(const Layout& l) {
                 << " -> decode tp " << l.decode_tp << " pp " << l.decode_pp
                 << (l.test_fault.empty() ? "" : ", fault " + l.test_fault));
   const uint16_t bootstrap = NextBootstrapPort();
-  HostOptions po = BaseOptions(Role::kPrefill, l.model);
+  auto on_device = [&](HostOptions o) {
+    if (l.cuda) {
+      o.device = kernels::Device::kCuda;
+      o.backend = "cuda_ipc";
+      o.backend_options.clear();
+    }
+    return o;
+  };
+  HostOptions po = on_device(BaseOptions(Role::kPrefill, l.model));
   po.tp_size = l.prefill_tp;
   po.pp_size = l.prefill_pp;
   po.bootstrap_port = bootstrap;
   auto prefill = Host::Create(po);
   INFO(prefill.status().ToString());
   REQUIRE(prefill.ok());
-  HostOptions dopt = BaseOptions(Role::kDecode, l.model);
+  HostOptions dopt = on_device(BaseOptions(Role::kDecode, l.model));
   dopt.tp_size = l.decode_tp;
   dopt.pp_size = l.decode_pp;
   dopt.test_fault = l.test_fault;
@@ -261,6 +272,21 @@ TEST_CASE("hosts engine: sharded decode: TP 1 -> 2, TP 4 -> 2, PP 2 -> PP 2") {
   RunDisaggregated(Layout{.model = "small", .prefill_pp = 2, .decode_pp = 2});
   RunDisaggregated(Layout{
       .model = "small-hybrid", .prefill_tp = 2, .prefill_pp = 2, .decode_tp = 2, .decode_pp = 2});
+}
+
+// Issue #19: the CUDA model's KV pools in GPU memory, registered as kCuda and moved by cuda_ipc,
+// compared token for token with the CPU reference; the test fault (read, corrupted and written
+// back through cudaMemcpy) must change the outputs. Only where a GPU can be used.
+TEST_CASE("hosts engine: device cuda, GPU KV pools over cuda_ipc (1P1D, TP 2 -> 1, hybrid)") {
+  const kernels::CudaInfo cuda = kernels::ProbeCuda();
+  if (cuda.device_count == 0) {
+    WARN("skipped: no CUDA device (" << cuda.reason << ")");
+    return;
+  }
+  RunDisaggregated(Layout{.model = "small", .cuda = true});
+  RunDisaggregated(Layout{.model = "small", .prefill_tp = 2, .cuda = true});
+  RunDisaggregated(Layout{.model = "small-hybrid", .cuda = true});
+  CHECK(RunDisaggregated(Layout{.model = "small", .test_fault = "swap-heads", .cuda = true}) > 0);
 }
 
 TEST_CASE("hosts engine: MLA (prefill TP 2 -> decode TP 1, TP 1 -> TP 2)") {
