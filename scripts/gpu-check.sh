@@ -148,7 +148,7 @@ ctest_step() {  # NAME SECONDS REGEX [ENV=VALUE or ctest flag...]
 }
 ctest_step kernel_cuda 50 'kernel_cuda' -V
 expect_absent 'skipped: no CUDA device' "a CUDA case skipped although the GPU is there"
-ctest_step cuda_ipc 60 'cuda_ipc|copy_plan|gather_copy'
+ctest_step cuda_ipc 60 'cuda_ipc|copy_plan|gather_copy' -j4
 ctest_step hosts_cuda 50 'hosts engine: device cuda' -V
 expect_absent 'skipped: no CUDA device' "the GPU hosts case skipped although the GPU is there"
 ctest_step conformance 45 '^backend_conformance_test' PDLIB_CONFORMANCE_BACKENDS=cuda_ipc
