@@ -10,8 +10,10 @@
 # build; a failed step does not stop the others):
 #   cuda_info      nvidia-smi -L and pdlib_cuda_info (kernels::ProbeCuda())
 #   kernel_cuda    ctest -R kernel_cuda: the CUDA model against the CPU model
-#   cuda_ipc       ctest -R 'cuda_ipc|copy_plan|gather_copy': the cuda_ipc backend's tests and the
-#                  transfer bench's GPU byte check (transfer_bench_cuda_ipc_verify)
+#   cuda_ipc       ctest -R 'cuda_ipc|copy_plan|gather_copy': the cuda_ipc backend's tests, the
+#                  two-process planner scenarios over GPU pools (TP 2->1 HND/NHD, MLA, PP 2, mamba
+#                  state, a negative control, layer-wise) and the transfer bench's GPU byte check
+#                  (transfer_bench_cuda_ipc_verify); fails if any GPU case printed SKIP
 #   hosts_cuda     ctest -R 'hosts engine: device cuda': prefill and decode hosts on the CUDA model,
 #                  GPU KV pools over cuda_ipc, tokens against the CPU reference
 #   conformance    the backend conformance suite with PDLIB_CONFORMANCE_BACKENDS=cuda_ipc
@@ -105,6 +107,7 @@ if [ "$build" -eq 1 ]; then
   # Only what the steps run; test targets are found by name (the cuda_ipc tests may be several).
   targets="pd-demo pd-prefill pd-decode pd-router pdlib-bootstrap pdlib-transfer-bench"
   targets="$targets pdlib_kernel_bench pdlib_cuda_info backend_conformance_test hosts_engine_test"
+  targets="$targets planner_e2e_test pdlib_planner_peer"
   targets="$targets $(ninja -C "$build_dir" -t targets all 2>/dev/null |
     sed -n 's/^\(kernel_cuda[a-z_]*_test\|cuda_ipc[a-z_]*_test\|copy_plan[a-z_]*_test\|gather_copy[a-z_]*_test\|pdlib_relayout_bench\): phony$/\1/p' |
     sort -u | tr '\n' ' ')"
@@ -148,7 +151,8 @@ ctest_step() {  # NAME SECONDS REGEX [ENV=VALUE or ctest flag...]
 }
 ctest_step kernel_cuda 50 'kernel_cuda' -V
 expect_absent 'skipped: no CUDA device' "a CUDA case skipped although the GPU is there"
-ctest_step cuda_ipc 60 'cuda_ipc|copy_plan|gather_copy' -j4
+ctest_step cuda_ipc 90 'cuda_ipc|copy_plan|gather_copy' -j4 -V
+expect_absent 'SKIP' "a cuda_ipc GPU case skipped although the GPU is there"
 ctest_step hosts_cuda 50 'hosts engine: device cuda' -V
 expect_absent 'skipped: no CUDA device' "the GPU hosts case skipped although the GPU is there"
 ctest_step conformance 45 '^backend_conformance_test' PDLIB_CONFORMANCE_BACKENDS=cuda_ipc

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "pdlib/backends.h"
+#include "pdlib/spi/transport.h"
 #include "test/multiprocess/peer_harness.h"
 #include "test/planner/e2e_scenario.h"
 
@@ -44,7 +45,29 @@ std::optional<Transport> TransportNamed(const std::string& name) {
                       "ucx.net_devices=lo"}};
   }
   if (name == "verbs") return Transport{name, {"--backend", "verbs"}};
+  // cuda_ipc (issue #19): host pools (process_vm_writev; runs without a GPU) or GPU pools.
+  if (name == "cuda_ipc") return Transport{name, {"--backend", "cuda_ipc"}};
+  if (name == "cuda_ipc:gpu") {
+    return Transport{name, {"--backend", "cuda_ipc", "--memory", "cuda"}};
+  }
   return std::nullopt;
+}
+
+// Why `transport` cannot run here (empty: it can): its backend is not built in, or it needs GPU
+// pools and no CUDA device is usable.
+std::string CannotRun(const Transport& t) {
+  const std::string backend = t.flags[1];
+  const auto builtin = pdlib::BuiltinBackends();
+  if (std::find(builtin.begin(), builtin.end(), backend) == builtin.end()) {
+    return "this build has no " + backend + " backend";
+  }
+  if (std::find(t.flags.begin(), t.flags.end(), "--memory") == t.flags.end()) return "";
+  auto transport = pdlib::spi::CreateTransport(backend, {});
+  if (!transport.ok()) return transport.status().ToString();
+  if (!(*transport)->capabilities().supports_cuda_memory) {
+    return backend + " cannot reach GPU memory here (no usable CUDA device)";
+  }
+  return "";
 }
 
 // Runs scenario `name`; with `corrupt_room`, prefill spoils one byte of that room and decode must
@@ -155,8 +178,8 @@ std::vector<Transport> LayerwiseTransports() {
 void RunLayerwise(const std::string& name, int64_t corrupt_room = -1) {
   const std::vector<Transport> transports = LayerwiseTransports();
   for (const Transport& t : transports) {
-    if (t.flags[1] == "ucx" && !HaveUcx()) {
-      WARN("SKIP " << t.name << ": this build has no ucx backend");
+    if (std::string why = CannotRun(t); !why.empty()) {
+      WARN("SKIP " << t.name << ": " << why);
       continue;
     }
     for (uint64_t seed : {1, 2}) RunScenarioOver(t, name, corrupt_room, -1, seed);
@@ -211,4 +234,29 @@ TEST_CASE("planner e2e negative control: one spoiled prefill byte fails its room
 // Issue #20 / SPEC R4.4: the decode-side bootstrap_room check of the aux slot, over ucx shm.
 TEST_CASE("planner e2e room check: an aux slot written for another room fails that room") {
   RunScenario("tp_2p1d_nhd", -1, 1003);
+}
+
+// Issue #19: the layouts that move differently (TP 2 -> 1 head slices in both layouts, MLA with
+// dummies, PP 2 -> 1, mamba state) over cuda_ipc, two processes, every byte checked by decode.
+// Host pools run everywhere cuda_ipc is built (its process_vm_writev path); GPU pools where a
+// CUDA device is usable (the writes then go through IPC handles and the gather kernel), with a
+// negative control so that a GPU run cannot pass without checking.
+void RunOverCudaIpc(const char* transport_name) {
+  const Transport t = *TransportNamed(transport_name);
+  if (std::string why = CannotRun(t); !why.empty()) {
+    WARN("SKIP " << t.name << ": " << why);
+    return;
+  }
+  for (const char* scenario :
+       {"tp_2p1d_hnd", "tp_2p1d_nhd", "mla_4p2d", "pipeline_pp2", "state_mamba_2p1d"}) {
+    RunScenarioOver(t, scenario, -1, -1, 0);
+  }
+  RunScenarioOver(t, "tp_2p1d_nhd", 1002, -1, 0);  // one spoiled byte fails its room
+  RunScenarioOver(t, "tp_2p1d_hnd", -1, -1, 1);    // layer-wise
+}
+TEST_CASE("planner e2e cuda_ipc host pools: tp 2P1D HND and NHD, MLA 4P2D, pipeline PP2, state") {
+  RunOverCudaIpc("cuda_ipc");
+}
+TEST_CASE("planner e2e cuda_ipc GPU pools: tp 2P1D HND and NHD, MLA 4P2D, pipeline PP2, state") {
+  RunOverCudaIpc("cuda_ipc:gpu");
 }

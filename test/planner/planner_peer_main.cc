@@ -8,6 +8,9 @@
 //                      [--wrong-aux-room R] (prefill: write room R's aux slot as another room's)
 //                      [--layerwise SEED]   (prefill: announce layers with SendLayers, random
 //                                            chunk sizes and steps from SEED)
+//                      [--memory host|cuda] (where the KV and state pools live; cuda: on GPU 0,
+//                                            registered as kCuda, mirrored in host memory where
+//                                            the pattern is written and checked)
 //
 // Prefill: rank (tp 0, pp 0) runs the bootstrap server. Every rank fills its pools with the
 // scenario's pattern for each room before sending it in `chunks` chunks, then prints
@@ -35,11 +38,69 @@
 #include "pdlib/metadata_buffers.h"
 #include "test/planner/e2e_scenario.h"
 
+#if defined(PDLIB_PEER_HAVE_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
 namespace {
 
 using namespace std::chrono_literals;
 using pdlib_e2e::RankShape;
 using pdlib_e2e::Scenario;
+
+// GPU pools (--memory cuda): each host buffer has a device twin of the same size; the pattern
+// is written and checked in the host buffer and copied across around each transfer.
+class DeviceTwin {
+ public:
+  DeviceTwin() = default;
+  DeviceTwin(const DeviceTwin&) = delete;
+  DeviceTwin& operator=(const DeviceTwin&) = delete;
+  ~DeviceTwin() {
+#if defined(PDLIB_PEER_HAVE_CUDA)
+    if (ptr_ != nullptr) cudaFree(ptr_);
+#endif
+  }
+  static std::string Allocate(uint64_t bytes, std::unique_ptr<DeviceTwin>* out) {
+#if defined(PDLIB_PEER_HAVE_CUDA)
+    auto twin = std::make_unique<DeviceTwin>();
+    if (cudaError_t e = cudaSetDevice(0); e != cudaSuccess) return Error("cudaSetDevice", e);
+    if (cudaError_t e = cudaMalloc(&twin->ptr_, bytes); e != cudaSuccess) {
+      return Error("cudaMalloc", e);
+    }
+    twin->bytes_ = bytes;
+    *out = std::move(twin);
+    return "";
+#else
+    return "--memory cuda: this build has no CUDA (PDLIB_WITH_CUDA=OFF or nvcc not found)";
+#endif
+  }
+  void* data() const { return ptr_; }
+  std::string Upload(const std::vector<uint8_t>& host) const {
+#if defined(PDLIB_PEER_HAVE_CUDA)
+    cudaError_t e = cudaMemcpy(ptr_, host.data(), bytes_, cudaMemcpyHostToDevice);
+    return e == cudaSuccess ? "" : Error("cudaMemcpy to the device", e);
+#else
+    return "no CUDA";
+#endif
+  }
+  std::string Download(std::vector<uint8_t>* host) const {
+#if defined(PDLIB_PEER_HAVE_CUDA)
+    cudaError_t e = cudaMemcpy(host->data(), ptr_, bytes_, cudaMemcpyDeviceToHost);
+    return e == cudaSuccess ? "" : Error("cudaMemcpy from the device", e);
+#else
+    return "no CUDA";
+#endif
+  }
+
+ private:
+#if defined(PDLIB_PEER_HAVE_CUDA)
+  static std::string Error(const char* what, cudaError_t e) {
+    return std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+  }
+#endif
+  void* ptr_ = nullptr;
+  uint64_t bytes_ = 0;
+};
 
 std::mutex out_mu;
 void Emit(const std::string& line) {
@@ -59,6 +120,7 @@ struct Flags {
   // prefill: announce every chunk layer by layer (SendLayers), chunk sizes and steps drawn from
   // this seed; 0: Send() whole chunks
   uint64_t layerwise_seed = 0;
+  bool cuda = false;  // --memory cuda
 };
 
 constexpr uint64_t kWrongRoomOffset = 1000000;
@@ -94,12 +156,17 @@ class Rank {
     const uint64_t item = pdlib_e2e::KvItemBytes(s_, shape_);
     const int buffers = s_.mla ? shape_.num_layers : 2 * shape_.num_layers;
     kv_.resize(static_cast<size_t>(buffers));
+    if (f_.cuda) {
+      a.memory_kind = pdlib::MemoryKind::kCuda;
+      a.device_id = 0;
+    }
     for (auto& b : kv_) {
       b.assign(item * static_cast<uint64_t>(s_.pool_pages), 0);
-      a.kv.ptrs.push_back(reinterpret_cast<uint64_t>(b.data()));
+      a.kv.ptrs.push_back(Register(b, &kv_twins_));
       a.kv.lens.push_back(b.size());
       a.kv.item_lens.push_back(item);
     }
+    if (!twin_error_.empty()) return pdlib::Status::FailedPrecondition(twin_error_);
     auto aux = pdlib::MetadataBuffers::Create(static_cast<size_t>(s_.rooms), 0, 0);
     if (!aux.ok()) return aux.status();
     aux_ = std::move(*aux);
@@ -112,7 +179,8 @@ class Rank {
         const int32_t g = shape_.state_start + i;
         const uint64_t sitem = pdlib_e2e::StateItemBytes(s_, shape_, g);
         state_.emplace_back(sitem * static_cast<uint64_t>(s_.rooms), 0);
-        a.state.ptrs.push_back(reinterpret_cast<uint64_t>(state_.back().data()));
+        a.state.ptrs.push_back(Register(state_.back(), &state_twins_));
+        if (!twin_error_.empty()) return pdlib::Status::FailedPrecondition(twin_error_);
         a.state.lens.push_back(state_.back().size());
         a.state.item_lens.push_back(sitem);
         const bool split = pdlib_e2e::StateIsSplit(s_, g);
@@ -146,7 +214,11 @@ class Rank {
     return ok;
   }
 
-  void Stop() { manager_.reset(); }
+  void Stop() {
+    manager_.reset();
+    kv_twins_.clear();
+    state_twins_.clear();
+  }
 
  private:
   template <typename Handle>
@@ -159,6 +231,40 @@ class Rank {
       if (std::chrono::steady_clock::now() > deadline) return p;
       std::this_thread::sleep_for(200us);
     }
+  }
+
+  // The address pdlib gets for host buffer `b`: itself, or (--memory cuda) its device twin.
+  uint64_t Register(const std::vector<uint8_t>& b,
+                    std::vector<std::unique_ptr<DeviceTwin>>* twins) {
+    if (!f_.cuda) return reinterpret_cast<uint64_t>(b.data());
+    std::unique_ptr<DeviceTwin> twin;
+    if (std::string why = DeviceTwin::Allocate(b.size(), &twin); !why.empty()) {
+      twin_error_ = why;
+      return 0;
+    }
+    twins->push_back(std::move(twin));
+    return reinterpret_cast<uint64_t>(twins->back()->data());
+  }
+
+  // --memory cuda: the host buffers' bytes to the pools pdlib reads (prefill) or spoils
+  // (decode), or the pools' bytes back for the check. Nothing to do for host pools.
+  std::string ToDevice() {
+    for (size_t i = 0; i < kv_twins_.size(); ++i) {
+      if (std::string why = kv_twins_[i]->Upload(kv_[i]); !why.empty()) return why;
+    }
+    for (size_t i = 0; i < state_twins_.size(); ++i) {
+      if (std::string why = state_twins_[i]->Upload(state_[i]); !why.empty()) return why;
+    }
+    return "";
+  }
+  std::string FromDevice() {
+    for (size_t i = 0; i < kv_twins_.size(); ++i) {
+      if (std::string why = kv_twins_[i]->Download(&kv_[i]); !why.empty()) return why;
+    }
+    for (size_t i = 0; i < state_twins_.size(); ++i) {
+      if (std::string why = state_twins_[i]->Download(&state_[i]); !why.empty()) return why;
+    }
+    return "";
   }
 
   uint32_t AuxSlot(uint64_t room) const { return static_cast<uint32_t>(room % s_.rooms); }
@@ -212,6 +318,7 @@ class Rank {
         const int32_t next = std::min(
             layers, done + std::uniform_int_distribution<int32_t>(0, std::max(1, layers / 2))(rng));
         FillLayers(room, pages, at, at + n, done, next);
+        if (std::string why = ToDevice(); !why.empty()) return why;
         auto st = h.SendLayers(chunk, next, last,
                                last && next == layers ? state_idx : std::span<const int32_t>());
         if (!st.ok()) return "SendLayers(" + std::to_string(next) + "): " + st.ToString();
@@ -236,6 +343,8 @@ class Rank {
         p[off] = pdlib_e2e::StateByte(s_, shape_, room, g, off);
       }
     }
+    // Layer-wise, the KV follows each announcement (SendLayerwise); state goes now.
+    if (std::string why = ToDevice(); !why.empty()) return why;
     const uint32_t aux = AuxSlot(room);
     aux_->bootstrap_room(aux)[0] =
         static_cast<int64_t>(room) == f_.wrong_aux_room ? room + kWrongRoomOffset : room;
@@ -275,6 +384,7 @@ class Rank {
     // Spoil what is about to arrive, so stale bytes from an earlier room cannot pass.
     for (auto& b : kv_) std::memset(b.data(), 0xA5, b.size());
     for (auto& b : state_) std::memset(b.data(), 0xA5, b.size());
+    if (std::string why = ToDevice(); !why.empty()) return why;
     aux_->bootstrap_room(aux)[0] = ~uint64_t{0};
     aux_->output_ids(aux)[0] = -1;
 
@@ -290,6 +400,7 @@ class Rank {
     if (WaitFor(h, pdlib::KVPoll::kSuccess, 20s) != pdlib::KVPoll::kSuccess) {
       return "transfer: " + h.FailureReason().ToString();
     }
+    if (std::string why = FromDevice(); !why.empty()) return why;
     // Every byte of every page, layer and K/V this rank owns.
     const uint64_t item = pdlib_e2e::KvItemBytes(s_, shape_);
     for (size_t b = 0; b < kv_.size(); ++b) {
@@ -328,6 +439,8 @@ class Rank {
   const Scenario s_;
   const Flags f_;
   const bool decode_;
+  std::vector<std::unique_ptr<DeviceTwin>> kv_twins_, state_twins_;  // --memory cuda
+  std::string twin_error_;
   RankShape shape_;
   std::vector<std::vector<uint8_t>> kv_;
   std::vector<std::vector<uint8_t>> state_;
@@ -339,7 +452,7 @@ int Usage(const std::string& why) {
   std::cerr << "pdlib_planner_peer: " << why
             << "\nusage: pdlib_planner_peer --role prefill|decode --scenario NAME "
                "--bootstrap-port P [--backend B] [--backend-option k=v]... [--first-room R] "
-               "[--corrupt-room R] [--wrong-aux-room R] [--layerwise SEED]\n";
+               "[--corrupt-room R] [--wrong-aux-room R] [--layerwise SEED] [--memory host|cuda]\n";
   return 2;
 }
 
@@ -369,6 +482,9 @@ int main(int argc, char** argv) {
       f.wrong_aux_room = std::stoll(v);
     } else if (arg == "--layerwise") {
       f.layerwise_seed = std::stoull(v);
+    } else if (arg == "--memory") {
+      if (v != "host" && v != "cuda") return Usage("--memory host|cuda, not '" + v + "'");
+      f.cuda = v == "cuda";
     } else if (arg == "--first-room") {
       f.first_room = std::stoull(v);
     } else {
