@@ -4,6 +4,7 @@
 #
 #   scripts/gpu-check.sh                  # build what it runs (build/release), then every step
 #   scripts/gpu-check.sh --no-build       # the build is already there
+#   scripts/gpu-check.sh --build-only     # only build what it runs (scripts/gpu-bundle.sh pack)
 #   scripts/gpu-check.sh --out DIR        # where the logs go (default: $OUT, else ./gpu-check-out)
 #
 # Steps (each under its own timeout, about 8.5 minutes together at worst on an H100 after the
@@ -32,16 +33,18 @@
 set -u -o pipefail
 
 build=1
+build_only=0
 out="${OUT:-}"
 build_dir=build/release
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-build) build=0 ;;
+    --build-only) build_only=1 ;;
     --out) out="$2"; shift ;;
     --out=*) out="${1#--out=}" ;;
     --build-dir) build_dir="$2"; shift ;;
     --build-dir=*) build_dir="${1#--build-dir=}" ;;
-    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -118,6 +121,10 @@ if [ "$build" -eq 1 ]; then
     echo "gpu-check: build failed (log: $out/00-build.log)" >&2
     exit 1
   }
+fi
+if [ "$build_only" -eq 1 ]; then
+  echo "gpu-check: built (log: $out/00-build.log)"
+  exit 0
 fi
 bin() { echo "$build_dir/$1"; }
 [ -x "$(bin bench/kernels/pdlib_cuda_info)" ] || {
