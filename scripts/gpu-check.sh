@@ -17,7 +17,8 @@
 #                  (transfer_bench_cuda_ipc_verify); fails if any GPU case printed SKIP
 #   hosts_cuda     ctest -R 'hosts engine: device cuda': prefill and decode hosts on the CUDA model,
 #                  GPU KV pools over cuda_ipc, tokens against the CPU reference
-#   conformance    the backend conformance suite with PDLIB_CONFORMANCE_BACKENDS=cuda_ipc
+#   conformance    the backend conformance suite with PDLIB_CONFORMANCE_BACKENDS=cuda_ipc, over
+#                  host and GPU regions (fails if the GPU case skipped)
 #   transfer       pdlib-transfer-bench, two processes, GPU pools over cuda_ipc: 32 layers x K,V x
 #                  32 KiB items, 16 scattered pages, next to cudaMemcpy D2D of the same writes
 #   transfer_ratio the figure from that run: cuda_ipc / cudaMemcpy D2D >= 0.70
@@ -162,7 +163,8 @@ ctest_step cuda_ipc 90 'cuda_ipc|copy_plan|gather_copy' -j4 -V
 expect_absent 'SKIP' "a cuda_ipc GPU case skipped although the GPU is there"
 ctest_step hosts_cuda 50 'hosts engine: device cuda' -V
 expect_absent 'skipped: no CUDA device' "the GPU hosts case skipped although the GPU is there"
-ctest_step conformance 45 '^backend_conformance_test' PDLIB_CONFORMANCE_BACKENDS=cuda_ipc
+ctest_step conformance 45 '^backend_conformance_test' PDLIB_CONFORMANCE_BACKENDS=cuda_ipc -V
+expect_absent 'with cuda memory skipped' "the conformance suite skipped GPU memory"
 
 # --- 5. the transfer bench: GPU pools, two processes over cuda_ipc, next to cudaMemcpy D2D ---
 transfer_json="$out/transfer.jsonl"

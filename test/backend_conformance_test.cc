@@ -19,9 +19,11 @@
 
 #include "pdlib/backends.h"
 #include "pdlib/spi/transport.h"
+#include "test/support/device_buffer.h"
 #include "test/support/write_completions.h"
 
 namespace spi = pdlib::spi;
+using pdlib::MemoryKind;
 using pdlib::Status;
 using pdlib::StatusCode;
 
@@ -51,7 +53,11 @@ std::string WhyUnavailable(const std::string& name) {
 }
 
 struct Pair {
+  // GPU regions (kCuda): declared first, so that they are freed after the transports.
+  std::unique_ptr<pdlib_test::DeviceBuffer> src_dev, dst_dev;
   std::unique_ptr<spi::Transport> initiator, target;
+  // The bytes, in host memory. With GPU regions src is also what the device source holds and
+  // dst is refreshed from the device destination by Dst().
   std::vector<uint8_t> src, dst;
   spi::LocalRegionId src_region = 0, dst_region = 0;
   spi::PeerId peer = 0;
@@ -59,7 +65,28 @@ struct Pair {
   spi::TargetId target_id = 0;
 };
 
-Pair Connect(const std::string& name, size_t bytes) {
+// The destination's bytes as they are now (copied back from the device for GPU regions).
+const std::vector<uint8_t>& Dst(Pair& p) {
+  if (p.dst_dev) {
+    const std::string why = p.dst_dev->Download(p.dst.data());
+    INFO(why);
+    REQUIRE(why.empty());
+  }
+  return p.dst;
+}
+
+// Why regions of `memory` ("host", "cuda") cannot be tested with `name` here (empty: they can).
+std::string WhyNoMemory(const std::string& name, const std::string& memory) {
+  if (memory == "host") return "";
+  auto probe = spi::CreateTransport(name, {});
+  if (!probe.ok()) return probe.status().ToString();
+  if (!(*probe)->capabilities().supports_cuda_memory) {
+    return "the backend cannot reach GPU memory here (capabilities().supports_cuda_memory)";
+  }
+  return pdlib_test::WhyNoCudaDevice();
+}
+
+Pair Connect(const std::string& name, size_t bytes, bool cuda) {
   Pair p;
   auto a = spi::CreateTransport(name, {});
   auto b = spi::CreateTransport(name, {});
@@ -70,9 +97,23 @@ Pair Connect(const std::string& name, size_t bytes) {
   p.src.resize(bytes);
   p.dst.assign(bytes, 0);
   for (size_t i = 0; i < bytes; ++i) p.src[i] = static_cast<uint8_t>(i * 31 + 7);
+  const void* src_addr = p.src.data();
+  const void* dst_addr = p.dst.data();
+  const MemoryKind kind = cuda ? MemoryKind::kCuda : MemoryKind::kHost;
+  if (cuda) {
+    for (auto [dev, host] : {std::pair{&p.src_dev, &p.src}, std::pair{&p.dst_dev, &p.dst}}) {
+      std::string why = pdlib_test::DeviceBuffer::Allocate(bytes, dev);
+      if (why.empty()) why = (*dev)->Upload(host->data());
+      INFO(why);
+      REQUIRE(why.empty());
+    }
+    src_addr = p.src_dev->data();
+    dst_addr = p.dst_dev->data();
+  }
   spi::Blob src_key, dst_key;
-  auto sr = p.initiator->RegisterMemory({p.src.data(), bytes}, &src_key);
-  auto dr = p.target->RegisterMemory({p.dst.data(), bytes}, &dst_key);
+  auto sr = p.initiator->RegisterMemory({src_addr, bytes, kind, 0}, &src_key);
+  auto dr = p.target->RegisterMemory({dst_addr, bytes, kind, 0}, &dst_key);
+  INFO(sr.status().ToString() << " / " << dr.status().ToString());
   REQUIRE(sr.ok());
   REQUIRE(dr.ok());
   p.src_region = *sr;
@@ -87,7 +128,7 @@ Pair Connect(const std::string& name, size_t bytes) {
   }
   p.peer = conn->peer;
   auto remote = p.initiator->ImportRemoteRegion(
-      p.peer, {reinterpret_cast<uint64_t>(p.dst.data()), bytes, dst_key});
+      p.peer, {reinterpret_cast<uint64_t>(dst_addr), bytes, dst_key});
   REQUIRE(remote.ok());
   p.remote = *remote;
   return p;
@@ -97,13 +138,20 @@ Pair Connect(const std::string& name, size_t bytes) {
 
 TEST_CASE("backend conformance") {
   auto name = GENERATE(from_range(BackendsUnderTest()));
-  INFO("backend " << name);
+  // Regions in host memory, then in GPU memory where the backend and this machine can (issue
+  // #19: cuda_ipc over GPU pools; ucx built with CUDA).
+  const std::string memory = GENERATE(as<std::string>{}, "host", "cuda");
+  INFO("backend " << name << ", " << memory << " memory");
   if (const std::string why = WhyUnavailable(name); !why.empty()) {
     WARN("backend " << name << " skipped: no device here (" << why << ")");
     return;
   }
+  if (const std::string why = WhyNoMemory(name, memory); !why.empty()) {
+    WARN("backend " << name << " with " << memory << " memory skipped: " << why);
+    return;
+  }
   constexpr size_t kBytes = 1 << 16;
-  Pair p = Connect(name, kBytes);
+  Pair p = Connect(name, kBytes, memory == "cuda");
   auto caps = p.initiator->capabilities();
   CHECK(p.initiator->name() == name);
 
@@ -122,11 +170,12 @@ TEST_CASE("backend conformance") {
     if (caps.moves_bytes) {
       for (uint64_t off = 0; off < kBytes; off += 4096) {
         CHECK(std::equal(p.src.begin() + off, p.src.begin() + off + 4096,
-                         p.dst.begin() + (kBytes - 4096 - off)));
+                         Dst(p).begin() + (kBytes - 4096 - off)));
       }
     } else {
       WARN("backend " << name << " moves no bytes by design: byte comparison not applicable");
-      CHECK(std::all_of(p.dst.begin(), p.dst.end(), [](uint8_t b) { return b == 0; }));
+      const auto& d = Dst(p);
+      CHECK(std::all_of(d.begin(), d.end(), [](uint8_t b) { return b == 0; }));
     }
   }
 
@@ -150,7 +199,8 @@ TEST_CASE("backend conformance") {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     CHECK(done.statuses().empty());  // a refused batch never calls back
-    CHECK(std::all_of(p.dst.begin(), p.dst.end(), [](uint8_t b) { return b == 0; }));
+    const auto& d = Dst(p);
+    CHECK(std::all_of(d.begin(), d.end(), [](uint8_t b) { return b == 0; }));
   }
 
   SECTION("unknown peers and foreign blobs are refused") {
@@ -190,7 +240,7 @@ TEST_CASE("backend conformance") {
     auto st = done.statuses();
     CHECK(st.size() == size_t{kThreads * kBatches});
     CHECK(std::all_of(st.begin(), st.end(), [](const Status& s) { return s.ok(); }));
-    if (caps.moves_bytes) CHECK(p.dst == p.src);
+    if (caps.moves_bytes) CHECK(Dst(p) == p.src);
   }
 
   SECTION("no write after a fence lands; a fence never completes a batch OK") {
@@ -220,7 +270,8 @@ TEST_CASE("backend conformance") {
       INFO(st.ToString());
       CHECK_FALSE(st.ok());
     }
-    CHECK(std::all_of(p.dst.begin(), p.dst.end(), [](uint8_t b) { return b == 0; }));
+    const auto& d = Dst(p);
+    CHECK(std::all_of(d.begin(), d.end(), [](uint8_t b) { return b == 0; }));
     p.target->CloseTargetEndpoint(p.target_id);
   }
 

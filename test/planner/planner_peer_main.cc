@@ -37,70 +37,13 @@
 #include "pdlib/kv_manager.h"
 #include "pdlib/metadata_buffers.h"
 #include "test/planner/e2e_scenario.h"
-
-#if defined(PDLIB_PEER_HAVE_CUDA)
-#include <cuda_runtime_api.h>
-#endif
+#include "test/support/device_buffer.h"
 
 namespace {
 
 using namespace std::chrono_literals;
 using pdlib_e2e::RankShape;
 using pdlib_e2e::Scenario;
-
-// GPU pools (--memory cuda): each host buffer has a device twin of the same size; the pattern
-// is written and checked in the host buffer and copied across around each transfer.
-class DeviceTwin {
- public:
-  DeviceTwin() = default;
-  DeviceTwin(const DeviceTwin&) = delete;
-  DeviceTwin& operator=(const DeviceTwin&) = delete;
-  ~DeviceTwin() {
-#if defined(PDLIB_PEER_HAVE_CUDA)
-    if (ptr_ != nullptr) cudaFree(ptr_);
-#endif
-  }
-  static std::string Allocate(uint64_t bytes, std::unique_ptr<DeviceTwin>* out) {
-#if defined(PDLIB_PEER_HAVE_CUDA)
-    auto twin = std::make_unique<DeviceTwin>();
-    if (cudaError_t e = cudaSetDevice(0); e != cudaSuccess) return Error("cudaSetDevice", e);
-    if (cudaError_t e = cudaMalloc(&twin->ptr_, bytes); e != cudaSuccess) {
-      return Error("cudaMalloc", e);
-    }
-    twin->bytes_ = bytes;
-    *out = std::move(twin);
-    return "";
-#else
-    return "--memory cuda: this build has no CUDA (PDLIB_WITH_CUDA=OFF or nvcc not found)";
-#endif
-  }
-  void* data() const { return ptr_; }
-  std::string Upload(const std::vector<uint8_t>& host) const {
-#if defined(PDLIB_PEER_HAVE_CUDA)
-    cudaError_t e = cudaMemcpy(ptr_, host.data(), bytes_, cudaMemcpyHostToDevice);
-    return e == cudaSuccess ? "" : Error("cudaMemcpy to the device", e);
-#else
-    return "no CUDA";
-#endif
-  }
-  std::string Download(std::vector<uint8_t>* host) const {
-#if defined(PDLIB_PEER_HAVE_CUDA)
-    cudaError_t e = cudaMemcpy(host->data(), ptr_, bytes_, cudaMemcpyDeviceToHost);
-    return e == cudaSuccess ? "" : Error("cudaMemcpy from the device", e);
-#else
-    return "no CUDA";
-#endif
-  }
-
- private:
-#if defined(PDLIB_PEER_HAVE_CUDA)
-  static std::string Error(const char* what, cudaError_t e) {
-    return std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
-  }
-#endif
-  void* ptr_ = nullptr;
-  uint64_t bytes_ = 0;
-};
 
 std::mutex out_mu;
 void Emit(const std::string& line) {
@@ -235,10 +178,10 @@ class Rank {
 
   // The address pdlib gets for host buffer `b`: itself, or (--memory cuda) its device twin.
   uint64_t Register(const std::vector<uint8_t>& b,
-                    std::vector<std::unique_ptr<DeviceTwin>>* twins) {
+                    std::vector<std::unique_ptr<pdlib_test::DeviceBuffer>>* twins) {
     if (!f_.cuda) return reinterpret_cast<uint64_t>(b.data());
-    std::unique_ptr<DeviceTwin> twin;
-    if (std::string why = DeviceTwin::Allocate(b.size(), &twin); !why.empty()) {
+    std::unique_ptr<pdlib_test::DeviceBuffer> twin;
+    if (std::string why = pdlib_test::DeviceBuffer::Allocate(b.size(), &twin); !why.empty()) {
       twin_error_ = why;
       return 0;
     }
@@ -250,19 +193,19 @@ class Rank {
   // (decode), or the pools' bytes back for the check. Nothing to do for host pools.
   std::string ToDevice() {
     for (size_t i = 0; i < kv_twins_.size(); ++i) {
-      if (std::string why = kv_twins_[i]->Upload(kv_[i]); !why.empty()) return why;
+      if (std::string why = kv_twins_[i]->Upload(kv_[i].data()); !why.empty()) return why;
     }
     for (size_t i = 0; i < state_twins_.size(); ++i) {
-      if (std::string why = state_twins_[i]->Upload(state_[i]); !why.empty()) return why;
+      if (std::string why = state_twins_[i]->Upload(state_[i].data()); !why.empty()) return why;
     }
     return "";
   }
   std::string FromDevice() {
     for (size_t i = 0; i < kv_twins_.size(); ++i) {
-      if (std::string why = kv_twins_[i]->Download(&kv_[i]); !why.empty()) return why;
+      if (std::string why = kv_twins_[i]->Download(kv_[i].data()); !why.empty()) return why;
     }
     for (size_t i = 0; i < state_twins_.size(); ++i) {
-      if (std::string why = state_twins_[i]->Download(&state_[i]); !why.empty()) return why;
+      if (std::string why = state_twins_[i]->Download(state_[i].data()); !why.empty()) return why;
     }
     return "";
   }
@@ -439,7 +382,7 @@ class Rank {
   const Scenario s_;
   const Flags f_;
   const bool decode_;
-  std::vector<std::unique_ptr<DeviceTwin>> kv_twins_, state_twins_;  // --memory cuda
+  std::vector<std::unique_ptr<pdlib_test::DeviceBuffer>> kv_twins_, state_twins_;  // --memory cuda
   std::string twin_error_;
   RankShape shape_;
   std::vector<std::vector<uint8_t>> kv_;
