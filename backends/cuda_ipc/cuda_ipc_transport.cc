@@ -189,8 +189,11 @@ StatusOr<spi::Connection> CudaIpcTransport::Connect(const spi::Blob& target_endp
     return Status::Unavailable("cuda_ipc: target process " + std::to_string(info->process.pid) +
                                " exited (its pid now names this process)");
   }
+  std::shared_ptr<const ProcessWatch> watch;
   if (!same_process) {
-    if (Status s = CheckProcessAlive(info->process); !s.ok()) return s;
+    auto opened = ProcessWatch::Open(info->process);
+    if (!opened.ok()) return opened.status();
+    watch = std::move(*opened);
   }
   spi::PeerId id = 0;
   {
@@ -202,7 +205,7 @@ StatusOr<spi::Connection> CudaIpcTransport::Connect(const spi::Blob& target_endp
     state->id = id;
     peer_states_.emplace(id, std::move(state));
     MutexLock lock(&mu_);
-    peers_.Add(id, PeerEntry{{}, Status(), info->process, same_process});
+    peers_.Add(id, PeerEntry{{}, Status(), info->process, same_process, watch});
     return Status::OK();
   });
   if (!added.ok()) return added;
@@ -276,16 +279,16 @@ Status CudaIpcTransport::PostWrites(spi::PeerId peer, std::span<const spi::Write
   batch->done = std::move(done);
   batch->ops.reserve(ops.size());
   ProcessId target;
-  bool same_process = false;
+  std::shared_ptr<const ProcessWatch> watch;
   {
     MutexLock lock(&mu_);
     auto found = peers_.ForWrites(peer);
     if (!found.ok()) return found.status();
     target = (*found)->target;
-    same_process = (*found)->same_process;
+    watch = (*found)->watch;
   }
-  if (!same_process) {
-    if (Status alive = CheckProcessAlive(target); !alive.ok()) {
+  if (watch != nullptr) {
+    if (Status alive = watch->Check(); !alive.ok()) {
       MutexLock lock(&mu_);
       peers_.MarkFailed(peer, alive);
       return alive;

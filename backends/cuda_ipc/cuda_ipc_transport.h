@@ -126,6 +126,9 @@ class CudaIpcTransport final : public spi::Transport {
     Status failure;
     ProcessId target;
     bool same_process = false;
+    // Asked before every batch (not for a target in this process); shared so that PostWrites can
+    // ask it outside mu_.
+    std::shared_ptr<const ProcessWatch> watch;
   };
   struct TargetEntry {
     bool fenced = false;  // never set: this transport cannot fence (capabilities().fences)

@@ -1,5 +1,7 @@
 #include "backends/cuda_ipc/cuda_ipc_wire.h"
 
+#include <poll.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -207,6 +209,33 @@ Status CheckProcessAlive(const ProcessId& process) {
         (start.ok() ? " exited (its pid now names another process)" : " exited"));
   }
   return Status::OK();
+}
+
+StatusOr<std::unique_ptr<ProcessWatch>> ProcessWatch::Open(const ProcessId& process) {
+  std::unique_ptr<ProcessWatch> watch(new ProcessWatch(process));
+#if defined(SYS_pidfd_open)
+  // Opened first, checked second: if the pid was reused before the open, the start time read
+  // now is the newcomer's and the check fails; if it matches, the fd is the target's.
+  watch->fd_ = static_cast<int>(::syscall(SYS_pidfd_open, process.pid, 0));
+#endif
+  if (Status s = CheckProcessAlive(process); !s.ok()) return s;
+  return watch;
+}
+
+ProcessWatch::~ProcessWatch() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Status ProcessWatch::Check() const {
+  if (fd_ < 0) return CheckProcessAlive(process_);
+  pollfd p{fd_, POLLIN, 0};
+  const int n = ::poll(&p, 1, 0);
+  if (n == 0) return Status::OK();
+  if (n > 0) {
+    return Status::Unavailable("cuda_ipc: target process " + std::to_string(process_.pid) +
+                               " exited");
+  }
+  return CheckProcessAlive(process_);  // poll failed (EINTR, ...): ask /proc instead
 }
 
 }  // namespace cuda_ipc

@@ -20,6 +20,7 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "pdlib/spi/transport.h"
@@ -74,6 +75,27 @@ StatusOr<uint64_t> ReadProcessStartTime(int32_t pid);
 StatusOr<ProcessId> SelfProcessId();
 // Whether `process` still runs (same pid, same start time); Unavailable naming the pid if not.
 Status CheckProcessAlive(const ProcessId& process);
+
+// Watches one target process for PostWrites, which asks before every batch. Where the kernel has
+// pidfd_open (Linux >= 5.3) the watch holds a pidfd opened before the start time was checked, so
+// a check is one poll() that no reused pid can fool and that sees a zombie as gone; elsewhere it
+// reads /proc/<pid>/stat each time (CheckProcessAlive).
+class ProcessWatch {
+ public:
+  // Unavailable (as CheckProcessAlive) when `process` no longer runs.
+  static StatusOr<std::unique_ptr<ProcessWatch>> Open(const ProcessId& process);
+  ~ProcessWatch();
+  ProcessWatch(const ProcessWatch&) = delete;
+  ProcessWatch& operator=(const ProcessWatch&) = delete;
+
+  Status Check() const;
+  bool uses_pidfd() const { return fd_ >= 0; }
+
+ private:
+  explicit ProcessWatch(const ProcessId& process) : process_(process) {}
+  ProcessId process_;
+  int fd_ = -1;
+};
 
 }  // namespace cuda_ipc
 }  // namespace v1

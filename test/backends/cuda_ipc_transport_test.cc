@@ -12,11 +12,13 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backends/cuda_ipc/cuda_ipc_cma.h"
@@ -218,6 +220,52 @@ TEST_CASE("cuda_ipc process identity tells a live process from a gone or reused 
   auto boot = ci::ReadBootId();
   REQUIRE(boot.ok());
   CHECK(boot->size() == ci::kBootIdBytes);
+}
+
+// The watch PostWrites asks before every batch: a pidfd where the kernel has pidfd_open, which
+// also sees an exited child that nobody reaped yet (a zombie still has its /proc entry).
+TEST_CASE("cuda_ipc process watch: a live target, an exited one (zombie or reaped), a reused pid") {
+  auto self = ci::SelfProcessId();
+  REQUIRE(self.ok());
+  auto watch_self = ci::ProcessWatch::Open(*self);
+  REQUIRE(watch_self.ok());
+  CHECK((*watch_self)->Check().ok());
+  ci::ProcessId reused = *self;
+  reused.start_time += 1;
+  CHECK(ci::ProcessWatch::Open(reused).status().code() == StatusCode::kUnavailable);
+
+  int go[2];
+  REQUIRE(pipe(go) == 0);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    close(go[1]);
+    char c = 0;
+    (void)!read(go[0], &c, 1);  // wait until the parent watches (its end closes), then exit
+    _exit(0);
+  }
+  close(go[0]);
+  auto start = ci::ReadProcessStartTime(child);
+  REQUIRE(start.ok());
+  auto watch = ci::ProcessWatch::Open({child, *start});
+  REQUIRE(watch.ok());
+  CHECK((*watch)->Check().ok());
+  close(go[1]);  // the child exits; not reaped yet
+  if ((*watch)->uses_pidfd()) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while ((*watch)->Check().ok() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    Status zombie = (*watch)->Check();
+    CHECK(zombie.code() == StatusCode::kUnavailable);
+    CHECK(Contains(zombie, std::to_string(child)));
+  } else {
+    WARN("no pidfd_open here: the watch reads /proc, which still lists a zombie");
+  }
+  REQUIRE(waitpid(child, nullptr, 0) == child);
+  Status gone = (*watch)->Check();
+  CHECK(gone.code() == StatusCode::kUnavailable);
+  CHECK(Contains(gone, std::to_string(child)));
 }
 
 TEST_CASE("cuda_ipc process_vm_writev writes another process's memory, byte for byte") {
