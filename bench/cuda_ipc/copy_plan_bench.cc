@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backends/cuda_ipc/copy_plan.h"
+#include "lib/planner/kv_layout_testing.h"
 #include "lib/planner/planner.h"
 
 namespace pdlib::cuda_ipc {
@@ -31,17 +32,8 @@ constexpr size_t kRequestPages = 16;
 constexpr uint32_t kTileUnits = 1024;  // the gather kernel's (GatherCopier::kTileUnits)
 
 planner::SideLayout Layout(int32_t tp_size, int32_t tp_rank, KVLayout layout) {
-  planner::SideLayout l;
-  l.tp_size = tp_size;
-  l.tp_rank = tp_rank;
-  l.total_layers = kLayers;
-  l.total_kv_heads = kHeads;
-  l.kv_heads = kHeads / tp_size;
-  l.page_size = kPageSize;
-  l.layout = layout;
-  const uint64_t item = kPageSize * static_cast<uint64_t>(l.kv_heads) * kHeadBytes;
-  for (int32_t b = 0; b < 2 * kLayers; ++b) l.kv.push_back({item, item * kPoolPages});
-  return l;
+  return planner::KvOnlySideLayout({kLayers, kHeads, kPageSize, kHeadBytes, kPoolPages}, tp_size,
+                                   tp_rank, layout);
 }
 
 // Prefill rank 0's batch for one request (what its transport coalesces), resolved onto buffers

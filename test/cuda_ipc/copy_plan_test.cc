@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "lib/planner/kv_layout_testing.h"
 #include "lib/planner/planner.h"
 #include "test/cuda_ipc/copy_batches.h"
 
@@ -169,7 +170,6 @@ TEST_CASE("property: coalesced and tiled execution writes what one memcpy per co
 // ---------------------------------------------------------------------------------------------
 // M:N re-layout through the real planner.
 
-using planner::BufferDesc;
 using planner::SideLayout;
 
 constexpr int32_t kLayers = 3;
@@ -179,17 +179,8 @@ constexpr uint64_t kHeadBytes = 64;
 constexpr int32_t kPoolPages = 24;
 
 SideLayout Layout(int32_t tp_size, int32_t tp_rank, KVLayout layout) {
-  SideLayout l;
-  l.tp_size = tp_size;
-  l.tp_rank = tp_rank;
-  l.total_layers = kLayers;
-  l.total_kv_heads = kHeads;
-  l.kv_heads = kHeads / tp_size;
-  l.page_size = kPageSize;
-  l.layout = layout;
-  const uint64_t item = kPageSize * static_cast<uint64_t>(l.kv_heads) * kHeadBytes;
-  for (int32_t b = 0; b < 2 * kLayers; ++b) l.kv.push_back(BufferDesc{item, item * kPoolPages});
-  return l;
+  return planner::KvOnlySideLayout({kLayers, kHeads, kPageSize, kHeadBytes, kPoolPages}, tp_size,
+                                   tp_rank, layout);
 }
 
 // Byte offset of (token, head of `heads`) inside one page.
