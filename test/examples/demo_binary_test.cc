@@ -12,22 +12,10 @@
 
 namespace {
 
-struct Exited {
-  int status = -1;
-  std::string output;  // stdout and stderr
-};
+using Exited = pdlib_tools::ExitedChild;
 
 Exited RunDemo(std::vector<std::string> args) {
-  pdlib_tools::ChildProcess p({.program = PD_DEMO_BIN,
-                               .args = std::move(args),
-                               .stderr_mode = pdlib_tools::ChildOptions::Stderr::kMerge});
-  REQUIRE(p.started());
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  Exited e;
-  while (auto line = p.ReadLine(deadline)) e.output += *line + "\n";
-  e.status = p.Wait(deadline);
-  if (e.status < 0) e.status = p.KillAndReap(std::chrono::seconds(5));
-  return e;
+  return pdlib_tools::RunToExit(PD_DEMO_BIN, std::move(args), std::chrono::seconds(30));
 }
 
 TEST_CASE("pd-demo: --device and --reference-device take cpu or cuda") {

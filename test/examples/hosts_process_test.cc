@@ -147,21 +147,10 @@ TEST_CASE("hosts process: pd-decode --colocated generates on its own") {
 }
 
 // A host binary that must exit before serving: its stdout and stderr together, and its status.
-struct Exited {
-  int status = -1;
-  std::string output;
-};
+using Exited = pdlib_tools::ExitedChild;
 Exited RunToExit(std::vector<std::string> argv) {
-  pdlib_tools::ChildProcess p({.program = argv[0],
-                               .args = std::vector<std::string>(argv.begin() + 1, argv.end()),
-                               .stderr_mode = pdlib_tools::ChildOptions::Stderr::kMerge});
-  REQUIRE(p.started());
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  Exited e;
-  while (auto line = p.ReadLine(deadline)) e.output += *line + "\n";
-  e.status = p.Wait(deadline);
-  if (e.status < 0) e.status = p.KillAndReap(std::chrono::seconds(5));
-  return e;
+  return pdlib_tools::RunToExit(argv[0], std::vector<std::string>(argv.begin() + 1, argv.end()),
+                                std::chrono::seconds(30));
 }
 
 TEST_CASE("hosts process: --device takes cpu or cuda; cuda without a GPU exits 1 with the reason") {

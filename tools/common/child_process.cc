@@ -251,4 +251,20 @@ std::string TailOfFile(const std::string& path, size_t max_bytes) {
   return text.size() > max_bytes ? text.substr(text.size() - max_bytes) : text;
 }
 
+ExitedChild RunToExit(const std::string& program, std::vector<std::string> args,
+                      std::chrono::milliseconds limit) {
+  ChildProcess p(
+      {.program = program, .args = std::move(args), .stderr_mode = ChildOptions::Stderr::kMerge});
+  ExitedChild e;
+  if (!p.started()) {
+    e.output = p.error();
+    return e;
+  }
+  const auto deadline = ChildProcess::Clock::now() + limit;
+  while (auto line = p.ReadLine(deadline)) e.output += *line + "\n";
+  e.status = p.Wait(deadline);
+  if (e.status < 0) e.status = p.KillAndReap(std::chrono::seconds(5));
+  return e;
+}
+
 }  // namespace pdlib_tools

@@ -119,6 +119,16 @@ std::string TsanOptionsForChild();
 // The last `max_bytes` of the file at `path` (empty when unreadable): a child's log.
 std::string TailOfFile(const std::string& path, size_t max_bytes);
 
+// A program run to its end: its exit status (as ChildProcess::Wait; -1 when it could not start)
+// and everything it printed, stdout and stderr merged. A child still running at `limit` is
+// killed and reaped. For tests of a binary's command line.
+struct ExitedChild {
+  int status = -1;
+  std::string output;
+};
+ExitedChild RunToExit(const std::string& program, std::vector<std::string> args,
+                      std::chrono::milliseconds limit);
+
 }  // namespace pdlib_tools
 
 #endif  // PDLIB_TOOLS_COMMON_CHILD_PROCESS_H_
