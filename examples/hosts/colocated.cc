@@ -31,8 +31,17 @@ class ColocatedReceiver final : public KVReceiver {
   // its pages.
   bool PagesReusable() const override { return IsTerminal(Poll()); }
 
-  Status Init(std::span<const int32_t> pages, std::optional<uint32_t> aux,
-              std::span<const int32_t> state) override {
+  using KVReceiver::Init;
+  Status Init(const ReceiveRequest& request) override {
+    const std::span<const int32_t> pages = request.kv_page_indices;
+    const std::optional<uint32_t> aux = request.aux_index;
+    const std::span<const int32_t> state = request.state.indices;
+    if (request.decode_prefix_len != 0) {
+      // The colocated prefill computes the whole prompt into the pages it is given.
+      return Status::InvalidArgument("room " + std::to_string(room_) +
+                                     ": the colocated transport takes no decode prefix (it "
+                                     "recomputes the prompt into every page)");
+    }
     if (Poll() != KVPoll::kWaitingForInput) {
       return Status::FailedPrecondition("room " + std::to_string(room_) +
                                         ": Init called twice or after the request ended");

@@ -10,11 +10,12 @@
 #endif
 
 #define PDLIB_VERSION_MAJOR 0
-#define PDLIB_VERSION_MINOR 1
+#define PDLIB_VERSION_MINOR 2
 #define PDLIB_VERSION_PATCH 0
 
 // The version of pdlib's wire protocol (control messages and the KV layout they describe). It
 // travels in every fingerprint; a peer with another version is refused when it registers.
-#define PDLIB_WIRE_VERSION 2
+// 3: decode prefixes and several state families in Register, RegisterAck and TransferInfo.
+#define PDLIB_WIRE_VERSION 3
 
 #endif  // PDLIB_EXPORT_H_

@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "pdlib/status.h"
 #include "pdlib/types.h"
 
 namespace pdlib {
@@ -28,6 +29,28 @@ struct BufferFamily {
 
   size_t size() const { return ptrs.size(); }
   bool empty() const { return ptrs.empty(); }
+};
+
+// One family of per-request state buffers of a hybrid model (SPEC R5.8): a kind, its buffers
+// and how they split across TP ranks. A model may carry several at once (DeepSeek-V4: swa,
+// swa_ring and c128_state; a DSA model with a draft model: two nsa families); each request then
+// hands one index list per family, in KVArgs::state_families order.
+struct StateFamily {
+  StateType type = StateType::kNone;
+  BufferFamily buffers;
+  // Per buffer, the item dimension split across TP ranks (-1: not split; every TP rank holds the
+  // whole item and one of them sends it). Empty: none is split.
+  std::vector<int32_t> dim_per_tensor;
+  // Optional, per buffer, for a split dimension other than 0 or a split that replicates:
+  // item_rows[i] is the product of the item's dimensions before the split dimension (1 for
+  // dimension 0), split_units[i] the split dimension's extent across all TP ranks of the model
+  // (0: unknown, every byte of a row is a unit). Empty: 1 and 0 for every buffer.
+  std::vector<uint64_t> item_rows;
+  std::vector<uint64_t> split_units;
+  // Model-wide index, within this family, of this PP stage's first buffer (0 for PP size 1): with
+  // prefill PP > 1 and decode PP 1, decode's buffer start + i of the family receives stage buffer
+  // i.
+  int32_t start = 0;
 };
 
 // How one side of the deployment is parallelised, and where this rank sits in it.
@@ -89,7 +112,13 @@ struct KVArgs {
   // `aux` has the MetadataBuffers layout (10 buffers), otherwise no check. -1: no check.
   static constexpr int32_t kAuxRoomBufferAuto = -2;
   int32_t aux_room_buffer = kAuxRoomBufferAuto;
-  // Hybrid-model state buffers (mamba/SWA/NSA); empty when state_type is kNone.
+  // Hybrid-model state. Several families: fill state_families (one entry per family, each
+  // request then passes one index list per family, in this order). One family: either one entry
+  // there, or the shorthand below (state, state_type, state_dim_per_tensor, state_item_rows,
+  // state_split_units, state_start), which means exactly the StateFamily of those fields. Both
+  // at once is an error at Create(). The two sides must declare the same kinds in the same order.
+  std::vector<StateFamily> state_families;
+  // The one-family shorthand: state buffers (mamba/SWA/NSA/...); empty when state_type is kNone.
   BufferFamily state;
   StateType state_type = StateType::kNone;
   // For each state buffer, the dimension along which it is split across TP ranks (-1: not
@@ -126,6 +155,10 @@ struct KVArgs {
 
   ModelFingerprint fingerprint;
 };
+
+// The state families `args` declares: state_families, or the one family of the shorthand
+// fields (state_type ... state_start), or none. kInvalidArgument when both are set.
+PDLIB_EXPORT StatusOr<std::vector<StateFamily>> EffectiveStateFamilies(const KVArgs& args);
 
 // How control messages travel between managers.
 enum class ControlPlane : int32_t {

@@ -65,17 +65,52 @@ class PDLIB_EXPORT KVPollable {
   virtual bool PagesReusable() const = 0;
 };
 
+// One request's state indices, for every state family of the manager (KVArgs::state_families
+// order): `indices` holds the families' lists one after the other and counts[f] is the length of
+// family f's list. `counts` empty: every index belongs to the one family (the usual case with a
+// single family; with several families counts is required whenever indices is not empty).
+struct StateIndices {
+  std::span<const int32_t> indices;
+  std::span<const uint32_t> counts;
+};
+
 // Prefill side of one request.
 class PDLIB_EXPORT KVSender : public KVPollable {
  public:
   // Announces how many KV pages the whole request will send and which metadata slot carries its
-  // first output token. May be called in any non-terminal state.
+  // first output token. With a decode prefix (decode_prefix_len()) the pages are those after the
+  // prefix: ceil((prompt_len - prefix) / page_size) (PagesAfterPrefix computes it). May be called
+  // in any non-terminal state.
   virtual Status Init(uint64_t num_kv_pages, std::optional<uint32_t> aux_index) = 0;
+  // Decode prefix reuse (SPEC R11.1): the tokens at the start of the prompt that decode already
+  // holds, which prefill must not send. Known once Poll() >= kWaitingForInput (every decode rank
+  // of the request said the same; ranks that disagree fail the room naming both values);
+  // nullopt before. 0: decode holds nothing, send every page. Pages map by position: the k-th
+  // page Send() sends (the page of token prefix + k * page_size) lands in the k-th page decode
+  // gave. A prefix covering the whole prompt leaves only the aux slot and the state to send
+  // (an empty last chunk).
+  virtual std::optional<uint64_t> decode_prefix_len() const { return uint64_t{0}; }
+  // The KV pages to send for a prompt of `prompt_len` tokens after decode's prefix:
+  // ceil((prompt_len - prefix) / page_size). kFailedPrecondition before the prefix is known,
+  // kOutOfRange (naming both numbers) when the prefix is longer than the prompt.
+  virtual StatusOr<uint64_t> PagesAfterPrefix(uint64_t prompt_len) const {
+    (void)prompt_len;
+    return Status::Unimplemented("this KVSender does not know decode prefixes");
+  }
   // Queues one chunk of this request's KV pages (SPEC R5.2). Non-last chunks must hold only
-  // whole pages; the last chunk's call also sends the aux slot and `state_indices`.
-  // Requires the decode side's TransferInfo (Poll() >= kWaitingForInput).
+  // whole pages; the last chunk's call also sends the aux slot and `state_indices` (one family;
+  // SendStates for several). Requires the decode side's TransferInfo (Poll() >=
+  // kWaitingForInput).
   virtual Status Send(std::span<const int32_t> kv_page_indices, bool is_last_chunk,
                       std::span<const int32_t> state_indices = {}) = 0;
+  // Send() with the state indices of every family (read only with the last chunk).
+  virtual Status SendStates(std::span<const int32_t> kv_page_indices, bool is_last_chunk,
+                            const StateIndices& state) {
+    if (!state.counts.empty()) {
+      return Status::Unimplemented("this KVSender does not take several state families");
+    }
+    return Send(kv_page_indices, is_last_chunk, state.indices);
+  }
   // Layer-wise streaming (optional; an engine that only calls Send behaves as before). Announces
   // that the first `layers_done` KV layers of this rank (KVArgs::kv order: the layers of its PP
   // stage, MLA or K and V alike) are computed for the chunk `kv_page_indices`, so that pdlib
@@ -93,10 +128,16 @@ class PDLIB_EXPORT KVSender : public KVPollable {
   // (and everything Send() refuses). Announcing the same count again, or 0, does nothing.
   virtual Status SendLayers(std::span<const int32_t> kv_page_indices, int32_t layers_done,
                             bool is_last_chunk, std::span<const int32_t> state_indices = {}) {
+    return SendLayersStates(kv_page_indices, layers_done, is_last_chunk, {state_indices, {}});
+  }
+  // SendLayers() with the state indices of every family (read only when the call completes the
+  // last chunk).
+  virtual Status SendLayersStates(std::span<const int32_t> kv_page_indices, int32_t layers_done,
+                                  bool is_last_chunk, const StateIndices& state) {
     (void)kv_page_indices;
     (void)layers_done;
     (void)is_last_chunk;
-    (void)state_indices;
+    (void)state;
     return Status::Unimplemented("this KVSender does not stream layers; call Send()");
   }
   // This rank's KV layers: the layers_done that completes a chunk in SendLayers(). 0 when the
@@ -106,15 +147,41 @@ class PDLIB_EXPORT KVSender : public KVPollable {
   virtual void Abort(std::string_view reason) = 0;
 };
 
+// What decode hands over for one request (KVReceiver::Init).
+struct ReceiveRequest {
+  // Destination pages of the tokens [decode_prefix_len, prompt end), in order: the k-th page
+  // prefill sends lands in kv_page_indices[k].
+  std::span<const int32_t> kv_page_indices;
+  std::optional<uint32_t> aux_index;
+  // Destination state slots/pages/rows, per state family (see StateIndices).
+  StateIndices state;
+  // Decode prefix reuse (SPEC R11.1): tokens at the start of the prompt decode already holds
+  // (its prefix cache). A multiple of the page size; prefill sends only the pages after it.
+  uint64_t decode_prefix_len = 0;
+  // Tokens of the whole prompt, when the engine knows them (0: not checked): the prefix must not
+  // be longer, and kv_page_indices must hold ceil((prompt_len - prefix) / page_size) pages.
+  uint64_t prompt_len = 0;
+};
+
 // Decode side of one request.
 class PDLIB_EXPORT KVReceiver : public KVPollable {
  public:
   // Hands over the destination pages, the metadata slot and the state slots, and sends them to
   // every prefill rank that writes to this rank (SPEC R1.3). Call once. Poll() reaches
   // kWaitingForInput when the prefill rank is connected; Init() may also come earlier, while
-  // Bootstrapping, and is then sent as soon as the connection is up.
-  virtual Status Init(std::span<const int32_t> kv_page_indices, std::optional<uint32_t> aux_index,
-                      std::span<const int32_t> state_indices = {}) = 0;
+  // Bootstrapping, and is then sent as soon as the connection is up. Errors (nothing is sent):
+  // a prefix that is not page-aligned or longer than prompt_len, naming both numbers; indices
+  // out of range or repeated; counts that do not match the state families.
+  virtual Status Init(const ReceiveRequest& request) = 0;
+  // Init() without a prefix, for one state family.
+  Status Init(std::span<const int32_t> kv_page_indices, std::optional<uint32_t> aux_index,
+              std::span<const int32_t> state_indices = {}) {
+    ReceiveRequest request;
+    request.kv_page_indices = kv_page_indices;
+    request.aux_index = aux_index;
+    request.state.indices = state_indices;
+    return Init(request);
+  }
   // Fails the request with `reason` (code kAborted) and tells the prefill side. Idempotent.
   virtual void Abort(std::string_view reason) = 0;
 };

@@ -36,13 +36,21 @@ enum class Mode : int32_t {
 };
 PDLIB_EXPORT std::string_view ModeName(Mode mode);
 
-// Per-request state that hybrid models carry besides the paged KV (SPEC R5.8).
+// Per-request state that hybrid models carry besides the paged KV (SPEC R5.8), one family per
+// kind (KVArgs::state_families). What one request's index list for the family means:
 enum class StateType : int32_t {
   kNone = 0,
-  kMamba = 1,  // one recurrent-state slot per request
-  kSwa = 2,    // sliding-window attention: the pages inside the window
-  kNsa = 3,    // native sparse attention: indices for the whole sequence
+  kMamba = 1,  // recurrent state: one slot per request (0 or 1 index)
+  kSwa = 2,    // sliding-window attention: the pages inside the window (at most the request's
+               // pages; may differ by one page between the sides, see KVArgs::state_families)
+  kNsa = 3,    // DeepSeek sparse attention (SGLang "nsa"/"dsa") index keys: one index per page of
+               // the whole sequence (or of the pages sent, with a decode prefix)
+  kMinimaxIndexK = 4,  // MiniMax's index keys: full-sequence pages, as kNsa
+  kSwaRing = 5,        // ring rows of a sliding window: as many rows as prefill sends
+  kC128State = 6,      // one request-scoped slot, or none (0 or 1 index)
 };
+inline constexpr StateType kDsa = StateType::kNsa;  // SGLang's newer name for the same kind
+// "none", "mamba", "swa", "nsa", "minimax_index_k", "swa_ring", "c128_state".
 PDLIB_EXPORT std::string_view StateTypeName(StateType type);
 
 // Where a registered buffer lives.

@@ -24,6 +24,9 @@ std::string_view StateTypeName(StateType type) {
     case StateType::kMamba: return "mamba";
     case StateType::kSwa: return "swa";
     case StateType::kNsa: return "nsa";
+    case StateType::kMinimaxIndexK: return "minimax_index_k";
+    case StateType::kSwaRing: return "swa_ring";
+    case StateType::kC128State: return "c128_state";
   }
   return "invalid";
 }

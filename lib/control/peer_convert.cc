@@ -48,6 +48,38 @@ Status RegionsFromProto(const google::protobuf::RepeatedPtrField<wire::v1::Regio
   return Status::OK();
 }
 
+void FamiliesToProto(const std::vector<StateFamilyExtent>& in,
+                     google::protobuf::RepeatedPtrField<wire::v1::StateFamily>* out) {
+  for (const StateFamilyExtent& f : in) {
+    wire::v1::StateFamily* w = out->Add();
+    w->set_type(static_cast<wire::v1::StateType>(f.type));
+    w->set_start(f.start);
+    w->set_count(f.count);
+  }
+}
+
+// Kinds this version knows, starts and counts that cannot overflow; shapes are the planner's.
+Status FamiliesFromProto(const google::protobuf::RepeatedPtrField<wire::v1::StateFamily>& in,
+                         const char* what, std::vector<StateFamilyExtent>* out) {
+  if (in.size() > kMaxRegions) {
+    return Status::InvalidArgument(
+        absl::StrFormat("%s: %d state families (at most %d)", what, in.size(), kMaxRegions));
+  }
+  for (int i = 0; i < in.size(); ++i) {
+    const wire::v1::StateFamily& f = in[i];
+    if (!wire::v1::StateType_IsValid(f.type()) || f.type() == wire::v1::STATE_TYPE_NONE) {
+      return Status::InvalidArgument(
+          absl::StrFormat("%s: state family %d has state type %d", what, i, f.type()));
+    }
+    if (f.start() < 0 || f.count() < 0 || f.count() > kMaxRegions) {
+      return Status::InvalidArgument(absl::StrFormat(
+          "%s: state family %d starts at %d with %d buffers", what, i, f.start(), f.count()));
+    }
+    out->push_back({static_cast<StateType>(f.type()), f.start(), f.count()});
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 void ToProto(const RegisterMsg& in, wire::v1::Register* out) {
@@ -60,13 +92,12 @@ void ToProto(const RegisterMsg& in, wire::v1::Register* out) {
   RegionsToProto(in.kv, out->mutable_kv_regions());
   RegionsToProto(in.aux, out->mutable_aux_regions());
   RegionsToProto(in.state, out->mutable_state_regions());
-  out->set_state_type(static_cast<wire::v1::StateType>(in.state_type));
+  FamiliesToProto(in.state_families, out->mutable_state_families());
   out->set_kv_head_num(in.kv_head_num);
   out->set_kv_layout(in.kv_layout == KVLayout::kNHD ? wire::v1::KV_LAYOUT_NHD
                                                     : wire::v1::KV_LAYOUT_HND);
   out->set_is_mla(in.is_mla);
   out->set_start_layer(in.start_layer);
-  out->set_state_start(in.state_start);
   out->mutable_state_dim_per_tensor()->Add(in.state_dim_per_tensor.begin(),
                                            in.state_dim_per_tensor.end());
   out->mutable_state_item_rows()->Add(in.state_item_rows.begin(), in.state_item_rows.end());
@@ -84,18 +115,24 @@ StatusOr<RegisterMsg> FromProto(const wire::v1::Register& in) {
   if (Status s = RegionsFromProto(in.kv_regions(), "kv", &out.kv); !s.ok()) return s;
   if (Status s = RegionsFromProto(in.aux_regions(), "aux", &out.aux); !s.ok()) return s;
   if (Status s = RegionsFromProto(in.state_regions(), "state", &out.state); !s.ok()) return s;
-  if (!wire::v1::StateType_IsValid(in.state_type())) {
-    return Status::InvalidArgument(absl::StrFormat("Register: state_type %d", in.state_type()));
+  if (in.state_type() != wire::v1::STATE_TYPE_NONE || in.state_start() != 0) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "Register: state_type %d / state_start %d are wire version 2 fields (version 3 sends "
+        "state_families)",
+        in.state_type(), in.state_start()));
   }
-  out.state_type = static_cast<StateType>(in.state_type());
+  if (Status s = FamiliesFromProto(in.state_families(), "Register", &out.state_families);
+      !s.ok()) {
+    return s;
+  }
   // Shapes are checked by prefill's planner; here only what would be unsafe to hold.
   if (!wire::v1::KVLayout_IsValid(in.kv_layout())) {
     return Status::InvalidArgument(absl::StrFormat("Register: kv_layout %d", in.kv_layout()));
   }
-  if (in.kv_head_num() < 0 || in.start_layer() < 0 || in.state_start() < 0) {
-    return Status::InvalidArgument(absl::StrFormat(
-        "Register: kv_head_num %d, start_layer %d, state_start %d (none may be negative)",
-        in.kv_head_num(), in.start_layer(), in.state_start()));
+  if (in.kv_head_num() < 0 || in.start_layer() < 0) {
+    return Status::InvalidArgument(
+        absl::StrFormat("Register: kv_head_num %d, start_layer %d (neither may be negative)",
+                        in.kv_head_num(), in.start_layer()));
   }
   for (int n :
        {in.state_dim_per_tensor_size(), in.state_item_rows_size(), in.state_split_units_size()}) {
@@ -108,7 +145,6 @@ StatusOr<RegisterMsg> FromProto(const wire::v1::Register& in) {
   out.kv_layout = in.kv_layout() == wire::v1::KV_LAYOUT_NHD ? KVLayout::kNHD : KVLayout::kHND;
   out.is_mla = in.is_mla();
   out.start_layer = in.start_layer();
-  out.state_start = in.state_start();
   out.state_dim_per_tensor.assign(in.state_dim_per_tensor().begin(),
                                   in.state_dim_per_tensor().end());
   out.state_item_rows.assign(in.state_item_rows().begin(), in.state_item_rows().end());
@@ -125,8 +161,7 @@ void ToProto(const RegisterAckMsg& in, wire::v1::RegisterAck* out) {
   out->mutable_prefill_rank()->set_pp_rank(in.prefill_pp_rank);
   out->set_stage_start_layer(in.start_layer);
   out->set_stage_num_layers(in.num_layers);
-  out->set_stage_state_start(in.state_start);
-  out->set_stage_num_states(in.num_states);
+  FamiliesToProto(in.state_families, out->mutable_stage_state_families());
   out->set_session_id(in.instance);
   out->mutable_drained_rooms()->Add(in.drained_rooms.begin(), in.drained_rooms.end());
 }
@@ -143,8 +178,13 @@ RegisterAckMsg FromProto(const wire::v1::RegisterAck& in) {
   out.prefill_pp_rank = in.prefill_rank().pp_rank();
   out.start_layer = in.stage_start_layer();
   out.num_layers = in.stage_num_layers();
-  out.state_start = in.stage_state_start();
-  out.num_states = in.stage_num_states();
+  // An ack whose families are malformed is a broken peer: decode's coverage check then refuses
+  // the stage (its family count differs from decode's).
+  if (Status s = FamiliesFromProto(in.stage_state_families(), "RegisterAck", &out.state_families);
+      !s.ok()) {
+    out.state_families.clear();
+    if (out.status.ok()) out.status = s;
+  }
   out.instance = in.session_id();
   // Bounded like every index list; a longer one is cut (those rooms stay quarantined).
   const int drained = std::min(in.drained_rooms_size(), kMaxIndices);
@@ -178,8 +218,10 @@ void ToProto(const TransferInfoMsg& in, wire::v1::TransferInfo* out) {
   out->mutable_dst_kv_pages()->Add(in.dst_kv_pages.begin(), in.dst_kv_pages.end());
   if (in.aux_index) out->set_aux_index(static_cast<int32_t>(*in.aux_index));
   out->mutable_dst_state_indices()->Add(in.dst_state_indices.begin(), in.dst_state_indices.end());
+  out->mutable_dst_state_counts()->Add(in.dst_state_counts.begin(), in.dst_state_counts.end());
   out->set_required_dst_info_num(in.required_dst_info_num);
   out->set_is_dummy(in.is_dummy);
+  out->set_decode_prefix_len(in.decode_prefix_len);
 }
 
 StatusOr<TransferInfoMsg> FromProto(const wire::v1::TransferInfo& in, uint64_t session) {
@@ -198,8 +240,22 @@ StatusOr<TransferInfoMsg> FromProto(const wire::v1::TransferInfo& in, uint64_t s
   out.dst_kv_pages.assign(in.dst_kv_pages().begin(), in.dst_kv_pages().end());
   if (in.has_aux_index()) out.aux_index = static_cast<uint32_t>(in.aux_index());
   out.dst_state_indices.assign(in.dst_state_indices().begin(), in.dst_state_indices().end());
+  if (in.dst_state_counts_size() > kMaxRegions) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "room %d: TransferInfo with %d state families (at most %d)", in.room(),
+        in.dst_state_counts_size(), kMaxRegions));
+  }
+  uint64_t counted = 0;
+  for (uint32_t c : in.dst_state_counts()) counted += c;
+  if (in.dst_state_counts_size() > 0 && counted != out.dst_state_indices.size()) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "room %d: TransferInfo state counts add up to %d for %d state indices", in.room(), counted,
+        out.dst_state_indices.size()));
+  }
+  out.dst_state_counts.assign(in.dst_state_counts().begin(), in.dst_state_counts().end());
   out.required_dst_info_num = in.required_dst_info_num();
   out.is_dummy = in.is_dummy();
+  out.decode_prefix_len = in.decode_prefix_len();
   return out;
 }
 

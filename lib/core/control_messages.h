@@ -26,6 +26,15 @@ struct RegionDesc {
   spi::Blob key;
 };
 
+// One state family of a side: its kind, the model-wide index (within the family) of the side's
+// first buffer of it, and how many of the side's state buffers (in order) are its.
+struct StateFamilyExtent {
+  StateType type = StateType::kNone;
+  int32_t start = 0;
+  int32_t count = 0;
+  friend bool operator==(const StateFamilyExtent&, const StateFamilyExtent&) = default;
+};
+
 // decode -> prefill, once per connection.
 struct RegisterMsg {
   uint64_t session = 0;  // identifies the decode manager's end of this connection
@@ -34,15 +43,15 @@ struct RegisterMsg {
   ParallelConfig parallel;
   std::string transport;
   spi::Blob endpoint;
-  std::vector<RegionDesc> kv, aux, state;
-  StateType state_type = StateType::kNone;
+  std::vector<RegionDesc> kv, aux, state;  // state: every family's buffers, family by family
+  std::vector<StateFamilyExtent> state_families;
   // What prefill's planner needs beyond the regions (M:N TP, MLA, PP, state splits): the
   // KVArgs fields of the same names.
   int32_t kv_head_num = 0;  // 0: opaque pages, equal TP only
   KVLayout kv_layout = KVLayout::kHND;
   bool is_mla = false;
   int32_t start_layer = 0;
-  int32_t state_start = 0;
+  // Per state buffer (all families): StateFamily::dim_per_tensor, item_rows, split_units.
   std::vector<int32_t> state_dim_per_tensor;
   std::vector<uint64_t> state_item_rows;
   std::vector<uint64_t> state_split_units;
@@ -58,8 +67,7 @@ struct RegisterAckMsg {
   // and state buffer exactly once.
   int32_t start_layer = 0;
   int32_t num_layers = 0;
-  int32_t state_start = 0;
-  int32_t num_states = 0;
+  std::vector<StateFamilyExtent> state_families;  // per family: start and count of this stage
   // This prefill manager instance (random per PrefillCore): a decode that reconnects to the
   // same address and sees another instance knows the old one, and its writes, are gone.
   uint64_t instance = 0;
@@ -74,9 +82,15 @@ struct TransferInfoMsg {
   uint64_t session = 0;
   std::vector<int32_t> dst_kv_pages;
   std::optional<uint32_t> aux_index;
+  // Every state family's indices, family by family; dst_state_counts[f] is family f's length
+  // (one entry per decode state family; empty when decode has none).
   std::vector<int32_t> dst_state_indices;
+  std::vector<uint32_t> dst_state_counts;
   uint32_t required_dst_info_num = 1;
   bool is_dummy = false;
+  // Tokens at the start of the prompt decode already holds (page-aligned): prefill sends the
+  // pages after them, dst_kv_pages[k] receiving the k-th.
+  uint64_t decode_prefix_len = 0;
 };
 
 // prefill -> decode, once per request per prefill rank.

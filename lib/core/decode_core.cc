@@ -23,6 +23,9 @@ StatusOr<std::shared_ptr<DecodeCore>> DecodeCore::Create(const KVManagerOptions&
   auto layout = PlannerLayout(options.args, "decode");
   if (!layout.ok()) return layout.status();
   core->layout_ = std::move(*layout);
+  auto families = EffectiveStateFamilies(options.args);
+  if (!families.ok()) return families.status();
+  core->state_caps_ = StateCapacities(*families);
   auto local = RegisterBuffers(*core->transport_, options.args);
   if (!local.ok()) return local.status();
   core->local_ = std::move(*local);
@@ -111,8 +114,7 @@ Status DecodeCore::EnsureConnected(
   reg.kv = local_.kv.descs;
   reg.aux = local_.aux.descs;
   reg.state = local_.state.descs;
-  reg.state_type = options_.args.state_type;
-  FillRegisterLayout(options_.args, &reg);
+  FillRegisterLayout(options_.args, layout_, &reg);
   RegisterAckMsg ack = (*link)->Register(reg);
   Status s = ack.status;
   if (s.ok() && transport_->capabilities().needs_reply) {
@@ -128,7 +130,7 @@ Status DecodeCore::EnsureConnected(
     connections_[key] = Connection{
         std::move(*link),
         target->id,
-        {ack.prefill_pp_rank, ack.start_layer, ack.num_layers, ack.state_start, ack.num_states},
+        StageExtentOf(ack),
         next_gen_++,
         ack.instance};
   }
@@ -281,6 +283,7 @@ void DecodeCore::SendTransferInfo(const std::shared_ptr<Room>& room) {
   dummy.room = info.room;
   dummy.session = info.session;
   dummy.is_dummy = true;
+  dummy.decode_prefix_len = info.decode_prefix_len;  // every prefill rank learns the same prefix
   for (auto& [link, target] : links) {
     if (target.dummy) {
       link->SendTransferInfo(dummy);
@@ -295,8 +298,10 @@ void DecodeCore::FailRoomWith(uint64_t room_id, Status reason) {
   if (auto room = FindRoom(room_id)) FailRoom(room, std::move(reason), false);
 }
 
-Status DecodeCore::InitRoom(uint64_t room_id, std::span<const int32_t> pages,
-                            std::optional<uint32_t> aux, std::span<const int32_t> state_indices) {
+Status DecodeCore::InitRoom(uint64_t room_id, const ReceiveRequest& request) {
+  const std::span<const int32_t> pages = request.kv_page_indices;
+  const std::optional<uint32_t> aux = request.aux_index;
+  const std::span<const int32_t> state_indices = request.state.indices;
   auto room = FindRoom(room_id);
   if (!room) return Status::NotFound(absl::StrFormat("room %d is not live", room_id));
   KVPoll state = room->state->Poll();
@@ -314,9 +319,28 @@ Status DecodeCore::InitRoom(uint64_t room_id, std::span<const int32_t> pages,
         absl::StrFormat("room %d: aux index %d out of range [0, %d) on decode", room_id, *aux,
                         ItemCapacity(args.aux)));
   }
-  if (Status s = ValidateIndices(state_indices, ItemCapacity(args.state), "state", "decode");
+  if (Status s = ValidateStateIndices(state_caps_, state_indices, request.state.counts, "decode");
       !s.ok()) {
     return s.WithPrefix(absl::StrFormat("room %d", room_id));
+  }
+  if (Status s = CheckDecodePrefix(request, args.page_size); !s.ok()) {
+    return s.WithPrefix(absl::StrFormat("room %d", room_id));
+  }
+  // Every family's list is the engine's, handed over once: an index twice in one family would
+  // have two writes race for one slot.
+  {
+    thread_local std::vector<int32_t> scratch;
+    size_t at = 0;
+    for (size_t f = 0; f < state_caps_.size(); ++f) {
+      const size_t n = request.state.counts.empty() ? state_indices.size() : request.state.counts[f];
+      const std::string what = absl::StrFormat("state family %d", f);
+      if (Status s = planner::CheckDistinct(state_indices.subspan(at, n), what.c_str(), "decode",
+                                            &scratch);
+          !s.ok()) {
+        return s.WithPrefix(absl::StrFormat("room %d", room_id));
+      }
+      at += n;
+    }
   }
   bool bound = false;
   {
@@ -331,6 +355,13 @@ Status DecodeCore::InitRoom(uint64_t room_id, std::span<const int32_t> pages,
     room->info.dst_kv_pages.assign(pages.begin(), pages.end());
     room->info.aux_index = aux;
     room->info.dst_state_indices.assign(state_indices.begin(), state_indices.end());
+    if (request.state.counts.empty()) {
+      room->info.dst_state_counts.assign(state_caps_.size(),
+                                         static_cast<uint32_t>(state_indices.size()));
+    } else {
+      room->info.dst_state_counts.assign(request.state.counts.begin(), request.state.counts.end());
+    }
+    room->info.decode_prefix_len = request.decode_prefix_len;
     room->info.required_dst_info_num = 1;
     bound = !room->prefills.empty();
   }

@@ -24,6 +24,7 @@
 #include "lib/core/manager_common.h"
 #include "lib/core/room_table.h"
 #include "lib/core/transfer_layout.h"
+#include "pdlib/kv_manager.h"
 
 namespace pdlib {
 inline namespace v1 {
@@ -65,8 +66,7 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   // WaitingForInput.
   void BindRoom(uint64_t room, std::vector<BoundPrefill> prefills);
   void FailRoomWith(uint64_t room, Status reason);
-  Status InitRoom(uint64_t room, std::span<const int32_t> pages, std::optional<uint32_t> aux,
-                  std::span<const int32_t> state_indices);
+  Status InitRoom(uint64_t room, const ReceiveRequest& request);
   void AbortRoom(uint64_t room, std::string_view reason);
   void ReleaseRoom(uint64_t room, const RoomState* state);
 
@@ -130,6 +130,7 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   Mutex transport_mu_;
   std::unique_ptr<spi::Transport> transport_;
   RegisteredBuffers local_;
+  std::vector<uint64_t> state_caps_;  // per state family: items every buffer of it holds
   FailureInjector injector_;
   int32_t aux_room_buffer_ = -1;  // aux buffer holding bootstrap_room; -1: no check
   RoomTable rooms_;

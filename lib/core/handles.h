@@ -5,8 +5,10 @@
 
 #include <memory>
 
+#include "absl/strings/str_format.h"
 #include "lib/core/decode_core.h"
 #include "lib/core/prefill_core.h"
+#include "lib/core/validate.h"
 #include "pdlib/kv_manager.h"
 
 namespace pdlib {
@@ -39,11 +41,34 @@ class CoreSender final : public HandleBase<KVSender, PrefillCore> {
   Status Send(std::span<const int32_t> pages, bool is_last_chunk,
               std::span<const int32_t> state_indices) override {
     return core_->SendLayers(state_->room(), pages, core_->num_layers(), is_last_chunk,
-                             state_indices);
+                             {state_indices, {}});
+  }
+  Status SendStates(std::span<const int32_t> pages, bool is_last_chunk,
+                    const StateIndices& state) override {
+    return core_->SendLayers(state_->room(), pages, core_->num_layers(), is_last_chunk, state);
   }
   Status SendLayers(std::span<const int32_t> pages, int32_t layers_done, bool is_last_chunk,
                     std::span<const int32_t> state_indices) override {
-    return core_->SendLayers(state_->room(), pages, layers_done, is_last_chunk, state_indices);
+    return core_->SendLayers(state_->room(), pages, layers_done, is_last_chunk,
+                             {state_indices, {}});
+  }
+  Status SendLayersStates(std::span<const int32_t> pages, int32_t layers_done, bool is_last_chunk,
+                          const StateIndices& state) override {
+    return core_->SendLayers(state_->room(), pages, layers_done, is_last_chunk, state);
+  }
+  std::optional<uint64_t> decode_prefix_len() const override {
+    return core_->DecodePrefix(state_->room());
+  }
+  StatusOr<uint64_t> PagesAfterPrefix(uint64_t prompt_len) const override {
+    const std::optional<uint64_t> prefix = decode_prefix_len();
+    if (!prefix) {
+      return Status::FailedPrecondition(absl::StrFormat(
+          "room %d: decode's prefix is known once the sender reaches WaitingForInput (now %s)",
+          state_->room(), KVPollName(state_->Poll())));
+    }
+    auto pages = pdlib::PagesAfterPrefix(prompt_len, *prefix, core_->page_size());
+    if (!pages.ok()) return pages.status().WithPrefix(absl::StrFormat("room %d", state_->room()));
+    return pages;
   }
   int32_t num_layers() const override { return core_->num_layers(); }
 };
@@ -51,9 +76,9 @@ class CoreSender final : public HandleBase<KVSender, PrefillCore> {
 class CoreReceiver final : public HandleBase<KVReceiver, DecodeCore> {
  public:
   using HandleBase::HandleBase;
-  Status Init(std::span<const int32_t> pages, std::optional<uint32_t> aux_index,
-              std::span<const int32_t> state_indices) override {
-    return core_->InitRoom(state_->room(), pages, aux_index, state_indices);
+  using KVReceiver::Init;
+  Status Init(const ReceiveRequest& request) override {
+    return core_->InitRoom(state_->room(), request);
   }
 };
 

@@ -49,9 +49,13 @@ StatusOr<RegisteredBuffers> RegisterBuffers(spi::Transport& transport, const KVA
   Status s = RegisterFamily(transport, args.kv, args.memory_kind, args.device_id, "kv", &out.kv);
   // Metadata lives in host memory (MetadataBuffers); state follows the KV memory kind.
   if (s.ok()) s = RegisterFamily(transport, args.aux, MemoryKind::kHost, 0, "aux", &out.aux);
-  if (s.ok()) {
-    s = RegisterFamily(transport, args.state, args.memory_kind, args.device_id, "state",
-                       &out.state);
+  auto families = EffectiveStateFamilies(args);
+  if (s.ok() && !families.ok()) s = families.status();
+  for (size_t f = 0; s.ok() && f < families->size(); ++f) {
+    const std::string what =
+        absl::StrFormat("state family %d (%s)", f, StateTypeName((*families)[f].type));
+    s = RegisterFamily(transport, (*families)[f].buffers, args.memory_kind, args.device_id,
+                       what.c_str(), &out.state);
   }
   if (!s.ok()) {
     DeregisterBuffers(transport, out);

@@ -20,6 +20,9 @@ StatusOr<std::shared_ptr<PrefillCore>> PrefillCore::Create(
   auto layout = PlannerLayout(options.args, "prefill");
   if (!layout.ok()) return layout.status();
   core->layout_ = std::move(*layout);
+  auto families = EffectiveStateFamilies(options.args);
+  if (!families.ok()) return families.status();
+  core->state_caps_ = StateCapacities(*families);
   auto local = RegisterBuffers(*core->transport_, options.args);
   if (!local.ok()) return local.status();
   core->local_ = std::move(*local);
@@ -131,6 +134,20 @@ Status PrefillCore::InitRoom(uint64_t room_id, uint64_t num_kv_pages,
   room->num_kv_pages = num_kv_pages;
   room->aux_index = aux_index;
   return Status::OK();
+}
+
+std::optional<uint64_t> PrefillCore::DecodePrefix(uint64_t room_id) const {
+  auto room = FindRoom(room_id);
+  if (!room) return std::nullopt;
+  const KVPoll state = room->state->Poll();
+  if (state < KVPoll::kWaitingForInput && state != KVPoll::kFailed) return std::nullopt;
+  MutexLock lock(&room->mu);
+  // Every TransferInfo of the room carries the same prefix (OnTransferInfo refuses others).
+  for (const TransferInfoMsg& info : room->infos) {
+    if (!info.is_dummy) return info.decode_prefix_len;
+  }
+  if (!room->infos.empty()) return room->infos.front().decode_prefix_len;
+  return std::nullopt;
 }
 
 std::vector<uint64_t> PrefillCore::TakeReusableRooms() { return released_.Take(); }

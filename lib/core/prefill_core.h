@@ -57,7 +57,10 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   Status InitRoom(uint64_t room, uint64_t num_kv_pages, std::optional<uint32_t> aux_index);
   // KVSender::SendLayers; Send is SendLayers with every layer (num_layers()).
   Status SendLayers(uint64_t room, std::span<const int32_t> pages, int32_t layers_done, bool last,
-                    std::span<const int32_t> state_indices);
+                    const StateIndices& state);
+  // KVSender::decode_prefix_len: decode's prefix once every TransferInfo of the room is in.
+  std::optional<uint64_t> DecodePrefix(uint64_t room) const;
+  uint32_t page_size() const { return options_.args.page_size; }
   int32_t num_layers() const { return layout_.engine_layers(); }
   void AbortRoom(uint64_t room, std::string_view reason);
   void ReleaseRoom(uint64_t room, const RoomState* state);
@@ -121,6 +124,7 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   std::unique_ptr<spi::Transport> transport_;
   planner::SideLayout layout_;  // this rank, as the planner sees it
   RegisteredBuffers local_;
+  std::vector<uint64_t> state_caps_;  // per state family: items every buffer of it holds
   FailureInjector injector_;
   RoomTable rooms_;
   MetricCounters counters_;

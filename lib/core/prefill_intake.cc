@@ -73,11 +73,21 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
     return;
   }
   // Validate before use (SPEC R3.2): every index against the decode side's registered sizes.
-  uint64_t dst_pages_cap = UINT64_MAX, dst_aux_cap = UINT64_MAX, dst_state_cap = UINT64_MAX;
+  uint64_t dst_pages_cap = UINT64_MAX, dst_aux_cap = UINT64_MAX;
   for (const auto& d : peer->reg.kv) dst_pages_cap = std::min(dst_pages_cap, d.length / d.item_len);
   for (const auto& d : peer->reg.aux) dst_aux_cap = std::min(dst_aux_cap, d.length / d.item_len);
-  for (const auto& d : peer->reg.state)
-    dst_state_cap = std::min(dst_state_cap, d.length / d.item_len);
+  // Per decode state family: the items every buffer of it holds (Register checked the extents).
+  std::vector<uint64_t> dst_state_caps;
+  {
+    size_t at = 0;
+    for (const StateFamilyExtent& f : peer->reg.state_families) {
+      uint64_t cap = UINT64_MAX;
+      for (int32_t i = 0; i < f.count && at < peer->reg.state.size(); ++i, ++at) {
+        cap = std::min(cap, peer->reg.state[at].length / peer->reg.state[at].item_len);
+      }
+      dst_state_caps.push_back(f.count == 0 ? 0 : cap);
+    }
+  }
   if (Status s = ValidateIndices(msg.dst_kv_pages, dst_pages_cap, "kv page", "decode"); !s.ok()) {
     return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
   }
@@ -90,16 +100,40 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
     return reject(Status::OutOfRange(
         absl::StrFormat("room %d: state indices sent but decode has no state buffers", msg.room)));
   }
-  if (Status s = ValidateIndices(msg.dst_state_indices, dst_state_cap, "state", "decode");
+  // A dummy (R5.5) writes nothing and carries no state; a real TransferInfo names every family.
+  if (!msg.dst_state_counts.empty() || (!dst_state_caps.empty() && !msg.is_dummy)) {
+    if (msg.dst_state_counts.size() != dst_state_caps.size()) {
+      return reject(Status::InvalidArgument(absl::StrFormat(
+          "room %d: TransferInfo has state indices for %d families, decode registered %d",
+          msg.room, msg.dst_state_counts.size(), dst_state_caps.size())));
+    }
+  }
+  if (Status s = ValidateStateIndices(dst_state_caps, msg.dst_state_indices,
+                                      msg.dst_state_counts, "decode");
       !s.ok()) {
     return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
   }
-  // The planner sees one chunk at a time; a decode index repeated across chunks is caught here.
+  if (msg.decode_prefix_len % peer->reg.page_size != 0) {
+    return reject(Status::InvalidArgument(absl::StrFormat(
+        "room %d: decode_prefix_len %d is not a multiple of page_size %d", msg.room,
+        msg.decode_prefix_len, peer->reg.page_size)));
+  }
+  // The planner sees one chunk at a time; a decode index repeated across chunks is caught here
+  // (state: within each family; two families are different buffers).
   thread_local std::vector<int32_t> scratch;
-  for (auto [indices, what] :
-       {std::pair{&msg.dst_kv_pages, "kv page"}, std::pair{&msg.dst_state_indices, "state"}}) {
-    if (Status s = planner::CheckDistinct(*indices, what, "decode", &scratch); !s.ok()) {
-      return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
+  if (Status s = planner::CheckDistinct(msg.dst_kv_pages, "kv page", "decode", &scratch);
+      !s.ok()) {
+    return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
+  }
+  {
+    size_t at = 0;
+    for (size_t f = 0; f < msg.dst_state_counts.size(); ++f) {
+      const std::string what = absl::StrFormat("state family %d", f);
+      std::span<const int32_t> list(msg.dst_state_indices.data() + at, msg.dst_state_counts[f]);
+      at += msg.dst_state_counts[f];
+      if (Status s = planner::CheckDistinct(list, what.c_str(), "decode", &scratch); !s.ok()) {
+        return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
+      }
     }
   }
   // The planner decided at Register who writes to whom: a TransferInfo must agree with it.
@@ -134,6 +168,12 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
       refused = Status::FailedPrecondition(absl::StrFormat(
           "room %d: TransferInfo from session %d after all %d expected ones arrived", msg.room,
           msg.session, first->required_dst_info_num));
+    } else if (first && msg.decode_prefix_len != first->decode_prefix_len) {
+      // Decode ranks of one request must agree on what their prefix cache holds.
+      refused = Status::InvalidArgument(absl::StrFormat(
+          "room %d: decode ranks disagree on the decode prefix: %d tokens from session %d, %d "
+          "from session %d",
+          msg.room, msg.decode_prefix_len, msg.session, first->decode_prefix_len, first->session));
     } else if (first && (msg.required_dst_info_num != first->required_dst_info_num ||
                          msg.is_dummy != first->is_dummy)) {
       refused = Status::InvalidArgument(absl::StrFormat(

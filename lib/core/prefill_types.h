@@ -47,6 +47,7 @@ struct PrefillCore::Room {
   int outstanding ABSL_GUARDED_BY(mu) = 0;  // chunk batches posted, not yet complete
   bool finalizing ABSL_GUARDED_BY(mu) = false;
   std::vector<int32_t> state_src ABSL_GUARDED_BY(mu);
+  std::vector<uint32_t> state_src_counts ABSL_GUARDED_BY(mu);  // per family; empty: one family
   bool status_sent ABSL_GUARDED_BY(mu) = false;
   // Set when a decode rank of this room went away while chunk batches were in flight: the room
   // fails with the transport's completion error if one comes, else with this once they are done.

@@ -12,10 +12,34 @@
 
 namespace pdlib {
 inline namespace v1 {
+namespace {
+
+// Whether prefill's state lists (`src`, per-family `src_counts`) pair up with decode's in `info`
+// family by family, by each kind's rule (planner::AlignStateLists).
+Status CheckStatePairing(const std::vector<planner::StateFamilySpan>& families,
+                         const TransferInfoMsg& info, std::span<const int32_t> src,
+                         std::span<const uint32_t> src_counts, uint32_t page_size) {
+  if (info.dst_state_counts.size() != families.size()) {
+    return Status::InvalidArgument(
+        absl::StrFormat("decode sent state indices for %d families, this rank has %d",
+                        info.dst_state_counts.size(), families.size()));
+  }
+  const int64_t request_pages =
+      static_cast<int64_t>(info.decode_prefix_len / page_size + info.dst_kv_pages.size());
+  for (size_t f = 0; f < families.size(); ++f) {
+    const size_t ns = src_counts.empty() ? src.size() : src_counts[f];
+    auto pairing =
+        planner::AlignStateLists(families[f].type, ns, info.dst_state_counts[f], request_pages);
+    if (!pairing.ok()) return pairing.status().WithPrefix(absl::StrFormat("state family %d", f));
+  }
+  return Status::OK();
+}
+
+}  // namespace
 
 Status PrefillCore::SendLayers(uint64_t room_id, std::span<const int32_t> pages,
-                               int32_t layers_done, bool last,
-                               std::span<const int32_t> state_indices) {
+                               int32_t layers_done, bool last, const StateIndices& state_arg) {
+  const std::span<const int32_t> state_indices = state_arg.indices;
   auto room = FindRoom(room_id);
   if (!room) return Status::NotFound(absl::StrFormat("room %d is not live", room_id));
   KVPoll state = room->state->Poll();
@@ -32,8 +56,7 @@ Status PrefillCore::SendLayers(uint64_t room_id, std::span<const int32_t> pages,
                         room_id, layers_done, layers));
   }
   const bool completes = layers_done == layers;
-  if (Status s =
-          ValidateIndices(state_indices, ItemCapacity(options_.args.state), "state", "prefill");
+  if (Status s = ValidateStateIndices(state_caps_, state_indices, state_arg.counts, "prefill");
       !s.ok()) {
     return s.WithPrefix(absl::StrFormat("room %d", room_id));
   }
@@ -67,11 +90,13 @@ Status PrefillCore::SendLayers(uint64_t room_id, std::span<const int32_t> pages,
       return Status::OK();  // nothing computed yet: nothing to write
     }
     if (completes && last && !state_indices.empty()) {
+      // Each family's two lists must pair up by its kind's rule (checked again when planned).
       for (const auto& info : room->infos) {
-        if (!info.is_dummy && state_indices.size() != info.dst_state_indices.size()) {
-          return Status::InvalidArgument(
-              absl::StrFormat("room %d: %d state indices for %d on decode", room_id,
-                              state_indices.size(), info.dst_state_indices.size()));
+        if (info.is_dummy) continue;
+        if (Status s = CheckStatePairing(layout_.Families(), info, state_indices,
+                                         state_arg.counts, options_.args.page_size);
+            !s.ok()) {
+          return s.WithPrefix(absl::StrFormat("room %d", room_id));
         }
       }
     }
@@ -115,7 +140,10 @@ Status PrefillCore::SendLayers(uint64_t room_id, std::span<const int32_t> pages,
       room->open_pages.clear();
       room->last_queued = last;
       chunk.last = last;
-      if (last) room->state_src.assign(state_indices.begin(), state_indices.end());
+      if (last) {
+        room->state_src.assign(state_indices.begin(), state_indices.end());
+        room->state_src_counts.assign(state_arg.counts.begin(), state_arg.counts.end());
+      }
     } else {
       if (room->open_layers == 0) {
         room->open_pages.assign(pages.begin(), pages.end());
@@ -295,9 +323,13 @@ void PrefillCore::FinalizeTail(const std::shared_ptr<Room>& room) {
       }
       if (!room->state_src.empty()) {
         tail.src_state = room->state_src;
+        tail.src_state_counts = room->state_src_counts;
         tail.dst_state = info.dst_state_indices;
+        tail.dst_state_counts = info.dst_state_counts;
       }
-      tail.request_pages = static_cast<int64_t>(info.dst_kv_pages.size());
+      // Full-sequence state covers decode's prefix pages too.
+      tail.request_pages = static_cast<int64_t>(info.decode_prefix_len / peer.plan.page_size +
+                                                info.dst_kv_pages.size());
       plan.writes.clear();
       plan.bytes = 0;
       planned = planner::PlanTailWrites(peer.plan, tail, &plan);

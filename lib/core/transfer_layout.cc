@@ -51,8 +51,6 @@ StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg) {
   for (const RegionDesc& d : msg.kv) l.kv.push_back({d.item_len, d.length});
   for (const RegionDesc& d : msg.aux) l.aux.push_back({d.item_len, d.length});
   if (l.total_layers == 0 && l.pp_size == 1) l.total_layers = l.num_layers();
-  l.state_type = msg.state_type;
-  l.state_start = msg.state_start;
   for (auto [n, name] : {std::pair{msg.state_dim_per_tensor.size(), "state_dim_per_tensor"},
                          std::pair{msg.state_item_rows.size(), "state_item_rows"},
                          std::pair{msg.state_split_units.size(), "state_split_units"}}) {
@@ -70,6 +68,15 @@ StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg) {
     if (!msg.state_split_units.empty()) s.split_units = msg.state_split_units[i];
     l.state.push_back(s);
   }
+  uint32_t first = 0;
+  for (const StateFamilyExtent& f : msg.state_families) {
+    if (f.count < 0) {
+      return Status::InvalidArgument(absl::StrFormat(
+          "decode Register: %s state family with %d buffers", StateTypeName(f.type), f.count));
+    }
+    l.state_families.push_back({f.type, f.start, first, static_cast<uint32_t>(f.count)});
+    first += static_cast<uint32_t>(f.count);
+  }
   if (IsOpaque(msg.kv_head_num, msg.is_mla)) {
     if (Status s = MakeOpaque(&l, "decode"); !s.ok()) return s;
   }
@@ -77,23 +84,49 @@ StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg) {
   return l;
 }
 
-void FillRegisterLayout(const KVArgs& args, RegisterMsg* msg) {
+std::vector<StateFamilyExtent> FamilyExtents(const planner::SideLayout& layout) {
+  std::vector<StateFamilyExtent> out;
+  for (const planner::StateFamilySpan& f : layout.Families()) {
+    out.push_back({f.type, f.start, static_cast<int32_t>(f.count)});
+  }
+  return out;
+}
+
+void FillRegisterLayout(const KVArgs& args, const planner::SideLayout& layout, RegisterMsg* msg) {
   msg->kv_head_num = args.kv_head_num;
   msg->kv_layout = args.kv_layout;
   msg->is_mla = args.is_mla;
   msg->start_layer = args.prefill_start_layer;
-  msg->state_start = args.state_start;
-  msg->state_dim_per_tensor = args.state_dim_per_tensor;
-  msg->state_item_rows = args.state_item_rows;
-  msg->state_split_units = args.state_split_units;
+  msg->state_families = FamilyExtents(layout);
+  // Per-buffer shapes of every family, in the order of the layout's (and the regions') buffers;
+  // the defaults are sent only when no buffer differs from them.
+  msg->state_dim_per_tensor.clear();
+  msg->state_item_rows.clear();
+  msg->state_split_units.clear();
+  bool split = false, rows = false, units = false;
+  for (const planner::StateBufferDesc& b : layout.state) {
+    split |= b.split_dim != -1;
+    rows |= b.rows != 1;
+    units |= b.split_units != 0;
+  }
+  for (const planner::StateBufferDesc& b : layout.state) {
+    if (split) msg->state_dim_per_tensor.push_back(b.split_dim);
+    if (rows) msg->state_item_rows.push_back(b.rows);
+    if (units) msg->state_split_units.push_back(b.split_units);
+  }
 }
 
 void FillAckExtent(const planner::SideLayout& prefill, RegisterAckMsg* ack) {
   planner::StageExtent e = planner::ExtentOf(prefill);
   ack->start_layer = e.start_layer;
   ack->num_layers = e.num_layers;
-  ack->state_start = e.state_start;
-  ack->num_states = e.num_states;
+  ack->state_families = FamilyExtents(prefill);
+}
+
+planner::StageExtent StageExtentOf(const RegisterAckMsg& ack) {
+  planner::StageExtent e{ack.prefill_pp_rank, ack.start_layer, ack.num_layers, {}};
+  for (const StateFamilyExtent& f : ack.state_families) e.states.push_back({f.start, f.count});
+  return e;
 }
 
 Status CheckOpaqueCompatible(int32_t prefill_kv_head_num, int32_t prefill_tp, bool prefill_mla,

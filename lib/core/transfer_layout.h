@@ -26,11 +26,15 @@ StatusOr<planner::SideLayout> PlannerLayout(const KVArgs& args, const char* side
 // The decode rank's layout as prefill learns it from its Register message, validated.
 StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg);
 
-// Fills the layout fields of a Register message from decode's KVArgs.
-void FillRegisterLayout(const KVArgs& args, RegisterMsg* msg);
+// Fills the layout fields of a Register message from decode's KVArgs and its planner layout
+// (PlannerLayout(args)): the state families and every state buffer's shape.
+void FillRegisterLayout(const KVArgs& args, const planner::SideLayout& layout, RegisterMsg* msg);
 
 // Fills a RegisterAck's stage extent from prefill's layout.
 void FillAckExtent(const planner::SideLayout& prefill, RegisterAckMsg* ack);
+
+// The stage extent a RegisterAck reports (decode's CheckStageCoverage input).
+planner::StageExtent StageExtentOf(const RegisterAckMsg& ack);
 
 // Checks that both sides agree on MLA and on opaque KV, which needs equal TP sizes.
 Status CheckOpaqueCompatible(int32_t prefill_kv_head_num, int32_t prefill_tp, bool prefill_mla,

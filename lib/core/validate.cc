@@ -46,6 +46,77 @@ Status ValidateFamily(const BufferFamily& family, std::string_view what) {
   return Status::OK();
 }
 
+std::vector<uint64_t> StateCapacities(const std::vector<StateFamily>& families) {
+  std::vector<uint64_t> caps;
+  for (const StateFamily& f : families) caps.push_back(ItemCapacity(f.buffers));
+  return caps;
+}
+
+Status ValidateStateIndices(std::span<const uint64_t> caps, std::span<const int32_t> indices,
+                            std::span<const uint32_t> counts, std::string_view side) {
+  if (counts.empty()) {
+    if (indices.empty()) return Status::OK();
+    if (caps.size() != 1) {
+      return Status::InvalidArgument(absl::StrFormat(
+          "%d state indices without per-family counts, but %s has %d state families",
+          indices.size(), side, caps.size()));
+    }
+    return ValidateIndices(indices, caps[0], "state", side);
+  }
+  if (counts.size() != caps.size()) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "state indices for %d families, but %s has %d state families", counts.size(), side,
+        caps.size()));
+  }
+  uint64_t at = 0;
+  for (size_t f = 0; f < counts.size(); ++f) {
+    if (counts[f] > indices.size() - at) {
+      return Status::InvalidArgument(absl::StrFormat(
+          "state counts add up to more than the %d state indices given", indices.size()));
+    }
+    const std::string what = absl::StrFormat("state family %d", f);
+    if (Status s = ValidateIndices(indices.subspan(at, counts[f]), caps[f], what, side); !s.ok()) {
+      return s;
+    }
+    at += counts[f];
+  }
+  if (at != indices.size()) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "state counts add up to %d, but %d state indices were given", at, indices.size()));
+  }
+  return Status::OK();
+}
+
+Status CheckDecodePrefix(const ReceiveRequest& request, uint32_t page_size) {
+  const uint64_t prefix = request.decode_prefix_len;
+  if (page_size == 0 || prefix % page_size != 0) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "decode_prefix_len %d is not a multiple of page_size %d (a decode prefix is whole pages)",
+        prefix, page_size));
+  }
+  if (request.prompt_len == 0) return Status::OK();
+  if (prefix > request.prompt_len) {
+    return Status::OutOfRange(absl::StrFormat(
+        "decode_prefix_len %d is longer than the prompt's %d tokens", prefix, request.prompt_len));
+  }
+  const uint64_t pages = (request.prompt_len - prefix + page_size - 1) / page_size;
+  if (request.kv_page_indices.size() != pages) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "%d kv pages given for tokens [%d, %d): expected %d pages of %d tokens",
+        request.kv_page_indices.size(), prefix, request.prompt_len, pages, page_size));
+  }
+  return Status::OK();
+}
+
+StatusOr<uint64_t> PagesAfterPrefix(uint64_t prompt_len, uint64_t prefix, uint32_t page_size) {
+  if (prefix > prompt_len) {
+    return Status::OutOfRange(absl::StrFormat(
+        "decode_prefix_len %d is longer than the prompt's %d tokens", prefix, prompt_len));
+  }
+  if (page_size == 0) return Status::InvalidArgument("page_size 0");
+  return (prompt_len - prefix + page_size - 1) / page_size;
+}
+
 Status ValidateIndices(std::span<const int32_t> indices, uint64_t capacity, std::string_view what,
                        std::string_view side) {
   for (size_t i = 0; i < indices.size(); ++i) {
@@ -103,16 +174,27 @@ Status ValidateFingerprint(const ModelFingerprint& fp) {
 Status ValidateKVArgs(const KVArgs& args) {
   if (Status s = ValidateFamily(args.kv, "kv"); !s.ok()) return s;
   if (Status s = ValidateFamily(args.aux, "aux"); !s.ok()) return s;
-  if (Status s = ValidateFamily(args.state, "state"); !s.ok()) return s;
   if (args.kv.empty()) return Status::InvalidArgument("kv: at least one KV buffer is required");
   if (args.page_size == 0) return Status::InvalidArgument("page_size must be > 0");
-  if (args.state_type == StateType::kNone && !args.state.empty()) {
-    return Status::InvalidArgument("state buffers given but state_type is none");
-  }
-  if (!args.state_dim_per_tensor.empty() && args.state_dim_per_tensor.size() != args.state.size()) {
-    return Status::InvalidArgument(
-        absl::StrFormat("state_dim_per_tensor has %d entries for %d state buffers",
-                        args.state_dim_per_tensor.size(), args.state.size()));
+  auto families = EffectiveStateFamilies(args);
+  if (!families.ok()) return families.status();
+  for (size_t f = 0; f < families->size(); ++f) {
+    const StateFamily& fam = (*families)[f];
+    const std::string what = absl::StrFormat("state family %d (%s)", f, StateTypeName(fam.type));
+    if (fam.type == StateType::kNone || static_cast<int32_t>(fam.type) < 0 ||
+        fam.type > StateType::kC128State) {
+      return Status::InvalidArgument(absl::StrFormat(
+          "state family %d: type %d is not a state kind", f, static_cast<int32_t>(fam.type)));
+    }
+    if (Status s = ValidateFamily(fam.buffers, what); !s.ok()) return s;
+    if (!fam.dim_per_tensor.empty() && fam.dim_per_tensor.size() != fam.buffers.size()) {
+      return Status::InvalidArgument(
+          absl::StrFormat("%s: dim_per_tensor has %d entries for %d buffers", what,
+                          fam.dim_per_tensor.size(), fam.buffers.size()));
+    }
+    if (fam.start < 0) {
+      return Status::InvalidArgument(absl::StrFormat("%s: start %d", what, fam.start));
+    }
   }
   const ParallelConfig& p = args.parallel;
   auto check_rank = [](const char* name, int32_t size, int32_t rank) -> Status {

@@ -3,6 +3,7 @@
 // Allocation-free once the caller's PlanOutput vectors have grown.
 #include <algorithm>
 #include <limits>
+#include <string>
 
 #include "absl/strings/str_format.h"
 #include "lib/planner/planner.h"
@@ -195,55 +196,74 @@ Status PlanTailImpl(const PairPlan& plan, const TailInput& t, PlanOutput* out) {
     }
   }
 
-  // State (R5.8).
-  const size_t n = t.src_state.size();
-  if (t.dst_state.size() != n) {
+  // State (R5.8), family by family.
+  const size_t families = plan.state_families.size();
+  if (families == 0 && !(t.src_state.empty() && t.dst_state.empty())) {
     return Status::InvalidArgument(absl::StrFormat(
-        "%d prefill state indices but %d decode state indices", n, t.dst_state.size()));
+        "%d state indices given but the model has no state",
+        std::max(t.src_state.size(), t.dst_state.size())));
   }
-  switch (plan.state_type) {
-    case StateType::kNone:
-      if (n != 0) {
-        return Status::InvalidArgument(
-            absl::StrFormat("%d state indices given but the model has no state", n));
-      }
-      break;
-    case StateType::kMamba:
-      if (n > 1) {
-        return Status::InvalidArgument(
-            absl::StrFormat("mamba state takes one index per request, %d given", n));
-      }
-      break;
-    case StateType::kSwa:
-      if (t.request_pages >= 0 && static_cast<int64_t>(n) > t.request_pages) {
-        return Status::InvalidArgument(
-            absl::StrFormat("%d SWA state indices for a request of %d pages (the window lies "
-                            "inside the request)",
-                            n, t.request_pages));
-      }
-      break;
-    case StateType::kNsa:
-      if (t.request_pages >= 0 && n != 0 && static_cast<int64_t>(n) != t.request_pages) {
+  for (auto [counts, list, side] : {std::tuple{t.src_state_counts, t.src_state, "prefill"},
+                                    std::tuple{t.dst_state_counts, t.dst_state, "decode"}}) {
+    if (counts.empty()) {
+      if (!list.empty() && families != 1) {
         return Status::InvalidArgument(absl::StrFormat(
-            "%d NSA state indices for a request of %d pages (NSA sends the whole sequence)", n,
-            t.request_pages));
+            "%d %s state indices without per-family counts, but the model has %d state families",
+            list.size(), side, families));
       }
-      break;
+      continue;
+    }
+    if (counts.size() != families) {
+      return Status::InvalidArgument(
+          absl::StrFormat("%s state indices for %d families, but the model has %d", side,
+                          counts.size(), families));
+    }
+    uint64_t sum = 0;
+    for (uint32_t c : counts) sum += c;
+    if (sum != list.size()) {
+      return Status::InvalidArgument(absl::StrFormat(
+          "%s state index counts add up to %d, but %d indices were given", side, sum, list.size()));
+    }
   }
-  if (n == 0) return Status::OK();
-  if (Status s = CheckIndices(t.src_state, plan.src_state, "state", "state", true, plan.prefill);
-      !s.ok()) {
-    return s;
+  size_t src_at = 0, dst_at = 0;
+  for (size_t f = 0; f < families; ++f) {
+    const PairPlan::Family& fam = plan.state_families[f];
+    const size_t ns = t.src_state_counts.empty() ? t.src_state.size() : t.src_state_counts[f];
+    const size_t nd = t.dst_state_counts.empty() ? t.dst_state.size() : t.dst_state_counts[f];
+    std::span<const int32_t> src = t.src_state.subspan(src_at, ns);
+    std::span<const int32_t> dst = t.dst_state.subspan(dst_at, nd);
+    src_at += ns;
+    dst_at += nd;
+    auto pairing = AlignStateLists(fam.type, ns, nd, t.request_pages);
+    if (!pairing.ok()) return pairing.status().WithPrefix(absl::StrFormat("state family %d", f));
+    src = src.subspan(pairing->src_begin, pairing->count);
+    dst = dst.subspan(pairing->dst_begin, pairing->count);
+    if (src.empty()) continue;
+    const std::string family = absl::StrFormat("%s state", StateTypeName(fam.type));
+    if (Status s = CheckIndices(src, fam.src, "state", family.c_str(), true, plan.prefill);
+        !s.ok()) {
+      return s;
+    }
+    if (Status s = CheckIndices(dst, fam.dst, "state", family.c_str(), false, plan.decode);
+        !s.ok()) {
+      return s;
+    }
+    Coalesce(src, dst, &out->runs);
+    if (Status s = CheckDistinctRuns(out->runs, &out->sorted, family.c_str(), plan.decode);
+        !s.ok()) {
+      return s;
+    }
+    uint64_t count = 0;
+    for (const BufferMap& m : plan.state) {
+      if (m.family == static_cast<int32_t>(f)) count += CountWrites(m, out->runs.size(), src.size());
+    }
+    out->writes.reserve(out->writes.size() + count);
+    for (const BufferMap& m : plan.state) {
+      if (m.family != static_cast<int32_t>(f)) continue;
+      if (Status s = EmitRuns(m, RegionKind::kState, out->runs, out); !s.ok()) return s;
+    }
   }
-  if (Status s = CheckIndices(t.dst_state, plan.dst_state, "state", "state", false, plan.decode);
-      !s.ok()) {
-    return s;
-  }
-  Coalesce(t.src_state, t.dst_state, &out->runs);
-  if (Status s = CheckDistinctRuns(out->runs, &out->sorted, "state", plan.decode); !s.ok()) {
-    return s;
-  }
-  return EmitAll(plan.state, RegionKind::kState, n, out);
+  return Status::OK();
 }
 
 }  // namespace
@@ -255,6 +275,63 @@ const char* RegionKindName(RegionKind kind) {
     case RegionKind::kState: return "state";
   }
   return "unknown";
+}
+
+StatusOr<StatePairing> AlignStateLists(StateType type, size_t src_len, size_t dst_len,
+                                       int64_t request_pages) {
+  const char* kind = StateTypeName(type).data();
+  auto refuse = [&](const char* why) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "%s state: %d prefill indices, %d decode indices: %s", kind, src_len, dst_len, why));
+  };
+  if (type == StateType::kNone) {
+    if (src_len != 0 || dst_len != 0) return refuse("the family has no kind");
+    return StatePairing{};
+  }
+  // A side that names no index for the family does not take part this time (SGLang's backends
+  // skip a family prefill passes None for): nothing is written.
+  if (src_len == 0 || dst_len == 0) return StatePairing{};
+  switch (type) {
+    case StateType::kNone:
+      return StatePairing{};
+    case StateType::kMamba:
+    case StateType::kC128State:
+      // One request-scoped slot (c128_state: or none, when no partial block is pending); the
+      // slot is the request's on both sides, so the lists must match exactly.
+      if (src_len > 1 || dst_len > 1) return refuse("takes at most one slot per request");
+      return StatePairing{0, 0, src_len};
+    case StateType::kSwaRing:
+      // Rows of token positions: a shift would pair rows of other positions.
+      if (src_len != dst_len) return refuse("ring rows are matched by position and must match");
+      return StatePairing{0, 0, src_len};
+    case StateType::kSwa:
+    case StateType::kNsa:
+    case StateType::kMinimaxIndexK: {
+      // Paged kinds: the two sides' allocators may round the window or the sequence to pages
+      // differently, so the lists may differ by one page; the first pages of the shorter list's
+      // length pair up (SGLang's Mooncake backend truncates the longer list the same way). More
+      // than one page apart is a request the sides see differently: refused.
+      const size_t n = std::min(src_len, dst_len);
+      if (std::max(src_len, dst_len) - n > 1) return refuse("paged state may differ by one page");
+      if (request_pages >= 0) {
+        // The window lies inside the request; a full-sequence list has one index per page of
+        // the request (decode's prefix pages included), on one side at least when they differ.
+        const auto pages = static_cast<uint64_t>(request_pages);
+        if (type == StateType::kSwa && n > pages) {
+          return refuse(
+              absl::StrFormat("more window pages than the request's %d pages", pages).c_str());
+        }
+        if (type != StateType::kSwa && n != 0 && src_len != pages && dst_len != pages) {
+          return refuse(absl::StrFormat("full-sequence state has one index per page of the "
+                                        "request's %d pages",
+                                        pages)
+                            .c_str());
+        }
+      }
+      return StatePairing{0, 0, n};
+    }
+  }
+  return refuse("unknown kind");
 }
 
 Status PlanKvWrites(const PairPlan& plan, const ChunkPages& chunk, PlanOutput* out) {

@@ -149,22 +149,25 @@ Status PlanKv(const SideLayout& p, const SideLayout& d, const Topology& t, PairP
   return Status::OK();
 }
 
-// State maps: prefill state buffer k is model-wide buffer state_start + k on both sides.
-Status PlanState(const SideLayout& p, const SideLayout& d, bool primary, PairPlan* plan) {
-  const auto nd = static_cast<int64_t>(d.state.size());
-  for (size_t k = 0; k < p.state.size(); ++k) {
-    const int64_t global = int64_t{p.state_start} + static_cast<int64_t>(k);
-    const int64_t j = global - d.state_start;
+// State maps: prefill buffer k of family f is the family's model-wide buffer start + k on both
+// sides. Buffer numbers in the maps are positions in SideLayout::state (every family's).
+Status PlanFamilyState(const SideLayout& p, const SideLayout& d, const StateFamilySpan& fp,
+                       const StateFamilySpan& fd, int32_t family, bool primary, PairPlan* plan) {
+  const auto nd = static_cast<int64_t>(fd.count);
+  for (uint32_t k = 0; k < fp.count; ++k) {
+    const int64_t global = int64_t{fp.start} + k;
+    const int64_t j = global - fd.start;
     if (j < 0 || j >= nd) {
       return Mismatch(
-          "prefill state buffer %d (model-wide %d, pp %d) has no decode counterpart: "
-          "decode pp %d holds state buffers [%d, %d)",
-          k, global, p.pp_rank, d.pp_rank, d.state_start, d.state_start + nd);
+          "prefill %s state buffer %d (model-wide %d, pp %d) has no decode counterpart: "
+          "decode pp %d holds %s state buffers [%d, %d)",
+          StateTypeName(fp.type), k, global, p.pp_rank, d.pp_rank, StateTypeName(fd.type),
+          fd.start, fd.start + nd);
     }
-    const StateBufferDesc& sp = p.state[k];
-    const StateBufferDesc& sd = d.state[static_cast<size_t>(j)];
-    const auto src = static_cast<uint32_t>(k);
-    const auto dst = static_cast<uint32_t>(j);
+    const StateBufferDesc& sp = p.state[fp.first + k];
+    const StateBufferDesc& sd = d.state[fd.first + static_cast<size_t>(j)];
+    const auto src = fp.first + k;
+    const auto dst = fd.first + static_cast<uint32_t>(j);
     if (sp.split_dim != sd.split_dim) {
       return Mismatch("state buffer %d: split dimension mismatch: prefill %d, decode %d", global,
                       sp.split_dim, sd.split_dim);
@@ -181,6 +184,7 @@ Status PlanState(const SideLayout& p, const SideLayout& d, bool primary, PairPla
         whole.piece_bytes = sp.item_bytes;
         plan->state.push_back(
             MapOf(src, dst, sp.item_bytes, sd.item_bytes, sp.buffer_bytes, sd.buffer_bytes, whole));
+        plan->state.back().family = family;
       }
       continue;
     }
@@ -208,8 +212,25 @@ Status PlanState(const SideLayout& p, const SideLayout& d, bool primary, PairPla
     if (!slice.ok()) return slice.status();
     plan->state.push_back(
         MapOf(src, dst, sp.item_bytes, sd.item_bytes, sp.buffer_bytes, sd.buffer_bytes, *slice));
+    plan->state.back().family = family;
   }
   return Status::OK();
+}
+
+Capacity FamilyCapacity(const SideLayout& l, const StateFamilySpan& f) {
+  Capacity cap = CapacityOf(std::vector<StateBufferDesc>(l.state.begin() + f.first,
+                                                         l.state.begin() + f.first + f.count));
+  cap.limiting_buffer += f.first;
+  return cap;
+}
+
+// "mamba, swa" for messages.
+std::string FamilyNames(const std::vector<StateFamilySpan>& families) {
+  std::string out;
+  for (const StateFamilySpan& f : families) {
+    absl::StrAppend(&out, out.empty() ? "" : ", ", std::string(StateTypeName(f.type)));
+  }
+  return out.empty() ? "none" : out;
 }
 
 }  // namespace
@@ -260,12 +281,30 @@ Status ValidateSideLayout(const SideLayout& l, const char* side) {
   }
   if (Status s = CheckBuffers(l.aux, "aux", side); !s.ok()) return s;
   if (Status s = CheckBuffers(l.state, "state", side); !s.ok()) return s;
-  if (l.state_type == StateType::kNone && !l.state.empty()) {
-    return Invalid(side, "%d state buffers but state type none", l.state.size());
+  if (!l.state_families.empty() && (l.state_type != StateType::kNone || l.state_start != 0)) {
+    return Invalid(side, "state families given twice (state_families and the shorthand)");
   }
-  if (l.state_start < 0 || int64_t{l.state_start} + static_cast<int64_t>(l.state.size()) >
-                               std::numeric_limits<int32_t>::max()) {
-    return Invalid(side, "state buffers start at model-wide index %d", l.state_start);
+  uint64_t next = 0;
+  for (const StateFamilySpan& f : l.Families()) {
+    if (f.type == StateType::kNone || static_cast<int32_t>(f.type) < 0 ||
+        f.type > StateType::kC128State) {
+      if (f.type == StateType::kNone && f.count == 0) {
+        return Invalid(side, "a state family of type none");
+      }
+      return Invalid(side, "%d state buffers of state type %s", f.count, StateTypeName(f.type));
+    }
+    if (f.first != next) {
+      return Invalid(side, "%s state family starts at buffer %d, expected %d",
+                     StateTypeName(f.type), f.first, next);
+    }
+    next += f.count;
+    if (f.start < 0 || int64_t{f.start} + f.count > std::numeric_limits<int32_t>::max()) {
+      return Invalid(side, "%s state buffers start at model-wide index %d", StateTypeName(f.type),
+                     f.start);
+    }
+  }
+  if (next != l.state.size()) {
+    return Invalid(side, "state families cover %d of %d state buffers", next, l.state.size());
   }
   for (size_t i = 0; i < l.state.size(); ++i) {
     const StateBufferDesc& s = l.state[i];
@@ -310,9 +349,9 @@ StatusOr<SideLayout> SideLayoutFromKVArgs(const KVArgs& args) {
   l.page_size = args.page_size;
   l.layout = args.kv_layout;
   l.is_mla = args.is_mla;
-  l.state_type = args.state_type;
-  for (auto [family, name] :
-       {std::pair{&args.kv, "kv"}, std::pair{&args.aux, "aux"}, std::pair{&args.state, "state"}}) {
+  auto families = EffectiveStateFamilies(args);
+  if (!families.ok()) return families.status();
+  for (auto [family, name] : {std::pair{&args.kv, "kv"}, std::pair{&args.aux, "aux"}}) {
     if (family->lens.size() != family->item_lens.size()) {
       return Status::InvalidArgument(absl::StrFormat("%s buffers: %d lens but %d item_lens", name,
                                                      family->lens.size(),
@@ -327,29 +366,34 @@ StatusOr<SideLayout> SideLayoutFromKVArgs(const KVArgs& args) {
   for (size_t i = 0; i < args.aux.lens.size(); ++i) {
     l.aux.push_back({args.aux.item_lens[i], args.aux.lens[i]});
   }
-  if (!args.state_dim_per_tensor.empty() &&
-      args.state_dim_per_tensor.size() != args.state.lens.size()) {
-    return Status::InvalidArgument(
-        absl::StrFormat("state_dim_per_tensor has %d entries for %d state buffers",
-                        args.state_dim_per_tensor.size(), args.state.lens.size()));
-  }
-  for (auto [n, name] : {std::pair{args.state_item_rows.size(), "state_item_rows"},
-                         std::pair{args.state_split_units.size(), "state_split_units"}}) {
-    if (n != 0 && n != args.state.lens.size()) {
-      return Status::InvalidArgument(absl::StrFormat("%s has %d entries for %d state buffers", name,
-                                                     n, args.state.lens.size()));
+  for (size_t f = 0; f < families->size(); ++f) {
+    const StateFamily& fam = (*families)[f];
+    const size_t n = fam.buffers.lens.size();
+    const std::string name = absl::StrFormat("state family %d (%s)", f, StateTypeName(fam.type));
+    if (fam.buffers.item_lens.size() != n || (!fam.buffers.ptrs.empty() && fam.buffers.ptrs.size() != n)) {
+      return Status::InvalidArgument(absl::StrFormat("%s: %d lens but %d item_lens", name, n,
+                                                     fam.buffers.item_lens.size()));
+    }
+    for (auto [count, what] : {std::pair{fam.dim_per_tensor.size(), "dim_per_tensor"},
+                               std::pair{fam.item_rows.size(), "item_rows"},
+                               std::pair{fam.split_units.size(), "split_units"}}) {
+      if (count != 0 && count != n) {
+        return Status::InvalidArgument(
+            absl::StrFormat("%s: %s has %d entries for %d buffers", name, what, count, n));
+      }
+    }
+    l.state_families.push_back({fam.type, fam.start, static_cast<uint32_t>(l.state.size()),
+                                static_cast<uint32_t>(n)});
+    for (size_t i = 0; i < n; ++i) {
+      StateBufferDesc s;
+      s.item_bytes = fam.buffers.item_lens[i];
+      s.buffer_bytes = fam.buffers.lens[i];
+      s.split_dim = fam.dim_per_tensor.empty() ? -1 : fam.dim_per_tensor[i];
+      if (!fam.item_rows.empty()) s.rows = fam.item_rows[i];
+      if (!fam.split_units.empty()) s.split_units = fam.split_units[i];
+      l.state.push_back(s);
     }
   }
-  for (size_t i = 0; i < args.state.lens.size(); ++i) {
-    StateBufferDesc s;
-    s.item_bytes = args.state.item_lens[i];
-    s.buffer_bytes = args.state.lens[i];
-    s.split_dim = args.state_dim_per_tensor.empty() ? -1 : args.state_dim_per_tensor[i];
-    if (!args.state_item_rows.empty()) s.rows = args.state_item_rows[i];
-    if (!args.state_split_units.empty()) s.split_units = args.state_split_units[i];
-    l.state.push_back(s);
-  }
-  l.state_start = args.state_start;
   return l;
 }
 
@@ -372,9 +416,12 @@ StatusOr<PairPlan> MakePairPlan(const SideLayout& p, const SideLayout& d) {
     return Mismatch("layer count mismatch: prefill model %d layers, decode %d", p.total_layers,
                     d.total_layers);
   }
-  if (p.state_type != d.state_type) {
-    return Mismatch("state type mismatch: prefill %s, decode %s", StateTypeName(p.state_type),
-                    StateTypeName(d.state_type));
+  const std::vector<StateFamilySpan> pf = p.Families(), df = d.Families();
+  bool same_kinds = pf.size() == df.size();
+  for (size_t f = 0; same_kinds && f < pf.size(); ++f) same_kinds = pf[f].type == df[f].type;
+  if (!same_kinds) {
+    return Mismatch("state type mismatch: prefill %s, decode %s", FamilyNames(pf),
+                    FamilyNames(df));
   }
   if (p.aux.size() != d.aux.size()) {
     return Mismatch("aux buffer count mismatch: prefill %d, decode %d", p.aux.size(), d.aux.size());
@@ -393,15 +440,18 @@ StatusOr<PairPlan> MakePairPlan(const SideLayout& p, const SideLayout& d) {
           "prefill pp %d paired with decode pp %d: with equal PP sizes stages pair one to one",
           p.pp_rank, d.pp_rank));
     }
-    if (p.start_layer != d.start_layer || p.num_layers() != d.num_layers() ||
-        p.state_start != d.state_start || p.state.size() != d.state.size()) {
-      return Mismatch(
-          "pp stage %d differs: prefill layers [%d, %d) state buffers [%d, %d), decode layers "
-          "[%d, %d) state buffers [%d, %d)",
-          p.pp_rank, p.start_layer, p.start_layer + p.num_layers(), p.state_start,
-          p.state_start + static_cast<int64_t>(p.state.size()), d.start_layer,
-          d.start_layer + d.num_layers(), d.state_start,
-          d.state_start + static_cast<int64_t>(d.state.size()));
+    if (p.start_layer != d.start_layer || p.num_layers() != d.num_layers()) {
+      return Mismatch("pp stage %d differs: prefill layers [%d, %d), decode layers [%d, %d)",
+                      p.pp_rank, p.start_layer, p.start_layer + p.num_layers(), d.start_layer,
+                      d.start_layer + d.num_layers());
+    }
+    for (size_t f = 0; f < pf.size(); ++f) {
+      if (pf[f].start != df[f].start || pf[f].count != df[f].count) {
+        return Mismatch(
+            "pp stage %d differs: prefill %s state buffers [%d, %d), decode [%d, %d)", p.pp_rank,
+            StateTypeName(pf[f].type), pf[f].start, int64_t{pf[f].start} + pf[f].count,
+            df[f].start, int64_t{df[f].start} + df[f].count);
+      }
     }
   } else if (d.start_layer != 0 || d.num_layers() != d.total_layers) {
     // Decode PP 1 (MakeTopology rejected anything else): it holds every layer.
@@ -414,7 +464,6 @@ StatusOr<PairPlan> MakePairPlan(const SideLayout& p, const SideLayout& d) {
   plan.decode = {d.tp_rank, d.pp_rank};
   plan.page_size = p.page_size;
   plan.prefill_layers = p.engine_layers();
-  plan.state_type = p.state_type;
   plan.topology = *topology;
   plan.active = internal::TpPairTalks(*topology, p.tp_rank, d.tp_rank);
   const bool primary = plan.active && internal::PrimarySenderTp(*topology, d.tp_rank) == p.tp_rank;
@@ -424,8 +473,9 @@ StatusOr<PairPlan> MakePairPlan(const SideLayout& p, const SideLayout& d) {
   plan.dst_kv = CapacityOf(d.kv);
   plan.src_aux = CapacityOf(p.aux);
   plan.dst_aux = CapacityOf(d.aux);
-  plan.src_state = CapacityOf(p.state);
-  plan.dst_state = CapacityOf(d.state);
+  for (size_t f = 0; f < pf.size(); ++f) {
+    plan.state_families.push_back({pf[f].type, FamilyCapacity(p, pf[f]), FamilyCapacity(d, df[f])});
+  }
   if (Status s = PlanKv(p, d, *topology, &plan); !s.ok()) return s;
   if (plan.writes_aux) {
     for (size_t i = 0; i < p.aux.size(); ++i) {
@@ -438,47 +488,85 @@ StatusOr<PairPlan> MakePairPlan(const SideLayout& p, const SideLayout& d) {
                                d.aux[i].buffer_bytes, whole));
     }
   }
-  if (Status s = PlanState(p, d, primary, &plan); !s.ok()) return s;
+  for (size_t f = 0; f < pf.size(); ++f) {
+    if (Status s = PlanFamilyState(p, d, pf[f], df[f], static_cast<int32_t>(f), primary, &plan);
+        !s.ok()) {
+      return s;
+    }
+  }
   return plan;
 }
 
 StageExtent ExtentOf(const SideLayout& prefill) {
-  return {prefill.pp_rank, prefill.start_layer, prefill.num_layers(), prefill.state_start,
-          static_cast<int32_t>(prefill.state.size())};
+  StageExtent e{prefill.pp_rank, prefill.start_layer, prefill.num_layers(), {}};
+  for (const StateFamilySpan& f : prefill.Families()) {
+    e.states.push_back({f.start, static_cast<int32_t>(f.count)});
+  }
+  return e;
 }
+
+namespace {
+
+// Every index in [start, start + count) comes from exactly one of `ranges` (sorted here).
+Status CheckCovered(std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t start, int64_t count,
+                    int32_t decode_pp, const std::string& what) {
+  std::sort(ranges.begin(), ranges.end());
+  int64_t next = start;
+  for (auto [lo, hi] : ranges) {
+    if (lo != next) {
+      return Status::FailedPrecondition(
+          absl::StrFormat("decode pp %d %s [%d, %d): %s from the prefill stages", decode_pp, what,
+                          start, start + count,
+                          lo > next ? absl::StrFormat("[%d, %d) come from no stage", next, lo)
+                                    : absl::StrFormat("%d comes from two stages", lo)));
+    }
+    next = hi;
+  }
+  if (next != start + count) {
+    return Status::FailedPrecondition(absl::StrFormat(
+        "decode pp %d %s [%d, %d): the prefill stages cover up to %d", decode_pp, what, start,
+        start + count, next));
+  }
+  return Status::OK();
+}
+
+}  // namespace
 
 Status CheckStageCoverage(const SideLayout& decode, std::span<const StageExtent> stages) {
   std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (auto [what, start, count, first_of, count_of] :
-       {std::tuple{"layers", int64_t{decode.start_layer}, int64_t{decode.num_layers()},
-                   &StageExtent::start_layer, &StageExtent::num_layers},
-        std::tuple{"state buffers", int64_t{decode.state_start},
-                   static_cast<int64_t>(decode.state.size()), &StageExtent::state_start,
-                   &StageExtent::num_states}}) {
+  for (const StageExtent& e : stages) {
+    if (e.num_layers < 0) {
+      return Status::InvalidArgument(
+          absl::StrFormat("prefill pp %d holds %d layers", e.pp_rank, e.num_layers));
+    }
+    if (e.num_layers > 0) ranges.emplace_back(e.start_layer, int64_t{e.start_layer} + e.num_layers);
+  }
+  if (Status s = CheckCovered(ranges, decode.start_layer, decode.num_layers(), decode.pp_rank,
+                              "layers");
+      !s.ok()) {
+    return s;
+  }
+  const std::vector<StateFamilySpan> families = decode.Families();
+  for (size_t f = 0; f < families.size(); ++f) {
     ranges.clear();
     for (const StageExtent& e : stages) {
-      if (e.*count_of < 0) {
-        return Status::InvalidArgument(
-            absl::StrFormat("prefill pp %d holds %d %s", e.pp_rank, e.*count_of, what));
-      }
-      if (e.*count_of > 0) ranges.emplace_back(e.*first_of, int64_t{e.*first_of} + e.*count_of);
-    }
-    std::sort(ranges.begin(), ranges.end());
-    int64_t next = start;
-    for (auto [lo, hi] : ranges) {
-      if (lo != next) {
+      if (e.states.size() != families.size()) {
         return Status::FailedPrecondition(
-            absl::StrFormat("decode pp %d %s [%d, %d): %s from the prefill stages", decode.pp_rank,
-                            what, start, start + count,
-                            lo > next ? absl::StrFormat("[%d, %d) come from no stage", next, lo)
-                                      : absl::StrFormat("%d comes from two stages", lo)));
+            absl::StrFormat("prefill pp %d has %d state families, decode pp %d has %d", e.pp_rank,
+                            e.states.size(), decode.pp_rank, families.size()));
       }
-      next = hi;
+      const StageExtent::States& st = e.states[f];
+      if (st.count < 0) {
+        return Status::InvalidArgument(absl::StrFormat(
+            "prefill pp %d holds %d %s state buffers", e.pp_rank, st.count,
+            StateTypeName(families[f].type)));
+      }
+      if (st.count > 0) ranges.emplace_back(st.start, int64_t{st.start} + st.count);
     }
-    if (next != start + count) {
-      return Status::FailedPrecondition(
-          absl::StrFormat("decode pp %d %s [%d, %d): the prefill stages cover up to %d",
-                          decode.pp_rank, what, start, start + count, next));
+    if (Status s = CheckCovered(ranges, families[f].start, families[f].count, decode.pp_rank,
+                                absl::StrFormat("%s state buffers", StateTypeName(families[f].type)));
+        !s.ok()) {
+      return s;
     }
   }
   return Status::OK();

@@ -84,7 +84,7 @@ struct BufferDesc {
 struct StateBufferDesc {
   uint64_t item_bytes = 0;
   uint64_t buffer_bytes = 0;
-  // KVArgs::state_dim_per_tensor: the item dimension split across TP ranks; -1: every TP rank
+  // StateFamily::dim_per_tensor: the item dimension split across TP ranks; -1: every TP rank
   // holds the whole item (one rank sends it).
   int32_t split_dim = -1;
   // Product of the item's dimensions before split_dim (1 when split_dim is 0, the usual case:
@@ -93,6 +93,16 @@ struct StateBufferDesc {
   // Extent of the split dimension across all TP ranks of the model. 0: unknown, treat each byte
   // of a row as a unit (rows split evenly by bytes, no replication): item_bytes / rows * tp_size.
   uint64_t split_units = 0;
+};
+
+// One state family of a side (KVArgs::state_families): its kind, and which of SideLayout::state
+// are its buffers.
+struct StateFamilySpan {
+  StateType type = StateType::kNone;
+  int32_t start = 0;   // model-wide index, within the family, of this stage's first buffer
+  uint32_t first = 0;  // position of its first buffer in SideLayout::state
+  uint32_t count = 0;  // its buffers on this side
+  friend bool operator==(const StateFamilySpan&, const StateFamilySpan&) = default;
 };
 
 // One rank's buffers and place in the deployment: what KVArgs (own side) or the Register
@@ -116,9 +126,18 @@ struct SideLayout {
   std::vector<BufferDesc> kv;
   std::vector<BufferDesc> aux;
 
+  // State: every family's buffers, family after family. state_families says which are whose;
+  // empty: the one-family shorthand (state_type, state_start, all of `state`), or no state when
+  // state_type is kNone and `state` is empty. Families() gives the effective list either way.
   StateType state_type = StateType::kNone;
-  int32_t state_start = 0;  // model-wide index of this stage's first state buffer
+  int32_t state_start = 0;  // shorthand: model-wide index of this stage's first state buffer
   std::vector<StateBufferDesc> state;
+  std::vector<StateFamilySpan> state_families;
+  std::vector<StateFamilySpan> Families() const {
+    if (!state_families.empty()) return state_families;
+    if (state_type == StateType::kNone && state.empty()) return {};
+    return {{state_type, state_start, 0, static_cast<uint32_t>(state.size())}};
+  }
 
   // KVArgs without kv_head_num (and not MLA): each buffer is planned whole, as MLA latents are;
   // the buffers are still K of each layer, then V of each layer (see LayerOf).
@@ -137,8 +156,9 @@ struct SideLayout {
 
 // Fills a SideLayout from a rank's KVArgs: parallel sizes and ranks, fingerprint layers (PP 1
 // without a fingerprint: the local layers) and heads, kv_head_num, page size, layout, MLA,
-// buffers (lens and item_lens), prefill_start_layer as start_layer, state_dim_per_tensor as
-// split_dim, state_item_rows / state_split_units (when given; else 1 and 0) and state_start.
+// buffers (lens and item_lens), prefill_start_layer as start_layer, and every state family
+// (EffectiveStateFamilies: dim_per_tensor as split_dim, item_rows / split_units when given, else 1
+// and 0, and start).
 StatusOr<SideLayout> SideLayoutFromKVArgs(const KVArgs& args);
 
 // Checks one side on its own; `side` ("prefill", "decode") names it in messages.
@@ -240,6 +260,8 @@ struct BufferMap {
   // KV maps: the prefill-local layer the buffer belongs to (layer-wise streaming plans a range
   // of layers). 0 for aux and state.
   int32_t layer = 0;
+  // State maps: the state family (position in Families()). 0 otherwise.
+  int32_t family = 0;
 };
 
 // How many items every buffer of a family holds on one side, and which buffer limits it.
@@ -258,11 +280,17 @@ struct PairPlan {
   bool writes_aux = false;  // this pair carries the aux slot
   uint32_t page_size = 1;
   int32_t prefill_layers = 0;  // the prefill rank's local KV layers (ChunkPages layer ranges)
-  StateType state_type = StateType::kNone;
   std::vector<BufferMap> kv;     // buffers with something to send, layer-major (K, V) order
   std::vector<BufferMap> aux;    // empty unless writes_aux
-  std::vector<BufferMap> state;  // state buffers this pair sends (slices or whole items)
-  Capacity src_kv, dst_kv, src_aux, dst_aux, src_state, dst_state;
+  std::vector<BufferMap> state;  // state buffers this pair sends (slices or whole items), by family
+  Capacity src_kv, dst_kv, src_aux, dst_aux;
+  // Per state family (both sides declare the same kinds in the same order): its kind and the
+  // items every buffer of the family holds on each side.
+  struct Family {
+    StateType type = StateType::kNone;
+    Capacity src, dst;
+  };
+  std::vector<Family> state_families;
   Topology topology;
 };
 
@@ -276,8 +304,13 @@ struct StageExtent {
   int32_t pp_rank = 0;
   int32_t start_layer = 0;
   int32_t num_layers = 0;
-  int32_t state_start = 0;
-  int32_t num_states = 0;
+  // Per state family (Families() order): the model-wide index of the stage's first buffer of the
+  // family, and how many it holds.
+  struct States {
+    int32_t start = 0;
+    int32_t count = 0;
+  };
+  std::vector<States> states;
 };
 StageExtent ExtentOf(const SideLayout& prefill);
 
@@ -309,12 +342,29 @@ struct ChunkPages {
 struct TailInput {
   int64_t src_aux = -1;  // -1: no aux slot
   int64_t dst_aux = -1;
+  // State indices of every family, the lists one after another; *_counts[f] is family f's
+  // length (empty: one family holds them all). How the two sides' lists of one family pair up
+  // depends on its kind (AlignStateLists).
   std::span<const int32_t> src_state;
   std::span<const int32_t> dst_state;
-  // Pages of the whole request when known (NSA sends exactly one state index per page, SWA at
-  // most that many). -1: not checked.
+  std::span<const uint32_t> src_state_counts;
+  std::span<const uint32_t> dst_state_counts;
+  // KV pages the request sends (after decode's prefix) when known: full-sequence kinds (nsa,
+  // minimax_index_k) send one index per page, window kinds (swa) at most one more than that.
+  // -1: not checked.
   int64_t request_pages = -1;
 };
+
+// How a family's two index lists pair up (SGLang's Mooncake backend, see the README): the
+// positions [src_begin, src_begin + count) of prefill's list go to [dst_begin, dst_begin + count)
+// of decode's. kInvalidArgument, naming the kind and both lengths, when the lists cannot pair.
+struct StatePairing {
+  size_t src_begin = 0;
+  size_t dst_begin = 0;
+  size_t count = 0;
+};
+StatusOr<StatePairing> AlignStateLists(StateType type, size_t src_len, size_t dst_len,
+                                       int64_t request_pages);
 
 struct ChunkInput {
   ChunkPages pages;

@@ -28,6 +28,7 @@ struct HandleState {
   std::optional<uint32_t> aux;
   std::vector<int32_t> init_pages;
   std::vector<int32_t> state_indices;
+  uint64_t decode_prefix_len = 0;  // what Init() was given
   // KVSender::Send calls.
   struct SendCall {
     std::vector<int32_t> pages;
@@ -126,14 +127,15 @@ class FakeSender final : public FakeHandle<KVSender> {
 class FakeReceiver final : public FakeHandle<KVReceiver> {
  public:
   using FakeHandle::FakeHandle;
-  Status Init(std::span<const int32_t> pages, std::optional<uint32_t> aux_index,
-              std::span<const int32_t> state_indices) override {
+  using KVReceiver::Init;
+  Status Init(const ReceiveRequest& request) override {
     if (!s_->call_error.ok()) return s_->call_error;
     if (s_->init_called) return Status::FailedPrecondition("Init called twice");
     s_->init_called = true;
-    s_->init_pages.assign(pages.begin(), pages.end());
-    s_->aux = aux_index;
-    s_->state_indices.assign(state_indices.begin(), state_indices.end());
+    s_->init_pages.assign(request.kv_page_indices.begin(), request.kv_page_indices.end());
+    s_->aux = request.aux_index;
+    s_->state_indices.assign(request.state.indices.begin(), request.state.indices.end());
+    s_->decode_prefix_len = request.decode_prefix_len;
     return Status::OK();
   }
 };

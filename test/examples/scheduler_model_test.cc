@@ -54,12 +54,12 @@ class Loopback final : public SenderFactory, public ReceiverFactory {
     Receiver(uint64_t room, Loopback* lb) : FakeHandle(room, lb->rooms_[room].receiver), lb_(lb) {
       s_->state = KVPoll::kWaitingForInput;  // connected at once
     }
-    Status Init(std::span<const int32_t> pages, std::optional<uint32_t> aux,
-                std::span<const int32_t> state) override {
+    using KVReceiver::Init;
+    Status Init(const ReceiveRequest& request) override {
       s_->init_called = true;
-      s_->init_pages.assign(pages.begin(), pages.end());
-      s_->aux = aux;
-      s_->state_indices.assign(state.begin(), state.end());
+      s_->init_pages.assign(request.kv_page_indices.begin(), request.kv_page_indices.end());
+      s_->aux = request.aux_index;
+      s_->state_indices.assign(request.state.indices.begin(), request.state.indices.end());
       lb_->rooms_[room_].sender->state = KVPoll::kWaitingForInput;  // TransferInfo arrived
       return Status::OK();
     }

@@ -342,7 +342,11 @@ std::string RunRaw(Reader& r) {
     const std::vector<int32_t> src_state = RawIndices(r), dst_state = RawIndices(r);
     ChunkInput in;
     in.pages = {src, dst, r.Bit(), r.Range(-1, 40)};
-    in.tail = {r.Range(-1, 4), r.Range(-1, 4), src_state, dst_state, r.Range(-1, 6)};
+    in.tail = {.src_aux = r.Range(-1, 4),
+               .dst_aux = r.Range(-1, 4),
+               .src_state = src_state,
+               .dst_state = dst_state,
+               .request_pages = r.Range(-1, 6)};
     if (!PlanChunkWrites(*plan, in, &out).ok()) continue;
     for (const PlannedWrite& w : out.writes) {
       if (!InRegion(FamilySize(p, w.kind), p, w.kind, w.local_buffer, w.local_offset, w.length) ||

@@ -201,6 +201,11 @@ void Paint(const ModelConfig& c, bool prefill, const Request& req, Rank* r) {
     }
   }
   const auto* states = At(prefill ? req.src_state : req.dst_state, r->index);
+  // Decode expects state only where both sides name some (a side naming none skips the family,
+  // planner::AlignStateLists); lists of other lengths are not compared (StateListsAgree).
+  bool src_any = false;
+  for (const auto& l : req.src_state) src_any |= !l.empty();
+  if (!prefill && !src_any) states = nullptr;
   for (int32_t k = 0; k < r->stage.num_states && states; ++k) {
     const int32_t g = r->stage.state_start + k;
     if (g >= static_cast<int32_t>(c.state.size()) ||
@@ -292,6 +297,28 @@ SideLayout MakeLayout(const ModelConfig& c, bool prefill, int32_t tp_rank, int32
     l.state.push_back(s);
   }
   return l;
+}
+
+// Whether every non-empty state list of the request (both sides, every rank) has one length:
+// then each position pairs with the same position on the other side. Lists whose lengths
+// differ pair by the kind's drift rule per (prefill, decode) pair, which the reference does not
+// model: their state bytes are not compared (the writes must still stay inside their regions).
+bool StateListsAgree(const Request& req) {
+  size_t len = 0;
+  bool any = false;
+  for (const auto* side : {&req.src_state, &req.dst_state}) {
+    for (const auto& l : *side) {
+      if (l.empty()) continue;
+      if (any && l.size() != len) return false;
+      any = true;
+      len = l.size();
+    }
+  }
+  bool src_all = true, dst_all = true;  // every rank of the side names state, or none does
+  bool src_none = true, dst_none = true;
+  for (const auto& l : req.src_state) (l.empty() ? src_all : src_none) = false;
+  for (const auto& l : req.dst_state) (l.empty() ? dst_all : dst_none) = false;
+  return (src_all || src_none) && (dst_all || dst_none);
 }
 
 RunResult RunModel(const ModelConfig& c, const Request& req) {
@@ -512,6 +539,7 @@ RunResult RunModel(const ModelConfig& c, const Request& req) {
   for (Rank& d : decode) {
     Paint(c, false, req, &d);
     for (int kind = 0; kind < 3; ++kind) {
+      if (kind == 2 && !StateListsAgree(req)) continue;
       for (size_t b = 0; b < d.mem[kind].size(); ++b) {
         const auto& mem = d.mem[kind][b];
         const auto& want = d.want[kind][b];
