@@ -42,6 +42,11 @@ struct Scenario {
   int32_t state_replicated = 0;
   uint32_t state_units = 8;
   uint32_t state_unit_bytes = 16;
+  // More state families after the mamba one (issue #27): 1 adds a swa family (the window's last
+  // kWindowPages pages in a paged pool), 2 also a c128_state family (one slot on odd rooms, none
+  // on even ones). Each has one replicated buffer per model layer, split over PP stages like
+  // the layers.
+  int32_t extra_families = 0;
   int32_t pages_per_request = 5;
   int32_t chunks = 2;  // KV chunks per request (the last may be shorter)
   int32_t rooms = 6;
@@ -71,6 +76,24 @@ inline std::vector<Scenario> AllScenarios() {
        .decode = {1, 1},
        .state_split = 2,
        .state_replicated = 1});
+  // Several state families at once (mamba + swa + c128_state), TP both ways and PP.
+  add({.name = "families_2p1d",
+       .prefill = {2, 1},
+       .decode = {1, 1},
+       .state_split = 1,
+       .state_replicated = 1,
+       .extra_families = 2});
+  add({.name = "families_1p2d",
+       .prefill = {1, 1},
+       .decode = {2, 1},
+       .state_split = 1,
+       .state_replicated = 1,
+       .extra_families = 2});
+  add({.name = "families_pp2",
+       .prefill = {1, 2},
+       .decode = {1, 1},
+       .state_split = 2,
+       .extra_families = 1});
   return v;
 }
 
@@ -183,6 +206,40 @@ inline std::vector<int32_t> RequestPages(const Scenario& s, uint64_t room, bool 
 // State slot of a request (one per request, mamba-style).
 inline int32_t RequestStateSlot(const Scenario& s, uint64_t room, bool decode_side) {
   return static_cast<int32_t>((room * 7 + (decode_side ? 3 : 0)) % static_cast<uint64_t>(s.rooms));
+}
+
+// Decode prefix reuse (--decode-prefix): the pages at the start of the request decode already
+// holds, cycling through none, one, all but the last and all of them.
+inline int32_t PrefixPages(const Scenario& s, uint64_t room) {
+  const int32_t n = s.pages_per_request;
+  const int32_t choices[] = {0, 1, n - 1, n};
+  return choices[room % 4];
+}
+
+// The extra state families (Scenario::extra_families).
+constexpr int32_t kWindowPages = 2;
+constexpr uint64_t kExtraItemBytes = 24;
+inline pdlib::StateType ExtraFamilyType(int32_t k) {
+  return k == 0 ? pdlib::StateType::kSwa : pdlib::StateType::kC128State;
+}
+inline uint64_t ExtraFamilyItems(const Scenario& s, int32_t k) {
+  return static_cast<uint64_t>(k == 0 ? s.pool_pages : s.rooms);
+}
+// Entry `entry` of the request's list for extra family k, model layer `layer`.
+inline uint8_t ExtraByte(uint64_t room, int32_t k, int32_t layer, size_t entry, uint64_t offset) {
+  return PatternByte(room, 2000 + 100 * static_cast<uint64_t>(k) + static_cast<uint64_t>(layer),
+                     entry, 0, 0, offset);
+}
+// The request's index list of extra family k on one side.
+inline std::vector<int32_t> ExtraIndices(const Scenario& s, uint64_t room, int32_t k,
+                                         bool decode_side) {
+  if (k == 0) {
+    std::vector<int32_t> pages = RequestPages(s, room, decode_side);
+    const size_t w = std::min<size_t>(kWindowPages, pages.size());
+    return {pages.end() - static_cast<std::ptrdiff_t>(w), pages.end()};
+  }
+  if (room % 2 == 0) return {};
+  return {RequestStateSlot(s, room, decode_side)};
 }
 
 }  // namespace pdlib_e2e

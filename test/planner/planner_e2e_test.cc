@@ -74,8 +74,13 @@ std::string CannotRun(const Transport& t) {
 // report exactly that room (on the ranks that own the byte) as bad. With `wrong_aux_room`,
 // prefill writes that room's aux slot as another room's, and pdlib itself must fail the room.
 // With `layerwise_seed`, prefill announces every chunk layer by layer (SendLayers).
+// With `decode_prefix`, decode holds a prefix of each room (none, one page, all but the last, all:
+// e2e_scenario.h PrefixPages) and checks that no page outside those it handed over is written;
+// with `ignore_prefix` too, prefill sends the request's first pages instead of those after the
+// prefix (negative control: the rooms with a partial prefix must fail with a bad byte).
 void RunScenarioOver(const Transport& transport, const std::string& name, int64_t corrupt_room,
-                     int64_t wrong_aux_room, uint64_t layerwise_seed) {
+                     int64_t wrong_aux_room, uint64_t layerwise_seed, bool decode_prefix = false,
+                     bool ignore_prefix = false) {
   auto s = pdlib_e2e::FindScenario(name);
   REQUIRE(s);
   INFO("scenario " << name << " over " << transport.name
@@ -83,6 +88,10 @@ void RunScenarioOver(const Transport& transport, const std::string& name, int64_
                                       : std::string()));
   const std::string port = std::to_string(pdlib_test::UnusedLocalPort());
   std::vector<std::string> common = {"--scenario", name, "--bootstrap-port", port};
+  if (decode_prefix) {
+    common.push_back("--decode-prefix");
+    common.push_back("1");
+  }
   common.insert(common.end(), transport.flags.begin(), transport.flags.end());
   Scene scene;
   auto args = [&](const char* role) {
@@ -103,6 +112,10 @@ void RunScenarioOver(const Transport& transport, const std::string& name, int64_
     pargs.push_back("--layerwise");
     pargs.push_back(std::to_string(layerwise_seed));
   }
+  if (ignore_prefix) {
+    pargs.push_back("--ignore-prefix");
+    pargs.push_back("1");
+  }
   PeerProcess& prefill = scene.Start("prefill", pargs, PDLIB_PLANNER_PEER_BINARY);
   SCENE_REQUIRE(scene, prefill.started());
   SCENE_REQUIRE(scene, !prefill.WaitReady().empty());
@@ -112,6 +125,25 @@ void RunScenarioOver(const Transport& transport, const std::string& name, int64_
   auto done = decode.Expect("DONE", std::chrono::milliseconds(90000));
   SCENE_REQUIRE(scene, done.has_value());
   const auto fields = pdlib_test::ParseCounters(*done);
+  if (ignore_prefix) {
+    // Rooms whose decode holds one page or all but the last get the wrong positions' bytes;
+    // rooms without a prefix, or with all of it, are unaffected.
+    for (const auto& [room, r] : decode.rooms()) {
+      const int32_t prefix = pdlib_e2e::PrefixPages(*s, room);
+      INFO("room " << room << " prefix " << prefix << " pages: " << r.state << " " << r.reason);
+      if (prefix == 0 || prefix == s->pages_per_request) {
+        SCENE_CHECK(scene, r.state == "Success");
+      } else {
+        SCENE_CHECK(scene, r.state == "Failed");
+        SCENE_CHECK(scene, r.reason.find("bad-byte kv") != std::string::npos);
+      }
+    }
+    SCENE_CHECK(scene, fields.at("failed") > 0);
+    decode.Send("QUIT");
+    prefill.Send("QUIT");
+    SCENE_CHECK(scene, decode.Wait(std::chrono::milliseconds(20000)) == 1);
+    return;
+  }
   if (corrupt_room >= 0 || wrong_aux_room >= 0) {
     const auto& rooms = decode.rooms();
     const int64_t failed_room = corrupt_room >= 0 ? corrupt_room : wrong_aux_room;
@@ -186,7 +218,43 @@ void RunLayerwise(const std::string& name, int64_t corrupt_room = -1) {
   }
 }
 
+// Decode prefix reuse (issue #27) over every transport of the list (ucx shm and tcp here,
+// verbs in the Soft-RoCE VM): each room's decode holds none, one, all but the last or all of
+// its pages; Send() moves only the rest, byte-exact, and nothing else of decode is written.
+void RunPrefix(const std::string& name, uint64_t layerwise_seed = 0) {
+  for (const Transport& t : LayerwiseTransports()) {
+    if (std::string why = CannotRun(t); !why.empty()) {
+      WARN("SKIP " << t.name << ": " << why);
+      continue;
+    }
+    RunScenarioOver(t, name, -1, -1, layerwise_seed, true);
+  }
+}
+
 }  // namespace
+
+TEST_CASE("planner e2e prefix tp 2P1D NHD: only the pages after decode's prefix move") {
+  RunPrefix("tp_2p1d_nhd");
+}
+TEST_CASE("planner e2e prefix tp 1P2D NHD and 4P2D GQA") {
+  RunPrefix("tp_1p2d_nhd");
+  RunPrefix("tp_4p2d_gqa");
+}
+TEST_CASE("planner e2e prefix tp MLA 4P2D: dummies learn the prefix too") { RunPrefix("mla_4p2d"); }
+TEST_CASE("planner e2e prefix pipeline PP2 with state") { RunPrefix("pipeline_pp2"); }
+TEST_CASE("planner e2e prefix layerwise state mamba 2P1D") { RunPrefix("state_mamba_2p1d", 3); }
+TEST_CASE("planner e2e prefix state families: mamba + swa + c128_state, TP 2->1 and 1->2, PP") {
+  RunPrefix("families_2p1d");
+  RunPrefix("families_1p2d");
+  RunPrefix("families_pp2");
+}
+TEST_CASE("planner e2e prefix negative control: a sender that ignores the prefix fails rooms") {
+  if (!HaveUcx()) {
+    WARN("SKIP: this build has no ucx backend");
+    return;
+  }
+  RunScenarioOver(*TransportNamed("ucx:shm"), "tp_2p1d_nhd", -1, -1, 0, true, true);
+}
 
 TEST_CASE("planner e2e layerwise tp 2P1D HND: layers announced one step at a time land intact") {
   RunLayerwise("tp_2p1d_hnd");

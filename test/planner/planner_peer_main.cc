@@ -8,6 +8,8 @@
 //                      [--wrong-aux-room R] (prefill: write room R's aux slot as another room's)
 //                      [--layerwise SEED]   (prefill: announce layers with SendLayers, random
 //                                            chunk sizes and steps from SEED)
+//                      [--decode-prefix 1]  (decode holds PrefixPages of each room: it hands
+//                                            over the rest, prefill sends only those)
 //                      [--memory host|cuda] (where the KV and state pools live; cuda: on GPU 0,
 //                                            registered as kCuda, mirrored in host memory where
 //                                            the pattern is written and checked)
@@ -64,6 +66,10 @@ struct Flags {
   // this seed; 0: Send() whole chunks
   uint64_t layerwise_seed = 0;
   bool cuda = false;  // --memory cuda
+  bool decode_prefix = false;  // --decode-prefix 1
+  // prefill (negative control): send the first pages of the request instead of those after
+  // decode's prefix, as a sender that ignored the prefix would
+  bool ignore_prefix = false;
 };
 
 constexpr uint64_t kWrongRoomOffset = 1000000;
@@ -114,22 +120,49 @@ class Rank {
     if (!aux.ok()) return aux.status();
     aux_ = std::move(*aux);
     a.aux = aux_->Describe();
-    // Every stage of a hybrid model says so, also one that holds no state buffer itself.
-    if (pdlib_e2e::StatesTotal(s_) > 0) a.state_type = pdlib::StateType::kMamba;
-    if (shape_.num_states > 0) {
-      a.state_start = shape_.state_start;
-      for (int32_t i = 0; i < shape_.num_states; ++i) {
-        const int32_t g = shape_.state_start + i;
-        const uint64_t sitem = pdlib_e2e::StateItemBytes(s_, shape_, g);
-        state_.emplace_back(sitem * static_cast<uint64_t>(s_.rooms), 0);
-        a.state.ptrs.push_back(Register(state_.back(), &state_twins_));
-        if (!twin_error_.empty()) return pdlib::Status::FailedPrecondition(twin_error_);
-        a.state.lens.push_back(state_.back().size());
-        a.state.item_lens.push_back(sitem);
-        const bool split = pdlib_e2e::StateIsSplit(s_, g);
-        a.state_dim_per_tensor.push_back(split ? 0 : -1);
-        a.state_item_rows.push_back(1);
-        a.state_split_units.push_back(split ? s_.state_units : 0);
+    // Every stage of a hybrid model says so, also one that holds no state buffer itself. One
+    // family: the shorthand fields; with extra families: KVArgs::state_families.
+    pdlib::StateFamily mamba;
+    mamba.type = pdlib::StateType::kMamba;
+    mamba.start = shape_.state_start;
+    for (int32_t i = 0; i < shape_.num_states; ++i) {
+      const int32_t g = shape_.state_start + i;
+      const uint64_t sitem = pdlib_e2e::StateItemBytes(s_, shape_, g);
+      state_.emplace_back(sitem * static_cast<uint64_t>(s_.rooms), 0);
+      mamba.buffers.ptrs.push_back(Register(state_.back(), &state_twins_));
+      if (!twin_error_.empty()) return pdlib::Status::FailedPrecondition(twin_error_);
+      mamba.buffers.lens.push_back(state_.back().size());
+      mamba.buffers.item_lens.push_back(sitem);
+      const bool split = pdlib_e2e::StateIsSplit(s_, g);
+      mamba.dim_per_tensor.push_back(split ? 0 : -1);
+      mamba.item_rows.push_back(1);
+      mamba.split_units.push_back(split ? s_.state_units : 0);
+    }
+    if (s_.extra_families == 0) {
+      if (pdlib_e2e::StatesTotal(s_) > 0) a.state_type = pdlib::StateType::kMamba;
+      if (shape_.num_states > 0) {
+        a.state_start = mamba.start;
+        a.state = mamba.buffers;
+        a.state_dim_per_tensor = mamba.dim_per_tensor;
+        a.state_item_rows = mamba.item_rows;
+        a.state_split_units = mamba.split_units;
+      }
+    } else {
+      if (pdlib_e2e::StatesTotal(s_) > 0) a.state_families.push_back(mamba);
+      for (int32_t k = 0; k < s_.extra_families; ++k) {
+        pdlib::StateFamily f;
+        f.type = pdlib_e2e::ExtraFamilyType(k);
+        f.start = shape_.start_layer;
+        extra_base_.push_back(state_.size());
+        for (int32_t l = 0; l < shape_.num_layers; ++l) {
+          state_.emplace_back(pdlib_e2e::kExtraItemBytes * pdlib_e2e::ExtraFamilyItems(s_, k), 0);
+          f.buffers.ptrs.push_back(Register(state_.back(), &state_twins_));
+          if (!twin_error_.empty()) return pdlib::Status::FailedPrecondition(twin_error_);
+          f.buffers.lens.push_back(state_.back().size());
+          f.buffers.item_lens.push_back(pdlib_e2e::kExtraItemBytes);
+          f.dim_per_tensor.push_back(-1);
+        }
+        a.state_families.push_back(std::move(f));
       }
     }
     auto m = pdlib::KVManager::Create(o);
@@ -235,12 +268,44 @@ class Rank {
     }
   }
 
+  // The request's state lists, one per family (mamba first when the model has it, then the
+  // extra families), on this rank's side.
+  std::vector<std::vector<int32_t>> StateLists(uint64_t room) const {
+    std::vector<std::vector<int32_t>> lists;
+    if (pdlib_e2e::StatesTotal(s_) > 0) {
+      lists.emplace_back();
+      if (shape_.num_states > 0) {
+        lists.back().push_back(pdlib_e2e::RequestStateSlot(s_, room, decode_));
+      }
+    }
+    for (int32_t k = 0; k < s_.extra_families; ++k) {
+      lists.push_back(pdlib_e2e::ExtraIndices(s_, room, k, decode_));
+    }
+    return lists;
+  }
+  struct FlatState {
+    std::vector<int32_t> indices;
+    std::vector<uint32_t> counts;
+    pdlib::StateIndices view() const { return {indices, counts}; }
+  };
+  FlatState Flatten(const std::vector<std::vector<int32_t>>& lists) const {
+    FlatState f;
+    for (const auto& l : lists) {
+      f.indices.insert(f.indices.end(), l.begin(), l.end());
+      f.counts.push_back(static_cast<uint32_t>(l.size()));
+    }
+    // The one-family shorthand takes no counts (and tests that path).
+    if (s_.extra_families == 0) f.counts.clear();
+    return f;
+  }
+
   // Layer-wise streaming (--layerwise SEED): chunks of random sizes; each chunk's layers are
   // computed (written into the pool) a random number at a time, each step announced with
   // SendLayers, repeats and 0 included. A layer pdlib read before its announcement would reach
-  // decode as the poison byte the pages hold until then.
+  // decode as the poison byte the pages hold until then. Pages [first, end) are sent (first:
+  // decode's prefix); none left: one empty last chunk carries aux and state.
   std::string SendLayerwise(pdlib::KVSender& h, uint64_t room, const std::vector<int32_t>& pages,
-                            std::span<const int32_t> state_idx) {
+                            size_t first, const pdlib::StateIndices& state) {
     std::mt19937_64 rng(f_.layerwise_seed * 1000003 + room * 7919 +
                         static_cast<uint64_t>(shape_.tp_rank * 31 + shape_.pp_rank));
     const int32_t layers = h.num_layers();
@@ -252,7 +317,11 @@ class Rank {
     for (auto& b : kv_) {
       for (int32_t p : pages) std::memset(b.data() + static_cast<uint64_t>(p) * item, 0x5A, item);
     }
-    for (size_t at = 0; at < pages.size();) {
+    if (first == pages.size()) {
+      auto st = h.SendLayersStates({}, layers, true, state);
+      return st.ok() ? "" : "SendLayers(empty last chunk): " + st.ToString();
+    }
+    for (size_t at = first; at < pages.size();) {
       const size_t n = std::uniform_int_distribution<size_t>(1, pages.size() - at)(rng);
       const bool last = at + n == pages.size();
       const auto chunk = std::span<const int32_t>(pages).subspan(at, n);
@@ -262,8 +331,8 @@ class Rank {
             layers, done + std::uniform_int_distribution<int32_t>(0, std::max(1, layers / 2))(rng));
         FillLayers(room, pages, at, at + n, done, next);
         if (std::string why = ToDevice(); !why.empty()) return why;
-        auto st = h.SendLayers(chunk, next, last,
-                               last && next == layers ? state_idx : std::span<const int32_t>());
+        auto st = h.SendLayersStates(chunk, next, last,
+                                     last && next == layers ? state : pdlib::StateIndices{});
         if (!st.ok()) return "SendLayers(" + std::to_string(next) + "): " + st.ToString();
         done = next;
         if (done == layers) break;
@@ -273,9 +342,15 @@ class Rank {
     return "";
   }
 
+  // The prefix this room's decode holds, in pages.
+  int32_t Prefix(uint64_t room) const {
+    return f_.decode_prefix ? pdlib_e2e::PrefixPages(s_, room) : 0;
+  }
+
   std::string SendRoom(uint64_t room) {
     const auto pages = pdlib_e2e::RequestPages(s_, room, false);
-    // Fill this rank's share of the model for the request (layer-wise: as announced).
+    // Fill this rank's share of the model for the request (layer-wise: as announced). Prefill
+    // computes the whole prompt, prefix included; only the pages after decode's prefix leave.
     if (f_.layerwise_seed == 0) FillLayers(room, pages, 0, pages.size(), 0, shape_.num_layers);
     const int32_t slot = pdlib_e2e::RequestStateSlot(s_, room, false);
     for (int32_t i = 0; i < shape_.num_states; ++i) {
@@ -284,6 +359,18 @@ class Rank {
       uint8_t* p = state_[static_cast<size_t>(i)].data() + static_cast<uint64_t>(slot) * sitem;
       for (uint64_t off = 0; off < sitem; ++off) {
         p[off] = pdlib_e2e::StateByte(s_, shape_, room, g, off);
+      }
+    }
+    for (int32_t k = 0; k < s_.extra_families; ++k) {
+      const auto idx = pdlib_e2e::ExtraIndices(s_, room, k, false);
+      for (int32_t l = 0; l < shape_.num_layers; ++l) {
+        auto& buf = state_[extra_base_[static_cast<size_t>(k)] + static_cast<size_t>(l)];
+        for (size_t e = 0; e < idx.size(); ++e) {
+          for (uint64_t off = 0; off < pdlib_e2e::kExtraItemBytes; ++off) {
+            buf[static_cast<uint64_t>(idx[e]) * pdlib_e2e::kExtraItemBytes + off] =
+                pdlib_e2e::ExtraByte(room, k, shape_.start_layer + l, e, off);
+          }
+        }
       }
     }
     // Layer-wise, the KV follows each announcement (SendLayerwise); state goes now.
@@ -299,19 +386,48 @@ class Rank {
     if (WaitFor(h, pdlib::KVPoll::kWaitingForInput, 20s) != pdlib::KVPoll::kWaitingForInput) {
       return "waiting for TransferInfo: " + h.FailureReason().ToString();
     }
-    if (auto st = h.Init(pages.size(), aux); !st.ok()) return "Init: " + st.ToString();
-    const size_t per_chunk =
-        (pages.size() + static_cast<size_t>(s_.chunks) - 1) / static_cast<size_t>(s_.chunks);
-    std::vector<int32_t> state_idx;
-    if (shape_.num_states > 0) state_idx.push_back(slot);
-    if (f_.layerwise_seed != 0) {
-      if (std::string why = SendLayerwise(h, room, pages, state_idx); !why.empty()) return why;
+    // Every prefill rank, dummies included, learns decode's prefix.
+    const uint64_t want_prefix = static_cast<uint64_t>(Prefix(room)) * s_.page_size;
+    const std::optional<uint64_t> prefix = h.decode_prefix_len();
+    if (!prefix || *prefix != want_prefix) {
+      return "decode_prefix_len() " + (prefix ? std::to_string(*prefix) : std::string("nullopt")) +
+             ", decode holds " + std::to_string(want_prefix);
     }
-    for (size_t at = 0; f_.layerwise_seed == 0 && at < pages.size(); at += per_chunk) {
+    auto to_send = h.PagesAfterPrefix(pages.size() * s_.page_size);
+    if (!to_send.ok()) return "PagesAfterPrefix: " + to_send.status().ToString();
+    const size_t first = static_cast<size_t>(Prefix(room));
+    if (*to_send != pages.size() - first) {
+      return "PagesAfterPrefix " + std::to_string(*to_send) + ", expected " +
+             std::to_string(pages.size() - first);
+    }
+    if (auto st = h.Init(*to_send, aux); !st.ok()) return "Init: " + st.ToString();
+    const FlatState state = Flatten(StateLists(room));
+    if (f_.layerwise_seed != 0) {
+      if (std::string why = SendLayerwise(h, room, pages, first, state.view()); !why.empty()) {
+        return why;
+      }
+    } else if (first == pages.size()) {
+      // Decode holds every page: one empty last chunk moves aux and state.
+      if (auto st = h.SendStates({}, true, state.view()); !st.ok()) return "Send: " + st.ToString();
+    }
+    if (f_.ignore_prefix) {
+      // The negative control: the right number of pages, taken from the start of the request.
+      std::vector<int32_t> wrong(pages.begin(), pages.end() - static_cast<std::ptrdiff_t>(first));
+      if (first == pages.size()) return WaitFor(h, pdlib::KVPoll::kSuccess, 20s) ==
+                                                pdlib::KVPoll::kSuccess ? "" : "transfer failed";
+      auto st = h.SendStates(wrong, true, state.view());
+      if (!st.ok()) return "Send: " + st.ToString();
+      return WaitFor(h, pdlib::KVPoll::kSuccess, 20s) == pdlib::KVPoll::kSuccess
+                 ? ""
+                 : "transfer: " + h.FailureReason().ToString();
+    }
+    const size_t left = pages.size() - first;
+    const size_t per_chunk = (left + static_cast<size_t>(s_.chunks) - 1) / static_cast<size_t>(s_.chunks);
+    for (size_t at = first; f_.layerwise_seed == 0 && at < pages.size(); at += per_chunk) {
       const size_t n = std::min(per_chunk, pages.size() - at);
       const bool last = at + n == pages.size();
-      auto st = h.Send(std::span<const int32_t>(pages).subspan(at, n), last,
-                       last ? std::span<const int32_t>(state_idx) : std::span<const int32_t>());
+      auto st = h.SendStates(std::span<const int32_t>(pages).subspan(at, n), last,
+                             last ? state.view() : pdlib::StateIndices{});
       if (!st.ok()) return "Send: " + st.ToString();
     }
     if (WaitFor(h, pdlib::KVPoll::kSuccess, 20s) != pdlib::KVPoll::kSuccess) {
@@ -321,12 +437,17 @@ class Rank {
   }
 
   std::string Receive(uint64_t room) {
-    const auto pages = pdlib_e2e::RequestPages(s_, room, true);
-    const int32_t slot = pdlib_e2e::RequestStateSlot(s_, room, true);
+    const auto all_pages = pdlib_e2e::RequestPages(s_, room, true);
+    const size_t first = static_cast<size_t>(Prefix(room));
+    // Decode holds pages [0, first) of the request already: it hands over the rest.
+    const std::vector<int32_t> pages(all_pages.begin() + static_cast<std::ptrdiff_t>(first),
+                                     all_pages.end());
     const uint32_t aux = AuxSlot(room);
-    // Spoil what is about to arrive, so stale bytes from an earlier room cannot pass.
-    for (auto& b : kv_) std::memset(b.data(), 0xA5, b.size());
-    for (auto& b : state_) std::memset(b.data(), 0xA5, b.size());
+    // Spoil what is about to arrive, so stale bytes from an earlier room cannot pass, and so
+    // that a write anywhere else shows.
+    constexpr uint8_t kSpoil = 0xA5;
+    for (auto& b : kv_) std::memset(b.data(), kSpoil, b.size());
+    for (auto& b : state_) std::memset(b.data(), kSpoil, b.size());
     if (std::string why = ToDevice(); !why.empty()) return why;
     aux_->bootstrap_room(aux)[0] = ~uint64_t{0};
     aux_->output_ids(aux)[0] = -1;
@@ -334,42 +455,85 @@ class Rank {
     auto receiver = manager_->CreateReceiver({"127.0.0.1", f_.bootstrap_port}, room);
     if (!receiver.ok()) return "CreateReceiver: " + receiver.status().ToString();
     auto& h = **receiver;
-    std::vector<int32_t> state_idx;
-    if (shape_.num_states > 0) state_idx.push_back(slot);
+    const std::vector<std::vector<int32_t>> lists = StateLists(room);
+    const FlatState state = Flatten(lists);
     if (WaitFor(h, pdlib::KVPoll::kWaitingForInput, 20s) == pdlib::KVPoll::kFailed) {
       return "bootstrap: " + h.FailureReason().ToString();
     }
-    if (auto st = h.Init(pages, aux, state_idx); !st.ok()) return "Init: " + st.ToString();
+    pdlib::ReceiveRequest request;
+    request.kv_page_indices = pages;
+    request.aux_index = aux;
+    request.state = state.view();
+    request.decode_prefix_len = first * s_.page_size;
+    request.prompt_len = all_pages.size() * s_.page_size;
+    if (auto st = h.Init(request); !st.ok()) return "Init: " + st.ToString();
     if (WaitFor(h, pdlib::KVPoll::kSuccess, 20s) != pdlib::KVPoll::kSuccess) {
       return "transfer: " + h.FailureReason().ToString();
     }
     if (std::string why = FromDevice(); !why.empty()) return why;
-    // Every byte of every page, layer and K/V this rank owns.
+    // Every byte of every pool page, layer and K/V this rank owns: the pages handed over hold
+    // the model's bytes for their positions (after the prefix), every other page (the prefix's
+    // included) still holds the spoil byte.
     const uint64_t item = pdlib_e2e::KvItemBytes(s_, shape_);
+    std::vector<int64_t> position(static_cast<size_t>(s_.pool_pages), -1);
+    for (size_t k = 0; k < pages.size(); ++k) {
+      position[static_cast<size_t>(pages[k])] = static_cast<int64_t>(first + k);
+    }
     for (size_t b = 0; b < kv_.size(); ++b) {
       const int32_t layer = shape_.start_layer + static_cast<int32_t>(b % shape_.num_layers);
       const int kv = s_.mla ? 0 : static_cast<int>(b / static_cast<size_t>(shape_.num_layers));
-      for (size_t p = 0; p < pages.size(); ++p) {
-        const uint8_t* page = kv_[b].data() + static_cast<uint64_t>(pages[p]) * item;
+      for (int32_t q = 0; q < s_.pool_pages; ++q) {
+        const uint8_t* page = kv_[b].data() + static_cast<uint64_t>(q) * item;
+        const int64_t pos = position[static_cast<size_t>(q)];
         for (uint64_t off = 0; off < item; ++off) {
-          uint8_t want =
-              pdlib_e2e::KvByte(s_, shape_, room, layer, kv, static_cast<int64_t>(p), off);
+          const uint8_t want =
+              pos < 0 ? kSpoil : pdlib_e2e::KvByte(s_, shape_, room, layer, kv, pos, off);
           if (page[off] != want) {
-            return "bad-byte kv layer=" + std::to_string(layer) + " kv=" + std::to_string(kv) +
-                   " page=" + std::to_string(p) + " offset=" + std::to_string(off) +
-                   " got=" + std::to_string(page[off]) + " want=" + std::to_string(want);
+            return std::string(pos < 0 ? "written-outside kv" : "bad-byte kv") +
+                   " layer=" + std::to_string(layer) + " kv=" + std::to_string(kv) +
+                   " pool_page=" + std::to_string(q) + " page=" + std::to_string(pos) +
+                   " offset=" + std::to_string(off) + " got=" + std::to_string(page[off]) +
+                   " want=" + std::to_string(want);
           }
         }
       }
     }
+    const int32_t slot = pdlib_e2e::RequestStateSlot(s_, room, true);
     for (int32_t i = 0; i < shape_.num_states; ++i) {
       const int32_t g = shape_.state_start + i;
       const uint64_t sitem = pdlib_e2e::StateItemBytes(s_, shape_, g);
-      const uint8_t* p =
-          state_[static_cast<size_t>(i)].data() + static_cast<uint64_t>(slot) * sitem;
-      for (uint64_t off = 0; off < sitem; ++off) {
-        if (p[off] != pdlib_e2e::StateByte(s_, shape_, room, g, off)) {
-          return "bad-byte state=" + std::to_string(g) + " offset=" + std::to_string(off);
+      const auto& buf = state_[static_cast<size_t>(i)];
+      for (uint64_t off = 0; off < buf.size(); ++off) {
+        const bool mine = off / sitem == static_cast<uint64_t>(slot);
+        const uint8_t want = mine ? pdlib_e2e::StateByte(s_, shape_, room, g, off % sitem) : kSpoil;
+        if (buf[off] != want) {
+          return std::string(mine ? "bad-byte" : "written-outside") + " state=" +
+                 std::to_string(g) + " offset=" + std::to_string(off);
+        }
+      }
+    }
+    for (int32_t k = 0; k < s_.extra_families; ++k) {
+      const auto idx = pdlib_e2e::ExtraIndices(s_, room, k, true);
+      for (int32_t l = 0; l < shape_.num_layers; ++l) {
+        const auto& buf = state_[extra_base_[static_cast<size_t>(k)] + static_cast<size_t>(l)];
+        for (uint64_t it = 0; it < buf.size() / pdlib_e2e::kExtraItemBytes; ++it) {
+          int64_t entry = -1;
+          for (size_t e = 0; e < idx.size(); ++e) {
+            if (static_cast<uint64_t>(idx[e]) == it) entry = static_cast<int64_t>(e);
+          }
+          for (uint64_t off = 0; off < pdlib_e2e::kExtraItemBytes; ++off) {
+            const uint8_t want =
+                entry < 0 ? kSpoil
+                          : pdlib_e2e::ExtraByte(room, k, shape_.start_layer + l,
+                                                 static_cast<size_t>(entry), off);
+            const uint8_t got = buf[it * pdlib_e2e::kExtraItemBytes + off];
+            if (got != want) {
+              return std::string(entry < 0 ? "written-outside" : "bad-byte") + " " +
+                     std::string(pdlib::StateTypeName(pdlib_e2e::ExtraFamilyType(k))) +
+                     " layer=" + std::to_string(shape_.start_layer + l) +
+                     " item=" + std::to_string(it) + " offset=" + std::to_string(off);
+            }
+          }
         }
       }
     }
@@ -386,7 +550,8 @@ class Rank {
   std::string twin_error_;
   RankShape shape_;
   std::vector<std::vector<uint8_t>> kv_;
-  std::vector<std::vector<uint8_t>> state_;
+  std::vector<std::vector<uint8_t>> state_;  // mamba buffers, then each extra family's
+  std::vector<size_t> extra_base_;           // state_ index of extra family k's first buffer
   std::unique_ptr<pdlib::MetadataBuffers> aux_;
   std::unique_ptr<pdlib::KVManager> manager_;
 };
@@ -395,7 +560,8 @@ int Usage(const std::string& why) {
   std::cerr << "pdlib_planner_peer: " << why
             << "\nusage: pdlib_planner_peer --role prefill|decode --scenario NAME "
                "--bootstrap-port P [--backend B] [--backend-option k=v]... [--first-room R] "
-               "[--corrupt-room R] [--wrong-aux-room R] [--layerwise SEED] [--memory host|cuda]\n";
+               "[--corrupt-room R] [--wrong-aux-room R] [--layerwise SEED] [--memory host|cuda] "
+               "[--decode-prefix 1]\n";
   return 2;
 }
 
@@ -428,6 +594,10 @@ int main(int argc, char** argv) {
     } else if (arg == "--memory") {
       if (v != "host" && v != "cuda") return Usage("--memory host|cuda, not '" + v + "'");
       f.cuda = v == "cuda";
+    } else if (arg == "--decode-prefix") {
+      f.decode_prefix = v == "1";
+    } else if (arg == "--ignore-prefix") {
+      f.ignore_prefix = v == "1";
     } else if (arg == "--first-room") {
       f.first_room = std::stoull(v);
     } else {
