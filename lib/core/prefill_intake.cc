@@ -172,7 +172,7 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
       // Decode ranks of one request must agree on what their prefix cache holds.
       refused = Status::InvalidArgument(absl::StrFormat(
           "room %d: decode ranks disagree on the decode prefix: %d tokens from session %d, %d "
-          "from session %d",
+          "tokens from session %d",
           msg.room, msg.decode_prefix_len, msg.session, first->decode_prefix_len, first->session));
     } else if (first && (msg.required_dst_info_num != first->required_dst_info_num ||
                          msg.is_dummy != first->is_dummy)) {

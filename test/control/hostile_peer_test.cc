@@ -211,6 +211,16 @@ TEST_CASE("hostile decode: Registers with wrong shapes are refused naming both v
        "kv_head_num is 0 on prefill and 4 on decode"},
       {"MLA", [](wire::Register* r) { r->set_is_mla(true); },
        "MLA mismatch: prefill not MLA, decode MLA"},
+      {"a state family with buffers nobody registered",
+       [](wire::Register* r) {
+         auto* f = r->add_state_families();
+         f->set_type(wire::STATE_TYPE_MAMBA);
+         f->set_count(3);
+       },
+       "state families cover 3 of 0 state buffers"},
+      {"a state family prefill does not have",
+       [](wire::Register* r) { r->add_state_families()->set_type(wire::STATE_TYPE_SWA_RING); },
+       "state type mismatch: prefill none, decode swa_ring"},
       {"endpoint", [](wire::Register* r) { r->set_transport_endpoint("garbage"); },
        "connecting to decode's endpoint"},
       {"state shapes", [](wire::Register* r) { r->add_state_item_rows(3); },
@@ -257,6 +267,19 @@ TEST_CASE("hostile decode: malformed Registers and protocol violations end the s
        "Register: state_type 9"},
       {"negative start layer", reg([](wire::Register* r) { r->set_start_layer(-1); }),
        "start_layer -1"},
+      // Wire version 3 (issue #27): state families, and no version-2 state fields.
+      {"a wire-2 state_start", reg([](wire::Register* r) { r->set_state_start(2); }),
+       "are wire version 2 fields"},
+      {"a state family of type none",
+       reg([](wire::Register* r) { r->add_state_families()->set_count(0); }),
+       "Register: state family 0 has state type 0"},
+      {"a state family with negative count", reg([](wire::Register* r) {
+         auto* f = r->add_state_families();
+         f->set_type(wire::STATE_TYPE_SWA);
+         f->set_count(-1);
+       }),
+       "state family 0 starts at 0 with -1 buffers"},
+
       {"item_len 0", reg([](wire::Register* r) { r->mutable_kv_regions(1)->set_item_len(0); }),
        "kv region 1 is malformed"},
       {"item_len > length",
@@ -338,6 +361,13 @@ TEST_CASE("hostile decode: TransferInfo fields out of range fail the room with t
        "aux index -3 is negative"},
       {"state without state buffers", [](wire::TransferInfo* t) { t->add_dst_state_indices(0); },
        "state indices sent but decode has no state buffers"},
+      {"state counts that add up to more", [](wire::TransferInfo* t) { t->add_dst_state_counts(2); },
+       "TransferInfo state counts add up to 2 for 0 state indices"},
+      {"state counts for families decode never registered",
+       [](wire::TransferInfo* t) { t->add_dst_state_counts(0); },
+       "TransferInfo has state indices for 1 families, decode registered 0"},
+      {"a prefix that is not whole pages", [](wire::TransferInfo* t) { t->set_decode_prefix_len(3); },
+       "decode_prefix_len 3 is not a multiple of page_size"},
       {"required 0", [](wire::TransferInfo* t) { t->set_required_dst_info_num(0); },
        "required_dst_info_num 0, but this prefill rank expects 1"},
       {"required huge", [](wire::TransferInfo* t) { t->set_required_dst_info_num(UINT32_MAX); },
