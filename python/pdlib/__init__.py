@@ -8,8 +8,9 @@
     manager = pdlib.KVManager.create(o)
     sender = manager.create_sender(room)
     if sender.poll() == pdlib.KVPoll.WaitingForInput:
-        sender.init(num_pages, aux_slot)
-        sender.send(pages, is_last_chunk=True)
+        # decode may hold the prompt's first sender.decode_prefix_len tokens: send the rest
+        sender.init(sender.pages_after_prefix(prompt_len), aux_slot)
+        sender.send(pages_after_the_prefix, is_last_chunk=True)
 
 Every class and function mirrors the C++ API of include/pdlib (see python/README.md for the
 mapping); a failed call raises the pdlib.Error subclass of its status code. pdlib.sglang
@@ -60,6 +61,7 @@ from ._options import (
     KVManagerOptions,
     ModelFingerprint,
     ParallelConfig,
+    StateFamily,
     buffer_address,
     parse_bootstrap_address,
 )
@@ -87,7 +89,7 @@ from ._pdlib import (
 )
 from ._pdlib import KVManager, _close_all_managers
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 # Managers still open at interpreter exit are closed first: their threads must not outlive the
@@ -155,7 +157,7 @@ __all__ = [
     'KVPool', 'KVReceiver', 'KVSender', 'LogLevel', 'MemoryKind', 'MetadataBuffers',
     'MetadataField', 'MetadataSlotAllocator', 'Mode', 'ModelFingerprint', 'NotFoundError',
     'OutOfRangeError', 'ParallelConfig', 'PermissionDeniedError', 'ProcessGroup',
-    'ResourceExhaustedError', 'StateType', 'StatusCode', 'TorchProcessGroup',
+    'ResourceExhaustedError', 'StateFamily', 'StateType', 'StatusCode', 'TorchProcessGroup',
     'UnauthenticatedError', 'UnavailableError', 'UnimplementedError', 'UnknownError',
     'allocate_kv_pool', 'buffer_address', 'builtin_backends', 'element_type_bytes', 'element_type_names',
     'get_log_level',

@@ -29,10 +29,34 @@ class Mode(enum.IntEnum):
 
 
 class StateType(enum.IntEnum):
+    """The kind of a hybrid model's per-request state family (C++ pdlib::StateType)."""
+
     Null = 0  # "None" is a keyword-like name in Python; C++ kNone
-    Mamba = 1
-    Swa = 2
-    Nsa = 3
+    Mamba = 1  # recurrent state: one slot per request
+    Swa = 2  # sliding-window attention: the pages inside the window
+    Nsa = 3  # DeepSeek sparse attention index keys (SGLang "nsa"/"dsa"): one index per page
+    MinimaxIndexK = 4  # MiniMax's index keys: full-sequence pages, as Nsa
+    SwaRing = 5  # ring rows of a sliding window: as many rows as prefill sends
+    C128State = 6  # one request-scoped slot, or none
+
+    @property
+    def type_name(self) -> str:
+        """pdlib's name of the kind (C++ StateTypeName): "none", "mamba", "swa", "nsa",
+        "minimax_index_k", "swa_ring", "c128_state"."""
+        return _STATE_TYPE_NAMES[self.value]
+
+    @classmethod
+    def from_name(cls, name: str) -> "StateType":
+        """The kind pdlib (or SGLang) calls `name`; "dsa" is SGLang's newer name for "nsa".
+        ValueError for an unknown name."""
+        key = "nsa" if name == "dsa" else name
+        if key not in _STATE_TYPE_NAMES:
+            raise ValueError(f"unknown state type '{name}'; pdlib knows "
+                             + ", ".join(_STATE_TYPE_NAMES) + " and dsa")
+        return cls(_STATE_TYPE_NAMES.index(key))
+
+
+_STATE_TYPE_NAMES = ("none", "mamba", "swa", "nsa", "minimax_index_k", "swa_ring", "c128_state")
 
 
 class MemoryKind(enum.IntEnum):

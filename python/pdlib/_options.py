@@ -139,6 +139,26 @@ class BufferFamily:
 
 
 @dataclasses.dataclass
+class StateFamily:
+    """One family of per-request state buffers of a hybrid model (C++ pdlib::StateFamily): a
+    kind, its buffers and how they split across TP ranks. KVArgs.state_families lists them; each
+    request then passes one index list per family, in that order (a list of lists as
+    state_indices).
+
+    dim_per_tensor: per buffer, the item dimension split across TP ranks (-1: not split; empty:
+    none is). item_rows / split_units: optional, per buffer, for a split dimension other than 0
+    (the product of the dimensions before it) and its extent across all TP ranks (0: unknown).
+    start: model-wide index, within this family, of this PP stage's first buffer."""
+
+    type: StateType = StateType.Null
+    buffers: BufferFamily = dataclasses.field(default_factory=BufferFamily)
+    dim_per_tensor: List[int] = dataclasses.field(default_factory=list)
+    item_rows: List[int] = dataclasses.field(default_factory=list)
+    split_units: List[int] = dataclasses.field(default_factory=list)
+    start: int = 0
+
+
+@dataclasses.dataclass
 class ParallelConfig:
     """How one side is parallelised and where this rank sits in it."""
 
@@ -184,6 +204,11 @@ class KVArgs:
     state_item_rows: List[int] = dataclasses.field(default_factory=list)
     state_split_units: List[int] = dataclasses.field(default_factory=list)
     state_start: int = 0
+    # Hybrid-model state, several families: one entry per family (each request then passes a
+    # list of index lists, one per family in this order). One family: one entry here, or the
+    # shorthand fields above (state ... state_start); both at once is refused by
+    # KVManager.create(). (After the shorthand so that positional KVArgs(...) keep meaning.)
+    state_families: List[StateFamily] = dataclasses.field(default_factory=list)
     page_size: int = 1
     kv_head_num: int = 0
     kv_layout: KVLayout = KVLayout.HND
@@ -199,7 +224,8 @@ class KVArgs:
     def resolved_memory_kind(self) -> MemoryKind:
         if self.memory_kind is not None:
             return MemoryKind(self.memory_kind)
-        cuda = self.kv.has_cuda or self.aux.has_cuda or self.state.has_cuda
+        cuda = self.kv.has_cuda or self.aux.has_cuda or self.state.has_cuda or any(
+            f.buffers.has_cuda for f in self.state_families)
         return MemoryKind.Cuda if cuda else MemoryKind.Host
 
 

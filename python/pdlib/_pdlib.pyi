@@ -9,6 +9,9 @@ from ._errors import Error
 from ._options import BufferFamily, KVManagerOptions
 
 Indices = Union[npt.NDArray[np.int32], Sequence[int], Any]  # Any: a torch.int32 tensor
+# One request's state indices: one index list (one state family), or one list per family in
+# KVArgs.state_families order (None for a family that takes no part).
+StateIndices = Union[Indices, Sequence[Optional[Indices]]]
 BootstrapAddr = Union[str, Tuple[str, int]]
 
 class _Handle:
@@ -27,11 +30,19 @@ class _Handle:
 class KVSender(_Handle):
     def init(self, num_kv_pages: int, aux_index: Optional[int] = None) -> None: ...
     def send(self, kv_page_indices: Indices, is_last_chunk: bool,
-             state_indices: Optional[Indices] = None) -> None: ...
+             state_indices: Optional[StateIndices] = None) -> None: ...
+    def send_layers(self, kv_page_indices: Indices, layers_done: int, is_last_chunk: bool,
+                    state_indices: Optional[StateIndices] = None) -> None: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def decode_prefix_len(self) -> Optional[int]: ...
+    def pages_after_prefix(self, prompt_len: int) -> int: ...
 
 class KVReceiver(_Handle):
     def init(self, kv_page_indices: Indices, aux_index: Optional[int] = None,
-             state_indices: Optional[Indices] = None) -> None: ...
+             state_indices: Optional[StateIndices] = None, *, decode_prefix_len: int = 0,
+             prompt_len: int = 0) -> None: ...
 
 class KVManager:
     @staticmethod

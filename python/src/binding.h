@@ -10,12 +10,14 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "pdlib/kv_args.h"
+#include "pdlib/kv_manager.h"
 #include "pdlib/status.h"
 #include "pdlib/types.h"
 
@@ -72,6 +74,25 @@ class Indices {
 // or multi-dimensional array or a non-int element; pdlib.OutOfRangeError for a Python int that
 // does not fit int32.
 Indices ToIndices(py::handle obj, const char* what);
+
+// One request's state indices for every state family (pdlib::StateIndices), from None (no
+// state), one flat index list as ToIndices takes it (one family: no counts, no copy for an
+// array), or a list/tuple whose items are index lists, one per family in
+// KVArgs::state_families order (None or [] for a family that takes no part): concatenated into
+// one copy, with the per-family counts. Holds what the spans point into, like Indices.
+class StateIndicesArg {
+ public:
+  pdlib::StateIndices get() const { return {span_, counts_}; }
+
+ private:
+  friend StateIndicesArg ToStateIndices(py::handle obj, const char* what);
+  Indices flat_;
+  std::vector<int32_t> concat_;
+  std::vector<uint32_t> counts_;
+  std::span<const int32_t> span_;
+};
+// Errors name `what` ("state_indices[1][3]: ..."), as ToIndices does.
+StateIndicesArg ToStateIndices(py::handle obj, const char* what);
 
 // An optional uint32 slot index (None: nullopt); pdlib.OutOfRangeError outside [0, 2^32).
 std::optional<uint32_t> ToOptionalSlot(py::handle obj, const char* what);

@@ -15,6 +15,9 @@ namespace {
 
 Types* g_types = nullptr;
 
+// The largest StateType value (kC128State); pdlib._enums.StateType has the same members.
+constexpr int32_t kMaxStateType = static_cast<int32_t>(pdlib::StateType::kC128State);
+
 std::string TypeName(py::handle obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
 
 }  // namespace
@@ -179,6 +182,47 @@ Indices ToIndices(py::handle obj, const char* what) {
 
 namespace {
 
+// True for an item of a per-family state list (an index list or None), false for an index
+// (a Python int or a numpy integer scalar).
+bool IsIndexList(py::handle item) {
+  return item.is_none() || PyList_Check(item.ptr()) || PyTuple_Check(item.ptr()) ||
+         py::isinstance<py::array>(item) || py::hasattr(item, "data_ptr");
+}
+
+}  // namespace
+
+StateIndicesArg ToStateIndices(py::handle obj, const char* what) {
+  StateIndicesArg out;
+  const bool sequence = PyList_Check(obj.ptr()) || PyTuple_Check(obj.ptr());
+  if (!sequence || py::len(obj) == 0 ||
+      !IsIndexList(py::reinterpret_borrow<py::sequence>(obj)[0])) {
+    out.flat_ = ToIndices(obj, what);
+    out.span_ = out.flat_.span();
+    return out;
+  }
+  auto families = py::reinterpret_borrow<py::sequence>(obj);
+  out.counts_.reserve(families.size());
+  for (size_t f = 0; f < families.size(); ++f) {
+    const std::string name = std::string(what) + "[" + std::to_string(f) + "]";
+    py::object item = families[f];
+    if (!IsIndexList(item)) {
+      ThrowType(name + ": expected the index list of state family " + std::to_string(f) +
+                " (a list of lists gives one list per family), got " + TypeName(item));
+    }
+    Indices family = ToIndices(item, name.c_str());
+    const std::span<const int32_t> span = family.span();
+    if (span.size() > std::numeric_limits<uint32_t>::max()) {
+      ThrowOutOfRange(name + ": " + std::to_string(span.size()) + " indices");
+    }
+    out.concat_.insert(out.concat_.end(), span.begin(), span.end());
+    out.counts_.push_back(static_cast<uint32_t>(span.size()));
+  }
+  out.span_ = out.concat_;
+  return out;
+}
+
+namespace {
+
 // Reads options field by field so that a wrong type is reported with its path.
 class Reader {
  public:
@@ -302,11 +346,33 @@ pdlib::KVManagerOptions ToOptions(py::handle options) {
     args.aux = ToBufferFamily(a.Get("aux"), a.Path("aux"));
     args.aux_room_buffer = a.I32("aux_room_buffer");
     args.state = ToBufferFamily(a.Get("state"), a.Path("state"));
-    args.state_type = a.Enum<pdlib::StateType>("state_type", 0, 3);
+    args.state_type = a.Enum<pdlib::StateType>("state_type", 0, kMaxStateType);
     args.state_dim_per_tensor = a.I32List("state_dim_per_tensor");
     args.state_item_rows = a.U64List("state_item_rows");
     args.state_split_units = a.U64List("state_split_units");
     args.state_start = a.I32("state_start");
+    {
+      // Several families (pdlib.StateFamily); with the shorthand above too, Create() refuses.
+      py::object families = a.Get("state_families");
+      if (!py::isinstance<py::sequence>(families) || PyUnicode_Check(families.ptr())) {
+        ThrowType(a.Path("state_families") + ": expected a list of StateFamily, got " +
+                  TypeName(families));
+      }
+      auto seq = py::reinterpret_borrow<py::sequence>(families);
+      args.state_families.reserve(seq.size());
+      for (size_t i = 0; i < seq.size(); ++i) {
+        const std::string path = a.Path("state_families") + "[" + std::to_string(i) + "]";
+        py::object item = seq[i];
+        Reader r(item, path);
+        pdlib::StateFamily& fam = args.state_families.emplace_back();
+        fam.type = r.Enum<pdlib::StateType>("type", 0, kMaxStateType);
+        fam.buffers = ToBufferFamily(r.Get("buffers"), r.Path("buffers"));
+        fam.dim_per_tensor = r.I32List("dim_per_tensor");
+        fam.item_rows = r.U64List("item_rows");
+        fam.split_units = r.U64List("split_units");
+        fam.start = r.I32("start");
+      }
+    }
     args.page_size = a.U32("page_size");
     args.kv_head_num = a.I32("kv_head_num");
     args.kv_layout = a.Enum<pdlib::KVLayout>("kv_layout", 0, 1);

@@ -550,36 +550,76 @@ void BindManager(py::module_& m) {
           "send",
           [](Sender& s, py::handle pages, bool is_last, py::handle state) {
             Indices page_span = ToIndices(pages, "kv_page_indices");
-            Indices state_span = ToIndices(state, "state_indices");
+            StateIndicesArg states = ToStateIndices(state, "state_indices");
             pdlib::Status st;
             {
               HandleBase::Call call(&s, "KVSender");
               pdlib::KVSender* h = s.get();
               py::gil_scoped_release release;
-              st = h->Send(page_span.span(), is_last, state_span.span());
+              // SendStates with no counts is Send() (one family).
+              st = h->SendStates(page_span.span(), is_last, states.get());
             }
             ThrowIfError(st);
           },
           py::arg("kv_page_indices"), py::arg("is_last_chunk"),
-          py::arg("state_indices") = py::none())
+          py::arg("state_indices") = py::none(),
+          "Queues one chunk of KV pages; the last chunk also sends the aux slot and the state: "
+          "state_indices is one index list (one state family) or a list of lists, one per "
+          "family in KVArgs.state_families order (KVSender::SendStates).")
       .def(
           "send_layers",
           [](Sender& s, py::handle pages, int32_t layers_done, bool is_last, py::handle state) {
             Indices page_span = ToIndices(pages, "kv_page_indices");
-            Indices state_span = ToIndices(state, "state_indices");
+            StateIndicesArg states = ToStateIndices(state, "state_indices");
             pdlib::Status st;
             {
               HandleBase::Call call(&s, "KVSender");
               pdlib::KVSender* h = s.get();
               py::gil_scoped_release release;
-              st = h->SendLayers(page_span.span(), layers_done, is_last, state_span.span());
+              st = h->SendLayersStates(page_span.span(), layers_done, is_last, states.get());
             }
             ThrowIfError(st);
           },
           py::arg("kv_page_indices"), py::arg("layers_done"), py::arg("is_last_chunk"),
           py::arg("state_indices") = py::none(),
           "Layer-wise streaming: the first layers_done KV layers of this chunk are computed "
-          "(KVSender::SendLayers); layers_done == num_layers completes the chunk like send().")
+          "(KVSender::SendLayersStates); layers_done == num_layers completes the chunk like "
+          "send(). state_indices as in send().")
+      .def_property_readonly(
+          "decode_prefix_len",
+          [](Sender& s) -> py::object {
+            std::optional<uint64_t> prefix;
+            {
+              HandleBase::Call call(&s, "KVSender");
+              pdlib::KVSender* h = s.get();
+              py::gil_scoped_release release;  // takes the room's lock
+              prefix = h->decode_prefix_len();
+            }
+            if (!prefix) return py::none();
+            return py::int_(*prefix);
+          },
+          "Tokens at the start of the prompt that decode already holds and prefill must not "
+          "send (a multiple of page_size; 0: send every page). None until poll() reaches "
+          "WaitingForInput.")
+      .def(
+          "pages_after_prefix",
+          [](Sender& s, py::handle prompt_len_obj) {
+            const uint64_t prompt_len = ToU64(prompt_len_obj, "prompt_len");
+            pdlib::StatusOr<uint64_t> pages = pdlib::Status::Internal("unset");
+            {
+              HandleBase::Call call(&s, "KVSender");
+              pdlib::KVSender* h = s.get();
+              py::gil_scoped_release release;
+              pages = h->PagesAfterPrefix(prompt_len);
+            }
+            if (!pages.ok()) ThrowStatus(pages.status());
+            return *pages;
+          },
+          py::arg("prompt_len"),
+          "The KV pages to send (and to announce in init()) for a prompt of prompt_len tokens "
+          "after decode's prefix: ceil((prompt_len - prefix) / page_size). Raises "
+          "FailedPreconditionError before the prefix is known, OutOfRangeError (naming both "
+          "numbers) when the prefix is longer than the prompt.")
       .def_property_readonly(
           "num_layers",
           [](Sender& s) {
@@ -592,21 +632,32 @@ void BindManager(py::module_& m) {
   py::class_<Receiver, HandleBase> receiver(m, "KVReceiver", "Decode side of one request.");
   receiver.def(
       "init",
-      [](Receiver& r, py::handle pages, py::handle aux_index, py::handle state) {
+      [](Receiver& r, py::handle pages, py::handle aux_index, py::handle state,
+         py::handle prefix_obj, py::handle prompt_len_obj) {
         Indices page_span = ToIndices(pages, "kv_page_indices");
-        Indices state_span = ToIndices(state, "state_indices");
-        const std::optional<uint32_t> aux = ToOptionalSlot(aux_index, "aux_index");
+        StateIndicesArg states = ToStateIndices(state, "state_indices");
+        pdlib::ReceiveRequest request;
+        request.kv_page_indices = page_span.span();
+        request.aux_index = ToOptionalSlot(aux_index, "aux_index");
+        request.state = states.get();
+        request.decode_prefix_len = ToU64(prefix_obj, "decode_prefix_len");
+        request.prompt_len = ToU64(prompt_len_obj, "prompt_len");
         pdlib::Status st;
         {
           HandleBase::Call call(&r, "KVReceiver");
           pdlib::KVReceiver* h = r.get();
           py::gil_scoped_release release;
-          st = h->Init(page_span.span(), aux, state_span.span());
+          st = h->Init(request);
         }
         ThrowIfError(st);
       },
       py::arg("kv_page_indices"), py::arg("aux_index") = py::none(),
-      py::arg("state_indices") = py::none());
+      py::arg("state_indices") = py::none(), py::kw_only(), py::arg("decode_prefix_len") = 0,
+      py::arg("prompt_len") = 0,
+      "Hands over the destination pages of tokens [decode_prefix_len, prompt end), the aux "
+      "slot and the state (one index list, or a list of lists: one per state family); "
+      "decode_prefix_len: tokens decode already holds (whole pages), prompt_len: the prompt's "
+      "tokens when known (0: not checked). KVReceiver::Init(ReceiveRequest).");
   BindHandleCommon(receiver);
 
   py::class_<PyManager, std::shared_ptr<PyManager>>(m, "KVManager",

@@ -25,6 +25,137 @@ def test_enums_have_the_cpp_values():
     assert pdlib.MetadataField.BootstrapRoom == 9
 
 
+def test_state_types_have_the_cpp_values_and_names():
+    names = ["none", "mamba", "swa", "nsa", "minimax_index_k", "swa_ring", "c128_state"]
+    assert [int(t) for t in pdlib.StateType] == list(range(7))
+    assert [t.type_name for t in pdlib.StateType] == names
+    assert (pdlib.StateType.MinimaxIndexK, pdlib.StateType.SwaRing,
+            pdlib.StateType.C128State) == (4, 5, 6)
+    for t in pdlib.StateType:
+        assert pdlib.StateType.from_name(t.type_name) is t
+        assert pdlib.StateType(int(t)) is t
+    assert pdlib.StateType.from_name("dsa") is pdlib.StateType.Nsa  # SGLang's newer name
+    with pytest.raises(ValueError, match="unknown state type 'rwkv'"):
+        pdlib.StateType.from_name("rwkv")
+    assert pdlib.__version__ == "0.2.0"
+
+
+def test_state_family_dataclass_round_trips():
+    import dataclasses
+
+    buf = np.zeros((4, 32), np.uint8)
+    fam = pdlib.StateFamily(pdlib.StateType.SwaRing, pdlib.BufferFamily().add(buf), [0], [1],
+                            [8], 2)
+    assert (fam.type, fam.dim_per_tensor, fam.item_rows, fam.split_units, fam.start) == \
+        (pdlib.StateType.SwaRing, [0], [1], [8], 2)
+    assert fam.buffers.ptrs == [buf.ctypes.data] and fam.buffers.item_lens == [32]
+    assert [f.name for f in dataclasses.fields(pdlib.StateFamily)] == \
+        ["type", "buffers", "dim_per_tensor", "item_rows", "split_units", "start"]
+    assert dataclasses.replace(fam) == fam and pdlib.StateFamily(**vars(fam)) == fam
+    assert pdlib.StateFamily() == pdlib.StateFamily(pdlib.StateType.Null)
+    assert pdlib.StateFamily().dim_per_tensor is not pdlib.StateFamily().dim_per_tensor
+    args = pdlib.KVArgs()
+    assert args.state_families == [] and args.state_type == pdlib.StateType.Null
+    args.state_families.append(fam)
+    assert pdlib.KVArgs(state_families=[fam]) == args
+
+
+def _families_options(families, mode=pdlib.Mode.Prefill):
+    o, bufs = fake_options(mode, free_port())
+    for kind in families:
+        state = np.zeros((8, 64), np.uint8)
+        bufs.setdefault("state", []).append(state)
+        o.args.state_families.append(
+            pdlib.StateFamily(kind, pdlib.BufferFamily().add(state)))
+    return o, bufs
+
+
+def test_state_families_reach_the_cpp_options():
+    # Every kind reaches C++ as itself: its name comes back in C++'s messages.
+    kinds = [t for t in pdlib.StateType if t != pdlib.StateType.Null]
+    o, _ = _families_options(kinds)
+    pdlib.KVManager.create(o).close()
+    for f, kind in enumerate(kinds):
+        o, _ = _families_options(kinds)
+        o.args.state_families[f].dim_per_tensor = [0, 0, 0]
+        with pytest.raises(pdlib.InvalidArgumentError,
+                           match=rf"state family {f} \({kind.type_name}\): dim_per_tensor has 3 "
+                           "entries for 1 buffers"):
+            pdlib.KVManager.create(o)
+    o, _ = _families_options([pdlib.StateType.Null])
+    with pytest.raises(pdlib.InvalidArgumentError, match="state family 0: type 0 is not a state"):
+        pdlib.KVManager.create(o)
+    # The one-family shorthand takes the new kinds too; both at once is refused by C++.
+    o, bufs = fake_options(pdlib.Mode.Prefill, free_port())
+    state = np.zeros((8, 64), np.uint8)
+    o.args.state.add(state)
+    o.args.state_type = pdlib.StateType.C128State
+    pdlib.KVManager.create(o).close()
+    o.args.state_families.append(pdlib.StateFamily(pdlib.StateType.Mamba,
+                                                   pdlib.BufferFamily().add(state)))
+    with pytest.raises(pdlib.InvalidArgumentError, match="state given twice"):
+        pdlib.KVManager.create(o)
+
+
+def test_state_families_bad_fields_are_named():
+    o, _ = _families_options([pdlib.StateType.Mamba, pdlib.StateType.Swa])
+    o.args.state_families[1].type = 7
+    with pytest.raises(pdlib.OutOfRangeError,
+                       match=r"options.args.state_families\[1\].type: 7 is out of range \[0, 6\]"):
+        pdlib.KVManager.create(o)
+    o, _ = _families_options([pdlib.StateType.Mamba])
+    o.args.state_type = 7
+    with pytest.raises(pdlib.OutOfRangeError, match=r"options.args.state_type: 7"):
+        pdlib.KVManager.create(o)
+    o, _ = _families_options([pdlib.StateType.Mamba])
+    o.args.state_families[0].buffers.lens.pop()
+    with pytest.raises(pdlib.InvalidArgumentError,
+                       match=r"options.args.state_families\[0\].buffers"):
+        pdlib.KVManager.create(o)
+    o, _ = _families_options([pdlib.StateType.Mamba])
+    o.args.state_families[0].start = "0"
+    with pytest.raises(TypeError, match=r"options.args.state_families\[0\].start"):
+        pdlib.KVManager.create(o)
+    o, _ = _families_options([pdlib.StateType.Mamba])
+    o.args.state_families = [object()]
+    with pytest.raises(TypeError, match=r"options.args.state_families\[0\]: has no field"):
+        pdlib.KVManager.create(o)
+    o, _ = _families_options([])
+    o.args.state_families = pdlib.StateFamily()
+    with pytest.raises(TypeError, match="options.args.state_families: expected a list"):
+        pdlib.KVManager.create(o)
+
+
+def test_state_families_over_the_fake_backend():
+    # Several families end to end in one process (the fake backend moves no bytes: protocol and
+    # checks only; test_transfer.py checks bytes over UCX).
+    port = free_port()
+    kinds = [pdlib.StateType.Mamba, pdlib.StateType.Nsa]
+    po, pbufs = _families_options(kinds, pdlib.Mode.Prefill)
+    do, dbufs = _families_options(kinds, pdlib.Mode.Decode)
+    po.bootstrap_port = do.bootstrap_port = port
+    with pdlib.KVManager.create(po) as prefill, pdlib.KVManager.create(do) as decode:
+        sender = prefill.create_sender(9)
+        receiver = decode.create_receiver(f"127.0.0.1:{port}", 9)
+        # nsa: one index per page of the request (2 pages after a 1-page prefix: 3 in all).
+        receiver.init([1, 2], 0, [[3], np.array([5, 6, 7], np.int32)], decode_prefix_len=4,
+                      prompt_len=12)
+        wait_for(lambda: sender.poll() == pdlib.KVPoll.WaitingForInput, 5, "WaitingForInput")
+        assert sender.decode_prefix_len == 4 and sender.pages_after_prefix(12) == 2
+        pbufs["aux"].bootstrap_room[0, 0] = 9
+        sender.init(2, 0)
+        sender.send([4], False)
+        try:
+            import torch
+
+            nsa: object = torch.tensor([0, 1, 2], dtype=torch.int32)  # a tensor per family too
+        except ImportError:
+            nsa = [0, 1, 2]
+        sender.send_layers([5], sender.num_layers, True, ([1], nsa))
+        assert wait_terminal([sender, receiver]) == [pdlib.KVPoll.Success] * 2, \
+            (sender.failure_reason(), receiver.failure_reason())
+
+
 def test_all_lists_every_public_name():
     # __all__ is spelled out for type checkers: a public name added without it fails here.
     public = {n for n, v in vars(pdlib).items()
