@@ -249,6 +249,10 @@ struct Deployment::Impl {
       if (!options.decode_test_fault.empty()) {
         args.insert(args.end(), {"--test-fault", options.decode_test_fault});
       }
+      if (options.prefix_cache_pages > 0) {
+        args.insert(args.end(),
+                    {"--prefix-cache-pages", std::to_string(options.prefix_cache_pages)});
+      }
       auto ready = Launch("decode" + std::to_string(i), options.decode_bin, args, "READY ");
       if (!ready.ok()) return ready.status();
       procs.back().address = pdlib::control::JoinHostPort(*ip, std::stoi(Fields(*ready)["port"]));

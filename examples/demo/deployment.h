@@ -38,6 +38,8 @@ struct DeploymentOptions {
   std::string decode_test_fault;
   // Prefill hosts' layer-wise streaming (pd-prefill --layerwise).
   bool layerwise = true;
+  // Decode hosts' prefix cache (pd-decode --prefix-cache-pages): decode prefix reuse. 0: off.
+  int32_t prefix_cache_pages = 0;
   uint64_t seed = 1;  // model weights; every host uses the same
   // The prefill and decode hosts' device (their --device: "cpu" or "cuda", KV pools in GPU
   // memory) and GPU (--cuda-device), and the colocated host's device: the reference the

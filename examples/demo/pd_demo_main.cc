@@ -71,6 +71,16 @@ ABSL_FLAG(std::string, layerwise, "on",
           "whole run twice, off then on, each on a fresh deployment, then how much of the TTFT "
           "gap between disaggregated and colocated streaming removed)");
 
+ABSL_FLAG(int64_t, turns, 1,
+          "multi-turn conversations: each request is a conversation of N turns, turn t+1's prompt "
+          "being turn t's prompt, its output and a few new tokens (sent once every conversation "
+          "finished turn t); the colocated run recomputes every prompt");
+ABSL_FLAG(std::string, prefix_reuse, "auto",
+          "decode prefix reuse (pd-decode --prefix-cache-pages): off | on | both (the whole run "
+          "twice, off then on, each on a fresh deployment, then the KV bytes moved and TTFT of "
+          "both) | auto (both with --turns > 1, else off). Models without per-request state "
+          "(small, small-mla)");
+
 ABSL_FLAG(bool, netns, false,
           "every process in a network namespace of its own (a host with its own address on one "
           "bridge; UCX over tcp on eth0 only, no shared memory between hosts). Needs root and "
@@ -119,6 +129,13 @@ constexpr char kUsage[] =
     "GPU disaggregated against the CPU model, token for token:\n"
     "  pd-demo --device cuda --requests 16\n"
     "\n"
+    "Multi-turn conversations and decode prefix reuse: --turns N makes each request a\n"
+    "conversation (the next prompt is the previous prompt, its output and new tokens); with\n"
+    "prefix reuse decode keeps finished requests' pages and prefill sends only the new tail.\n"
+    "--prefix-reuse both (the default with --turns > 1) runs it off then on and compares:\n"
+    "  pd-demo --turns 4 --requests 8 --backend-option ucx.tls=tcp \\\n"
+    "      --backend-option ucx.net_devices=lo\n"
+    "\n"
     "Beyond one host (root): --netns puts every process in a network namespace of its own, so\n"
     "UCX goes over TCP between hosts as in a cluster; --link-mbit N caps each link; --discovery\n"
     "etcd replaces the bootstrap servers with one etcd member:\n"
@@ -130,8 +147,13 @@ struct Args {
   std::vector<double> rates = {0};
   bool quiet = false;
   std::vector<bool> layerwise = {true};  // one phase per entry
+  int turns = 1;
+  std::vector<bool> prefix_reuse = {false};  // one phase per entry
   DeploymentOptions d;
 };
+
+// Decode hosts' prefix cache when prefix reuse is on: half of their KV pages.
+constexpr int32_t kPrefixCachePages = 256;
 
 // Reads and checks the flags; prints why (naming the flag) and returns false on bad input.
 bool ParseArgs(int argc, char** argv, Args* a) {
@@ -148,6 +170,9 @@ bool ParseArgs(int argc, char** argv, Args* a) {
   const int64_t tp = absl::GetFlag(FLAGS_prefill_tp), pp = absl::GetFlag(FLAGS_prefill_pp);
   const int64_t dtp = absl::GetFlag(FLAGS_decode_tp), dpp = absl::GetFlag(FLAGS_decode_pp);
   const int64_t seed = absl::GetFlag(FLAGS_seed);
+  const int64_t turns = absl::GetFlag(FLAGS_turns);
+  if (!in_range("turns", turns, 1, 64)) return false;
+  a->turns = int(turns);
   if (!in_range("requests", requests, 1, 4096) || !in_range("max_new_tokens", max_new, 1, 1024) ||
       !in_range("prefills", prefills, 1, 16) || !in_range("decodes", decodes, 1, 16) ||
       !in_range("prefill_tp", tp, 1, 8) || !in_range("prefill_pp", pp, 1, 4) ||
@@ -222,6 +247,35 @@ bool ParseArgs(int argc, char** argv, Args* a) {
   } else {
     std::fprintf(stderr, "pd-demo: --layerwise '%s': expected on, off or both\n",
                  layerwise.c_str());
+    return false;
+  }
+  const std::string reuse = absl::GetFlag(FLAGS_prefix_reuse);
+  if (reuse == "on") {
+    a->prefix_reuse = {true};
+  } else if (reuse == "off") {
+    a->prefix_reuse = {false};
+  } else if (reuse == "both" || (reuse == "auto" && a->turns > 1)) {
+    a->prefix_reuse = {false, true};
+  } else if (reuse == "auto") {
+    a->prefix_reuse = {false};
+  } else {
+    std::fprintf(stderr, "pd-demo: --prefix-reuse '%s': expected off, on, both or auto\n",
+                 reuse.c_str());
+    return false;
+  }
+  if (a->layerwise.size() > 1 && a->prefix_reuse.size() > 1) {
+    std::fprintf(stderr,
+                 "pd-demo: --layerwise both and --prefix-reuse both (or auto with --turns > 1) "
+                 "each run the batch twice: pick one of them\n");
+    return false;
+  }
+  const bool stateful =
+      a->d.model == "small-hybrid" || a->d.model == "small-swa" || a->d.model == "small-nsa";
+  if (stateful && a->prefix_reuse.back()) {
+    std::fprintf(stderr,
+                 "pd-demo: --prefix-reuse: model %s carries per-request state, which the decode "
+                 "prefix cache does not hold (use small or small-mla, or --prefix-reuse off)\n",
+                 a->d.model.c_str());
     return false;
   }
   return true;
@@ -306,16 +360,38 @@ struct PhaseResult {
   int differ = 0, failed = 0;
   std::vector<double> gap_ms;  // mean TTFT disaggregated - colocated, per rate
   std::vector<double> exposed_ms;
+  // Per rate, over every turn: KV bytes moved (disaggregated), and the mean TTFT of the turns
+  // after the first (the ones a decode prefix can shorten).
+  std::vector<uint64_t> kv_bytes;
+  std::vector<double> later_ttft_ms;
 };
+
+// The next turn's prompt: this turn's prompt, its output, then a few new tokens (the user's
+// next message), the same for a given seed.
+std::vector<int32_t> NextTurn(const std::vector<int32_t>& prompt,
+                              const std::vector<int32_t>& output, uint64_t seed, int turn,
+                              size_t i) {
+  std::vector<int32_t> next = prompt;
+  next.insert(next.end(), output.begin(), output.end());
+  std::mt19937_64 rng(seed * 104729 + static_cast<uint64_t>(turn) * 131 + i);
+  const size_t fresh = 6 + i % 11;
+  for (size_t k = 0; k < fresh; ++k) next.push_back(int32_t(rng() % 512));
+  return next;
+}
 
 // Starts a deployment with the prefill hosts' layer-wise streaming `layerwise`, runs the batch at
 // every rate through it and through the colocated host, prints the table and summaries.
-PhaseResult RunPhase(const Args& args, bool layerwise,
-                     const std::vector<std::vector<int32_t>>& prompts) {
+PhaseResult RunPhase(const Args& args, bool layerwise, bool prefix_reuse,
+                     const std::vector<std::vector<int32_t>>& first_prompts) {
   Args a = args;
   a.d.layerwise = layerwise;
+  a.d.prefix_cache_pages = prefix_reuse ? kPrefixCachePages : 0;
   if (args.layerwise.size() > 1) {  // each phase keeps its own logs
     a.d.log_dir += layerwise ? "/layerwise-on" : "/layerwise-off";
+    std::filesystem::create_directories(a.d.log_dir);
+  }
+  if (args.prefix_reuse.size() > 1) {
+    a.d.log_dir += prefix_reuse ? "/prefix-reuse-on" : "/prefix-reuse-off";
     std::filesystem::create_directories(a.d.log_dir);
   }
   PhaseResult ph;
@@ -327,11 +403,12 @@ PhaseResult RunPhase(const Args& args, bool layerwise,
   std::printf(
       "pd-demo: starting %s, %zu prefill (tp %d, pp %d), %d decode (tp %d, pp %d), "
       "colocated and router %s (backend %s, model %s, hosts on %s, colocated reference on %s, "
-      "layer-wise streaming %s); logs in %s\n",
+      "layer-wise streaming %s, decode prefix reuse %s); logs in %s\n",
       a.d.discovery == "etcd" ? "etcd" : "bootstrap", a.d.prefills.size(), a.d.prefills[0].tp,
       a.d.prefills[0].pp, a.d.decodes, a.d.decode_tp, a.d.decode_pp, where.c_str(),
       a.d.backend.c_str(), a.d.model.c_str(), DeviceName(a.d, a.d.device).c_str(),
-      DeviceName(a.d, a.d.colocated_device).c_str(), layerwise ? "on" : "off", a.d.log_dir.c_str());
+      DeviceName(a.d, a.d.colocated_device).c_str(), layerwise ? "on" : "off",
+      prefix_reuse ? "on" : "off", a.d.log_dir.c_str());
   std::fflush(stdout);
   const auto t0 = Clock::now();
   auto dep = Deployment::Start(a.d);
@@ -346,11 +423,15 @@ PhaseResult RunPhase(const Args& args, bool layerwise,
       std::chrono::duration<double>(Clock::now() - t0).count(), (*dep)->router_address().c_str(),
       a.d.netns ? (*dep)->host_ip("router").c_str() : "127.0.0.1", (*dep)->http_port());
   // One short warm-up request per path, not counted (first-use costs are not the subject).
-  const std::vector<int32_t> warm(prompts[0].begin(),
-                                  prompts[0].begin() + std::min<size_t>(8, prompts[0].size()));
+  // Its tokens are none of the prompts' (so that a decode prefix cache cannot hit on them).
+  const std::vector<int32_t> warm = {511, 510, 509, 508, 507, 506, 505, 504};
   (*dep)->Generate(warm, 2);
   (*dep)->GenerateColocated(warm, 2);
   for (double rate : a.rates) {
+   uint64_t kv_bytes = 0;
+   std::vector<int64_t> later_ttft;
+   std::vector<std::vector<int32_t>> prompts = first_prompts;
+   for (int turn = 0; turn < a.turns; ++turn) {
     RunStats ds, cs;
     auto disagg = RunBatch(
         prompts, rate,
@@ -361,6 +442,9 @@ PhaseResult RunPhase(const Args& args, bool layerwise,
           return (*dep)->GenerateColocated(p, a.max_new_tokens);
         },
         &cs);
+    for (const Outcome& d : disagg) kv_bytes += d.kv_bytes;
+    if (turn > 0) later_ttft.insert(later_ttft.end(), ds.ttft_us.begin(), ds.ttft_us.end());
+    if (a.turns > 1) std::printf("\nturn %d of %d\n", turn + 1, a.turns);
     if (!a.quiet) {
       std::printf("\n%4s %6s %4s %9s %11s %10s %9s %12s  %s\n", "req", "prompt", "out", "ttft_ms",
                   "transfer_ms", "exposed_ms", "kv_bytes", "coloc_ttft", "output");
@@ -388,8 +472,24 @@ PhaseResult RunPhase(const Args& args, bool layerwise,
     std::printf("\n");
     PrintSummary("disaggregated", rate, ds, true);
     PrintSummary("colocated", rate, cs, false);
-    ph.gap_ms.push_back(ds.MeanTtftMs() - cs.MeanTtftMs());
-    ph.exposed_ms.push_back(ds.MeanExposedMs());
+    if (turn + 1 == a.turns) {
+      ph.gap_ms.push_back(ds.MeanTtftMs() - cs.MeanTtftMs());
+      ph.exposed_ms.push_back(ds.MeanExposedMs());
+    }
+    // The conversation goes on with the reference's output (the disaggregated one equals it
+    // when the run is right; a difference is counted above either way).
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      prompts[i] = NextTurn(prompts[i], coloc[i].output_ids, a.d.seed, turn, i);
+    }
+   }
+   ph.kv_bytes.push_back(kv_bytes);
+   ph.later_ttft_ms.push_back(RunStats::Mean(later_ttft));
+   if (a.turns > 1) {
+     std::printf("%d turns: KV bytes moved %llu, mean TTFT of turns 2..%d %.1f ms (decode prefix "
+                 "reuse %s)\n",
+                 a.turns, static_cast<unsigned long long>(kv_bytes), a.turns,
+                 ph.later_ttft_ms.back(), prefix_reuse ? "on" : "off");
+   }
   }
   if (ph.differ + ph.failed > 0) std::fprintf(stderr, "%s", (*dep)->LogTails().c_str());
   std::printf("\n");
@@ -431,16 +531,30 @@ int main(int argc, char** argv) {
   const auto prompts = MakePrompts(a.requests, a.d.seed);
   std::vector<PhaseResult> phases;
   for (bool layerwise : a.layerwise) {
-    PhaseResult ph = RunPhase(a, layerwise, prompts);
-    if (!ph.started) return 1;
-    phases.push_back(std::move(ph));
+    for (bool reuse : a.prefix_reuse) {
+      PhaseResult ph = RunPhase(a, layerwise, reuse, prompts);
+      if (!ph.started) return 1;
+      phases.push_back(std::move(ph));
+    }
   }
   int differ = 0, failed = 0;
   for (const PhaseResult& ph : phases) {
     differ += ph.differ;
     failed += ph.failed;
   }
-  if (phases.size() == 2) {
+  if (a.prefix_reuse.size() == 2) {
+    for (size_t k = 0; k < a.rates.size(); ++k) {
+      const uint64_t off = phases[0].kv_bytes[k], on = phases[1].kv_bytes[k];
+      std::printf(
+          "\ndecode prefix reuse, %d turns, rate %s: KV bytes moved %llu off, %llu on (%.0f%% "
+          "less); mean TTFT of turns 2..%d %.1f ms off, %.1f ms on\n",
+          a.turns, a.rates[k] > 0 ? std::to_string(int(a.rates[k])).c_str() : "burst",
+          static_cast<unsigned long long>(off), static_cast<unsigned long long>(on),
+          off > 0 ? 100.0 * double(off - std::min(on, off)) / double(off) : 0.0, a.turns,
+          phases[0].later_ttft_ms[k], phases[1].later_ttft_ms[k]);
+    }
+  }
+  if (a.layerwise.size() == 2) {
     for (size_t k = 0; k < a.rates.size(); ++k) {
       const double off = phases[0].gap_ms[k], on = phases[1].gap_ms[k];
       std::printf(
@@ -451,7 +565,7 @@ int main(int argc, char** argv) {
           phases[1].exposed_ms[k]);
     }
   }
-  const int total = a.requests * int(a.rates.size()) * int(phases.size());
+  const int total = a.requests * a.turns * int(a.rates.size()) * int(phases.size());
   const int identical = total - differ - failed;
   std::printf("\n%d/%d outputs identical to the colocated run", identical, total);
   if (a.d.device != a.d.colocated_device) {

@@ -93,6 +93,11 @@ struct HostOptions {
   int32_t chunked_prefill_size = 512;  // prefill and colocated prefill token budget
   int32_t max_context_len = 4096;
   int32_t reserved_decode_tokens = 64;  // decode
+  // Decode: decode prefix reuse (DecodeSchedulerOptions::prefix_cache_pages): finished requests'
+  // full KV pages stay cached, up to this many, and a prompt that starts with them is received
+  // only from where they end. 0: off. Not with --colocated, nor with models that carry
+  // per-request state.
+  int32_t prefix_cache_pages = 0;
   // Prefill: layer-wise streaming (PrefillSchedulerOptions::layerwise): each chunk's KV layers
   // are handed to pdlib as the model finishes them, so the transfer overlaps the forward.
   bool layerwise = true;

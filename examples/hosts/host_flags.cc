@@ -72,6 +72,11 @@ ABSL_FLAG(int32_t, chunked_prefill_size, pdlib::hosts::HostOptions{}.chunked_pre
           "token budget of one prefill forward");
 ABSL_FLAG(int32_t, max_context_len, pdlib::hosts::HostOptions{}.max_context_len,
           "longest prompt (pd-decode: prompt + max_new_tokens) accepted");
+ABSL_FLAG(int32_t, prefix_cache_pages, pdlib::hosts::HostOptions{}.prefix_cache_pages,
+          "pd-decode: decode prefix reuse: keep up to N of finished requests' full KV pages; a "
+          "new prompt that starts with cached pages borrows them and prefill sends only the "
+          "pages after them (KVReceiver::Init with decode_prefix_len). 0: off. Models without "
+          "per-request state only (small, small-mla), not with --colocated");
 ABSL_FLAG(int32_t, reserved_decode_tokens, pdlib::hosts::HostOptions{}.reserved_decode_tokens,
           "pd-decode: tokens kept free per admitted request");
 ABSL_FLAG(int32_t, bootstrap_timeout_ms,
@@ -110,6 +115,7 @@ namespace {
 
 constexpr std::string_view kPrefillOnly[] = {"bootstrap_host", "bootstrap_port", "start_bootstrap"};
 constexpr std::string_view kDecodeOnly[] = {"colocated", "reserved_decode_tokens", "connect",
+                                            "prefix_cache_pages",
                                             "test_fault"};
 constexpr char kCudaDefaultBackend[] = "cuda_ipc";
 // pd-prefill only, beyond kPrefillOnly's bootstrap flags (decode rejects them the same way).
@@ -220,6 +226,7 @@ StatusOr<HostFlags> ParseHostFlags(Role program, std::span<const std::string_vie
   o.chunked_prefill_size = absl::GetFlag(FLAGS_chunked_prefill_size);
   o.max_context_len = absl::GetFlag(FLAGS_max_context_len);
   o.reserved_decode_tokens = absl::GetFlag(FLAGS_reserved_decode_tokens);
+  o.prefix_cache_pages = absl::GetFlag(FLAGS_prefix_cache_pages);
   o.bootstrap_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_bootstrap_timeout_ms));
   o.waiting_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_waiting_timeout_ms));
   o.transfer_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_transfer_timeout_ms));
@@ -242,6 +249,7 @@ StatusOr<HostFlags> ParseHostFlags(Role program, std::span<const std::string_vie
            InRange("chunked_prefill_size", o.chunked_prefill_size, 1, kMax),
            InRange("max_context_len", o.max_context_len, 1, kMax),
            InRange("reserved_decode_tokens", o.reserved_decode_tokens, 0, kMax),
+           InRange("prefix_cache_pages", o.prefix_cache_pages, 0, kMax),
            InRange("bootstrap_timeout_ms", o.bootstrap_timeout.count(), 1, kMax),
            InRange("waiting_timeout_ms", o.waiting_timeout.count(), 1, kMax),
            InRange("transfer_timeout_ms", o.transfer_timeout.count(), 1, kMax),

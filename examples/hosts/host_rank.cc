@@ -271,6 +271,8 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
     so.pre_alloc_size = options.max_running;
     so.max_context_len = options.max_context_len;
     so.reserved_decode_tokens = options.reserved_decode_tokens;
+    // The colocated host recomputes every prompt: nothing to reuse across a transfer.
+    so.prefix_cache_pages = rep->colocated ? 0 : options.prefix_cache_pages;
     so.num_state_slots = config.is_hybrid() ? request_slots : 0;
     so.sliding_window = sliding_window;
     so.whole_sequence_state = config.has_indexer();

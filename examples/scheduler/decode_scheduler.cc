@@ -21,6 +21,7 @@ struct DecodeScheduler::Req {
   int64_t arrived_us = 0;       // the KV and the first token arrived
   uint64_t received_pages = 0;  // pages the transfer filled
   uint64_t received_state = 0;  // state indices handed to Init (sliding window: window pages)
+  int32_t prefix_pages = 0;     // the page table's first pages, borrowed from the prefix cache
   HostKV offloaded;             // while retracted
 
   int64_t prompt_len() const { return static_cast<int64_t>(request.prompt.size()); }
@@ -52,6 +53,15 @@ StatusOr<std::unique_ptr<DecodeScheduler>> DecodeScheduler::Create(
       !s.ok()) {
     return s;
   }
+  if (options.prefix_cache_pages < 0 ||
+      (options.prefix_cache_pages > 0 && (options.num_state_slots > 0 ||
+                                          options.sliding_window > 0 ||
+                                          options.whole_sequence_state))) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "decode scheduler: prefix_cache_pages %d: the prefix cache holds KV pages only, a model "
+        "with per-request state (recurrent, sliding-window or index state) cannot reuse them",
+        options.prefix_cache_pages));
+  }
   if (deps.pages->page_size() < 1) {
     return Status::InvalidArgument(
         absl::StrFormat("decode scheduler: page_size %d must be >= 1", deps.pages->page_size()));
@@ -79,15 +89,44 @@ DecodeScheduler::DecodeScheduler(const DecodeSchedulerOptions& options, const De
                         options.max_context_len, deps.pages->page_size()),
                     deps.metadata->num_slots()),
       options_(options),
-      deps_(deps) {}
+      deps_(deps) {
+  if (options.prefix_cache_pages > 0) {
+    prefix_cache_ =
+        std::make_unique<PrefixCache>(deps.pages->page_size(), options.prefix_cache_pages);
+  }
+}
+
+// The room the page allocator's events name for pages the prefix cache gives back.
+constexpr uint64_t kPrefixCacheRoom = ~uint64_t{0};
+
+void DecodeScheduler::FreeCached(const std::vector<int32_t>& pages) {
+  if (!pages.empty()) Check(deps_.pages->Free(pages, kPrefixCacheRoom));
+}
+
+void DecodeScheduler::DropPrefix(Req& r) {
+  if (r.prefix_pages == 0 || r.mem.req_slot < 0) return;
+  std::vector<int32_t>& table = page_table(r.mem);
+  const auto n = static_cast<std::ptrdiff_t>(std::min<size_t>(
+      static_cast<size_t>(r.prefix_pages), table.size()));
+  Check(prefix_cache_->Unlock(std::span(table).first(static_cast<size_t>(n))));
+  table.erase(table.begin(), table.begin() + n);
+  r.prefix_pages = 0;
+}
 
 DecodeScheduler::~DecodeScheduler() {
   // Shutdown: every page and slot goes back to the pools (SchedulerCore frees the quarantined
   // ones) and every receiver is destroyed (a live one aborts).
   for (auto* q : {&prealloc_, &transfer_, &waiting_, &retracted_}) {
-    for (auto& r : *q) Release(r->mem, r->request.room);
+    for (auto& r : *q) {
+      DropPrefix(*r);
+      Release(r->mem, r->request.room);
+    }
   }
-  for (auto& r : running_) Release(r->mem, r->request.room);
+  for (auto& r : running_) {
+    DropPrefix(*r);
+    Release(r->mem, r->request.room);
+  }
+  if (prefix_cache_) FreeCached(prefix_cache_->Clear());
 }
 
 Status DecodeScheduler::AddRequest(const Request& request) {
@@ -171,6 +210,10 @@ void DecodeScheduler::Schedule() {
 AllocatableTokensInput DecodeScheduler::FormulaInput(bool count_retracted) const {
   AllocatableTokensInput in;
   in.available_tokens = deps_.pages->available_tokens();
+  // Unlocked cached pages are given back on demand (PreallocNew evicts before allocating).
+  if (prefix_cache_) {
+    in.available_tokens += int64_t{prefix_cache_->evictable_pages()} * page_size();
+  }
   in.reserved_decode_tokens = options_.reserved_decode_tokens;
   in.num_running = static_cast<int64_t>(running_.size());
   in.num_transfer = static_cast<int64_t>(transfer_.size());
@@ -199,7 +242,15 @@ void DecodeScheduler::ResumeRetracted() {
   while (!retracted_.empty()) {
     Req& r = *retracted_.front();
     const int64_t required = r.held_tokens() + options_.reserved_decode_tokens;
-    if (required > allocatable || !Allocate(r.mem, r.request.room, r.kv_tokens)) break;
+    if (required > allocatable) break;
+    if (prefix_cache_) {
+      const int64_t need = static_cast<int64_t>(PageCount(static_cast<uint64_t>(r.kv_tokens),
+                                                          static_cast<uint32_t>(page_size())));
+      std::vector<int32_t> evicted;
+      prefix_cache_->Evict(static_cast<int32_t>(need - deps_.pages->free_pages()), &evicted);
+      FreeCached(evicted);
+    }
+    if (!Allocate(r.mem, r.request.room, r.kv_tokens)) break;
     allocatable -= required;
     std::unique_ptr<Req> owned = std::move(retracted_.front());
     retracted_.pop_front();
@@ -234,17 +285,39 @@ void DecodeScheduler::PreallocNew() {
         PreallocCharge(allocatable, r->prompt_len(),
                        std::min(r->request.max_new_tokens, options_.clip_max_new_tokens),
                        options_.reserved_decode_tokens, retractable);
-    if (!charge || aux_available() < 1 || !Allocate(r->mem, r->request.room, r->prompt_len())) {
+    // Decode prefix reuse: the prompt's leading pages still cached are borrowed, not received.
+    PrefixCache::Match prefix;
+    if (charge && aux_available() >= 1 && prefix_cache_) {
+      prefix = prefix_cache_->Lookup(r->request.prompt, r->prompt_len());
+      const int64_t need =
+          static_cast<int64_t>(PageCount(static_cast<uint64_t>(r->prompt_len()),
+                                         static_cast<uint32_t>(page_size()))) -
+          static_cast<int64_t>(prefix.pages.size());
+      std::vector<int32_t> evicted;
+      prefix_cache_->Evict(static_cast<int32_t>(need - deps_.pages->free_pages()), &evicted);
+      FreeCached(evicted);
+    }
+    if (!charge || aux_available() < 1 ||
+        !Allocate(r->mem, r->request.room, r->prompt_len(), prefix.pages)) {
+      if (!prefix.pages.empty()) Check(prefix_cache_->Unlock(prefix.pages));
       blocked = true;
       still.push_back(std::move(r));
       continue;
     }
     allocatable -= *charge;
     AllocAux(r->mem);
-    r->prealloc_tokens = r->prompt_len();
+    r->prefix_pages = static_cast<int32_t>(prefix.pages.size());
+    r->prealloc_tokens = r->prompt_len() - prefix.tokens;
     const std::vector<int32_t> state = StateIndices(r->mem, r->prompt_len());
     r->received_state = state.size();
-    if (Status s = r->receiver->Init(page_table(r->mem), r->mem.aux_slot, state); !s.ok()) {
+    const std::span<const int32_t> table = page_table(r->mem);
+    ReceiveRequest request;
+    request.kv_page_indices = table.subspan(static_cast<size_t>(r->prefix_pages));
+    request.aux_index = r->mem.aux_slot;
+    request.state.indices = state;
+    request.decode_prefix_len = static_cast<uint64_t>(prefix.tokens);
+    request.prompt_len = static_cast<uint64_t>(r->prompt_len());
+    if (Status s = r->receiver->Init(request); !s.ok()) {
       FailEverywhere(*r->receiver, s.WithPrefix("KVReceiver::Init"));
     }
     r->init_us = Now();
@@ -272,7 +345,7 @@ Status DecodeScheduler::CommitTransfer(Req& r) {
   r.arrived_us = Now();
   if (options_.on_token) options_.on_token(r.request.room, 0, first);
   FreeAux(r.mem);
-  r.received_pages = page_table(r.mem).size();
+  r.received_pages = page_table(r.mem).size() - static_cast<size_t>(r.prefix_pages);
   if (options_.on_kv_arrived)
     options_.on_kv_arrived(r.request.room, page_table(r.mem), r.kv_tokens);
   CountTransferredPages(r.received_pages);
@@ -310,6 +383,7 @@ bool DecodeScheduler::Retract(size_t index) {
   auto kv = deps_.model->OffloadKV(page_table(r.mem), r.kv_tokens, r.mem.state_slot);
   if (!kv.ok()) return false;
   r.offloaded = std::move(*kv);
+  DropPrefix(r);  // the offloaded copy holds the prefix's KV too; it resumes into own pages
   Release(r.mem, r.request.room);
   retracted_.push_back(std::move(running_[index]));
   running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
@@ -393,6 +467,31 @@ void DecodeScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage st
       .kv_bytes =
           r->received_pages * options_.kv_bytes_per_page +
           (r->received_pages > 0 ? r->received_state * options_.page_state_bytes_per_page : 0)};
+  if (f.status.ok() && prefix_cache_ && r->mem.req_slot >= 0) {
+    // The request's full pages (prompt and outputs whose KV is computed) stay for later
+    // prompts that extend this one; the cache takes those it does not hold yet.
+    std::vector<int32_t> tokens = r->request.prompt;
+    tokens.insert(tokens.end(), r->output_ids.begin(), r->output_ids.end());
+    tokens.resize(static_cast<size_t>(std::min<int64_t>(r->kv_tokens,
+                                                        static_cast<int64_t>(tokens.size()))));
+    std::vector<int32_t>& table = page_table(r->mem);
+    std::vector<int32_t> evicted;
+    const std::vector<size_t> adopted = prefix_cache_->Insert(tokens, table, &evicted);
+    FreeCached(evicted);
+    // What the cache adopted is no longer the request's to free.
+    std::vector<int32_t> own;
+    size_t next = 0;
+    for (size_t i = 0; i < table.size(); ++i) {
+      if (next < adopted.size() && adopted[next] == i) {
+        ++next;
+        continue;
+      }
+      own.push_back(table[i]);
+    }
+    // Borrowed pages stay first in `own` (Insert never adopts them): DropPrefix below.
+    table = std::move(own);
+  }
+  DropPrefix(*r);
   if (f.status.ok()) f.output_ids = std::move(r->output_ids);
   // Tells prefill why before the receiver goes (destroying a live receiver aborts it anyway).
   FinishRequest(std::move(f), stage, std::move(r->receiver), r->mem, r->transferred);

@@ -43,6 +43,7 @@
 #include "examples/scheduler/engine.h"
 #include "examples/scheduler/metrics.h"
 #include "examples/scheduler/pools.h"
+#include "examples/scheduler/prefix_cache.h"
 #include "examples/scheduler/scheduler_core.h"
 #include "pdlib/metadata_buffers.h"
 #include "pdlib/poll_reduce.h"
@@ -73,6 +74,11 @@ struct DecodeSchedulerOptions {
   // NSA-style models (StateType::kNsa): the state indices are the request's page-table entries
   // of its prompt, one per page (the indexer's keys). Not with num_state_slots or sliding_window.
   bool whole_sequence_state = false;
+  // Decode prefix reuse (prefix_cache.h): finished requests' full KV pages stay cached, up to this
+  // many pages, and a new request whose prompt starts with cached pages borrows them and hands
+  // prefill only the rest (KVReceiver::Init with decode_prefix_len). 0: off. Only for models
+  // without per-request state (num_state_slots, sliding_window, whole_sequence_state all off).
+  int32_t prefix_cache_pages = 0;
   // When > 0, a prompt token outside [0, vocab_size) is refused at AddRequest, and a first
   // token from prefill outside it fails the request.
   int32_t vocab_size = 0;
@@ -129,6 +135,8 @@ class DecodeScheduler final : public SchedulerCore {
   int64_t AllocatableTokens() const;
 
   SchedulerMetrics metrics() const;
+  // The prefix cache (null when prefix_cache_pages is 0).
+  const PrefixCache* prefix_cache() const { return prefix_cache_.get(); }
   // No live request (quarantined ones are finished: they only hold memory).
   bool idle() const;
   size_t prealloc_queue_size() const { return prealloc_.size(); }
@@ -157,11 +165,17 @@ class DecodeScheduler final : public SchedulerCore {
   bool Done(const Req& r) const;
   AllocatableTokensInput FormulaInput(bool count_retracted) const;
   void Finish(std::unique_ptr<Req> r, Status status, FailStage stage);
+  // Gives the request's borrowed prefix pages back to the cache and drops them from its page
+  // table, which then holds only pages the request owns (what Release frees).
+  void DropPrefix(Req& r);
+  // Hands pages the cache let go of back to the page allocator.
+  void FreeCached(const std::vector<int32_t>& pages);
 
   DecodeSchedulerOptions options_;
   DecodeDeps deps_;
   std::deque<std::unique_ptr<Req>> prealloc_, transfer_, waiting_, retracted_;
   std::vector<std::unique_ptr<Req>> running_;
+  std::unique_ptr<PrefixCache> prefix_cache_;
 };
 
 }  // namespace pdlib::sched

@@ -15,7 +15,8 @@ struct PrefillScheduler::Req {
   bool transferred = false;  // Success on every TP rank: pdlib reads none of its memory again
   RequestMemory mem;
   int32_t filled = 0;      // prompt tokens whose KV has been computed
-  int32_t sent_pages = 0;  // page-table entries handed to Send
+  int32_t sent_pages = 0;  // page-table entries handed to Send, or skipped: decode's prefix
+  int32_t prefix_pages = 0;  // the prompt's first pages decode already holds (not sent)
   int32_t sent_state = 0;  // state indices handed to Send (sliding window: window pages)
   int32_t first_token = -1;
   int64_t first_sent_us = 0;
@@ -174,9 +175,24 @@ void PrefillScheduler::ProcessBootstrap(std::span<const KVPoll> polls) {
       out_of_slots = true;
       return;
     }
-    const uint64_t pages = PageCount(r->request.prompt.size(), static_cast<uint32_t>(page_size()));
-    if (Status s = r->sender->Init(pages, r->mem.aux_slot); !s.ok()) {
-      FailEverywhere(*r->sender, s.WithPrefix("KVSender::Init"));
+    // Decode prefix reuse: decode holds the prompt's first pages already; prefill still computes
+    // the whole prompt but sends only the pages after them (every TP rank learns the same
+    // prefix, so the ranks stay in lockstep).
+    const uint64_t prefix = r->sender->decode_prefix_len().value_or(0);
+    const uint64_t len = r->request.prompt.size();
+    if (prefix > len || prefix % static_cast<uint64_t>(page_size()) != 0) {
+      FailEverywhere(*r->sender,
+                     Status::OutOfRange(absl::StrFormat(
+                         "room %d: decode's prefix of %d tokens does not fit a prompt of %d "
+                         "tokens in %d-token pages",
+                         r->request.room, prefix, len, page_size())));
+    } else {
+      r->prefix_pages = static_cast<int32_t>(prefix / static_cast<uint64_t>(page_size()));
+      r->sent_pages = r->prefix_pages;
+      const uint64_t pages = PageCount(len - prefix, static_cast<uint32_t>(page_size()));
+      if (Status s = r->sender->Init(pages, r->mem.aux_slot); !s.ok()) {
+        FailEverywhere(*r->sender, s.WithPrefix("KVSender::Init"));
+      }
     }
     waiting_.push_back(std::move(r));
   });
@@ -268,6 +284,8 @@ std::span<const int32_t> PrefillScheduler::ChunkPages(const Req& r, int32_t fill
   const std::vector<int32_t>& table = page_table(r.mem);
   // A non-last chunk sends only whole pages (SPEC R5.2): the partial page is still being filled.
   const int32_t end = last ? static_cast<int32_t>(table.size()) : filled / page_size();
+  // A chunk inside decode's prefix sends nothing (sent_pages starts after the prefix).
+  if (end <= r.sent_pages) return {};
   return std::span(table).subspan(r.sent_pages, end - r.sent_pages);
 }
 
@@ -327,7 +345,8 @@ void PrefillScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage s
       .first_token_us = r->first_token_us,
       .transfer_start_us = r->first_sent_us,
       .transfer_end_us = r->transfer_end_us,
-      .kv_bytes = static_cast<uint64_t>(r->sent_pages) * options_.kv_bytes_per_page +
+      .kv_bytes = static_cast<uint64_t>(r->sent_pages - r->prefix_pages) *
+                      options_.kv_bytes_per_page +
                   static_cast<uint64_t>(r->sent_state) * options_.page_state_bytes_per_page};
   if (f.status.ok()) f.output_ids.push_back(r->first_token);
   // Tells decode why before the sender goes (destroying a live sender aborts it anyway).

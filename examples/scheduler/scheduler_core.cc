@@ -136,16 +136,21 @@ Status SchedulerCore::FailureOf(const KVPollable& handle) const {
       absl::StrFormat("room %d: the transfer failed on another TP rank", handle.room()));
 }
 
-bool SchedulerCore::Allocate(RequestMemory& mem, uint64_t room, int64_t kv_tokens) {
-  const int32_t pages = static_cast<int32_t>(
-      PageCount(static_cast<uint64_t>(kv_tokens), static_cast<uint32_t>(page_size_)));
+bool SchedulerCore::Allocate(RequestMemory& mem, uint64_t room, int64_t kv_tokens,
+                             std::span<const int32_t> borrowed) {
+  const int32_t pages = std::max<int32_t>(
+      0, static_cast<int32_t>(
+             PageCount(static_cast<uint64_t>(kv_tokens), static_cast<uint32_t>(page_size_))) -
+             static_cast<int32_t>(borrowed.size()));
   const bool with_state = core_options_.num_state_slots > 0;
   if (req_slots_->available() < 1 || pages_->free_pages() < pages ||
       (with_state && state_slots_.available() < 1)) {
     return false;
   }
   const int32_t slot = *req_slots_->Alloc();
+  req_slots_->page_table(slot).assign(borrowed.begin(), borrowed.end());
   if (!pages_->Alloc(pages, room, &req_slots_->page_table(slot))) {
+    req_slots_->page_table(slot).clear();
     Check(Status::Internal("page allocation failed with enough free pages"));
     Check(req_slots_->Free(slot));
     return false;

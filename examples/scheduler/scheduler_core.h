@@ -148,7 +148,11 @@ class SchedulerCore {
 
   // A request slot, the pages for `kv_tokens` tokens and (with state slots) a state slot; false,
   // with nothing taken, when one of them is short.
-  bool Allocate(RequestMemory& mem, uint64_t room, int64_t kv_tokens);
+  // `borrowed`: pages the request's table starts with that it does not own (a decode prefix from
+  // the prefix cache); only the pages after them are allocated. Release() frees every page of
+  // the table: drop borrowed pages from it first.
+  bool Allocate(RequestMemory& mem, uint64_t room, int64_t kv_tokens,
+                std::span<const int32_t> borrowed = {});
   bool AllocAux(RequestMemory& mem);
   size_t aux_available() const { return aux_slots_.available(); }
   void FreeAux(RequestMemory& mem);

@@ -1,6 +1,7 @@
 // pd-demo's command line where it refuses to start (issue #19): --device and --reference-device
 // take cpu or cuda, and --device cuda on a machine without a usable GPU exits 1 with CUDA's
-// reason before it starts any process. The runs themselves are demo_e2e_test's.
+// reason before it starts any process; --turns with decode prefix reuse end to end. The other
+// runs are demo_e2e_test's.
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <filesystem>
@@ -49,6 +50,24 @@ TEST_CASE("pd-demo: --device cuda without a usable GPU exits 1 with the reason, 
     // No process ran: none left a log.
     CHECK(!std::filesystem::exists(logs));
   }
+}
+
+// Issue #27: pd-demo --turns runs multi-turn conversations with decode prefix reuse off, then
+// on, and says how many KV bytes each moved; every output of every turn equals the colocated
+// run's. A model with per-request state refuses prefix reuse before starting anything.
+TEST_CASE("pd-demo: --turns 3 compares decode prefix reuse off and on, outputs identical") {
+  const Exited e = RunDemo({"--turns", "3", "--requests", "4", "--max-new-tokens", "6", "--quiet"});
+  INFO(e.output);
+  CHECK(e.status == 0);
+  CHECK_THAT(e.output, Catch::Contains("24/24 outputs identical to the colocated run"));
+  CHECK_THAT(e.output, Catch::Contains("decode prefix reuse, 3 turns, rate burst: KV bytes moved"));
+  CHECK_THAT(e.output, Catch::Contains("% less)"));
+  CHECK(e.output.find("(0% less)") == std::string::npos);
+  const Exited refused = RunDemo({"--turns", "2", "--model", "small-hybrid"});
+  INFO(refused.output);
+  CHECK(refused.status == 2);
+  CHECK_THAT(refused.output, Catch::Contains("carries per-request state"));
+  CHECK(refused.output.find("starting") == std::string::npos);
 }
 
 }  // namespace

@@ -267,6 +267,45 @@ TEST_CASE("demo e2e: layer-wise streaming off (pd-prefill --layerwise=false), ou
   RunTopology("nolayerwise", o, 6);
 }
 
+// Issue #27: multi-turn conversations (pd-demo --turns), each turn's prompt the previous prompt,
+// its output and new tokens. With the decode hosts' prefix cache (pd-decode
+// --prefix-cache-pages) decode hands prefill only the tail of each later turn; every turn's
+// outputs must be the reference's either way, and the later turns must move fewer KV bytes
+// than the same turns without the cache (the negative control: equal bytes would mean no prefix
+// was used). Prefill TP 2 -> decode TP 1, so the prefix goes through the M:N head slicing.
+TEST_CASE("demo e2e: multi-turn, decode prefix reuse (TP 2 -> TP 1): identical, fewer KV bytes") {
+  constexpr int kTurns = 3;
+  constexpr int32_t kTokens = 8;
+  uint64_t later_bytes[2] = {0, 0};
+  for (int reuse = 0; reuse < 2; ++reuse) {
+    DeploymentOptions o = Options(reuse ? "turns-reuse" : "turns-noreuse");
+    o.prefills = {PrefillSpec{2, 1}};
+    o.prefix_cache_pages = reuse ? 256 : 0;
+    auto d = Deployment::Start(o);
+    INFO("logs in " << o.log_dir);
+    REQUIRE(d.ok());
+    auto prompts = Prompts(4, 17);
+    for (int turn = 0; turn < kTurns; ++turn) {
+      INFO("turn " << turn + 1 << ", prefix reuse " << (reuse ? "on" : "off"));
+      auto outcomes = SendAll(**d, prompts, kTokens);
+      ExpectReference(**d, o, prompts, outcomes, kTokens);
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        if (turn > 0) later_bytes[reuse] += outcomes[i].kv_bytes;
+        prompts[i].insert(prompts[i].end(), outcomes[i].output_ids.begin(),
+                          outcomes[i].output_ids.end());
+        for (int k = 0; k < 5 + int(i); ++k) prompts[i].push_back(int32_t((turn * 37 + k) % 512));
+      }
+    }
+  }
+  std::printf(
+      "demo_e2e_test turns (small: prefill TP 2 -> decode TP 1, %d turns): KV bytes of turns "
+      "2..%d: %llu without decode prefix reuse, %llu with\n",
+      kTurns, kTurns, static_cast<unsigned long long>(later_bytes[0]),
+      static_cast<unsigned long long>(later_bytes[1]));
+  CHECK(later_bytes[1] > 0);
+  CHECK(later_bytes[1] * 2 < later_bytes[0]);
+}
+
 TEST_CASE("demo e2e: prefill TP 2 -> decode TP 1, outputs identical") {
   DeploymentOptions o = Options("tp2");
   o.prefills = {PrefillSpec{2, 1}};
