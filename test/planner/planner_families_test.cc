@@ -4,7 +4,9 @@
 // buffers, a slice at the wrong offset or a skipped family all show up as wrong bytes.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -165,10 +167,12 @@ Flat Flatten(const std::vector<std::vector<int32_t>>& lists) {
 
 // Moves one request's state from every prefill rank to decode rank `drank` and checks every
 // byte of decode's state buffers: the paired entries hold the model's bytes, everything else
-// still holds the fill byte.
-void MoveAndCheck(const std::vector<FamilySpec>& fams, int32_t ptp, int32_t dtp, int32_t drank,
-                  const std::vector<std::vector<int32_t>>& src,
-                  const std::vector<std::vector<int32_t>>& dst, int64_t request_pages) {
+// still holds the fill byte. Returns the bytes that differ; `corrupt` (negative controls)
+// changes each pair plan before it is used, as a planner bug would.
+uint64_t Move(const std::vector<FamilySpec>& fams, int32_t ptp, int32_t dtp, int32_t drank,
+              const std::vector<std::vector<int32_t>>& src,
+              const std::vector<std::vector<int32_t>>& dst, int64_t request_pages,
+              const std::function<void(PairPlan*)>& corrupt) {
   const SideLayout d = Layout(fams, dtp, drank);
   Buffers dmem = Alloc(d, 0xEE);
   const Flat fs = Flatten(src), fd = Flatten(dst);
@@ -177,6 +181,7 @@ void MoveAndCheck(const std::vector<FamilySpec>& fams, int32_t ptp, int32_t dtp,
     auto plan = MakePairPlan(pl, d);
     REQUIRE(plan.ok());
     if (!plan->active) continue;
+    if (corrupt) corrupt(&*plan);
     Buffers pmem = Alloc(pl, 0x00);
     FillPrefill(fams, pl, ptp, p, src, &pmem);
     TailInput tail;
@@ -188,8 +193,24 @@ void MoveAndCheck(const std::vector<FamilySpec>& fams, int32_t ptp, int32_t dtp,
     PlanOutput out;
     Status s = PlanTailWrites(*plan, tail, &out);
     REQUIRE(s.ok());
+    if (corrupt) {
+      // A corrupted plan may address past a buffer: clip, the bytes will tell.
+      for (PlannedWrite& w : out.writes) {
+        if (w.remote_buffer >= dmem.size() || w.local_buffer >= pmem.size()) {
+          w.length = 0;
+          w.local_buffer = w.remote_buffer = 0;
+          w.local_offset = w.remote_offset = 0;
+          continue;
+        }
+        const uint64_t dsize = dmem[w.remote_buffer].size(), psize = pmem[w.local_buffer].size();
+        w.remote_offset = std::min(w.remote_offset, dsize);
+        w.local_offset = std::min(w.local_offset, psize);
+        w.length = std::min({w.length, dsize - w.remote_offset, psize - w.local_offset});
+      }
+    }
     Apply(out.writes, pmem, &dmem);
   }
+  uint64_t wrong = 0;
   const auto spans = d.Families();
   for (size_t f = 0; f < fams.size(); ++f) {
     auto pairing = AlignStateLists(fams[f].type, src[f].size(), dst[f].size(), request_pages);
@@ -210,13 +231,26 @@ void MoveAndCheck(const std::vector<FamilySpec>& fams, int32_t ptp, int32_t dtp,
         for (uint64_t k = 0; k < desc.item_bytes; ++k) {
           const uint8_t want =
               entry < 0 ? 0xEE : ModelByte(f, b, static_cast<size_t>(entry), base + k);
-          INFO("family " << f << " (" << StateTypeName(fams[f].type) << ") buffer " << b
-                         << " item " << item << " byte " << k);
-          REQUIRE(buf[item * desc.item_bytes + k] == want);
+          if (buf[item * desc.item_bytes + k] != want) {
+            if (wrong == 0 && !corrupt) {
+              FAIL_CHECK("family " << f << " (" << StateTypeName(fams[f].type) << ") buffer " << b
+                                   << " item " << item << " byte " << k << ": "
+                                   << int(buf[item * desc.item_bytes + k]) << ", want "
+                                   << int(want));
+            }
+            ++wrong;
+          }
         }
       }
     }
   }
+  return wrong;
+}
+
+void MoveAndCheck(const std::vector<FamilySpec>& fams, int32_t ptp, int32_t dtp, int32_t drank,
+                  const std::vector<std::vector<int32_t>>& src,
+                  const std::vector<std::vector<int32_t>>& dst, int64_t request_pages) {
+  CHECK(Move(fams, ptp, dtp, drank, src, dst, request_pages, {}) == 0);
 }
 
 TEST_CASE("families: two families, TP 2 -> 1 and 1 -> 2, byte for byte") {
@@ -247,6 +281,24 @@ TEST_CASE("families: three families (DeepSeek-V4 shape: swa, swa_ring, c128_stat
                                          {StateType::kMamba, true, 4, 1}};
     MoveAndCheck(dsa, 2, 1, 0, {{1, 2, 3}, {4, 5, 6}, {0}}, {{9, 8, 7}, {3, 2, 1}, {2}}, 3);
   }
+}
+
+// Negative controls: a planner that swapped two families' maps, or shifted a family's buffers,
+// must fail the byte check above (so that its passing means something).
+TEST_CASE("families: negative controls, swapped or shifted family maps are caught") {
+  const std::vector<FamilySpec> fams = {{StateType::kSwa, false, 16, 1},
+                                        {StateType::kNsa, false, 16, 1}};
+  const std::vector<std::vector<int32_t>> src = {{4, 5}, {1, 2, 3}};
+  const std::vector<std::vector<int32_t>> dst = {{8, 9}, {10, 11, 12}};
+  CHECK(Move(fams, 1, 1, 0, src, dst, 3, {}) == 0);
+  const uint64_t swapped = Move(fams, 1, 1, 0, src, dst, 3, [](PairPlan* p) {
+    for (BufferMap& m : p->state) m.family = 1 - m.family;
+  });
+  CHECK(swapped > 0);
+  const uint64_t shifted = Move(fams, 1, 1, 0, src, dst, 3, [](PairPlan* p) {
+    for (BufferMap& m : p->state) m.dst_buffer = 1 - m.dst_buffer;
+  });
+  CHECK(shifted > 0);
 }
 
 TEST_CASE("families: refusals name the family and the kinds") {
