@@ -14,8 +14,10 @@ namespace pdlib_bench {
 std::vector<std::vector<pdlib::PageRun>> RequestRuns(const BenchConfig& c) {
   const PageRing src(c, PrefillPageSeed(c)), dst(c, DecodePageSeed(c));
   std::vector<std::vector<pdlib::PageRun>> runs(src.slots());
+  const uint64_t held = c.PrefixPages();  // --decode-prefix: only the pages after it move
   for (uint64_t i = 0; i < src.slots(); ++i) {
-    pdlib::CoalescePageRuns(src.For(i), dst.For(i), &runs[i]).IgnoreError();  // same lengths
+    pdlib::CoalescePageRuns(src.For(i).subspan(held), dst.For(i).subspan(held), &runs[i])
+        .IgnoreError();  // same lengths
   }
   return runs;
 }

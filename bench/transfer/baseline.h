@@ -4,7 +4,8 @@
 //
 // The writes are exactly pdlib's: the same pages for every request as the two ranks draw
 // (PageRing, same seeds), coalesced into the same runs (pdlib::CoalescePageRuns, SPEC R5.3), for
-// every K and V buffer, between two pools allocated like the ranks' (--pool-alloc). Timed like
+// every K and V buffer (with --decode-prefix only the pages after the prefix, as pdlib sends),
+// between two pools allocated like the ranks' (--pool-alloc). Timed like
 // the ranks: `warmup` requests first, then the clock runs over the `requests` measured ones. The
 // aux slot (a few hundred bytes per request) is not copied.
 //

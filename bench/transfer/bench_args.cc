@@ -1,5 +1,6 @@
 #include "bench/transfer/bench_args.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
@@ -7,6 +8,7 @@
 #include <utility>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "tools/common/flags.h"
 
@@ -96,6 +98,14 @@ ABSL_FLAG(uint64_t, layer_compute_us, 0,
 ABSL_FLAG(std::string, layerwise, "off,on",
           "with --layer_compute_us: off (Send() after the last layer), on (SendLayers() after "
           "every layer), or a list; each is one configuration");
+ABSL_FLAG(std::string, decode_prefix, "",
+          "decode prefix reuse: R in [0, 1), or a list; decode already holds the first "
+          "floor(R x pages) pages of each request and hands over only the rest with "
+          "KVReceiver::Init(ReceiveRequest{pages after the prefix, decode_prefix_len, prompt_len "
+          "= pages x page_size}); prefill reads decode_prefix_len() and PagesAfterPrefix() at "
+          "WaitingForInput and sends only those pages. A fraction > 0 also runs 0 (the same "
+          "calls, no prefix) first and compares the two; unset: the calls without a prefix "
+          "(Init(pages, aux)), as before the prefix API");
 ABSL_FLAG(bool, json, false, "one JSON object per configuration instead of the table");
 ABSL_FLAG(std::string, role, "", "internal: the role of a child process (prefill or decode)");
 ABSL_FLAG(uint64_t, bootstrap_port, 8998, "internal: the bootstrap port of a child process");
@@ -128,6 +138,20 @@ constexpr char kUsage[] =
     "  e.g. pdlib-transfer-bench --backend ucx --backend-option ucx.tls=tcp --backend-option\n"
     "       ucx.net_devices=lo --layers 32 --item-bytes 32768 --pages 64 --concurrency 1\n"
     "       --requests 20 --warmup 3 --layer-compute-us 2000\n"
+    "\n"
+    "Decode prefix reuse: --decode-prefix R makes decode hold the first floor(R x pages) pages of\n"
+    "every request already (its prefix cache) and hand over only the rest; prefill learns the\n"
+    "prefix at WaitingForInput (decode_prefix_len(), PagesAfterPrefix()) and sends only the pages\n"
+    "after it. kv_bytes_per_request: the KV payload that moves (pages_sent x 2 x layers x\n"
+    "item_bytes; gbps counts only it); moved_bytes_per_request: what prefill's managers counted\n"
+    "(KVManagerMetrics::bytes_transferred, every TP rank, over warm-up and measured requests);\n"
+    "us_per_request: seconds / succeeded requests. R > 0 runs R = 0 first, the same shape\n"
+    "without a prefix, and reports both with bytes_ratio and time_ratio (R over 0). --verify\n"
+    "then checks every page after the prefix, and that every prefix page (zeroed before Init)\n"
+    "was not written.\n"
+    "  e.g. pdlib-transfer-bench --backend ucx --backend-option ucx.tls=shm --layers 32\n"
+    "       --item-bytes 32768 --pages 16 --concurrency 1 --requests 200 --warmup 20\n"
+    "       --decode-prefix 0.9\n"
     "\n"
     "GPU memory: --memory cuda puts both pools on the GPU (cudaMalloc) and --baseline memcpy\n"
     "then times the same writes as device-to-device cudaMemcpyAsync, in the same run:\n"
@@ -267,6 +291,31 @@ bool ParseArgs(int argc, char** argv, Options* o) {
     o->layerwise.push_back(v == "on");
   }
   if (b.layer_compute_us == 0) o->layerwise = {false};
+  const std::string decode_prefix = absl::GetFlag(FLAGS_decode_prefix);
+  if (!decode_prefix.empty()) {
+    o->decode_prefixes.clear();
+    bool has_zero = false, has_more = false;
+    for (absl::string_view v : absl::StrSplit(decode_prefix, ',')) {
+      double r = 0;
+      if (!absl::SimpleAtod(v, &r) || !(r >= 0 && r < 1)) {
+        return bad("decode_prefix", decode_prefix);
+      }
+      if (std::find(o->decode_prefixes.begin(), o->decode_prefixes.end(), r) !=
+          o->decode_prefixes.end()) {
+        continue;
+      }
+      (r == 0 ? has_zero : has_more) = true;
+      o->decode_prefixes.push_back(r);
+    }
+    // (A child process runs the one configuration it is given.)
+    const bool child = !absl::GetFlag(FLAGS_role).empty();
+    if (has_more && !has_zero && !child) {
+      o->decode_prefixes.insert(o->decode_prefixes.begin(), 0.0);
+    }
+    // The comparison row first: each fraction's row then carries its ratios.
+    std::stable_partition(o->decode_prefixes.begin(), o->decode_prefixes.end(),
+                          [](const std::optional<double>& r) { return *r == 0; });
+  }
   o->role = absl::GetFlag(FLAGS_role);
   if (!o->role.empty() && o->role != "prefill" && o->role != "decode") return bad("role", o->role);
   const uint64_t bootstrap_port = absl::GetFlag(FLAGS_bootstrap_port);
@@ -342,6 +391,12 @@ std::vector<std::string> ChildArgs(const BenchConfig& c, std::string_view role) 
                                 "--cuda-device",
                                 std::to_string(c.cuda_device)};
   if (c.verify) a.push_back("--verify");
+  if (c.decode_prefix) {
+    char r[32];
+    std::snprintf(r, sizeof(r), "%.17g", *c.decode_prefix);  // exact: the same pages held
+    a.push_back("--decode-prefix");
+    a.push_back(r);
+  }
   for (const auto& [k, v] : c.backend_options) {
     a.push_back("--backend-option");
     a.push_back(k + "=" + v);

@@ -4,6 +4,7 @@
 #define PDLIB_BENCH_TRANSFER_BENCH_ARGS_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -18,6 +19,9 @@ struct Options {
   std::vector<uint64_t> concurrency{256}, pages{4}, layers{4}, item_bytes{4096};
   std::vector<Layout> layouts{Layout::kScattered};
   std::vector<bool> layerwise{false};  // with layer_compute_us: off and/or on
+  // --decode-prefix: {nullopt} without it; else the fractions asked for, with 0 first (added when
+  // a fraction > 0 was asked without it: the same shape without a prefix, for the comparison).
+  std::vector<std::optional<double>> decode_prefixes{std::nullopt};
   bool json = false;
   bool in_process = false;
   bool baseline_memcpy = false;

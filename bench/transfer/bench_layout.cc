@@ -70,6 +70,13 @@ std::string BenchPool::Read(uint64_t b, uint64_t offset, std::span<uint8_t> out)
   return "";
 }
 
+std::string BenchPool::Zero(uint64_t b, uint64_t offset, uint64_t length) {
+  uint8_t* at = buffer(b) + offset;
+  if (cuda_) return CudaZero(cuda_device_, at, length);
+  std::memset(at, 0, length);
+  return "";
+}
+
 bool HoldsPattern(const uint8_t* data, uint64_t length, uint64_t pool_offset) {
   for (uint64_t i = 0; i + 8 <= length; i += 8) {
     uint64_t word = 0;

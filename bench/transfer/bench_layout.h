@@ -44,6 +44,9 @@ class BenchPool {
   // Copies `out.size()` bytes at `offset` of buffer b into host memory (from the GPU with
   // --memory cuda); returns an error message or "".
   std::string Read(uint64_t b, uint64_t offset, std::span<uint8_t> out) const;
+  // Zeroes `length` bytes at `offset` of buffer b (on the GPU with --memory cuda); returns an
+  // error message or "".
+  std::string Zero(uint64_t b, uint64_t offset, uint64_t length);
 
  private:
   std::string AllocateCuda(const BenchConfig& c, Fill fill, uint64_t bytes);

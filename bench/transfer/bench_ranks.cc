@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cinttypes>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
@@ -123,6 +124,9 @@ struct InFlight {
   std::optional<uint32_t> aux;
   Clock::time_point start;
   bool acted = false;  // prefill: Send() called; decode: Init() called
+  // Prefill: the request's pages that decode holds already (its decode prefix in pages); the
+  // pages sent are the ones after them.
+  uint64_t held = 0;
 };
 
 void CountFailure(RankResult* r, const pdlib::KVPollable& h) {
@@ -143,6 +147,25 @@ uint64_t MonotonicNs() {
   return uint64_t(
       std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
           .count());
+}
+
+// Prefill with --decode-prefix, as an engine: once the sender is WaitingForInput, decode's prefix
+// is known; the pages to send are those after it (PagesAfterPrefix), the first of them the page
+// of token decode_prefix_len. Sets *held to the pages skipped; an error when the sender does not
+// know the prefix yet or counts pages other than the request's after the prefix.
+pdlib::Status AfterPrefix(const BenchConfig& c, const pdlib::KVSender& sender, uint64_t pages,
+                          uint64_t* held) {
+  const std::optional<uint64_t> prefix = sender.decode_prefix_len();
+  if (!prefix) return pdlib::Status::FailedPrecondition("decode prefix unknown at WaitingForInput");
+  const pdlib::StatusOr<uint64_t> after = sender.PagesAfterPrefix(c.PromptTokens());
+  if (!after.ok()) return after.status();
+  if (*prefix % c.page_size != 0 || *prefix / c.page_size + *after != pages) {
+    return pdlib::Status::Internal("decode prefix of " + std::to_string(*prefix) +
+                                   " tokens leaves " + std::to_string(*after) +
+                                   " pages of the request's " + std::to_string(pages));
+  }
+  *held = *prefix / c.page_size;
+  return pdlib::Status::OK();
 }
 
 // Drives requests [begin, end) through the prefill rank's senders.
@@ -179,7 +202,7 @@ void DrivePrefill(const BenchConfig& c, Rank& rank, const PageRing& pages, uint6
         std::min<uint64_t>(c.layers, uint64_t((Clock::now() - forward.start) / per_layer));
     if (due == forward.layers_done) return false;
     forward.layers_done = due;
-    const auto src = pages.For(f->index);
+    const auto src = pages.For(f->index).subspan(f->held);
     pdlib::Status s;
     if (due == c.layers) {
       if (f->aux) rank.aux->bootstrap_room(*f->aux)[1] = MonotonicNs();
@@ -225,8 +248,11 @@ void DrivePrefill(const BenchConfig& c, Rank& rank, const PageRing& pages, uint6
       }
       if (!f.acted && st == pdlib::KVPoll::kWaitingForInput) {
         f.acted = true;
-        const auto src = pages.For(f.index);
-        pdlib::Status s = f.handle->Init(src.size(), f.aux);
+        const auto all = pages.For(f.index);
+        pdlib::Status s =
+            c.decode_prefix ? AfterPrefix(c, *f.handle, all.size(), &f.held) : pdlib::Status::OK();
+        const auto src = all.subspan(f.held);
+        if (s.ok()) s = f.handle->Init(src.size(), f.aux);
         if (s.ok() && c.layer_compute_us > 0) {
           to_compute.push_back(f.index);
         } else if (s.ok()) {
@@ -252,29 +278,76 @@ void DrivePrefill(const BenchConfig& c, Rank& rank, const PageRing& pages, uint6
   }
 }
 
-// Drives requests [begin, end) through the decode rank's receivers; with `latencies`, records
-// each request's time from CreateReceiver() to Success.
-// With --verify: "" when every page of request `index` holds the source page prefill sent.
+// With --verify: "" when every page of request `index` after decode's prefix holds the source
+// page prefill sent for that position, and, with --decode-prefix, every prefix page still holds
+// the zeroes ZeroPrefix wrote before Init (prefill wrote nothing there).
 std::string VerifyRequest(const BenchConfig& c, const Rank& rank, const PageRing& dst_pages,
                           const PageRing& src_pages, uint64_t index) {
   const auto dst = dst_pages.For(index), src = src_pages.For(index);
+  const uint64_t held = c.PrefixPages();
   std::vector<uint8_t> got(c.item_bytes);  // a copy: the pool may be GPU memory
   for (uint64_t b = 0; b < rank.pool.buffers(); ++b) {
     for (size_t i = 0; i < dst.size(); ++i) {
       if (std::string e = rank.pool.Read(b, uint64_t(dst[i]) * c.item_bytes, got); !e.empty()) {
         return "verify: request " + std::to_string(index) + ": " + e;
       }
+      if (i < held) {
+        if (std::any_of(got.begin(), got.end(), [](uint8_t x) { return x != 0; })) {
+          return "verify: request " + std::to_string(index) + ", buffer " + std::to_string(b) +
+                 ": decode prefix page " + std::to_string(dst[i]) + " (position " +
+                 std::to_string(i) + " of " + std::to_string(held) +
+                 " held) was written; prefill must send only the pages after the prefix";
+        }
+        continue;
+      }
       const uint64_t want = b * rank.pool.buffer_bytes() + uint64_t(src[i]) * c.item_bytes;
       if (!HoldsPattern(got.data(), c.item_bytes, want)) {
         return "verify: request " + std::to_string(index) + ", buffer " + std::to_string(b) +
-               ": decode page " + std::to_string(dst[i]) + " does not hold prefill page " +
-               std::to_string(src[i]);
+               ": decode page " + std::to_string(dst[i]) + " (position " + std::to_string(i) +
+               ") does not hold prefill page " + std::to_string(src[i]);
       }
     }
   }
   return "";
 }
 
+// With --verify and --decode-prefix: zeroes request `index`'s prefix pages before its Init, so
+// that VerifyRequest can tell that nothing was written there.
+std::string ZeroPrefix(const BenchConfig& c, Rank& rank, const PageRing& dst_pages,
+                       uint64_t index) {
+  const auto held = dst_pages.For(index).first(c.PrefixPages());
+  for (uint64_t b = 0; b < rank.pool.buffers(); ++b) {
+    for (int32_t page : held) {
+      if (std::string e = rank.pool.Zero(b, uint64_t(page) * c.item_bytes, c.item_bytes);
+          !e.empty()) {
+        return "verify: request " + std::to_string(index) + ": " + e;
+      }
+    }
+  }
+  return "";
+}
+
+// Decode's Init for request `index`: without --decode-prefix the pre-prefix call (every page);
+// with it a ReceiveRequest naming the pages after the prefix, the prefix and the prompt.
+pdlib::Status InitReceiver(const BenchConfig& c, Rank& rank, const PageRing& dst_pages,
+                           const InFlight<pdlib::KVReceiver>& f) {
+  const auto dst = dst_pages.For(f.index);
+  if (!c.decode_prefix) return f.handle->Init(dst, f.aux);
+  if (c.verify) {
+    if (std::string e = ZeroPrefix(c, rank, dst_pages, f.index); !e.empty()) {
+      return pdlib::Status::Internal(e);
+    }
+  }
+  pdlib::ReceiveRequest request;
+  request.kv_page_indices = dst.subspan(c.PrefixPages());
+  request.aux_index = f.aux;
+  request.decode_prefix_len = c.PrefixPages() * c.page_size;
+  request.prompt_len = c.PromptTokens();
+  return f.handle->Init(request);
+}
+
+// Drives requests [begin, end) through the decode rank's receivers; with `latencies`, records
+// each request's time from CreateReceiver() to Success.
 void DriveDecode(const BenchConfig& c, Rank& rank, const PageRing& pages, uint64_t begin,
                  uint64_t end, RankResult* result, std::vector<uint32_t>* latencies) {
   std::optional<PageRing> src_pages;
@@ -345,7 +418,7 @@ void DriveDecode(const BenchConfig& c, Rank& rank, const PageRing& pages, uint64
       }
       if (!f.acted && st == pdlib::KVPoll::kWaitingForInput) {
         f.acted = true;
-        if (pdlib::Status s = f.handle->Init(pages.For(f.index), f.aux); !s.ok()) {
+        if (pdlib::Status s = InitReceiver(c, rank, pages, f); !s.ok()) {
           f.handle->Abort(s.ToString());
         }
         progressed = true;
@@ -392,6 +465,13 @@ std::string WaitForPrefill(const BenchConfig& c, Rank& rank) {
 uint64_t BenchConfig::PoolPages() const {
   if (pool_pages != 0) return std::max(pool_pages, pages);
   return std::max<uint64_t>(pages, pool_bytes / (2 * layers * item_bytes));
+}
+
+uint64_t BenchConfig::PrefixPages() const {
+  if (!decode_prefix || *decode_prefix <= 0) return 0;
+  // The epsilon keeps e.g. 0.29 x 100 (28.999999999999996) at 29 pages.
+  const auto held = uint64_t(std::floor(*decode_prefix * double(pages) + 1e-9));
+  return std::min(held, pages - 1);  // decode_prefix < 1: at least one page moves
 }
 
 uint64_t BenchConfig::FirstRoom() const {
@@ -506,6 +586,9 @@ RankResult RunPrefillRanks(const BenchConfig& config, bool start_bootstrap,
     std::lock_guard lock(mu);
     for (size_t i = 0; i < results.size(); ++i) Merge(results[i], i == 0, &all);
     all.metrics = results[0].metrics;
+    for (size_t i = 1; i < results.size(); ++i) {
+      all.metrics.bytes_transferred += results[i].metrics.bytes_transferred;
+    }
   }
   before_teardown(all);
   {

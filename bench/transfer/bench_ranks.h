@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -75,10 +76,25 @@ struct BenchConfig {
   // last layer.
   uint64_t layer_compute_us = 0;
   bool layerwise = false;
+  // Decode prefix reuse (issue #27, SPEC R11.1): the fraction of each request's pages that decode
+  // already holds, in [0, 1), rounded down to whole pages (PrefixPages). The prompt is `pages`
+  // whole pages (PromptTokens). nullopt: the ranks call the API as before the prefix existed
+  // (KVReceiver::Init(pages, aux), KVSender::Init(pages)). A value, 0 included: decode calls
+  // Init(ReceiveRequest) with the pages after the prefix, decode_prefix_len and prompt_len;
+  // prefill, at WaitingForInput, reads decode_prefix_len() and PagesAfterPrefix(prompt_len),
+  // Init()s with that count and sends the pages after the prefix, as an engine would (prefill
+  // never reads this field: it learns the prefix from decode).
+  std::optional<double> decode_prefix;
 
   // Pages per K or V buffer: pool_pages, else what pool_bytes holds; never fewer than `pages`.
   uint64_t PoolPages() const;
-  uint64_t BytesPerRequest() const { return pages * 2 * layers * item_bytes; }
+  // Pages of each request that decode holds already (floor(decode_prefix x pages); 0 without a
+  // prefix) and the pages that move.
+  uint64_t PrefixPages() const;
+  uint64_t SentPages() const { return pages - PrefixPages(); }
+  uint64_t PromptTokens() const { return pages * page_size; }
+  // KV payload that moves per request (the pages after the prefix, every K and V buffer).
+  uint64_t BytesPerRequest() const { return SentPages() * 2 * layers * item_bytes; }
   uint64_t FirstRoom() const;  // room of request 0 (warm-up included)
   // Name of what carries the bytes: a backend's transport choice (e.g. ucx.tls) or its name.
   std::string Transport() const;
@@ -94,8 +110,10 @@ struct RankResult {
   std::vector<uint32_t> latencies_us;  // decode: CreateReceiver() to Success, measured requests
   // decode, with layer_compute_us: the end of prefill's last layer to Success, measured requests
   std::vector<uint32_t> exposed_us;
-  pdlib::KVManagerMetrics metrics;  // of the rank's manager, at the end
-  std::string pool_allocator;       // who allocated the KV pool (BenchPool::allocator())
+  // Of the rank's manager, at the end (with TP, rank 0's; bytes_transferred: every prefill
+  // rank's together).
+  pdlib::KVManagerMetrics metrics;
+  std::string pool_allocator;  // who allocated the KV pool (BenchPool::allocator())
 };
 
 // Runs the prefill rank: creates its manager (serving the bootstrap server when

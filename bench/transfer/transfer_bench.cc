@@ -2,7 +2,9 @@
 // pdlib's public API, between a prefill and a decode process (or two threads with --in-process),
 // optionally next to a memcpy of the same writes (--baseline memcpy) and to ucx_perftest
 // (--compare-perftest). With --memory cuda both pools are GPU memory (cuda_memory.h) and the
-// baseline is cudaMemcpy device to device. `--help` documents every flag and every figure.
+// baseline is cudaMemcpy device to device. With --decode-prefix R decode holds the first
+// floor(R x pages) pages of each request and only the rest moves (issue #27); R > 0 also runs R = 0
+// and reports both with their ratios. `--help` documents every flag and every figure.
 //
 //   e.g.  pdlib-transfer-bench --backend fake --requests 20000 --concurrency 256 --json
 //         pdlib-transfer-bench --backend ucx --backend-option ucx.tls=shm --layers 32
@@ -301,6 +303,14 @@ Comparisons Compare(const Options& o, const BenchConfig& c) {
   return cmp;
 }
 
+// The same shape without a decode prefix (--decode-prefix 0, run just before in this run): what a
+// row with a prefix is compared with.
+struct PrefixReference {
+  uint64_t kv_bytes_per_request = 0;
+  double us_per_request = 0;
+  double mean_us = 0;
+};
+
 // One configuration's JSON object (nlohmann-json; fields in the order they are set).
 class JsonObject {
  public:
@@ -323,14 +333,29 @@ class JsonObject {
 };
 
 // Prints one configuration's outcome; returns false when it failed.
+// `reference`: with a decode prefix > 0, the same shape at prefix 0 from this run (when that row
+// succeeded); `*figures` receives this row's, for the rows after it.
 bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, std::string>& d,
-            const std::map<std::string, std::string>& p, const Comparisons& cmp, bool first_row) {
+            const std::map<std::string, std::string>& p, const Comparisons& cmp, bool first_row,
+            const std::optional<PrefixReference>& reference, PrefixReference* figures) {
   const bool error = d.count("error") && d.at("error") != "none";
   const bool failed = error || Num(d, "failed") > 0;
   const double seconds = Num(d, "seconds");
   const double ok = Num(d, "succeeded");
   const double req_per_s = seconds > 0 ? ok / seconds : 0;
   const double gbps = seconds > 0 ? ok * double(c.BytesPerRequest()) * 8 / seconds / 1e9 : 0;
+  // Per request: the KV payload that moves (the pages after decode's prefix), what prefill's
+  // managers counted as written (bytes_transferred over warm-up and measured requests), and the
+  // wall time (seconds / succeeded).
+  const uint64_t kv_bytes = c.BytesPerRequest();
+  const double moved_bytes = Num(p, "bytes") / double(c.warmup + c.requests);
+  const double us_per_request = ok > 0 ? seconds * 1e6 / ok : 0;
+  *figures = {kv_bytes, us_per_request, Num(d, "mean")};
+  std::optional<PrefixReference> ref;
+  if (reference && reference->kv_bytes_per_request > 0 && reference->us_per_request > 0 &&
+      reference->mean_us > 0 && !failed) {
+    ref = reference;
+  }
   std::optional<double> baseline_gbps;
   if (cmp.baseline && cmp.baseline->error.empty() && cmp.baseline->seconds > 0) {
     baseline_gbps = double(cmp.baseline->bytes) * 8 / cmp.baseline->seconds / 1e9;
@@ -346,6 +371,13 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
     j.Int("layers", c.layers);
     j.Int("item_bytes", c.item_bytes);
     j.Int("pages", c.pages);
+    if (c.decode_prefix) {
+      j.Num("decode_prefix", *c.decode_prefix, 6);
+    } else {
+      j.Null("decode_prefix");
+    }
+    j.Int("decode_prefix_len", c.PrefixPages() * c.page_size);
+    j.Int("pages_sent", c.SentPages());
     j.Str("layout", LayoutName(c.layout));
     j.Int("prefill_tp", uint64_t(c.prefill_tp));
     j.Int("decode_tp", uint64_t(c.decode_tp));
@@ -389,6 +421,17 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
         j.Null("iperf3_ratio");
       }
     }
+    j.Int("kv_bytes_per_request", kv_bytes);
+    j.Num("moved_bytes_per_request", moved_bytes, 0);
+    j.Num("us_per_request", us_per_request, 1);
+    if (ref) {
+      j.Int("prefix0_kv_bytes_per_request", ref->kv_bytes_per_request);
+      j.Num("prefix0_us_per_request", ref->us_per_request, 1);
+      j.Num("prefix0_mean_us", ref->mean_us, 1);
+      j.Num("bytes_ratio", double(kv_bytes) / double(ref->kv_bytes_per_request), 4);
+      j.Num("time_ratio", us_per_request / ref->us_per_request, 4);
+      j.Num("mean_us_ratio", Num(d, "mean") / ref->mean_us, 4);
+    }
     j.Num("req_per_s", req_per_s, 0);
     j.Num("p50_us", Num(d, "p50"), 0);
     j.Num("p99_us", Num(d, "p99"), 0);
@@ -414,16 +457,21 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
   } else {
     if (first_row) {
       Emit(
-          "backend    transport  plane       layers item_bytes pages layout     requests  conc"
-          "   seconds    Gbit/s    req/s  p50_us  p99_us failed  baseline_Gbit/s  ratio");
+          "backend    transport  plane       layers item_bytes pages prefix  sent layout    "
+          " requests  conc   seconds  KV_bytes/req    Gbit/s    req/s    us/req  p50_us  p99_us"
+          " failed  baseline_Gbit/s  ratio");
     }
+    char prefix[16] = "-";  // no --decode-prefix: the calls without a prefix
+    if (c.decode_prefix) std::snprintf(prefix, sizeof(prefix), "%.3g", *c.decode_prefix);
     char buf[512];
     std::snprintf(buf, sizeof(buf),
-                  "%-10s %-10s %-11s %6" PRIu64 " %10" PRIu64 " %5" PRIu64 " %-10s %8" PRIu64
-                  " %5" PRIu64 " %9.3f %9.3f %8.0f %7.0f %7.0f %6.0f",
+                  "%-10s %-10s %-11s %6" PRIu64 " %10" PRIu64 " %5" PRIu64 " %6s %5" PRIu64
+                  " %-10s %8" PRIu64 " %5" PRIu64 " %9.3f %13" PRIu64
+                  " %9.3f %8.0f %9.1f %7.0f %7.0f %6.0f",
                   c.backend.c_str(), c.Transport().c_str(), plane.c_str(), c.layers, c.item_bytes,
-                  c.pages, std::string(LayoutName(c.layout)).c_str(), c.requests, c.concurrency,
-                  seconds, gbps, req_per_s, Num(d, "p50"), Num(d, "p99"), Num(d, "failed"));
+                  c.pages, prefix, c.SentPages(), std::string(LayoutName(c.layout)).c_str(),
+                  c.requests, c.concurrency, seconds, kv_bytes, gbps, req_per_s, us_per_request,
+                  Num(d, "p50"), Num(d, "p99"), Num(d, "failed"));
     std::string row = buf;
     if (baseline_gbps) {
       std::snprintf(buf, sizeof(buf), " %16.3f %6.3f", *baseline_gbps, gbps / *baseline_gbps);
@@ -444,6 +492,17 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
                     "(pools in %s memory)",
                     cmp.baseline->kind.c_str(), *baseline_gbps / 8, gbps / *baseline_gbps,
                     c.memory == pdlib::MemoryKind::kCuda ? "GPU" : "host");
+      Emit(buf);
+    }
+    if (ref) {
+      std::snprintf(buf, sizeof(buf),
+                    "  decode prefix %.3g (%" PRIu64 " of %" PRIu64
+                    " pages held) vs prefix 0 (this run): KV bytes/request %" PRIu64 " / %" PRIu64
+                    " = %.4f; us/request %.1f / %.1f = %.4f; mean latency %.1f / %.1f us = %.4f",
+                    *c.decode_prefix, c.PrefixPages(), c.pages, kv_bytes, ref->kv_bytes_per_request,
+                    double(kv_bytes) / double(ref->kv_bytes_per_request), us_per_request,
+                    ref->us_per_request, us_per_request / ref->us_per_request, Num(d, "mean"),
+                    ref->mean_us, Num(d, "mean") / ref->mean_us);
       Emit(buf);
     }
     if (cmp.perftest_gbytes_per_s) {
@@ -502,6 +561,7 @@ int main(int argc, char** argv) {
     o.base.item_bytes = o.item_bytes.front();
     o.base.layout = o.layouts.front();
     o.base.layerwise = o.layerwise.front();
+    o.base.decode_prefix = o.decode_prefixes.front();
     return RunChild(o);
   }
 
@@ -534,28 +594,42 @@ int main(int argc, char** argv) {
       for (uint64_t pages : o.pages) {
         for (Layout layout : o.layouts) {
           for (uint64_t conc : o.concurrency) {
-            for (bool layerwise : o.layerwise) {
-              BenchConfig c = o.base;
-              c.layerwise = layerwise;
-              c.layers = layers;
-              c.item_bytes = item;
-              c.pages = pages;
-              c.layout = layout;
-              c.concurrency = conc;
-              std::map<std::string, std::string> prefill;
-              auto decode = o.in_process ? RunInProcess(c, &prefill) : RunTwoProcesses(c, &prefill);
-              const Comparisons cmp = Compare(o, c);
-              all_ok &= Report(o, c, decode, prefill, cmp, first);
-              first = false;
-              if (c.layer_compute_us > 0) {
-                exposed[layerwise] = Num(decode, "exposed_mean");
-                if (exposed.size() == 2 && exposed[false] > 0) {
-                  std::fprintf(
-                      o.json ? stderr : stdout,
-                      "  exposed transfer with streaming / without: %.1f / %.1f us = 1/%.1f\n",
-                      exposed[true], exposed[false],
-                      exposed[true] > 0 ? exposed[false] / exposed[true] : 0.0);
-                  exposed.clear();
+            // The prefix-0 rows of this shape come first (ParseArgs), one per layerwise; the rows
+            // with a prefix are compared with them.
+            std::map<bool, PrefixReference> prefix0;
+            for (const std::optional<double>& decode_prefix : o.decode_prefixes) {
+              for (bool layerwise : o.layerwise) {
+                BenchConfig c = o.base;
+                c.decode_prefix = decode_prefix;
+                c.layerwise = layerwise;
+                c.layers = layers;
+                c.item_bytes = item;
+                c.pages = pages;
+                c.layout = layout;
+                c.concurrency = conc;
+                std::map<std::string, std::string> prefill;
+                auto decode =
+                    o.in_process ? RunInProcess(c, &prefill) : RunTwoProcesses(c, &prefill);
+                const Comparisons cmp = Compare(o, c);
+                std::optional<PrefixReference> reference;
+                if (c.PrefixPages() > 0 && prefix0.count(layerwise)) {
+                  reference = prefix0[layerwise];
+                }
+                PrefixReference figures;
+                const bool ok = Report(o, c, decode, prefill, cmp, first, reference, &figures);
+                all_ok &= ok;
+                first = false;
+                if (decode_prefix && *decode_prefix == 0 && ok) prefix0[layerwise] = figures;
+                if (c.layer_compute_us > 0) {
+                  exposed[layerwise] = Num(decode, "exposed_mean");
+                  if (exposed.size() == 2 && exposed[false] > 0) {
+                    std::fprintf(
+                        o.json ? stderr : stdout,
+                        "  exposed transfer with streaming / without: %.1f / %.1f us = 1/%.1f\n",
+                        exposed[true], exposed[false],
+                        exposed[true] > 0 ? exposed[false] / exposed[true] : 0.0);
+                    exposed.clear();
+                  }
                 }
               }
             }
