@@ -1,7 +1,7 @@
 // The pure parts of pdlib-chaos: the byte pattern and its check (which must catch any wrong
-// byte), the page allocator, the failure categories and the leftover count from METRICS, the
-// fault kinds --faults names, their random parameters, which requests a fault touched, and the
-// report.
+// byte), request shapes (decode prefixes, swa windows), state families by name, the page
+// allocator, the failure categories and the leftover count from METRICS, the fault kinds
+// --faults names, their random parameters, which requests a fault touched, and the report.
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -65,6 +65,82 @@ TEST_CASE("request shapes stay within their bounds and vary") {
   CHECK(chunks.size() == 3);
 }
 
+TEST_CASE("a share of shapes carry a decode prefix of whole pages that the prompt covers") {
+  std::set<size_t> prefixes, chunks, windows;
+  size_t with_prefix = 0, whole = 0, partial_last = 0, drift = 0;
+  constexpr uint64_t kRooms = 4000;
+  for (uint64_t room = 0; room < kRooms; ++room) {
+    const auto old = pdlib_chaos::ShapeOf(room, 8, 3);
+    const auto s = pdlib_chaos::ShapeOf(room, 8, 3, 0.5);
+    INFO("room " << room);
+    // The prefix changes nothing the old shape had but the chunks of what is left to send.
+    REQUIRE(s.pages == old.pages);
+    REQUIRE(s.contiguous == old.contiguous);
+    REQUIRE(s.early_init == old.early_init);
+    REQUIRE(old.prefix_pages == 0);
+    REQUIRE(s.prefix_pages <= s.pages);
+    // A prefix is whole pages, no longer than the prompt; the last page may be partial.
+    REQUIRE(s.prompt_tokens > (s.pages - 1) * pdlib_chaos::kPageTokens);
+    REQUIRE(s.prompt_tokens <= s.pages * pdlib_chaos::kPageTokens);
+    REQUIRE(s.prefix_pages * pdlib_chaos::kPageTokens <= s.prompt_tokens);
+    const size_t sent = pdlib_chaos::SentPages(s);
+    // What prefill sends: ceil((prompt - prefix) / page_size), as PagesAfterPrefix counts.
+    REQUIRE(sent == (s.prompt_tokens - s.prefix_pages * pdlib_chaos::kPageTokens +
+                     pdlib_chaos::kPageTokens - 1) /
+                        pdlib_chaos::kPageTokens);
+    REQUIRE(s.chunks >= 1);
+    REQUIRE(s.chunks <= std::max<size_t>(1, std::min<size_t>(3, sent)));
+    size_t sum = 0;
+    for (size_t c = 0; c < s.chunks; ++c) sum += pdlib_chaos::ChunkPages(s, c);
+    REQUIRE(sum == sent);
+    // Windows: 1..3 pages on prefill, decode's at most one page apart, both within the prompt.
+    REQUIRE(s.swa_prefill >= 1);
+    REQUIRE(s.swa_prefill <= std::min<size_t>(3, s.pages));
+    REQUIRE(s.swa_decode >= 1);
+    REQUIRE(s.swa_decode <= s.pages);
+    REQUIRE(s.swa_decode <= pdlib_chaos::kMaxWindowPages);
+    REQUIRE(std::max(s.swa_prefill, s.swa_decode) - std::min(s.swa_prefill, s.swa_decode) <= 1);
+    if (s.prefix_pages > 0) ++with_prefix;
+    if (s.prefix_pages == s.pages) ++whole;
+    if (s.prompt_tokens % pdlib_chaos::kPageTokens != 0) ++partial_last;
+    if (s.swa_decode != s.swa_prefill) ++drift;
+    prefixes.insert(s.prefix_pages);
+    chunks.insert(s.chunks);
+    windows.insert(s.swa_prefill);
+  }
+  CHECK(with_prefix > kRooms * 45 / 100);
+  CHECK(with_prefix < kRooms * 55 / 100);
+  CHECK(whole > 100);  // an empty last chunk with aux and state
+  CHECK(partial_last > kRooms / 2);
+  CHECK(drift > kRooms / 4);
+  CHECK(prefixes.size() == 9);  // 0..8
+  CHECK(chunks.size() == 3);
+  CHECK(windows.size() == 3);
+  // Share 0: never a prefix; share 1: always one.
+  for (uint64_t room = 0; room < 500; ++room) {
+    CHECK(pdlib_chaos::ShapeOf(room, 8, 3, 0).prefix_pages == 0);
+    CHECK(pdlib_chaos::ShapeOf(room, 8, 3, 1).prefix_pages >= 1);
+  }
+}
+
+TEST_CASE("state families by name") {
+  std::vector<pdlib::StateType> f;
+  std::string why;
+  REQUIRE(pdlib_chaos::ParseStateFamilies("mamba,swa", &f, &why));
+  CHECK(f == std::vector<pdlib::StateType>{pdlib::StateType::kMamba, pdlib::StateType::kSwa});
+  CHECK(pdlib_chaos::StateFamiliesName(f) == "mamba,swa");
+  REQUIRE(pdlib_chaos::ParseStateFamilies("c128_state,swa,swa", &f, &why));
+  CHECK(pdlib_chaos::StateFamiliesName(f) == "c128_state,swa,swa");
+  REQUIRE(pdlib_chaos::ParseStateFamilies("none", &f, &why));
+  CHECK(f.empty());
+  CHECK(pdlib_chaos::StateFamiliesName(f) == "none");
+  CHECK_FALSE(pdlib_chaos::ParseStateFamilies("mamba,nsa", &f, &why));
+  CHECK(why.find("unknown state family 'nsa'") != std::string::npos);
+  CHECK_FALSE(pdlib_chaos::ParseStateFamilies("mamba,", &f, &why));
+  CHECK(why.find("unknown state family ''") != std::string::npos);
+  CHECK_FALSE(pdlib_chaos::ParseStateFamilies("", &f, &why));
+}
+
 TEST_CASE("the page pool never hands out a page twice and gives back what is freed") {
   pdlib_chaos::PagePool pool(64, 1);
   std::set<int32_t> held;
@@ -115,6 +191,10 @@ TEST_CASE("failure categories") {
         "DECODE_CRASHED");
   CHECK(pdlib_chaos::FailureCategory(at(Outcome::kLost, "prefill0 killed"),
                                      at(Outcome::kLost, "decode0 killed"), true) == "BOTH_LOST");
+  // Prefill was told another decode prefix than the one decode holds: it aborts the room.
+  CHECK(pdlib_chaos::FailureCategory(at(Outcome::kBadBytes, "prefix:decode_prefix_len=16"),
+                                     at(Outcome::kFailed, "ABORTED: pdlib-chaos: prefix"),
+                                     true) == "BAD_BYTES");
   CHECK(pdlib_chaos::StatusCodeOf("no code here") == "OTHER");
 }
 
@@ -129,12 +209,14 @@ TEST_CASE("leftovers from a METRICS line") {
   }
   const auto held = pdlib_chaos::ParseCounters(
       "METRICS live_rooms=1 connections=3 bootstrap_queue=2 transfer_queue=0 handles=1 "
-      "aux_free=30 aux_capacity=32 pages_free=250 pages_capacity=256");
+      "aux_free=30 aux_capacity=32 pages_free=250 pages_capacity=256 state_free=90 "
+      "state_capacity=96");
   const auto l = pdlib_chaos::Leftovers(held, 2);
   CHECK(l.at("rooms") == 3);
   CHECK(l.at("handles") == 1);
   CHECK(l.at("aux_slots") == 2);
   CHECK(l.at("pages") == 6);
+  CHECK(l.at("state_items") == 6);
   CHECK(l.at("connections") == 1);
 }
 
@@ -359,6 +441,7 @@ TEST_CASE("the summary names the faults by kind, what was skipped, and ends RESU
   CHECK(text.find("bootstrap_restart=1") != std::string::npos);
   CHECK(text.find("skipped: latency (kernel has no sch_netem)") != std::string::npos);
   CHECK(text.find("4 requests, 2 of them after a heal; 0 failed") != std::string::npos);
+  CHECK(text.find("verified 0 requests (0 with a decode prefix)") != std::string::npos);
   CHECK(text.ends_with("RESULT: CLEAN\n"));
   const std::string json = pdlib_chaos::RenderJson(r);
   CHECK(json.find("\"skipped_faults\":{\"latency\":\"kernel has no sch_netem\"}") !=

@@ -2,8 +2,11 @@
 // processes while requests run, over the fake backend and over UCX shm and tcp, and (with
 // --netns, where this machine allows) cuts, degrades and heals their hosts' links and restarts
 // their discovery; each must report no hung room, no Success with wrong bytes, no failed request
-// that no fault touched and nothing left held at the end. The negative controls spoil bytes on
-// purpose and require the run to catch them.
+// that no fault touched and nothing left held at the end. Every run has pdlib-chaos's defaults
+// for the request mix (issue #27): half the requests carry a decode prefix (decode hands over
+// only the pages after it, and its prefix pages must never be written) and every request two
+// state families (a mamba slot and swa window pages, each in a pool of its own). The negative
+// controls spoil bytes on purpose and require the run to catch them.
 //
 // Each run prints its summary and, on failure, the PROBLEM lines and where the processes' logs
 // were kept (stderr, shown by ctest --output-on-failure).
@@ -127,6 +130,8 @@ void CheckSeeds(const std::vector<std::string>& transport, const char* fault_kin
     CHECK(r.json.find("\"bytes_checked\":true") != std::string::npos);
     CHECK(Field(r.json, "verified_requests") == Field(r.json, "succeeded"));
     CHECK(Field(r.json, "verified_bytes") > 0);
+    // The decode prefix path ran (--prefix-share 0.5 by default).
+    CHECK(Field(r.json, "verified_prefix_requests") > 0);
   }
 }
 
@@ -195,6 +200,7 @@ void CheckNetworkFaults(const std::vector<std::string>& extra, const char* reque
   CHECK(r.json.find("\"netns\":true") != std::string::npos);
   CHECK(r.json.find("\"transport\":\"ucx.tls=tcp\"") != std::string::npos);
   CHECK(Field(r.json, "verified_requests") == Field(r.json, "succeeded"));
+  CHECK(Field(r.json, "verified_prefix_requests") > 0);
 }
 
 TEST_CASE(
@@ -238,6 +244,40 @@ TEST_CASE("ucx shm negative control: a write into a page decode took back is a s
   const RunResult r = RunChaos({"--backend", "ucx", "--backend-option", "ucx.tls=shm", "--topology",
                                 "1p1d", "--fault-kinds", "none", "--requests", "40", "--rate", "0",
                                 "--prefill-ms", "0", "--corrupt-free-one-in", "4"});
+  INFO(r.json);
+  REQUIRE_FALSE(r.json.empty());
+  CHECK(r.exit_code == 1);
+  CHECK(Field(r.json, "stale_writes") >= 1);
+  CHECK(Field(r.json, "bad_bytes") == 0);
+}
+
+// Decode prefixes and state families (issue #27): each check must catch what it is for.
+RunResult RunControl(const char* flag) {
+  return RunChaos({"--backend", "ucx", "--backend-option", "ucx.tls=shm", "--topology", "1p1d",
+                   "--fault-kinds", "none", "--requests", "40", "--rate", "0", "--prefill-ms", "0",
+                   flag, "4"});
+}
+
+TEST_CASE("ucx shm negative control: a spoiled state byte is reported as bad_bytes") {
+  const RunResult r = RunControl("--corrupt-state-one-in");
+  INFO(r.json);
+  REQUIRE_FALSE(r.json.empty());
+  CHECK(r.exit_code == 1);
+  CHECK(Field(r.json, "bad_bytes") >= 1);
+  CHECK(Field(r.json, "stale_writes") == 0);
+}
+
+TEST_CASE("ucx shm negative control: a sender that ignores decode's prefix is bad_bytes") {
+  const RunResult r = RunControl("--ignore-prefix-one-in");
+  INFO(r.json);
+  REQUIRE_FALSE(r.json.empty());
+  CHECK(r.exit_code == 1);
+  CHECK(Field(r.json, "bad_bytes") >= 1);
+  CHECK(Field(r.json, "stale_writes") == 0);
+}
+
+TEST_CASE("ucx shm negative control: a write into a decode prefix page is a stale write") {
+  const RunResult r = RunControl("--corrupt-prefix-one-in");
   INFO(r.json);
   REQUIRE_FALSE(r.json.empty());
   CHECK(r.exit_code == 1);

@@ -8,7 +8,7 @@ namespace pdlib_chaos {
 
 std::string FailureCategory(const Outcome& prefill, const Outcome& decode, bool settled) {
   if (!settled) return "NOT_TERMINAL";
-  if (decode.kind == Outcome::kBadBytes) return "BAD_BYTES";
+  if (decode.kind == Outcome::kBadBytes || prefill.kind == Outcome::kBadBytes) return "BAD_BYTES";
   if (decode.kind == Outcome::kFailed) return StatusCodeOf(decode.detail);
   if (prefill.kind == Outcome::kFailed) {
     return decode.kind == Outcome::kSuccess ? "PREFILL_FAILED_DECODE_SUCCEEDED"
@@ -56,6 +56,7 @@ std::map<std::string, uint64_t> Leftovers(const std::map<std::string, uint64_t>&
   l["handles"] = get("handles");
   l["aux_slots"] = held("aux_capacity", "aux_free");
   l["pages"] = held("pages_capacity", "pages_free");
+  l["state_items"] = held("state_capacity", "state_free");
   const uint64_t connections = get("connections");
   l["connections"] = connections > expected_connections ? connections - expected_connections : 0;
   return l;

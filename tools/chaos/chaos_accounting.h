@@ -19,7 +19,8 @@ struct Outcome {
   // The failure reason ("UNAVAILABLE: room 7: ..."), the first wrong byte, or how the process
   // was lost ("decode0 killed", "decode0 crashed").
   std::string detail;
-  uint64_t bytes = 0;  // decode Success: bytes checked
+  uint64_t bytes = 0;         // decode Success: bytes checked
+  uint64_t prefix_pages = 0;  // decode Success: pages of the request's decode prefix
   std::chrono::steady_clock::time_point at{};
 };
 
@@ -27,7 +28,8 @@ struct Outcome {
 // both are terminal), or "" when it succeeded: decode has the request's bytes and prefill did
 // not fail (a prefill killed after writing them does not undo that). Categories: the status
 // code of the failing side, decode's first ("UNAVAILABLE", "DEADLINE_EXCEEDED", ...);
-// BAD_BYTES; DECODE_KILLED / DECODE_CRASHED (decode lost, prefill not failed); BOTH_LOST;
+// BAD_BYTES (decode's bytes are not the request's, or prefill was told another decode prefix);
+// DECODE_KILLED / DECODE_CRASHED (decode lost, prefill not failed); BOTH_LOST;
 // PREFILL_FAILED_DECODE_SUCCEEDED (the sides disagree); NOT_TERMINAL.
 std::string FailureCategory(const Outcome& prefill, const Outcome& decode, bool settled);
 
@@ -38,7 +40,8 @@ std::string StatusCodeOf(std::string_view reason);
 std::map<std::string, uint64_t> ParseCounters(std::string_view line);
 
 // What a peer still holds by its METRICS counters, once nothing is in flight: "rooms" (live
-// rooms and queued ones), "handles", "aux_slots", "pages", and "connections" beyond
+// rooms and queued ones), "handles", "aux_slots", "pages", "state_items" (mamba slots, swa
+// pages, ... of every state family), and "connections" beyond
 // `expected_connections` (one per process of the other side). Zero everywhere when clean.
 std::map<std::string, uint64_t> Leftovers(const std::map<std::string, uint64_t>& metrics,
                                           uint64_t expected_connections);

@@ -259,7 +259,12 @@ void Topology::HandleLine(size_t slot, const std::string& line) {
         std::max(t_.quarantine_max_hold_ms, static_cast<int64_t>(get("held_ms")));
   } else if (line.starts_with("STALE ")) {
     ++t_.stale_writes;
-    Problem(p.name() + " found a write into memory it had taken back: " + line.substr(6));
+    Problem(p.name() +
+            (line.starts_with("STALE prefix_page=")
+                 ? " found a write into a page of a decode prefix (its own cache, never handed "
+                   "to pdlib): "
+                 : " found a write into memory it had taken back: ") +
+            line.substr(6));
   } else if (line.starts_with("ERROR ")) {
     ++t_.harness_errors;
     Note(p.name() + ": " + line);
@@ -284,11 +289,15 @@ void Topology::HandleRoomLine(Proc& p, const std::string& line, Clock::time_poin
   side.detail = rest;
   if (kind == "Success") {
     side.kind = Outcome::kSuccess;
-    if (const auto c = ParseCounters(rest); c.contains("bytes")) side.bytes = c.at("bytes");
+    const auto c = ParseCounters(rest);
+    if (c.contains("bytes")) side.bytes = c.at("bytes");
+    if (c.contains("prefix_pages")) side.prefix_pages = c.at("prefix_pages");
   } else if (kind == "BadBytes") {
     side.kind = Outcome::kBadBytes;
-    Problem("room " + std::to_string(id) + " reached Success on " + p.name() +
-            " with wrong bytes: " + rest);
+    Problem("room " + std::to_string(id) +
+            (p.prefill ? " was told the wrong decode prefix on " + p.name() + ": "
+                       : " reached Success on " + p.name() + " with wrong bytes: ") +
+            rest);
   } else {
     side.kind = Outcome::kFailed;
     if (o_.verbose) Note(p.name() + ": room " + std::to_string(id) + " failed: " + rest);

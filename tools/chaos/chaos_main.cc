@@ -2,8 +2,11 @@
 // random moments: processes killed (SIGKILL, then restarted) and frozen (SIGSTOP/SIGCONT); with
 // --netns, each process on a host (network namespace) of its own whose link is partitioned,
 // loses packets, is capped or delayed; and the discovery restarted (the bootstrap server) or a
-// member of it killed (etcd). Every request must end (no hang), every Success must carry the
-// request's bytes, every request no fault touched must succeed, and nothing may be left held at
+// member of it killed (etcd). Every request carries two state families (a mamba slot and swa
+// window pages, --state-families) and a share of them a decode prefix (--prefix-share): decode
+// hands over only the pages after the prefix and its prefix pages must never be written. Every
+// request must end (no hang), every Success must carry the request's bytes (KV after the prefix,
+// state and aux), every request no fault touched must succeed, and nothing may be left held at
 // the end.
 //
 //   pdlib-chaos [--requests N] [--topology 1p1d|2p2d|both] [--seed S] [--rate R]
@@ -12,6 +15,7 @@
 //       [--netns] [--discovery bootstrap|etcd] [--fault_interval_ms MS] [--stop_ms MS]
 //       [--partition_ms MS] [--link_fault_ms MS] [--discovery_down_ms MS] [--settle_ms MS]
 //       [--hang_bound_ms MS] [--backend ucx|fake] [--backend_option KEY=VALUE]...
+//       [--prefix_share 0..1] [--state_families mamba,swa,c128_state | none]
 //       [--json] [--verbose] [--log_dir DIR] [--min_faults N] [...]  (--help lists all)
 //
 //   e.g.  UCX_TLS=shm pdlib-chaos --requests 1000 --json
@@ -124,6 +128,24 @@ ABSL_FLAG(uint64_t, corrupt_aux_one_in, 0,
 ABSL_FLAG(uint64_t, corrupt_free_one_in, 0,
           "negative control: decode overwrites a byte of a page it took back from about one "
           "request in N: must show up as stale_writes");
+ABSL_FLAG(double, prefix_share, 0.5,
+          "decode prefix reuse: the share of requests, in [0, 1], whose decode holds the first "
+          "1..all pages of the prompt in its own cache; it hands over only the pages after them, "
+          "prefill sends only those (the whole prompt: one empty last chunk with aux and state), "
+          "and a write into a prefix page is a stale write");
+ABSL_FLAG(std::string, state_families, "mamba,swa",
+          "state families every request carries, a comma list of mamba and c128_state (one slot "
+          "each) and swa (the window's 1-3 pages, decode's window one page longer or shorter at "
+          "times), each a buffer per layer in a pool of its own; none: no state");
+ABSL_FLAG(uint64_t, corrupt_state_one_in, 0,
+          "negative control: prefill spoils one state byte of about one request in N, which must "
+          "show up as bad_bytes");
+ABSL_FLAG(uint64_t, corrupt_prefix_one_in, 0,
+          "negative control: decode overwrites a byte of its own prefix pages of about one "
+          "request in N that has a prefix: must show up as stale_writes");
+ABSL_FLAG(uint64_t, ignore_prefix_one_in, 0,
+          "negative control: prefill ignores decode's prefix in about one request in N, sending "
+          "as many pages from the start of the prompt: bad_bytes where the request has a prefix");
 ABSL_FLAG(bool, no_verify, false, "internal: decode does not check bytes");
 ABSL_FLAG(std::string, role, "", "internal: prefill or decode, in a process the driver started");
 ABSL_FLAG(uint64_t, bootstrap_port, 0, "internal: the driver's bootstrap port");
@@ -146,10 +168,15 @@ constexpr char kUsage[] =
     "own, and --faults network partitions a host, makes it lose 1-10% of its packets, caps its\n"
     "bandwidth at 50-500 Mbit/s or delays it by 1-50 ms (where the kernel has sch_netem; else\n"
     "skipped with the reason), each for a while and then heals it, and restarts the bootstrap\n"
-    "server (or, with --discovery etcd, kills an etcd member and starts it again). Checks that\n"
-    "every request ends within the hang bound, that every Success carries the request's bytes,\n"
-    "that every request no fault touched succeeds (those after a heal), and that nothing is\n"
-    "left held; prints RESULT: CLEAN or RESULT: NOT CLEAN.\n"
+    "server (or, with --discovery etcd, kills an etcd member and starts it again). Every\n"
+    "request carries the state families of --state-families (default a mamba slot and swa\n"
+    "window pages, each in a pool of its own) and, with probability --prefix-share (default\n"
+    "0.5), a decode prefix: decode holds the first pages of the prompt and hands over only the\n"
+    "pages after them, which prefill alone sends. Checks that every request ends within the\n"
+    "hang bound, that every Success carries the request's bytes (KV after the prefix, state,\n"
+    "aux), that nothing writes into decode's free pages, state items and slots or into its\n"
+    "prefix pages, that every request no fault touched succeeds (those after a heal), and that\n"
+    "nothing is left held; prints RESULT: CLEAN or RESULT: NOT CLEAN.\n"
     "\n"
     "  e.g. pdlib-chaos --netns --requests 1000 --faults network,process\n"
     "\n"
@@ -231,6 +258,22 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   p.corrupt_kv_one_in = absl::GetFlag(FLAGS_corrupt_kv_one_in);
   p.corrupt_aux_one_in = absl::GetFlag(FLAGS_corrupt_aux_one_in);
   p.corrupt_free_one_in = absl::GetFlag(FLAGS_corrupt_free_one_in);
+  p.corrupt_state_one_in = absl::GetFlag(FLAGS_corrupt_state_one_in);
+  p.corrupt_prefix_one_in = absl::GetFlag(FLAGS_corrupt_prefix_one_in);
+  p.ignore_prefix_one_in = absl::GetFlag(FLAGS_ignore_prefix_one_in);
+  p.prefix_share = absl::GetFlag(FLAGS_prefix_share);
+  if (!(p.prefix_share >= 0 && p.prefix_share <= 1)) {  // NaN too
+    return bad("prefix_share", std::to_string(p.prefix_share));
+  }
+  const std::string families = absl::GetFlag(FLAGS_state_families);
+  if (std::string why; !ParseStateFamilies(families, &p.state_families, &why)) {
+    std::fprintf(stderr, "pdlib-chaos: --state-families %s: %s\n", families.c_str(), why.c_str());
+    return false;
+  }
+  if (p.corrupt_state_one_in > 0 && p.state_families.empty()) {
+    std::fprintf(stderr, "pdlib-chaos: --corrupt-state-one-in needs a state family\n");
+    return false;
+  }
   // Durations and sizes, each with its lower bound.
   struct Ms {
     const char* name;

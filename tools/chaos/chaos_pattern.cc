@@ -21,20 +21,33 @@ uint64_t Mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-RequestShape ShapeOf(uint64_t room, size_t max_pages, size_t max_chunks) {
+RequestShape ShapeOf(uint64_t room, size_t max_pages, size_t max_chunks, double prefix_share) {
   const uint64_t h = Mix(room ^ 0x73686170ULL);
   RequestShape s;
   s.pages = 1 + size_t(h % std::max<size_t>(1, max_pages));
   s.chunks = 1 + size_t((h >> 24) % std::max<size_t>(1, max_chunks));
-  s.chunks = std::min(s.chunks, s.pages);
   s.contiguous = ((h >> 48) & 1) != 0;
   s.early_init = ((h >> 49) & 1) != 0;
+  // The prefix and the windows from a second hash, so that the old fields keep their values.
+  const uint64_t g = Mix(room ^ 0x707265666978ULL);
+  const double u = double(g >> 11) * 0x1.0p-53;  // uniform in [0, 1)
+  if (u < prefix_share) s.prefix_pages = 1 + size_t((g & 0xffff) % s.pages);
+  const uint64_t partial = (g >> 16) % kPageTokens;  // tokens short of a full last page
+  s.prompt_tokens = s.pages * kPageTokens - (s.prefix_pages == s.pages ? 0 : partial);
+  s.chunks = std::max<size_t>(1, std::min(s.chunks, SentPages(s)));
+  s.swa_prefill = std::min<size_t>(s.pages, 1 + (g >> 24) % 3);
+  switch ((g >> 28) % 4) {  // decode's window: one page more, one less, or the same (twice)
+    case 0: s.swa_decode = std::min(s.pages, s.swa_prefill + 1); break;
+    case 1: s.swa_decode = std::max<size_t>(1, s.swa_prefill - 1); break;
+    default: s.swa_decode = s.swa_prefill; break;
+  }
   return s;
 }
 
 size_t ChunkPages(const RequestShape& shape, size_t chunk) {
-  const size_t base = shape.pages / shape.chunks;
-  return chunk + 1 < shape.chunks ? base : shape.pages - base * (shape.chunks - 1);
+  const size_t sent = SentPages(shape);
+  const size_t base = sent / shape.chunks;
+  return chunk + 1 < shape.chunks ? base : sent - base * (shape.chunks - 1);
 }
 
 void FillPage(uint8_t* dst, size_t len, uint64_t room, uint32_t buffer, uint32_t position) {
@@ -139,6 +152,40 @@ std::optional<std::string> CheckAuxSlot(const pdlib::MetadataSlot& got, uint64_t
   }
   if (auto bad = CompareField("output_topk_p", got.output_topk_p, want.output_topk_p)) return bad;
   return CompareField("output_topk_index", got.output_topk_index, want.output_topk_index);
+}
+
+std::string StateFamiliesName(const std::vector<pdlib::StateType>& families) {
+  if (families.empty()) return "none";
+  std::string out;
+  for (pdlib::StateType t : families) {
+    out += (out.empty() ? "" : ",") + std::string(pdlib::StateTypeName(t));
+  }
+  return out;
+}
+
+bool ParseStateFamilies(std::string_view text, std::vector<pdlib::StateType>* out,
+                        std::string* error) {
+  out->clear();
+  if (text == "none") return true;
+  for (size_t at = 0; at <= text.size();) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string_view name = text.substr(at, comma - at);
+    bool known = false;
+    for (pdlib::StateType t :
+         {pdlib::StateType::kMamba, pdlib::StateType::kSwa, pdlib::StateType::kC128State}) {
+      if (name == pdlib::StateTypeName(t)) {
+        out->push_back(t);
+        known = true;
+      }
+    }
+    if (!known) {
+      *error = "unknown state family '" + std::string(name) +
+               "' (mamba, swa and c128_state, a comma list; or none)";
+      return false;
+    }
+    at = comma + 1;
+  }
+  return true;
 }
 
 PagePool::PagePool(size_t pages, uint64_t salt) : used_(pages, false), salt_(salt) {}

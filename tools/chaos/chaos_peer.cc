@@ -39,6 +39,35 @@ bool Spoiled(uint64_t room, uint64_t one_in, uint64_t salt) {
   return one_in > 0 && Mix(room ^ salt) % one_in == 0;
 }
 
+// Slot kinds of state take one item per request (mamba, c128_state); swa takes the window's
+// pages.
+bool IsSlotKind(pdlib::StateType type) { return type != pdlib::StateType::kSwa; }
+
+// One pool of the engine's memory: the KV pages (a K and a V buffer per layer, `family` unset)
+// or one state family (a buffer per layer): its buffers, its allocator and, on decode, the
+// request that last held each item (and its position there).
+struct Pool {
+  std::string name;              // "kv", or the family's kind ("mamba", "swa", "c128_state")
+  std::optional<size_t> family;  // index in KVArgs::state_families; nullopt: the KV pool
+  pdlib::StateType type = pdlib::StateType::kNone;
+  size_t item = 0;  // bytes per item (page or slot) and buffer
+  std::vector<std::vector<uint8_t>> buffers;
+  std::unique_ptr<PagePool> alloc;
+  std::vector<uint64_t> last_room;
+  std::vector<uint32_t> last_position;
+
+  uint8_t* At(size_t buffer, int32_t index) {
+    return buffers[buffer].data() + size_t(index) * item;
+  }
+  const uint8_t* At(size_t buffer, int32_t index) const {
+    return buffers[buffer].data() + size_t(index) * item;
+  }
+  // The byte pattern's buffer id (chaos_pattern.h).
+  uint32_t BufferId(size_t buffer) const {
+    return family ? StateBufferId(*family, buffer) : uint32_t(buffer);
+  }
+};
+
 // One request in flight and what the peer holds for it.
 struct Request {
   uint64_t room = 0;
@@ -46,11 +75,21 @@ struct Request {
   std::unique_ptr<pdlib::KVSender> sender;
   std::unique_ptr<pdlib::KVReceiver> receiver;
   std::optional<uint32_t> aux;
+  // The whole prompt's pages; on decode the first shape.prefix_pages are its own prefix (its
+  // cache), the rest are handed over.
   std::vector<int32_t> pages;
+  // Per state family, this side's index list; and all of them as pdlib takes them.
+  std::vector<std::vector<int32_t>> state;
+  std::vector<int32_t> state_flat;
+  std::vector<uint32_t> state_counts;
   size_t chunks_sent = 0;             // prefill
   Clock::time_point next_chunk_at{};  // prefill: when the next chunk's "forward pass" is done
   bool initialized = false;
   Clock::time_point held_since{};  // when the engine put it aside, its pages not reusable yet
+  // Prefill: what was wrong with the prefix pdlib reported (reported as BadBytes at the end).
+  std::string bad;
+
+  pdlib::StateIndices state_view() const { return {state_flat, state_counts}; }
 
   const pdlib::KVPollable& handle() const {
     return sender ? static_cast<const pdlib::KVPollable&>(*sender) : *receiver;
@@ -62,21 +101,46 @@ class Peer {
   explicit Peer(const PeerConfig& c) : c_(c) {}
 
   bool Start() {
-    const size_t pool_pages = 2 * c_.concurrency * c_.max_pages;
-    pools_.resize(2 * c_.layers);
-    for (auto& pool : pools_) pool.assign(pool_pages * c_.item_bytes, 0);
-    pages_ = std::make_unique<PagePool>(pool_pages, prefill() ? 0x70ULL : 0x64ULL);
     const size_t slots = pdlib::MetadataBuffers::SlotCountFor(c_.concurrency);
+    const uint64_t salt = prefill() ? 0x70ULL : 0x64ULL;
+    auto add_pool = [&](std::string name, std::optional<size_t> family, pdlib::StateType type,
+                        size_t buffers, size_t items, size_t item) {
+      Pool p;
+      p.name = std::move(name);
+      p.family = family;
+      p.type = type;
+      p.item = item;
+      p.buffers.resize(buffers);
+      for (auto& b : p.buffers) b.assign(items * item, 0);
+      p.alloc = std::make_unique<PagePool>(items, salt + 0x100 * pools_.size());
+      p.last_room.assign(items, kNoRoom);
+      p.last_position.assign(items, 0);
+      pools_.push_back(std::move(p));
+    };
+    add_pool("kv", std::nullopt, pdlib::StateType::kNone, 2 * c_.layers,
+             2 * c_.concurrency * c_.max_pages, c_.item_bytes);
+    for (size_t f = 0; f < c_.state_families.size(); ++f) {
+      const pdlib::StateType type = c_.state_families[f];
+      // Slots: one per request, as many as metadata slots, half a page and 8 bytes each (a size
+      // of their own, so that a write sized for another pool shows); swa: window pages.
+      if (IsSlotKind(type)) {
+        add_pool(std::string(pdlib::StateTypeName(type)), f, type, c_.layers, slots,
+                 c_.item_bytes / 2 + 8);
+      } else {
+        add_pool(std::string(pdlib::StateTypeName(type)), f, type, c_.layers,
+                 2 * c_.concurrency * kMaxWindowPages, c_.item_bytes);
+      }
+    }
     auto aux = pdlib::MetadataBuffers::Create(slots, 0, 0);
     if (!aux.ok()) return Error("MetadataBuffers::Create: " + aux.status().ToString());
     aux_ = std::move(*aux);
     slots_ = std::make_unique<pdlib::MetadataSlotAllocator>(slots);
     slot_in_use_.assign(slots, false);
-    last_room_.assign(pool_pages, kNoRoom);
-    last_position_.assign(pool_pages, 0);
     last_slot_room_.assign(slots, kNoRoom);
     if (!prefill()) {
-      for (size_t page = 0; page < pool_pages; ++page) PoisonPage(int32_t(page));
+      for (Pool& pool : pools_) {
+        for (size_t i = 0; i < pool.alloc->capacity(); ++i) Poison(pool, int32_t(i));
+      }
       for (size_t slot = 0; slot < slots; ++slot) PoisonSlot(uint32_t(slot));
     }
 
@@ -97,13 +161,24 @@ class Peer {
     o.bootstrap_timeout = milliseconds(c_.bootstrap_ms);
     o.waiting_timeout = milliseconds(c_.waiting_ms);
     o.transfer_timeout = milliseconds(c_.transfer_ms);
-    for (auto& pool : pools_) {
-      o.args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(pool.data()));
-      o.args.kv.lens.push_back(pool.size());
+    for (auto& buffer : kv().buffers) {
+      o.args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(buffer.data()));
+      o.args.kv.lens.push_back(buffer.size());
       o.args.kv.item_lens.push_back(c_.item_bytes);
     }
+    // Every state family through KVArg::state_families, each buffer replicated (not split).
+    for (size_t k = 1; k < pools_.size(); ++k) {
+      pdlib::StateFamily family;
+      family.type = pools_[k].type;
+      for (auto& buffer : pools_[k].buffers) {
+        family.buffers.ptrs.push_back(reinterpret_cast<uint64_t>(buffer.data()));
+        family.buffers.lens.push_back(buffer.size());
+        family.buffers.item_lens.push_back(pools_[k].item);
+      }
+      o.args.state_families.push_back(std::move(family));
+    }
     o.args.aux = aux_->Describe();
-    o.args.page_size = 16;
+    o.args.page_size = uint32_t(kPageTokens);
     o.args.fingerprint = {int32_t(c_.layers), 8, 128, 2, 1, "pdlib-chaos"};
     if (prefill()) {
       o.args.parallel.dp_size = c_.dp_size;
@@ -146,10 +221,23 @@ class Peer {
     return false;
   }
 
+  // The state items a request of `shape` takes in pool `pool` on this side.
+  size_t StateItems(const Pool& pool, const RequestShape& shape) const {
+    if (IsSlotKind(pool.type)) return 1;
+    return prefill() ? shape.swa_prefill : shape.swa_decode;
+  }
+
+  // Entries of a state family's lists that pdlib pairs up (AlignStateLists): the first ones of
+  // the shorter list.
+  static size_t PairedItems(const Pool& pool, const RequestShape& shape) {
+    if (IsSlotKind(pool.type)) return 1;
+    return std::min(shape.swa_prefill, shape.swa_decode);
+  }
+
   void StartRoom(uint64_t room) {
     auto r = std::make_unique<Request>();
     r->room = room;
-    r->shape = ShapeOf(room, c_.max_pages, c_.max_chunks);
+    r->shape = ShapeOf(room, c_.max_pages, c_.max_chunks, c_.prefix_share);
     pdlib::Status s;
     if (prefill()) {
       auto sender = manager_->CreateSender(room);
@@ -166,20 +254,45 @@ class Peer {
     }
     // The driver keeps at most `concurrency` rooms on a peer, so this only fails on a bug here.
     r->aux = slots_->Alloc();
-    auto pages = pages_->Alloc(room, r->shape.pages, r->shape.contiguous);
-    if (!r->aux || !pages) {
+    std::string missing = r->aux ? "" : "free metadata slot";
+    std::vector<std::vector<int32_t>> items;  // per pool: the KV pages, then each family's
+    for (size_t k = 0; k < pools_.size() && missing.empty(); ++k) {
+      const size_t n = k == 0 ? r->shape.pages : StateItems(pools_[k], r->shape);
+      auto got = pools_[k].alloc->Alloc(room, n, r->shape.contiguous);
+      if (!got) {
+        missing = "free " + pools_[k].name + (k == 0 ? " pages" : " items");
+        break;
+      }
+      items.push_back(std::move(*got));
+    }
+    if (!missing.empty()) {
       if (r->aux) slots_->Free(*r->aux).IgnoreError();
-      if (pages) pages_->Free(*pages);
+      for (size_t k = 0; k < items.size(); ++k) pools_[k].alloc->Free(items[k]);
       Emit("ROOM " + std::to_string(room) + " Failed RESOURCE_EXHAUSTED: chaos peer has no " +
-           (r->aux ? "free pages" : "free metadata slot") + " for it (" +
-           std::to_string(requests_.size()) + " rooms in flight)");
+           missing + " for it (" + std::to_string(requests_.size()) + " rooms in flight)");
       return;
     }
-    r->pages = std::move(*pages);
+    r->pages = std::move(items[0]);
+    for (size_t k = 1; k < items.size(); ++k) {
+      r->state_flat.insert(r->state_flat.end(), items[k].begin(), items[k].end());
+      r->state_counts.push_back(uint32_t(items[k].size()));
+      r->state.push_back(std::move(items[k]));
+    }
     slot_in_use_[*r->aux] = true;
     if (!prefill()) {
-      for (int32_t page : r->pages) CheckFreePage(page);
+      for (size_t k = 0; k < pools_.size(); ++k) {
+        for (int32_t i : Items(*r, k)) CheckFree(pools_[k], i);
+      }
       CheckFreeSlot(*r->aux);
+      // Decode's own prefix: its cache holds these pages' KV, which pdlib must never write.
+      for (size_t b = 0; b < kv().buffers.size(); ++b) {
+        for (size_t i = 0; i < r->shape.prefix_pages; ++i) {
+          FillPage(kv().At(b, r->pages[i]), kv().item, room, PrefixBufferId(b), uint32_t(i));
+        }
+      }
+      if (r->shape.prefix_pages > 0 && Spoiled(room, c_.corrupt_prefix_one_in, 0xd)) {
+        kv().At(0, r->pages[0])[c_.item_bytes / 5] ^= 0x04;
+      }
     }
     // Prefill's engine writes the slot before the last chunk; decode clears it, so that what a
     // previous request left there cannot pass the check.
@@ -217,7 +330,13 @@ class Peer {
     if (r.initialized) return false;
     if (!r.shape.early_init && st < pdlib::KVPoll::kWaitingForInput) return false;
     r.initialized = true;
-    if (pdlib::Status s = r.receiver->Init(r.pages, r.aux); !s.ok()) {
+    pdlib::ReceiveRequest request;
+    request.kv_page_indices = std::span(r.pages).subspan(r.shape.prefix_pages);
+    request.aux_index = r.aux;
+    request.state = r.state_view();
+    request.decode_prefix_len = r.shape.prefix_pages * kPageTokens;
+    request.prompt_len = r.shape.prompt_tokens;
+    if (pdlib::Status s = r.receiver->Init(request); !s.ok()) {
       Emit("ERROR room " + std::to_string(r.room) + " Init: " + s.ToString());
       r.receiver->Abort("Init() refused: " + s.ToString());
     }
@@ -243,43 +362,127 @@ class Peer {
     const auto now = Clock::now();
     if (!r.initialized) {
       r.initialized = true;
-      if (refused(r.sender->Init(r.pages.size(), r.aux), "Init")) return true;
+      // Decode's prefix, known now: it must be the one decode holds, and only the pages after
+      // it go.
+      if (!CheckPrefix(r)) {
+        if (pdlib::IsTerminal(r.sender->Poll())) return true;  // failed meanwhile: Finish says
+        r.sender->Abort("pdlib-chaos: " + r.bad);
+        r.chunks_sent = r.shape.chunks;
+        return true;
+      }
+      if (refused(r.sender->Init(SentPages(r.shape), r.aux), "Init")) return true;
       r.next_chunk_at = now + ChunkComputeTime(r);
       return true;
     }
     if (now < r.next_chunk_at) return false;
     r.next_chunk_at = now + ChunkComputeTime(r);
-    size_t first = 0;
+    // Positions [first, first + n) of the prompt; the negative control that ignores decode's
+    // prefix sends the same number of pages from the start of the prompt.
+    const bool ignore_prefix = Spoiled(r.room, c_.ignore_prefix_one_in, 0xf);
+    size_t first = ignore_prefix ? 0 : r.shape.prefix_pages;
     for (size_t c = 0; c < r.chunks_sent; ++c) first += ChunkPages(r.shape, c);
     const size_t n = ChunkPages(r.shape, r.chunks_sent);
-    for (size_t b = 0; b < pools_.size(); ++b) {
+    for (size_t b = 0; b < kv().buffers.size(); ++b) {
       for (size_t i = first; i < first + n; ++i) {
-        FillPage(pools_[b].data() + size_t(r.pages[i]) * c_.item_bytes, c_.item_bytes, r.room,
-                 uint32_t(b), uint32_t(i));
+        FillPage(kv().At(b, r.pages[i]), c_.item_bytes, r.room, uint32_t(b), uint32_t(i));
       }
     }
-    if (first == 0 && Spoiled(r.room, c_.corrupt_kv_one_in, 0xb)) {
-      pools_.back()[size_t(r.pages[0]) * c_.item_bytes + c_.item_bytes / 3] ^= 0x10;
+    if (r.chunks_sent == 0 && n > 0 && Spoiled(r.room, c_.corrupt_kv_one_in, 0xb)) {
+      kv().At(kv().buffers.size() - 1, r.pages[first])[c_.item_bytes / 3] ^= 0x10;
     }
     ++r.chunks_sent;
     const bool last = r.chunks_sent == r.shape.chunks;
-    refused(r.sender->Send(std::span(r.pages).subspan(first, n), last), "Send");
+    const auto chunk = std::span(r.pages).subspan(first, n);
+    if (!last || pools_.size() == 1) {
+      refused(r.sender->Send(chunk, last), "Send");
+      return true;
+    }
+    // The state goes with the last chunk: entry k of each family's list holds position k.
+    for (size_t k = 1; k < pools_.size(); ++k) {
+      Pool& pool = pools_[k];
+      const std::vector<int32_t>& items = r.state[k - 1];
+      for (size_t b = 0; b < pool.buffers.size(); ++b) {
+        for (size_t e = 0; e < items.size(); ++e) {
+          FillPage(pool.At(b, items[e]), pool.item, r.room, pool.BufferId(b), uint32_t(e));
+        }
+      }
+    }
+    if (Spoiled(r.room, c_.corrupt_state_one_in, 0xe)) {
+      Pool& pool = pools_.back();
+      pool.At(pool.buffers.size() - 1, r.state.back()[0])[pool.item / 2] ^= 0x20;
+    }
+    refused(r.sender->SendStates(chunk, true, r.state_view()), "Send");
     return true;
   }
 
-  // Decode, after Success: nullopt when every KV byte and the aux slot are the request's.
+  // Prefill at WaitingForInput: whether decode_prefix_len() and PagesAfterPrefix() say what the
+  // room's decode holds; otherwise r.bad says what they said.
+  bool CheckPrefix(Request& r) const {
+    const uint64_t want = r.shape.prefix_pages * kPageTokens;
+    const std::optional<uint64_t> prefix = r.sender->decode_prefix_len();
+    if (prefix != want) {
+      r.bad = "prefix:decode_prefix_len=" + (prefix ? std::to_string(*prefix) : "nullopt") +
+              ",expected=" + std::to_string(want);
+      return false;
+    }
+    const auto pages = r.sender->PagesAfterPrefix(r.shape.prompt_tokens);
+    if (!pages.ok() || *pages != SentPages(r.shape)) {
+      r.bad = "prefix:PagesAfterPrefix(" + std::to_string(r.shape.prompt_tokens) +
+              ")=" + (pages.ok() ? std::to_string(*pages) : pages.status().ToString()) +
+              ",expected=" + std::to_string(SentPages(r.shape));
+      return false;
+    }
+    return true;
+  }
+
+  // The items of pool `k` that `r` holds.
+  static const std::vector<int32_t>& Items(const Request& r, size_t k) {
+    return k == 0 ? r.pages : r.state[k - 1];
+  }
+
+  // Decode, after Success: nullopt when every KV byte after the prefix, every state item pdlib
+  // pairs up and the aux slot are the request's, and the state items beyond the pairing are
+  // untouched.
   std::optional<std::string> Check(const Request& r) const {
     auto slot = aux_->ReadSlot(*r.aux);
     if (!slot.ok()) return "aux.ReadSlot:" + std::string(slot.status().message());
     if (auto bad = CheckAuxSlot(*slot, r.room)) return bad;
-    for (size_t b = 0; b < pools_.size(); ++b) {
-      for (size_t i = 0; i < r.pages.size(); ++i) {
-        auto bad = CheckPage(pools_[b].data() + size_t(r.pages[i]) * c_.item_bytes, c_.item_bytes,
-                             r.room, uint32_t(b), uint32_t(i));
+    const Pool& kv_pool = kv();
+    for (size_t b = 0; b < kv_pool.buffers.size(); ++b) {
+      for (size_t i = r.shape.prefix_pages; i < r.pages.size(); ++i) {
+        auto bad =
+            CheckPage(kv_pool.At(b, r.pages[i]), kv_pool.item, r.room, uint32_t(b), uint32_t(i));
         if (bad) return *bad + ",page=" + std::to_string(r.pages[i]);
       }
     }
+    for (size_t k = 1; k < pools_.size(); ++k) {
+      const Pool& pool = pools_[k];
+      const std::vector<int32_t>& items = r.state[k - 1];
+      const size_t paired = PairedItems(pool, r.shape);
+      for (size_t b = 0; b < pool.buffers.size(); ++b) {
+        for (size_t e = 0; e < items.size(); ++e) {
+          const uint8_t* p = pool.At(b, items[e]);
+          const std::string where = ",state=" + pool.name + ",item=" + std::to_string(items[e]) +
+                                    ",entry=" + std::to_string(e);
+          if (e < paired) {
+            auto bad = CheckPage(p, pool.item, r.room, pool.BufferId(b), uint32_t(e));
+            if (bad) return *bad + where;
+          } else if (std::any_of(p, p + pool.item, [](uint8_t x) { return x != kCanary; })) {
+            return "unpaired_entry_written,buffer=" + std::to_string(b) + where;
+          }
+        }
+      }
+    }
     return std::nullopt;
+  }
+
+  // Bytes Check() compares on a Success.
+  uint64_t CheckedBytes(const Request& r) const {
+    uint64_t bytes = SentPages(r.shape) * kv().buffers.size() * kv().item + AuxSlotBytes();
+    for (size_t k = 1; k < pools_.size(); ++k) {
+      bytes += r.state[k - 1].size() * pools_[k].buffers.size() * pools_[k].item;
+    }
+    return bytes;
   }
 
   void Finish(size_t index, pdlib::KVPoll st) {
@@ -287,17 +490,19 @@ class Peer {
     requests_.erase(requests_.begin() + std::ptrdiff_t(index));
     const uint64_t room_id = r->room;
     const std::string room = std::to_string(room_id);
-    if (st != pdlib::KVPoll::kSuccess) {
+    const std::string prefix = " prefix_pages=" + std::to_string(r->shape.prefix_pages);
+    if (!r->bad.empty()) {
+      Emit("ROOM " + room + " BadBytes " + r->bad);
+    } else if (st != pdlib::KVPoll::kSuccess) {
       Emit("ROOM " + room + " Failed " + r->handle().FailureReason().ToString());
     } else if (prefill()) {
       Emit("ROOM " + room + " Success OK");
     } else if (!c_.verify) {
-      Emit("ROOM " + room + " Success OK bytes=0");
+      Emit("ROOM " + room + " Success OK bytes=0" + prefix);
     } else if (auto bad = Check(*r)) {
       Emit("ROOM " + room + " BadBytes " + *bad);
     } else {
-      const uint64_t bytes = r->pages.size() * pools_.size() * c_.item_bytes + AuxSlotBytes();
-      Emit("ROOM " + room + " Success OK bytes=" + std::to_string(bytes));
+      Emit("ROOM " + room + " Success OK bytes=" + std::to_string(CheckedBytes(*r)) + prefix);
     }
     // Page reuse (kv_manager.h): a failed request's pages stay aside until pdlib says no late
     // write can land in them. Half of such requests keep their handle and poll PagesReusable();
@@ -348,7 +553,7 @@ class Peer {
     return n;
   }
 
-  // The engine releases the request: the handle first, then its slot and pages.
+  // The engine releases the request: the handle first, then its slot, pages and state.
   void Release(std::unique_ptr<Request> r) {
     const uint64_t room_id = r->room;
     if (r->held_since != Clock::time_point{} && !prefill()) {
@@ -359,19 +564,24 @@ class Peer {
     }
     r->sender.reset();
     r->receiver.reset();
+    // Decode's own prefix pages: whatever pdlib did with the request, they hold decode's bytes.
+    if (!prefill()) CheckPrefixPages(*r);
     const std::optional<uint32_t> aux = r->aux;
-    const std::vector<int32_t> pages = std::move(r->pages);
+    std::vector<std::vector<int32_t>> items = std::move(r->state);
+    items.insert(items.begin(), std::move(r->pages));
     r.reset();
 
     if (!prefill()) {
       // From here on pdlib must not write to them: the canary shows if it does.
-      for (size_t i = 0; i < pages.size(); ++i) {
-        PoisonPage(pages[i]);
-        last_room_[size_t(pages[i])] = room_id;
-        last_position_[size_t(pages[i])] = uint32_t(i);
+      for (size_t k = 0; k < pools_.size(); ++k) {
+        for (size_t i = 0; i < items[k].size(); ++i) {
+          Poison(pools_[k], items[k][i]);
+          pools_[k].last_room[size_t(items[k][i])] = room_id;
+          pools_[k].last_position[size_t(items[k][i])] = uint32_t(i);
+        }
       }
-      if (!pages.empty() && Spoiled(room_id, c_.corrupt_free_one_in, 0xc)) {
-        pools_.front()[size_t(pages[0]) * c_.item_bytes + 7] ^= 0x01;
+      if (!items[0].empty() && Spoiled(room_id, c_.corrupt_free_one_in, 0xc)) {
+        kv().At(0, items[0][0])[7] ^= 0x01;
       }
       if (aux) {
         PoisonSlot(*aux);
@@ -382,15 +592,42 @@ class Peer {
       slot_in_use_[*aux] = false;
       slots_->Free(*aux).IgnoreError();
     }
-    pages_->Free(pages);
+    for (size_t k = 0; k < pools_.size(); ++k) pools_[k].alloc->Free(items[k]);
   }
 
-  // Decode: the pages and metadata slots the engine does not lend to pdlib hold a canary byte;
-  // a write there is a write after its request was over (a stale or misdirected write).
-  void PoisonPage(int32_t page) {
-    for (auto& pool : pools_) {
-      std::memset(pool.data() + size_t(page) * c_.item_bytes, kCanary, c_.item_bytes);
+  Pool& kv() { return pools_.front(); }
+  const Pool& kv() const { return pools_.front(); }
+
+  // Decode: the pages and state items and the metadata slots the engine does not lend to pdlib
+  // hold a canary byte; a write there is a write after its request was over (a stale or
+  // misdirected write).
+  void Poison(Pool& pool, int32_t index) {
+    for (size_t b = 0; b < pool.buffers.size(); ++b) {
+      std::memset(pool.At(b, index), kCanary, pool.item);
     }
+  }
+
+  // Decode: reports (STALE prefix_page=... line) and restores each page of the request's own
+  // prefix that no longer holds decode's bytes: pdlib never had it, so any write there is
+  // misdirected or stale. Returns how many were.
+  uint64_t CheckPrefixPages(const Request& r) {
+    uint64_t broken = 0;
+    Pool& pool = kv();
+    for (size_t i = 0; i < r.shape.prefix_pages; ++i) {
+      std::string first;
+      for (size_t b = 0; b < pool.buffers.size(); ++b) {
+        uint8_t* p = pool.At(b, r.pages[i]);
+        if (auto bad = CheckPage(p, pool.item, r.room, PrefixBufferId(b), uint32_t(i))) {
+          if (first.empty()) first = *bad;
+          FillPage(p, pool.item, r.room, PrefixBufferId(b), uint32_t(i));
+        }
+      }
+      if (first.empty()) continue;
+      ++broken;
+      Emit("STALE prefix_page=" + std::to_string(r.pages[i]) + " room=" + std::to_string(r.room) +
+           " position=" + std::to_string(i) + " first_wrong=" + first);
+    }
+    return broken;
   }
 
   void PoisonSlot(uint32_t slot) {
@@ -400,29 +637,31 @@ class Peer {
     }
   }
 
-  // Reports (STALE line) and restores a free page whose canary was overwritten. Returns true
-  // when it was intact.
-  bool CheckFreePage(int32_t page) {
+  // Reports (STALE line) and restores a free page or state item whose canary was overwritten.
+  // Returns true when it was intact.
+  bool CheckFree(Pool& pool, int32_t index) {
     std::string first;   // the first overwritten byte
-    size_t buffers = 0;  // buffers of this page with one
+    size_t buffers = 0;  // buffers of this item with one
     bool from_last = true;
-    const uint64_t last = last_room_[size_t(page)];
-    for (size_t b = 0; b < pools_.size(); ++b) {
-      const uint8_t* p = pools_[b].data() + size_t(page) * c_.item_bytes;
-      const uint8_t* end = p + c_.item_bytes;
+    const uint64_t last = pool.last_room[size_t(index)];
+    for (size_t b = 0; b < pool.buffers.size(); ++b) {
+      const uint8_t* p = pool.At(b, index);
+      const uint8_t* end = p + pool.item;
       const uint8_t* bad = std::find_if(p, end, [](uint8_t x) { return x != kCanary; });
       if (bad == end) continue;
       if (buffers++ == 0) {
         first = " buffer=" + std::to_string(b) + " offset=" + std::to_string(bad - p);
       }
-      from_last &= last != kNoRoom &&
-                   !CheckPage(p, c_.item_bytes, last, uint32_t(b), last_position_[size_t(page)]);
+      from_last &= last != kNoRoom && !CheckPage(p, pool.item, last, pool.BufferId(b),
+                                                 pool.last_position[size_t(index)]);
     }
     if (buffers == 0) return true;
-    Emit("STALE page=" + std::to_string(page) + first + " buffers=" + std::to_string(buffers) +
+    // The KV pool's line is the one it always was; a state pool's names the pool.
+    const std::string what = pool.family ? "pool=" + pool.name + " item=" : "page=";
+    Emit("STALE " + what + std::to_string(index) + first + " buffers=" + std::to_string(buffers) +
          " last_room=" + (last == kNoRoom ? std::string("none") : std::to_string(last)) +
          " holds_last_room_bytes=" + (from_last ? "1" : "0"));
-    PoisonPage(page);
+    Poison(pool, index);
     return false;
   }
 
@@ -443,13 +682,19 @@ class Peer {
     return intact;
   }
 
-  // Decode: every free page and slot still holds its canary. Returns how many did not.
+  // Decode: every free page, state item and slot still holds its canary, and the prefix pages
+  // of every request held still hold decode's bytes. Returns how many did not.
   uint64_t SweepFree() {
     uint64_t broken = 0;
     if (prefill()) return 0;
-    for (size_t page = 0; page < pages_->capacity(); ++page) {
-      if (!pages_->in_use(page) && !CheckFreePage(int32_t(page))) ++broken;
+    for (Pool& pool : pools_) {
+      for (size_t i = 0; i < pool.alloc->capacity(); ++i) {
+        if (!pool.alloc->in_use(i) && !CheckFree(pool, int32_t(i))) ++broken;
+      }
     }
+    for (const auto& r : requests_) broken += CheckPrefixPages(*r);
+    for (const auto& r : held_) broken += CheckPrefixPages(*r);
+    for (const auto& [room, r] : dropped_) broken += CheckPrefixPages(*r);
     for (size_t slot = 0; slot < slot_in_use_.size(); ++slot) {
       if (!slot_in_use_[slot] && !CheckFreeSlot(uint32_t(slot))) ++broken;
     }
@@ -468,7 +713,14 @@ class Peer {
         << " quarantined_pages=" << m.quarantined_pages
         << " quarantine_max_hold_ms=" << m.quarantine_max_hold_ms
         << " aux_free=" << slots_->available() << " aux_capacity=" << slots_->capacity()
-        << " pages_free=" << pages_->available() << " pages_capacity=" << pages_->capacity()
+        << " pages_free=" << kv().alloc->available()
+        << " pages_capacity=" << kv().alloc->capacity();
+    size_t state_free = 0, state_capacity = 0;
+    for (size_t k = 1; k < pools_.size(); ++k) {
+      state_free += pools_[k].alloc->available();
+      state_capacity += pools_[k].alloc->capacity();
+    }
+    out << " state_free=" << state_free << " state_capacity=" << state_capacity
         << " stale_free=" << stale;
     Emit(out.str());
   }
@@ -516,14 +768,11 @@ class Peer {
   static constexpr uint64_t kNoRoom = ~uint64_t{0};
 
   const PeerConfig c_;
-  std::vector<std::vector<uint8_t>> pools_;  // a K and a V pool per layer
-  std::unique_ptr<PagePool> pages_;
+  std::vector<Pool> pools_;  // the KV pool, then one per state family
   std::unique_ptr<pdlib::MetadataBuffers> aux_;
   std::unique_ptr<pdlib::MetadataSlotAllocator> slots_;
   std::vector<bool> slot_in_use_;
-  // Decode: the request that last held each page (and its position there) and each slot.
-  std::vector<uint64_t> last_room_;
-  std::vector<uint32_t> last_position_;
+  // Decode: the request that last held each metadata slot.
   std::vector<uint64_t> last_slot_room_;
   std::unique_ptr<pdlib::KVManager> manager_;
   std::vector<std::unique_ptr<Request>> requests_;
@@ -533,6 +782,13 @@ class Peer {
   std::string input_;
   bool quit_ = false;
 };
+
+// The share as text that parses back to the same double.
+std::string FormatShare(double share) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.17g", share);
+  return text;
+}
 
 }  // namespace
 
@@ -559,6 +815,11 @@ std::vector<std::string> PeerArgs(const PeerConfig& c) {
       {"--corrupt-kv-one-in", std::to_string(c.corrupt_kv_one_in)},
       {"--corrupt-aux-one-in", std::to_string(c.corrupt_aux_one_in)},
       {"--corrupt-free-one-in", std::to_string(c.corrupt_free_one_in)},
+      {"--corrupt-state-one-in", std::to_string(c.corrupt_state_one_in)},
+      {"--corrupt-prefix-one-in", std::to_string(c.corrupt_prefix_one_in)},
+      {"--ignore-prefix-one-in", std::to_string(c.ignore_prefix_one_in)},
+      {"--prefix-share", FormatShare(c.prefix_share)},
+      {"--state-families", StateFamiliesName(c.state_families)},
       {"--max-seconds", std::to_string(c.max_seconds)},
   };
   std::vector<std::string> a;

@@ -8,14 +8,22 @@
 //   QUIT           destroy every handle, then the manager; print BYE; exit 0
 // Lines printed (stdout, flushed each):
 //   READY port=<control port, 0 on decode>
-//   ROOM <room> Success OK bytes=<n>    decode: n bytes of KV and aux checked (0 unverified)
+//   ROOM <room> Success OK bytes=<n> prefix_pages=<p>
+//                                       decode: n bytes of KV, state and aux checked (0
+//                                       unverified); p: pages of the request's decode prefix
 //   ROOM <room> Success OK              prefill
 //   ROOM <room> Failed <reason>         the handle's FailureReason(), or why it was refused
-//   ROOM <room> BadBytes <first wrong>  decode: Success, but the bytes are not the request's
-//   STALE page=<p> buffer=<b> offset=<o> buffers=<n> ... | STALE aux_slot=<s> field=<f> ...
-//                                       decode: a page or metadata slot that the engine had
-//                                       taken back (the request was over) was written to; found
-//                                       when it is handed out again and at every METRICS
+//   ROOM <room> BadBytes <first wrong>  decode: Success, but the bytes are not the request's;
+//                                       prefill: decode_prefix_len() or PagesAfterPrefix() was
+//                                       not what the room's decode holds (the room is aborted)
+//   STALE page=<p> buffer=<b> offset=<o> buffers=<n> ... | STALE pool=<kind> item=<i> ... |
+//   STALE aux_slot=<s> field=<f> ...    decode: a KV page, state item (mamba slot, swa page) or
+//                                       metadata slot that the engine had taken back (the
+//                                       request was over) was written to; found when it is
+//                                       handed out again and at every METRICS
+//   STALE prefix_page=<p> room=<r> ...  decode: a page of a request's decode prefix (decode's
+//                                       own cache, never handed to pdlib) was written to; found
+//                                       when the request is released and at every METRICS
 //   METRICS live_rooms=<n> connections=<n> ... (KVManagerMetrics, and what the peer holds)
 //   ERROR <message>
 //   BYE
@@ -57,6 +65,20 @@ struct PeerConfig {
   // Negative control of the free-memory canary (decode): after about one room in N is over, one
   // byte of a page it gave back is overwritten, as a stale write would.
   uint64_t corrupt_free_one_in = 0;
+  // Negative controls of the prefix and state checks: prefill spoils one state byte of about one
+  // room in N (bad bytes); decode overwrites a byte of its own prefix pages of about one room in
+  // N that has a prefix (a stale write); prefill ignores decode's prefix in about one room in N,
+  // sending the same number of pages from the start of the prompt (bad bytes when it has one).
+  uint64_t corrupt_state_one_in = 0;
+  uint64_t corrupt_prefix_one_in = 0;
+  uint64_t ignore_prefix_one_in = 0;
+  // Decode prefix reuse: the share of requests whose decode holds a prefix of the prompt
+  // (RequestShape::prefix_pages), in [0, 1].
+  double prefix_share = 0.5;
+  // State families of the model (KVArgs::state_families, in this order), each a buffer per
+  // layer in a pool of its own: kMamba and kC128State one slot per request, kSwa the window's
+  // pages (RequestShape::swa_prefill / swa_decode). Empty: no state.
+  std::vector<pdlib::StateType> state_families = {pdlib::StateType::kMamba, pdlib::StateType::kSwa};
   size_t concurrency = 16;  // rooms in flight at most (sizes the page pool and the slots)
   size_t layers = 2;        // each with a K and a V buffer
   size_t item_bytes = 4096;

@@ -38,6 +38,7 @@ nlohmann::ordered_json TallyFields(const Tally& t) {
           {"leaked_by_kind", t.leaked_by_kind},
           {"verified_requests", t.verified_requests},
           {"verified_bytes", t.verified_bytes},
+          {"verified_prefix_requests", t.verified_prefix_requests},
           {"harness_errors", t.harness_errors},
           {"max_fault_to_terminal_ms", t.max_fault_to_terminal_ms},
           {"hang_bound_ms", t.hang_bound_ms},
@@ -78,6 +79,7 @@ void Tally::Add(const Tally& o) {
   fault_errors += o.fault_errors;
   verified_requests += o.verified_requests;
   verified_bytes += o.verified_bytes;
+  verified_prefix_requests += o.verified_prefix_requests;
   harness_errors += o.harness_errors;
   max_fault_to_terminal_ms = std::max(max_fault_to_terminal_ms, o.max_fault_to_terminal_ms);
   hang_bound_ms = std::max(hang_bound_ms, o.hang_bound_ms);
@@ -143,7 +145,8 @@ std::string RenderSummary(const Report& r) {
     << " ms after the first fault (hang bound " << t.hang_bound_ms << " ms); probes "
     << t.probes - t.probes_failed << "/" << t.probes << " ok; crashes " << t.crashes
     << ", unclean exits " << t.unclean_exits << "\n  verified " << t.verified_requests
-    << " requests, " << t.verified_bytes << " bytes\n";
+    << " requests (" << t.verified_prefix_requests << " with a decode prefix), " << t.verified_bytes
+    << " bytes\n";
   if (t.ucx_known_aborts > 0) {
     o << "  NOTE: " << t.ucx_known_aborts
       << " process(es) aborted inside UCX 1.13 (a wireup message pending on a tcp endpoint "

@@ -18,12 +18,16 @@ struct Tally {
   // Rooms not terminal on a live side within hang_bound_ms of their start or of the last fault
   // event (kill, freeze, thaw, restart) of their prefill or decode process.
   uint64_t hung = 0;
-  uint64_t bad_bytes = 0;  // decode Success with bytes that are not the request's
-  // Writes into decode pages or metadata slots after their request was over (the engine had
-  // taken them back): found by a canary the decode process keeps in its free memory.
+  // decode Success with bytes that are not the request's (KV after the prefix, state, aux), or a
+  // prefill told another decode prefix than the one decode holds
+  uint64_t bad_bytes = 0;
+  // Writes into decode pages, state items or metadata slots after their request was over (the
+  // engine had taken them back): found by a canary the decode process keeps in its free memory;
+  // and writes into the pages of a request's decode prefix (decode's own cache, never handed to
+  // pdlib): found by the bytes decode keeps there.
   uint64_t stale_writes = 0;
-  // Rooms, handles, metadata slots, pages and connections still held by the processes at the
-  // end, once everything was quiesced (see leaked_by_kind).
+  // Rooms, handles, metadata slots, pages, state items and connections still held by the
+  // processes at the end, once everything was quiesced (see leaked_by_kind).
   uint64_t leaked = 0;
   uint64_t faults = 0;  // faults injected (faults_by_kind)
   uint64_t restarts = 0;
@@ -48,6 +52,9 @@ struct Tally {
   uint64_t fault_errors = 0;       // faults that could not be injected or ended (nft, tc, etcd)
   uint64_t verified_requests = 0;  // Success requests whose bytes decode checked
   uint64_t verified_bytes = 0;
+  // Of verified_requests, those whose decode held a prefix of the prompt (only the pages after
+  // it moved; the prefix pages kept decode's own bytes).
+  uint64_t verified_prefix_requests = 0;
   uint64_t harness_errors = 0;  // ERROR lines from the peers (API calls refused)
   // Page reuse: failed requests whose pages decode's engine held aside until pdlib said no late
   // write could land (QUARANTINE lines), the pages they held, the most held at once by one

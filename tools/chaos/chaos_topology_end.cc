@@ -168,6 +168,7 @@ void Topology::Finalize() {
     if (r.d.bytes > 0) {
       ++t_.verified_requests;
       t_.verified_bytes += r.d.bytes;
+      if (r.d.prefix_pages > 0) ++t_.verified_prefix_requests;
     }
     if (r.prefill_generation > 0 || r.decode_generation > 0) ++t_.succeeded_after_restart;
   }
