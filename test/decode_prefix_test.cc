@@ -2,9 +2,8 @@
 // R11.1, R11.2): what an engine sees on both sides, over both control planes. Bytes are
 // compared over the ucx backend (shared memory) where it is built; the control-plane cases run
 // over fake.
-#include <catch2/catch.hpp>
-
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -178,9 +177,8 @@ TEST_CASE("decode prefix: prefill learns it at WaitingForInput and counts only t
   const std::vector<int32_t> all = {10, 11, 12, 13};
   CHECK((*s)->Send(all, true).code() == StatusCode::kOutOfRange);
   REQUIRE((*s)->Send(std::span(all).subspan(2), true).ok());
-  CHECK(WaitFor([&] {
-    return (*s)->Poll() == KVPoll::kSuccess && (*r)->Poll() == KVPoll::kSuccess;
-  }));
+  CHECK(WaitFor(
+      [&] { return (*s)->Poll() == KVPoll::kSuccess && (*r)->Poll() == KVPoll::kSuccess; }));
 }
 
 TEST_CASE("decode prefix: decode ranks that disagree fail the room with both values") {
@@ -214,9 +212,8 @@ TEST_CASE("decode prefix: decode ranks that disagree fail the room with both val
   CHECK(why.find("4 tokens") != std::string::npos);
   CHECK(why.find("8 tokens") != std::string::npos);
   // Decode hears of it too.
-  CHECK(WaitFor([&] {
-    return (*r0)->Poll() == KVPoll::kFailed || (*r1)->Poll() == KVPoll::kFailed;
-  }));
+  CHECK(WaitFor(
+      [&] { return (*r0)->Poll() == KVPoll::kFailed || (*r1)->Poll() == KVPoll::kFailed; }));
 }
 
 uint8_t KvByte(uint64_t room, int kv, uint64_t position_page, uint64_t offset) {
@@ -279,11 +276,9 @@ void MoveWithPrefix(int32_t prefix_pages, uint64_t prompt_len) {
   const std::vector<uint32_t> scounts = {1, 2};
   const std::span<const int32_t> tail = std::span(src).subspan(static_cast<size_t>(prefix_pages));
   if (tail.size() > 1) REQUIRE((*s)->Send(tail.first(1), false).ok());
-  REQUIRE((*s)->SendStates(tail.size() > 1 ? tail.subspan(1) : tail, true, {sstate, scounts})
-              .ok());
-  REQUIRE(WaitFor([&] {
-    return (*s)->Poll() == KVPoll::kSuccess && (*r)->Poll() == KVPoll::kSuccess;
-  }));
+  REQUIRE((*s)->SendStates(tail.size() > 1 ? tail.subspan(1) : tail, true, {sstate, scounts}).ok());
+  REQUIRE(WaitFor(
+      [&] { return (*s)->Poll() == KVPoll::kSuccess && (*r)->Poll() == KVPoll::kSuccess; }));
   for (uint64_t q = 0; q < kPoolPages; ++q) {
     int64_t pos = -1;
     for (size_t k = 0; k < dst.size(); ++k) {
@@ -292,8 +287,7 @@ void MoveWithPrefix(int32_t prefix_pages, uint64_t prompt_len) {
     for (int kv = 0; kv < 2; ++kv) {
       const auto& pool = kv == 0 ? d.k : d.v;
       for (uint64_t o = 0; o < pb; ++o) {
-        const uint8_t want =
-            pos < 0 ? kFill : KvByte(room, kv, static_cast<uint64_t>(pos), o);
+        const uint8_t want = pos < 0 ? kFill : KvByte(room, kv, static_cast<uint64_t>(pos), o);
         INFO("pool page " << q << " position " << pos << " kv " << kv << " byte " << o);
         REQUIRE(pool[q * pb + o] == want);
       }

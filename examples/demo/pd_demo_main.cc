@@ -428,68 +428,70 @@ PhaseResult RunPhase(const Args& args, bool layerwise, bool prefix_reuse,
   (*dep)->Generate(warm, 2);
   (*dep)->GenerateColocated(warm, 2);
   for (double rate : a.rates) {
-   uint64_t kv_bytes = 0;
-   std::vector<int64_t> later_ttft;
-   std::vector<std::vector<int32_t>> prompts = first_prompts;
-   for (int turn = 0; turn < a.turns; ++turn) {
-    RunStats ds, cs;
-    auto disagg = RunBatch(
-        prompts, rate,
-        [&](const std::vector<int32_t>& p) { return (*dep)->Generate(p, a.max_new_tokens); }, &ds);
-    auto coloc = RunBatch(
-        prompts, rate,
-        [&](const std::vector<int32_t>& p) {
-          return (*dep)->GenerateColocated(p, a.max_new_tokens);
-        },
-        &cs);
-    for (const Outcome& d : disagg) kv_bytes += d.kv_bytes;
-    if (turn > 0) later_ttft.insert(later_ttft.end(), ds.ttft_us.begin(), ds.ttft_us.end());
-    if (a.turns > 1) std::printf("\nturn %d of %d\n", turn + 1, a.turns);
-    if (!a.quiet) {
-      std::printf("\n%4s %6s %4s %9s %11s %10s %9s %12s  %s\n", "req", "prompt", "out", "ttft_ms",
-                  "transfer_ms", "exposed_ms", "kv_bytes", "coloc_ttft", "output");
-    }
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      const Outcome& d = disagg[i];
-      const Outcome& c = coloc[i];
-      const bool same = d.ok && c.ok && d.output_ids == c.output_ids &&
-                        int(d.output_ids.size()) == a.max_new_tokens;
-      if (!d.ok || !c.ok)
-        ++ph.failed;
-      else if (!same)
-        ++ph.differ;
-      if (!a.quiet || !same) {
-        std::printf("%4zu %6zu %4zu %9.1f %11.2f %10.2f %9llu %12.1f  %s\n", i, prompts[i].size(),
-                    d.output_ids.size(), double(d.ttft_us) / 1000, double(d.transfer_us) / 1000,
-                    double(d.exposed_transfer_us) / 1000,
-                    static_cast<unsigned long long>(d.kv_bytes), double(c.ttft_us) / 1000,
-                    same    ? "identical"
-                    : !d.ok ? ("FAILED: " + d.reason).c_str()
-                    : !c.ok ? ("colocated FAILED: " + c.reason).c_str()
-                            : "DIFFERS from the colocated run");
+    uint64_t kv_bytes = 0;
+    std::vector<int64_t> later_ttft;
+    std::vector<std::vector<int32_t>> prompts = first_prompts;
+    for (int turn = 0; turn < a.turns; ++turn) {
+      RunStats ds, cs;
+      auto disagg = RunBatch(
+          prompts, rate,
+          [&](const std::vector<int32_t>& p) { return (*dep)->Generate(p, a.max_new_tokens); },
+          &ds);
+      auto coloc = RunBatch(
+          prompts, rate,
+          [&](const std::vector<int32_t>& p) {
+            return (*dep)->GenerateColocated(p, a.max_new_tokens);
+          },
+          &cs);
+      for (const Outcome& d : disagg) kv_bytes += d.kv_bytes;
+      if (turn > 0) later_ttft.insert(later_ttft.end(), ds.ttft_us.begin(), ds.ttft_us.end());
+      if (a.turns > 1) std::printf("\nturn %d of %d\n", turn + 1, a.turns);
+      if (!a.quiet) {
+        std::printf("\n%4s %6s %4s %9s %11s %10s %9s %12s  %s\n", "req", "prompt", "out", "ttft_ms",
+                    "transfer_ms", "exposed_ms", "kv_bytes", "coloc_ttft", "output");
+      }
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        const Outcome& d = disagg[i];
+        const Outcome& c = coloc[i];
+        const bool same = d.ok && c.ok && d.output_ids == c.output_ids &&
+                          int(d.output_ids.size()) == a.max_new_tokens;
+        if (!d.ok || !c.ok)
+          ++ph.failed;
+        else if (!same)
+          ++ph.differ;
+        if (!a.quiet || !same) {
+          std::printf("%4zu %6zu %4zu %9.1f %11.2f %10.2f %9llu %12.1f  %s\n", i, prompts[i].size(),
+                      d.output_ids.size(), double(d.ttft_us) / 1000, double(d.transfer_us) / 1000,
+                      double(d.exposed_transfer_us) / 1000,
+                      static_cast<unsigned long long>(d.kv_bytes), double(c.ttft_us) / 1000,
+                      same    ? "identical"
+                      : !d.ok ? ("FAILED: " + d.reason).c_str()
+                      : !c.ok ? ("colocated FAILED: " + c.reason).c_str()
+                              : "DIFFERS from the colocated run");
+        }
+      }
+      std::printf("\n");
+      PrintSummary("disaggregated", rate, ds, true);
+      PrintSummary("colocated", rate, cs, false);
+      if (turn + 1 == a.turns) {
+        ph.gap_ms.push_back(ds.MeanTtftMs() - cs.MeanTtftMs());
+        ph.exposed_ms.push_back(ds.MeanExposedMs());
+      }
+      // The conversation goes on with the reference's output (the disaggregated one equals it
+      // when the run is right; a difference is counted above either way).
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        prompts[i] = NextTurn(prompts[i], coloc[i].output_ids, a.d.seed, turn, i);
       }
     }
-    std::printf("\n");
-    PrintSummary("disaggregated", rate, ds, true);
-    PrintSummary("colocated", rate, cs, false);
-    if (turn + 1 == a.turns) {
-      ph.gap_ms.push_back(ds.MeanTtftMs() - cs.MeanTtftMs());
-      ph.exposed_ms.push_back(ds.MeanExposedMs());
+    ph.kv_bytes.push_back(kv_bytes);
+    ph.later_ttft_ms.push_back(RunStats::Mean(later_ttft));
+    if (a.turns > 1) {
+      std::printf(
+          "%d turns: KV bytes moved %llu, mean TTFT of turns 2..%d %.1f ms (decode prefix "
+          "reuse %s)\n",
+          a.turns, static_cast<unsigned long long>(kv_bytes), a.turns, ph.later_ttft_ms.back(),
+          prefix_reuse ? "on" : "off");
     }
-    // The conversation goes on with the reference's output (the disaggregated one equals it
-    // when the run is right; a difference is counted above either way).
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      prompts[i] = NextTurn(prompts[i], coloc[i].output_ids, a.d.seed, turn, i);
-    }
-   }
-   ph.kv_bytes.push_back(kv_bytes);
-   ph.later_ttft_ms.push_back(RunStats::Mean(later_ttft));
-   if (a.turns > 1) {
-     std::printf("%d turns: KV bytes moved %llu, mean TTFT of turns 2..%d %.1f ms (decode prefix "
-                 "reuse %s)\n",
-                 a.turns, static_cast<unsigned long long>(kv_bytes), a.turns,
-                 ph.later_ttft_ms.back(), prefix_reuse ? "on" : "off");
-   }
   }
   if (ph.differ + ph.failed > 0) std::fprintf(stderr, "%s", (*dep)->LogTails().c_str());
   std::printf("\n");

@@ -115,8 +115,7 @@ namespace {
 
 constexpr std::string_view kPrefillOnly[] = {"bootstrap_host", "bootstrap_port", "start_bootstrap"};
 constexpr std::string_view kDecodeOnly[] = {"colocated", "reserved_decode_tokens", "connect",
-                                            "prefix_cache_pages",
-                                            "test_fault"};
+                                            "prefix_cache_pages", "test_fault"};
 constexpr char kCudaDefaultBackend[] = "cuda_ipc";
 // pd-prefill only, beyond kPrefillOnly's bootstrap flags (decode rejects them the same way).
 constexpr std::string_view kPrefillPolicy[] = {"layerwise"};

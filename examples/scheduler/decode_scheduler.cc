@@ -54,9 +54,9 @@ StatusOr<std::unique_ptr<DecodeScheduler>> DecodeScheduler::Create(
     return s;
   }
   if (options.prefix_cache_pages < 0 ||
-      (options.prefix_cache_pages > 0 && (options.num_state_slots > 0 ||
-                                          options.sliding_window > 0 ||
-                                          options.whole_sequence_state))) {
+      (options.prefix_cache_pages > 0 &&
+       (options.num_state_slots > 0 || options.sliding_window > 0 ||
+        options.whole_sequence_state))) {
     return Status::InvalidArgument(absl::StrFormat(
         "decode scheduler: prefix_cache_pages %d: the prefix cache holds KV pages only, a model "
         "with per-request state (recurrent, sliding-window or index state) cannot reuse them",
@@ -106,8 +106,8 @@ void DecodeScheduler::FreeCached(const std::vector<int32_t>& pages) {
 void DecodeScheduler::DropPrefix(Req& r) {
   if (r.prefix_pages == 0 || r.mem.req_slot < 0) return;
   std::vector<int32_t>& table = page_table(r.mem);
-  const auto n = static_cast<std::ptrdiff_t>(std::min<size_t>(
-      static_cast<size_t>(r.prefix_pages), table.size()));
+  const auto n = static_cast<std::ptrdiff_t>(
+      std::min<size_t>(static_cast<size_t>(r.prefix_pages), table.size()));
   Check(prefix_cache_->Unlock(std::span(table).first(static_cast<size_t>(n))));
   table.erase(table.begin(), table.begin() + n);
   r.prefix_pages = 0;
@@ -244,8 +244,8 @@ void DecodeScheduler::ResumeRetracted() {
     const int64_t required = r.held_tokens() + options_.reserved_decode_tokens;
     if (required > allocatable) break;
     if (prefix_cache_) {
-      const int64_t need = static_cast<int64_t>(PageCount(static_cast<uint64_t>(r.kv_tokens),
-                                                          static_cast<uint32_t>(page_size())));
+      const int64_t need = static_cast<int64_t>(
+          PageCount(static_cast<uint64_t>(r.kv_tokens), static_cast<uint32_t>(page_size())));
       std::vector<int32_t> evicted;
       prefix_cache_->Evict(static_cast<int32_t>(need - deps_.pages->free_pages()), &evicted);
       FreeCached(evicted);
@@ -289,10 +289,9 @@ void DecodeScheduler::PreallocNew() {
     PrefixCache::Match prefix;
     if (charge && aux_available() >= 1 && prefix_cache_) {
       prefix = prefix_cache_->Lookup(r->request.prompt, r->prompt_len());
-      const int64_t need =
-          static_cast<int64_t>(PageCount(static_cast<uint64_t>(r->prompt_len()),
-                                         static_cast<uint32_t>(page_size()))) -
-          static_cast<int64_t>(prefix.pages.size());
+      const int64_t need = static_cast<int64_t>(PageCount(static_cast<uint64_t>(r->prompt_len()),
+                                                          static_cast<uint32_t>(page_size()))) -
+                           static_cast<int64_t>(prefix.pages.size());
       std::vector<int32_t> evicted;
       prefix_cache_->Evict(static_cast<int32_t>(need - deps_.pages->free_pages()), &evicted);
       FreeCached(evicted);
@@ -472,8 +471,8 @@ void DecodeScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage st
     // prompts that extend this one; the cache takes those it does not hold yet.
     std::vector<int32_t> tokens = r->request.prompt;
     tokens.insert(tokens.end(), r->output_ids.begin(), r->output_ids.end());
-    tokens.resize(static_cast<size_t>(std::min<int64_t>(r->kv_tokens,
-                                                        static_cast<int64_t>(tokens.size()))));
+    tokens.resize(
+        static_cast<size_t>(std::min<int64_t>(r->kv_tokens, static_cast<int64_t>(tokens.size()))));
     std::vector<int32_t>& table = page_table(r->mem);
     std::vector<int32_t> evicted;
     const std::vector<size_t> adopted = prefix_cache_->Insert(tokens, table, &evicted);

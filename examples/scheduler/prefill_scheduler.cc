@@ -14,10 +14,10 @@ struct PrefillScheduler::Req {
   std::unique_ptr<KVSender> sender;
   bool transferred = false;  // Success on every TP rank: pdlib reads none of its memory again
   RequestMemory mem;
-  int32_t filled = 0;      // prompt tokens whose KV has been computed
-  int32_t sent_pages = 0;  // page-table entries handed to Send, or skipped: decode's prefix
+  int32_t filled = 0;        // prompt tokens whose KV has been computed
+  int32_t sent_pages = 0;    // page-table entries handed to Send, or skipped: decode's prefix
   int32_t prefix_pages = 0;  // the prompt's first pages decode already holds (not sent)
-  int32_t sent_state = 0;  // state indices handed to Send (sliding window: window pages)
+  int32_t sent_state = 0;    // state indices handed to Send (sliding window: window pages)
   int32_t first_token = -1;
   int64_t first_sent_us = 0;
   int64_t last_sent_us = 0;
@@ -345,9 +345,9 @@ void PrefillScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage s
       .first_token_us = r->first_token_us,
       .transfer_start_us = r->first_sent_us,
       .transfer_end_us = r->transfer_end_us,
-      .kv_bytes = static_cast<uint64_t>(r->sent_pages - r->prefix_pages) *
-                      options_.kv_bytes_per_page +
-                  static_cast<uint64_t>(r->sent_state) * options_.page_state_bytes_per_page};
+      .kv_bytes =
+          static_cast<uint64_t>(r->sent_pages - r->prefix_pages) * options_.kv_bytes_per_page +
+          static_cast<uint64_t>(r->sent_state) * options_.page_state_bytes_per_page};
   if (f.status.ok()) f.output_ids.push_back(r->first_token);
   // Tells decode why before the sender goes (destroying a live sender aborts it anyway).
   FinishRequest(std::move(f), stage, std::move(r->sender), r->mem, r->transferred);

@@ -36,8 +36,7 @@ PrefixCache::Match PrefixCache::Lookup(std::span<const int32_t> tokens, int64_t 
     key = KeyOf(parent, page);
     auto it = entries_.find(key);
     if (it == entries_.end() || it->second.parent != parent ||
-        !std::equal(page.begin(), page.end(), it->second.tokens.begin(),
-                    it->second.tokens.end())) {
+        !std::equal(page.begin(), page.end(), it->second.tokens.begin(), it->second.tokens.end())) {
       break;
     }
     Entry& e = it->second;

@@ -49,8 +49,8 @@ class PrefixCache {
   // positions in page_table whose pages the cache now owns (the caller must not free them);
   // pages already cached (borrowed ones, or the same content from another request) are not
   // taken. Pages evicted to make room are appended to *evicted (free them).
-  std::vector<size_t> Insert(std::span<const int32_t> tokens,
-                             std::span<const int32_t> page_table, std::vector<int32_t>* evicted);
+  std::vector<size_t> Insert(std::span<const int32_t> tokens, std::span<const int32_t> page_table,
+                             std::vector<int32_t>* evicted);
   // Evicts up to `count` unlocked pages, least recently used first, into *evicted.
   void Evict(int32_t count, std::vector<int32_t>* evicted);
   // Every cached page (for shutdown); the cache is empty afterwards. Locked pages included:
@@ -60,8 +60,8 @@ class PrefixCache {
   int32_t cached_pages() const { return static_cast<int32_t>(entries_.size()); }
   int32_t evictable_pages() const { return static_cast<int32_t>(lru_.size()); }
   int32_t page_size() const { return page_size_; }
-  uint64_t hits() const { return hits_; }           // pages matched by Lookup, ever
-  uint64_t lookups() const { return lookups_; }     // Lookup calls
+  uint64_t hits() const { return hits_; }              // pages matched by Lookup, ever
+  uint64_t lookups() const { return lookups_; }        // Lookup calls
   uint64_t hit_tokens() const { return hit_tokens_; }  // tokens matched by Lookup, ever
 
  private:

@@ -138,10 +138,10 @@ Status SchedulerCore::FailureOf(const KVPollable& handle) const {
 
 bool SchedulerCore::Allocate(RequestMemory& mem, uint64_t room, int64_t kv_tokens,
                              std::span<const int32_t> borrowed) {
-  const int32_t pages = std::max<int32_t>(
-      0, static_cast<int32_t>(
-             PageCount(static_cast<uint64_t>(kv_tokens), static_cast<uint32_t>(page_size_))) -
-             static_cast<int32_t>(borrowed.size()));
+  const int32_t pages =
+      std::max<int32_t>(0, static_cast<int32_t>(PageCount(static_cast<uint64_t>(kv_tokens),
+                                                          static_cast<uint32_t>(page_size_))) -
+                               static_cast<int32_t>(borrowed.size()));
   const bool with_state = core_options_.num_state_slots > 0;
   if (req_slots_->available() < 1 || pages_->free_pages() < pages ||
       (with_state && state_slots_.available() < 1)) {

@@ -121,8 +121,7 @@ StatusOr<RegisterMsg> FromProto(const wire::v1::Register& in) {
         "state_families)",
         in.state_type(), in.state_start()));
   }
-  if (Status s = FamiliesFromProto(in.state_families(), "Register", &out.state_families);
-      !s.ok()) {
+  if (Status s = FamiliesFromProto(in.state_families(), "Register", &out.state_families); !s.ok()) {
     return s;
   }
   // Shapes are checked by prefill's planner; here only what would be unsafe to hold.
@@ -241,16 +240,16 @@ StatusOr<TransferInfoMsg> FromProto(const wire::v1::TransferInfo& in, uint64_t s
   if (in.has_aux_index()) out.aux_index = static_cast<uint32_t>(in.aux_index());
   out.dst_state_indices.assign(in.dst_state_indices().begin(), in.dst_state_indices().end());
   if (in.dst_state_counts_size() > kMaxRegions) {
-    return Status::InvalidArgument(absl::StrFormat(
-        "room %d: TransferInfo with %d state families (at most %d)", in.room(),
-        in.dst_state_counts_size(), kMaxRegions));
+    return Status::InvalidArgument(
+        absl::StrFormat("room %d: TransferInfo with %d state families (at most %d)", in.room(),
+                        in.dst_state_counts_size(), kMaxRegions));
   }
   uint64_t counted = 0;
   for (uint32_t c : in.dst_state_counts()) counted += c;
   if (in.dst_state_counts_size() > 0 && counted != out.dst_state_indices.size()) {
-    return Status::InvalidArgument(absl::StrFormat(
-        "room %d: TransferInfo state counts add up to %d for %d state indices", in.room(), counted,
-        out.dst_state_indices.size()));
+    return Status::InvalidArgument(
+        absl::StrFormat("room %d: TransferInfo state counts add up to %d for %d state indices",
+                        in.room(), counted, out.dst_state_indices.size()));
   }
   out.dst_state_counts.assign(in.dst_state_counts().begin(), in.dst_state_counts().end());
   out.required_dst_info_num = in.required_dst_info_num();

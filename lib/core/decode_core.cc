@@ -127,12 +127,8 @@ Status DecodeCore::EnsureConnected(
   std::shared_ptr<PrefillLink> installed = *link;
   {
     MutexLock lock(&mu_);
-    connections_[key] = Connection{
-        std::move(*link),
-        target->id,
-        StageExtentOf(ack),
-        next_gen_++,
-        ack.instance};
+    connections_[key] =
+        Connection{std::move(*link), target->id, StageExtentOf(ack), next_gen_++, ack.instance};
   }
   // The stream may have broken right after its RegisterAck, its OnPrefillGone delivered before
   // the connection above existed: a connection installed now would be dead and never purged.
@@ -332,7 +328,8 @@ Status DecodeCore::InitRoom(uint64_t room_id, const ReceiveRequest& request) {
     thread_local std::vector<int32_t> scratch;
     size_t at = 0;
     for (size_t f = 0; f < state_caps_.size(); ++f) {
-      const size_t n = request.state.counts.empty() ? state_indices.size() : request.state.counts[f];
+      const size_t n =
+          request.state.counts.empty() ? state_indices.size() : request.state.counts[f];
       const std::string what = absl::StrFormat("state family %d", f);
       if (Status s = planner::CheckDistinct(state_indices.subspan(at, n), what.c_str(), "decode",
                                             &scratch);

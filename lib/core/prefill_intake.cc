@@ -104,25 +104,24 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
   if (!msg.dst_state_counts.empty() || (!dst_state_caps.empty() && !msg.is_dummy)) {
     if (msg.dst_state_counts.size() != dst_state_caps.size()) {
       return reject(Status::InvalidArgument(absl::StrFormat(
-          "room %d: TransferInfo has state indices for %d families, decode registered %d",
-          msg.room, msg.dst_state_counts.size(), dst_state_caps.size())));
+          "room %d: TransferInfo has state indices for %d families, decode registered %d", msg.room,
+          msg.dst_state_counts.size(), dst_state_caps.size())));
     }
   }
-  if (Status s = ValidateStateIndices(dst_state_caps, msg.dst_state_indices,
-                                      msg.dst_state_counts, "decode");
+  if (Status s = ValidateStateIndices(dst_state_caps, msg.dst_state_indices, msg.dst_state_counts,
+                                      "decode");
       !s.ok()) {
     return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
   }
   if (msg.decode_prefix_len % peer->reg.page_size != 0) {
-    return reject(Status::InvalidArgument(absl::StrFormat(
-        "room %d: decode_prefix_len %d is not a multiple of page_size %d", msg.room,
-        msg.decode_prefix_len, peer->reg.page_size)));
+    return reject(Status::InvalidArgument(
+        absl::StrFormat("room %d: decode_prefix_len %d is not a multiple of page_size %d", msg.room,
+                        msg.decode_prefix_len, peer->reg.page_size)));
   }
   // The planner sees one chunk at a time; a decode index repeated across chunks is caught here
   // (state: within each family; two families are different buffers).
   thread_local std::vector<int32_t> scratch;
-  if (Status s = planner::CheckDistinct(msg.dst_kv_pages, "kv page", "decode", &scratch);
-      !s.ok()) {
+  if (Status s = planner::CheckDistinct(msg.dst_kv_pages, "kv page", "decode", &scratch); !s.ok()) {
     return reject(s.WithPrefix(absl::StrFormat("room %d", msg.room)));
   }
   {

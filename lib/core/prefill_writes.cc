@@ -93,8 +93,8 @@ Status PrefillCore::SendLayers(uint64_t room_id, std::span<const int32_t> pages,
       // Each family's two lists must pair up by its kind's rule (checked again when planned).
       for (const auto& info : room->infos) {
         if (info.is_dummy) continue;
-        if (Status s = CheckStatePairing(layout_.Families(), info, state_indices,
-                                         state_arg.counts, options_.args.page_size);
+        if (Status s = CheckStatePairing(layout_.Families(), info, state_indices, state_arg.counts,
+                                         options_.args.page_size);
             !s.ok()) {
           return s.WithPrefix(absl::StrFormat("room %d", room_id));
         }

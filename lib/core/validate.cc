@@ -64,9 +64,9 @@ Status ValidateStateIndices(std::span<const uint64_t> caps, std::span<const int3
     return ValidateIndices(indices, caps[0], "state", side);
   }
   if (counts.size() != caps.size()) {
-    return Status::InvalidArgument(absl::StrFormat(
-        "state indices for %d families, but %s has %d state families", counts.size(), side,
-        caps.size()));
+    return Status::InvalidArgument(
+        absl::StrFormat("state indices for %d families, but %s has %d state families",
+                        counts.size(), side, caps.size()));
   }
   uint64_t at = 0;
   for (size_t f = 0; f < counts.size(); ++f) {
@@ -183,8 +183,8 @@ Status ValidateKVArgs(const KVArgs& args) {
     const std::string what = absl::StrFormat("state family %d (%s)", f, StateTypeName(fam.type));
     if (fam.type == StateType::kNone || static_cast<int32_t>(fam.type) < 0 ||
         fam.type > StateType::kC128State) {
-      return Status::InvalidArgument(absl::StrFormat(
-          "state family %d: type %d is not a state kind", f, static_cast<int32_t>(fam.type)));
+      return Status::InvalidArgument(absl::StrFormat("state family %d: type %d is not a state kind",
+                                                     f, static_cast<int32_t>(fam.type)));
     }
     if (Status s = ValidateFamily(fam.buffers, what); !s.ok()) return s;
     if (!fam.dim_per_tensor.empty() && fam.dim_per_tensor.size() != fam.buffers.size()) {

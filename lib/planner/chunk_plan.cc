@@ -199,9 +199,9 @@ Status PlanTailImpl(const PairPlan& plan, const TailInput& t, PlanOutput* out) {
   // State (R5.8), family by family.
   const size_t families = plan.state_families.size();
   if (families == 0 && !(t.src_state.empty() && t.dst_state.empty())) {
-    return Status::InvalidArgument(absl::StrFormat(
-        "%d state indices given but the model has no state",
-        std::max(t.src_state.size(), t.dst_state.size())));
+    return Status::InvalidArgument(
+        absl::StrFormat("%d state indices given but the model has no state",
+                        std::max(t.src_state.size(), t.dst_state.size())));
   }
   for (auto [counts, list, side] : {std::tuple{t.src_state_counts, t.src_state, "prefill"},
                                     std::tuple{t.dst_state_counts, t.dst_state, "decode"}}) {
@@ -214,9 +214,8 @@ Status PlanTailImpl(const PairPlan& plan, const TailInput& t, PlanOutput* out) {
       continue;
     }
     if (counts.size() != families) {
-      return Status::InvalidArgument(
-          absl::StrFormat("%s state indices for %d families, but the model has %d", side,
-                          counts.size(), families));
+      return Status::InvalidArgument(absl::StrFormat(
+          "%s state indices for %d families, but the model has %d", side, counts.size(), families));
     }
     uint64_t sum = 0;
     for (uint32_t c : counts) sum += c;
@@ -255,7 +254,8 @@ Status PlanTailImpl(const PairPlan& plan, const TailInput& t, PlanOutput* out) {
     }
     uint64_t count = 0;
     for (const BufferMap& m : plan.state) {
-      if (m.family == static_cast<int32_t>(f)) count += CountWrites(m, out->runs.size(), src.size());
+      if (m.family == static_cast<int32_t>(f))
+        count += CountWrites(m, out->runs.size(), src.size());
     }
     out->writes.reserve(out->writes.size() + count);
     for (const BufferMap& m : plan.state) {
@@ -292,8 +292,7 @@ StatusOr<StatePairing> AlignStateLists(StateType type, size_t src_len, size_t ds
   // skip a family prefill passes None for): nothing is written.
   if (src_len == 0 || dst_len == 0) return StatePairing{};
   switch (type) {
-    case StateType::kNone:
-      return StatePairing{};
+    case StateType::kNone: return StatePairing{};
     case StateType::kMamba:
     case StateType::kC128State:
       // One request-scoped slot (c128_state: or none, when no partial block is pending); the

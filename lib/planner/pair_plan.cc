@@ -161,8 +161,8 @@ Status PlanFamilyState(const SideLayout& p, const SideLayout& d, const StateFami
       return Mismatch(
           "prefill %s state buffer %d (model-wide %d, pp %d) has no decode counterpart: "
           "decode pp %d holds %s state buffers [%d, %d)",
-          StateTypeName(fp.type), k, global, p.pp_rank, d.pp_rank, StateTypeName(fd.type),
-          fd.start, fd.start + nd);
+          StateTypeName(fp.type), k, global, p.pp_rank, d.pp_rank, StateTypeName(fd.type), fd.start,
+          fd.start + nd);
     }
     const StateBufferDesc& sp = p.state[fp.first + k];
     const StateBufferDesc& sd = d.state[fd.first + static_cast<size_t>(j)];
@@ -218,8 +218,8 @@ Status PlanFamilyState(const SideLayout& p, const SideLayout& d, const StateFami
 }
 
 Capacity FamilyCapacity(const SideLayout& l, const StateFamilySpan& f) {
-  Capacity cap = CapacityOf(std::vector<StateBufferDesc>(l.state.begin() + f.first,
-                                                         l.state.begin() + f.first + f.count));
+  Capacity cap = CapacityOf(
+      std::vector<StateBufferDesc>(l.state.begin() + f.first, l.state.begin() + f.first + f.count));
   cap.limiting_buffer += f.first;
   return cap;
 }
@@ -370,9 +370,10 @@ StatusOr<SideLayout> SideLayoutFromKVArgs(const KVArgs& args) {
     const StateFamily& fam = (*families)[f];
     const size_t n = fam.buffers.lens.size();
     const std::string name = absl::StrFormat("state family %d (%s)", f, StateTypeName(fam.type));
-    if (fam.buffers.item_lens.size() != n || (!fam.buffers.ptrs.empty() && fam.buffers.ptrs.size() != n)) {
-      return Status::InvalidArgument(absl::StrFormat("%s: %d lens but %d item_lens", name, n,
-                                                     fam.buffers.item_lens.size()));
+    if (fam.buffers.item_lens.size() != n ||
+        (!fam.buffers.ptrs.empty() && fam.buffers.ptrs.size() != n)) {
+      return Status::InvalidArgument(
+          absl::StrFormat("%s: %d lens but %d item_lens", name, n, fam.buffers.item_lens.size()));
     }
     for (auto [count, what] : {std::pair{fam.dim_per_tensor.size(), "dim_per_tensor"},
                                std::pair{fam.item_rows.size(), "item_rows"},
@@ -382,8 +383,8 @@ StatusOr<SideLayout> SideLayoutFromKVArgs(const KVArgs& args) {
             absl::StrFormat("%s: %s has %d entries for %d buffers", name, what, count, n));
       }
     }
-    l.state_families.push_back({fam.type, fam.start, static_cast<uint32_t>(l.state.size()),
-                                static_cast<uint32_t>(n)});
+    l.state_families.push_back(
+        {fam.type, fam.start, static_cast<uint32_t>(l.state.size()), static_cast<uint32_t>(n)});
     for (size_t i = 0; i < n; ++i) {
       StateBufferDesc s;
       s.item_bytes = fam.buffers.item_lens[i];
@@ -420,8 +421,7 @@ StatusOr<PairPlan> MakePairPlan(const SideLayout& p, const SideLayout& d) {
   bool same_kinds = pf.size() == df.size();
   for (size_t f = 0; same_kinds && f < pf.size(); ++f) same_kinds = pf[f].type == df[f].type;
   if (!same_kinds) {
-    return Mismatch("state type mismatch: prefill %s, decode %s", FamilyNames(pf),
-                    FamilyNames(df));
+    return Mismatch("state type mismatch: prefill %s, decode %s", FamilyNames(pf), FamilyNames(df));
   }
   if (p.aux.size() != d.aux.size()) {
     return Mismatch("aux buffer count mismatch: prefill %d, decode %d", p.aux.size(), d.aux.size());
@@ -447,10 +447,10 @@ StatusOr<PairPlan> MakePairPlan(const SideLayout& p, const SideLayout& d) {
     }
     for (size_t f = 0; f < pf.size(); ++f) {
       if (pf[f].start != df[f].start || pf[f].count != df[f].count) {
-        return Mismatch(
-            "pp stage %d differs: prefill %s state buffers [%d, %d), decode [%d, %d)", p.pp_rank,
-            StateTypeName(pf[f].type), pf[f].start, int64_t{pf[f].start} + pf[f].count,
-            df[f].start, int64_t{df[f].start} + df[f].count);
+        return Mismatch("pp stage %d differs: prefill %s state buffers [%d, %d), decode [%d, %d)",
+                        p.pp_rank, StateTypeName(pf[f].type), pf[f].start,
+                        int64_t{pf[f].start} + pf[f].count, df[f].start,
+                        int64_t{df[f].start} + df[f].count);
       }
     }
   } else if (d.start_layer != 0 || d.num_layers() != d.total_layers) {
@@ -523,9 +523,9 @@ Status CheckCovered(std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t st
     next = hi;
   }
   if (next != start + count) {
-    return Status::FailedPrecondition(absl::StrFormat(
-        "decode pp %d %s [%d, %d): the prefill stages cover up to %d", decode_pp, what, start,
-        start + count, next));
+    return Status::FailedPrecondition(
+        absl::StrFormat("decode pp %d %s [%d, %d): the prefill stages cover up to %d", decode_pp,
+                        what, start, start + count, next));
   }
   return Status::OK();
 }
@@ -541,8 +541,8 @@ Status CheckStageCoverage(const SideLayout& decode, std::span<const StageExtent>
     }
     if (e.num_layers > 0) ranges.emplace_back(e.start_layer, int64_t{e.start_layer} + e.num_layers);
   }
-  if (Status s = CheckCovered(ranges, decode.start_layer, decode.num_layers(), decode.pp_rank,
-                              "layers");
+  if (Status s =
+          CheckCovered(ranges, decode.start_layer, decode.num_layers(), decode.pp_rank, "layers");
       !s.ok()) {
     return s;
   }
@@ -557,14 +557,15 @@ Status CheckStageCoverage(const SideLayout& decode, std::span<const StageExtent>
       }
       const StageExtent::States& st = e.states[f];
       if (st.count < 0) {
-        return Status::InvalidArgument(absl::StrFormat(
-            "prefill pp %d holds %d %s state buffers", e.pp_rank, st.count,
-            StateTypeName(families[f].type)));
+        return Status::InvalidArgument(absl::StrFormat("prefill pp %d holds %d %s state buffers",
+                                                       e.pp_rank, st.count,
+                                                       StateTypeName(families[f].type)));
       }
       if (st.count > 0) ranges.emplace_back(st.start, int64_t{st.start} + st.count);
     }
-    if (Status s = CheckCovered(ranges, families[f].start, families[f].count, decode.pp_rank,
-                                absl::StrFormat("%s state buffers", StateTypeName(families[f].type)));
+    if (Status s =
+            CheckCovered(ranges, families[f].start, families[f].count, decode.pp_rank,
+                         absl::StrFormat("%s state buffers", StateTypeName(families[f].type)));
         !s.ok()) {
       return s;
     }

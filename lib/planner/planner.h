@@ -279,7 +279,7 @@ struct PairPlan {
   bool active = false;      // prefill writes to this decode rank (it is an expected sender)
   bool writes_aux = false;  // this pair carries the aux slot
   uint32_t page_size = 1;
-  int32_t prefill_layers = 0;  // the prefill rank's local KV layers (ChunkPages layer ranges)
+  int32_t prefill_layers = 0;    // the prefill rank's local KV layers (ChunkPages layer ranges)
   std::vector<BufferMap> kv;     // buffers with something to send, layer-major (K, V) order
   std::vector<BufferMap> aux;    // empty unless writes_aux
   std::vector<BufferMap> state;  // state buffers this pair sends (slices or whole items), by family

@@ -1,7 +1,6 @@
 // PrefixCache (examples/scheduler/prefix_cache.h): the decode scheduler's cache of finished
 // requests' pages for decode prefix reuse.
 #include <catch2/catch.hpp>
-
 #include <numeric>
 #include <vector>
 

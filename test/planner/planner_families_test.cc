@@ -2,9 +2,8 @@
 // (planner::AlignStateLists). Plans are applied to simulated buffers and every byte of decode's
 // state is compared with what the model holds, so a family's writes landing in another family's
 // buffers, a slice at the wrong offset or a skipped family all show up as wrong bytes.
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cstring>
 #include <functional>
 #include <map>

@@ -65,7 +65,7 @@ struct Flags {
   // prefill: announce every chunk layer by layer (SendLayers), chunk sizes and steps drawn from
   // this seed; 0: Send() whole chunks
   uint64_t layerwise_seed = 0;
-  bool cuda = false;  // --memory cuda
+  bool cuda = false;           // --memory cuda
   bool decode_prefix = false;  // --decode-prefix 1
   // prefill (negative control): send the first pages of the request instead of those after
   // decode's prefix, as a sender that ignored the prefix would
@@ -413,8 +413,10 @@ class Rank {
     if (f_.ignore_prefix) {
       // The negative control: the right number of pages, taken from the start of the request.
       std::vector<int32_t> wrong(pages.begin(), pages.end() - static_cast<std::ptrdiff_t>(first));
-      if (first == pages.size()) return WaitFor(h, pdlib::KVPoll::kSuccess, 20s) ==
-                                                pdlib::KVPoll::kSuccess ? "" : "transfer failed";
+      if (first == pages.size())
+        return WaitFor(h, pdlib::KVPoll::kSuccess, 20s) == pdlib::KVPoll::kSuccess
+                   ? ""
+                   : "transfer failed";
       auto st = h.SendStates(wrong, true, state.view());
       if (!st.ok()) return "Send: " + st.ToString();
       return WaitFor(h, pdlib::KVPoll::kSuccess, 20s) == pdlib::KVPoll::kSuccess
@@ -422,7 +424,8 @@ class Rank {
                  : "transfer: " + h.FailureReason().ToString();
     }
     const size_t left = pages.size() - first;
-    const size_t per_chunk = (left + static_cast<size_t>(s_.chunks) - 1) / static_cast<size_t>(s_.chunks);
+    const size_t per_chunk =
+        (left + static_cast<size_t>(s_.chunks) - 1) / static_cast<size_t>(s_.chunks);
     for (size_t at = first; f_.layerwise_seed == 0 && at < pages.size(); at += per_chunk) {
       const size_t n = std::min(per_chunk, pages.size() - at);
       const bool last = at + n == pages.size();
@@ -507,8 +510,8 @@ class Rank {
         const bool mine = off / sitem == static_cast<uint64_t>(slot);
         const uint8_t want = mine ? pdlib_e2e::StateByte(s_, shape_, room, g, off % sitem) : kSpoil;
         if (buf[off] != want) {
-          return std::string(mine ? "bad-byte" : "written-outside") + " state=" +
-                 std::to_string(g) + " offset=" + std::to_string(off);
+          return std::string(mine ? "bad-byte" : "written-outside") +
+                 " state=" + std::to_string(g) + " offset=" + std::to_string(off);
         }
       }
     }
@@ -522,10 +525,9 @@ class Rank {
             if (static_cast<uint64_t>(idx[e]) == it) entry = static_cast<int64_t>(e);
           }
           for (uint64_t off = 0; off < pdlib_e2e::kExtraItemBytes; ++off) {
-            const uint8_t want =
-                entry < 0 ? kSpoil
-                          : pdlib_e2e::ExtraByte(room, k, shape_.start_layer + l,
-                                                 static_cast<size_t>(entry), off);
+            const uint8_t want = entry < 0 ? kSpoil
+                                           : pdlib_e2e::ExtraByte(room, k, shape_.start_layer + l,
+                                                                  static_cast<size_t>(entry), off);
             const uint8_t got = buf[it * pdlib_e2e::kExtraItemBytes + off];
             if (got != want) {
               return std::string(entry < 0 ? "written-outside" : "bad-byte") + " " +
