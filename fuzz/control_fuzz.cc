@@ -266,8 +266,9 @@ void Harness::DoRegister(Stream& s) {
       out->push_back({family->ptrs[i], family->lens[i], family->item_lens[i], {9}});
     }
   }
-  m.state_type = s.args.state_type;
-  FillRegisterLayout(s.args, &m);
+  auto layout = PlannerLayout(s.args, "decode");
+  if (!layout.ok()) return;  // the harness builds valid layouts; nothing to register otherwise
+  FillRegisterLayout(s.args, *layout, &m);
   wire::v1::DecodeToPrefill msg;
   wire::v1::Register* r = msg.mutable_register_info();
   control::ToProto(m, r);
@@ -325,7 +326,15 @@ void Harness::DoRegister(Stream& s) {
       case 17: r->set_kv_layout(static_cast<wire::v1::KVLayout>(HostileInt(f_, 1))); break;
       case 18: r->set_is_mla(!r->is_mla()); break;
       case 19: r->set_start_layer(HostileInt(f_, r->start_layer())); break;
-      case 20: r->set_state_start(HostileInt(f_, r->state_start())); break;
+      case 20: {
+        // Wire version 3's state families: a kind, a start and a count that may lie.
+        auto* fam = r->mutable_state_families()->Add();
+        fam->set_type(static_cast<wire::v1::StateType>(HostileInt(f_, 2)));
+        fam->set_start(HostileInt(f_, 0));
+        fam->set_count(HostileInt(f_, 1));
+        if (f_.ConsumeBool()) r->set_state_start(HostileInt(f_, r->state_start()));
+        break;
+      }
       case 21: {
         auto* v = r->mutable_state_dim_per_tensor();
         if (v->empty() || f_.ConsumeBool()) {
@@ -372,10 +381,17 @@ void Harness::DoTransferInfo(Stream& s) {
       t->set_aux_index(
           MaybeHostileIndex(f_.ConsumeIntegralInRange(0, c_.aux_slots - 1), c_.aux_slots));
     }
-    if (!s.args.state.empty() && f_.ConsumeBool()) {
-      const int32_t n = c_.state_type == StateType::kMamba ? 1 : t->dst_kv_pages_size();
+    // One count per decode state family (wire version 3), every real TransferInfo of a model
+    // with state; hostile runs drop or add one.
+    if (!s.args.state.empty()) {
+      const int32_t n = !f_.ConsumeBool()                    ? 0
+                        : c_.state_type == StateType::kMamba ? 1
+                                                             : t->dst_kv_pages_size();
       for (int32_t i : Indices(c_.state_pool, n)) t->add_dst_state_indices(i);
+      t->add_dst_state_counts(static_cast<uint32_t>(t->dst_state_indices_size()));
+      if (Hostile(f_)) t->add_dst_state_counts(static_cast<uint32_t>(HostileInt(f_, 1)));
     }
+    if (Hostile(f_, 32)) t->set_decode_prefix_len(static_cast<uint64_t>(HostileInt(f_, 0)));
   }
   t->set_required_dst_info_num(s.talks ? s.target.required_dst_info_num : 1);
   t->set_is_dummy(dummy);

@@ -72,7 +72,7 @@ ModelConfig StructuredConfig(Reader& r, bool wild) {
   for (int64_t a = r.Range(0, 2); a > 0; --a) {
     c.aux_item_bytes.push_back(static_cast<uint32_t>(r.Range(1, 9)));
   }
-  c.state_type = static_cast<StateType>(r.Range(0, 3));
+  c.state_type = static_cast<StateType>(r.Range(0, 6));
   c.state.clear();
   const int64_t tensors = c.state_type == StateType::kNone ? 0 : r.Range(1, 3);
   for (int64_t k = 0; k < tensors; ++k) {
@@ -147,7 +147,12 @@ Request StructuredRequest(Reader& r, const ModelConfig& c, bool wild) {
     case StateType::kNone: states = 0; break;
     case StateType::kMamba: states = static_cast<int32_t>(r.Range(0, 1)); break;
     case StateType::kSwa: states = static_cast<int32_t>(r.Range(0, pages)); break;
-    case StateType::kNsa: states = r.Bit() ? pages : 0; break;
+    case StateType::kNsa:
+    case StateType::kMinimaxIndexK: states = r.Bit() ? pages : 0; break;
+    case StateType::kSwaRing:
+      states = static_cast<int32_t>(r.Range(0, std::min<int64_t>(3, c.state_pool)));
+      break;
+    case StateType::kC128State: states = static_cast<int32_t>(r.Range(0, 1)); break;
   }
   if (!Sane(r, wild)) states = static_cast<int32_t>(r.Range(0, 3));
   for (auto [ranks, src] : {std::pair{c.prefill_tp * c.prefill_pp, true},
@@ -241,7 +246,7 @@ void Mutate(Reader& r, SideLayout* l) {
         }
         break;
       default:
-        l->state_type = static_cast<StateType>(r.Range(0, 3));
+        l->state_type = static_cast<StateType>(r.Range(0, 7));
         l->state_start = static_cast<int32_t>(r.Range(-1, 3));
         break;
     }
@@ -342,11 +347,12 @@ std::string RunRaw(Reader& r) {
     const std::vector<int32_t> src_state = RawIndices(r), dst_state = RawIndices(r);
     ChunkInput in;
     in.pages = {src, dst, r.Bit(), r.Range(-1, 40)};
-    in.tail = {.src_aux = r.Range(-1, 4),
-               .dst_aux = r.Range(-1, 4),
-               .src_state = src_state,
-               .dst_state = dst_state,
-               .request_pages = r.Range(-1, 6)};
+    in.tail = TailInput{};
+    in.tail.src_aux = r.Range(-1, 4);
+    in.tail.dst_aux = r.Range(-1, 4);
+    in.tail.src_state = src_state;
+    in.tail.dst_state = dst_state;
+    in.tail.request_pages = r.Range(-1, 6);
     if (!PlanChunkWrites(*plan, in, &out).ok()) continue;
     for (const PlannedWrite& w : out.writes) {
       if (!InRegion(FamilySize(p, w.kind), p, w.kind, w.local_buffer, w.local_offset, w.length) ||

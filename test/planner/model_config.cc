@@ -93,7 +93,12 @@ Request MakeRandomRequest(const ModelConfig& c, int32_t max_pages, std::mt19937_
     case StateType::kNone: states = 0; break;
     case StateType::kMamba: states = 1; break;
     case StateType::kSwa: states = std::min(pages, 2); break;
-    case StateType::kNsa: states = pages; break;
+    case StateType::kNsa:
+    case StateType::kMinimaxIndexK: states = pages; break;
+    case StateType::kSwaRing:
+      states = std::min({pages * static_cast<int32_t>(c.page_size), 3, c.state_pool});
+      break;
+    case StateType::kC128State: states = static_cast<int32_t>(rng() % 2); break;
   }
   for (auto [tp, pp, src] : {std::tuple{c.prefill_tp, c.prefill_pp, true},
                              std::tuple{c.decode_tp, c.decode_pp, false}}) {
@@ -124,8 +129,17 @@ void AddStateTensors(ModelConfig* c, StateType type) {
                   {-1, 1, 0, 7}};
       break;
     case StateType::kNsa:
+    case StateType::kMinimaxIndexK:
       // The indexer keys (replicated) and one byte-split tensor.
       c->state = {{-1, 1, 0, 6}, {0, 1, 0, 8}};
+      break;
+    case StateType::kSwaRing:
+      // Ring rows split by kv head, and a replicated row.
+      c->state = {{0, 1, heads, c->head_bytes}, {-1, 1, 0, 4}};
+      break;
+    case StateType::kC128State:
+      // A request-scoped slot, replicated.
+      c->state = {{-1, 1, 0, 12}};
       break;
   }
   // Spread the tensors over the stages, the first stage taking the fewest.

@@ -134,6 +134,13 @@ TEST_CASE("state grid swa PP 1") { StateGrid(StateType::kSwa, {{1, 1}}); }
 TEST_CASE("state grid swa PP 2") { StateGrid(StateType::kSwa, {{2, 1}, {2, 2}}); }
 TEST_CASE("state grid nsa PP 1") { StateGrid(StateType::kNsa, {{1, 1}}); }
 TEST_CASE("state grid nsa PP 2") { StateGrid(StateType::kNsa, {{2, 1}, {2, 2}}); }
+TEST_CASE("state grid minimax_index_k PP 1") { StateGrid(StateType::kMinimaxIndexK, {{1, 1}}); }
+TEST_CASE("state grid swa_ring PP 1 and 2") {
+  StateGrid(StateType::kSwaRing, {{1, 1}, {2, 1}, {2, 2}});
+}
+TEST_CASE("state grid c128_state PP 1 and 2") {
+  StateGrid(StateType::kC128State, {{1, 1}, {2, 1}, {2, 2}});
+}
 
 }  // namespace
 }  // namespace testing
