@@ -15,8 +15,9 @@ namespace {
 
 using Exited = pdlib_tools::ExitedChild;
 
-Exited RunDemo(std::vector<std::string> args) {
-  return pdlib_tools::RunToExit(PD_DEMO_BIN, std::move(args), std::chrono::seconds(30));
+Exited RunDemo(std::vector<std::string> args,
+               std::chrono::seconds limit = std::chrono::seconds(30)) {
+  return pdlib_tools::RunToExit(PD_DEMO_BIN, std::move(args), limit);
 }
 
 TEST_CASE("pd-demo: --device and --reference-device take cpu or cuda") {
@@ -56,10 +57,12 @@ TEST_CASE("pd-demo: --device cuda without a usable GPU exits 1 with the reason, 
 // on, and says how many KV bytes each moved; every output of every turn equals the colocated
 // run's. A model with per-request state refuses prefix reuse before starting anything.
 TEST_CASE("pd-demo: --turns 3 compares decode prefix reuse off and on, outputs identical") {
-  const Exited e = RunDemo({"--turns", "3", "--requests", "4", "--max-new-tokens", "6", "--quiet"});
+  // Four deployments' worth of requests: minutes under TSan, seconds in release.
+  const Exited e = RunDemo({"--turns", "3", "--requests", "2", "--max-new-tokens", "4", "--quiet"},
+                           std::chrono::seconds(300));
   INFO(e.output);
   CHECK(e.status == 0);
-  CHECK_THAT(e.output, Catch::Contains("24/24 outputs identical to the colocated run"));
+  CHECK_THAT(e.output, Catch::Contains("12/12 outputs identical to the colocated run"));
   CHECK_THAT(e.output, Catch::Contains("decode prefix reuse, 3 turns, rate burst: KV bytes moved"));
   CHECK_THAT(e.output, Catch::Contains("% less)"));
   CHECK(e.output.find("(0% less)") == std::string::npos);
