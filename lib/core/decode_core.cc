@@ -394,6 +394,11 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
     }
     room->statuses_ok.push_back(from);
     complete = room->statuses_ok.size() >= room->expected;
+    // Every writer reported its writes complete: none of them can still land, so a failure
+    // found now (the metadata slot's room check) needs no quarantine.
+    if (complete) {
+      for (Exposure& e : room->exposed) e.open = false;
+    }
   }
   if (!complete) return;
   if (Status s = CheckAuxRoom(*room); !s.ok()) return FailRoom(room, s, true);

@@ -159,6 +159,9 @@ void RunScenarioOver(const Transport& transport, const std::string& name, int64_
       SCENE_CHECK(scene, bad->second.reason.find("holds bootstrap_room " +
                                                  std::to_string(failed_room + 1000000)) !=
                              std::string::npos);
+      // Every writer had reported its writes complete: nothing can land any more, so the
+      // pages come back at once (no quarantine waiting for a drain that may never come).
+      SCENE_CHECK(scene, bad->second.reason.find("[pages reusable]") != std::string::npos);
     }
     SCENE_CHECK(scene, fields.at("failed") >= 1);
     SCENE_CHECK(scene,

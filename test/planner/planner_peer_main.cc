@@ -471,7 +471,13 @@ class Rank {
     request.prompt_len = all_pages.size() * s_.page_size;
     if (auto st = h.Init(request); !st.ok()) return "Init: " + st.ToString();
     if (WaitFor(h, pdlib::KVPoll::kSuccess, 20s) != pdlib::KVPoll::kSuccess) {
-      return "transfer: " + h.FailureReason().ToString();
+      // Whether pdlib gives the pages back (within 5 s) after the failure, for the tests.
+      const auto until = std::chrono::steady_clock::now() + 5s;
+      while (!h.PagesReusable() && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(1ms);
+      }
+      return "transfer: " + h.FailureReason().ToString() +
+             (h.PagesReusable() ? " [pages reusable]" : " [pages held]");
     }
     if (std::string why = FromDevice(); !why.empty()) return why;
     // Every byte of every pool page, layer and K/V this rank owns: the pages handed over hold
