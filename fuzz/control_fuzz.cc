@@ -506,9 +506,9 @@ void Harness::EngineOp() {
       if (f_.ConsumeBool()) {
         const int32_t some = Hostile(f_) ? f_.ConsumeIntegralInRange(-1, layers + 1)
                                          : f_.ConsumeIntegralInRange(0, layers);
-        if (some != layers) (void)core_->SendLayers(id, pages, some, last, state);
+        if (some != layers) (void)core_->SendLayers(id, pages, some, last, {state, {}});
       }
-      if (core_->SendLayers(id, pages, layers, last, state).ok() && it != rooms_.end()) {
+      if (core_->SendLayers(id, pages, layers, last, {state, {}}).ok() && it != rooms_.end()) {
         it->second.pages_sent += static_cast<int32_t>(pages.size());
         it->second.last_queued |= last;
       }

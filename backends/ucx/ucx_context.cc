@@ -214,9 +214,11 @@ StatusOr<std::unique_ptr<KVPool>> AllocateUcxPool(std::shared_ptr<UcxContext> co
 }
 
 StatusOr<std::unique_ptr<KVPool>> AllocateUcxPoolFor(
-    uint64_t bytes, MemoryKind kind, const std::map<std::string, std::string>& backend_options) {
+    uint64_t bytes, MemoryKind kind, const std::map<std::string, std::string>& backend_options,
+    Mode mode) {
   spi::TransportOptions options;
   options.options = backend_options;
+  options.mode = mode;
   auto parsed = ParseUcxOptions(options, [](const char* name) { return std::getenv(name); });
   if (!parsed.ok()) return parsed.status();
   auto context = AcquireUcxContext(*parsed);

@@ -74,10 +74,11 @@ StatusOr<std::shared_ptr<UcxContext>> AcquireUcxContext(const UcxOptions& option
 StatusOr<std::unique_ptr<KVPool>> AllocateUcxPool(std::shared_ptr<UcxContext> context,
                                                   uint64_t bytes, MemoryKind kind);
 
-// The allocator AllocateKVPool("ucx", ...) calls: parses `backend_options` like a transport
-// does, then allocates in the matching context.
+// The allocator AllocateKVPool("ucx", ...) calls: parses `backend_options` like a transport of
+// side `mode` does, then allocates in the matching context.
 StatusOr<std::unique_ptr<KVPool>> AllocateUcxPoolFor(
-    uint64_t bytes, MemoryKind kind, const std::map<std::string, std::string>& backend_options);
+    uint64_t bytes, MemoryKind kind, const std::map<std::string, std::string>& backend_options,
+    Mode mode);
 
 // Whether [addr, addr + length) lies in a pool of a UCX context other than `context` (a pool
 // allocated with other backend options than the transport registering it: it cannot reuse the

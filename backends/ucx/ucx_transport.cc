@@ -177,7 +177,7 @@ StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegio
     PDLIB_LOG(kWarning,
               "ucx: registering %d bytes at %p inside a KV pool allocated with other backend "
               "options than this transport's: UCX maps it again, and shared-memory puts into it "
-              "are emulated (pass the manager's backend_options to AllocateKVPool)",
+              "are emulated (pass the manager's backend_options and mode to AllocateKVPool)",
               region.length, region.addr);
   }
   const bool direct = IsDirectRegion(region, memh != nullptr);

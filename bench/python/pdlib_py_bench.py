@@ -172,7 +172,7 @@ def transfer_options(mode: pdlib.Mode, a: Dict[str, Any], port: int, keep: List[
     # One backend-allocated pool carved into the K and V buffers, as pdlib-transfer-bench's
     # default --pool-alloc backend does (UCX shm writes directly into such memory).
     pool = pdlib.allocate_kv_pool("ucx", buffers * buffer_bytes, pdlib.MemoryKind.Host,
-                                  backend_options)
+                                  backend_options, mode)
     keep.append(pool)
     # Touch every page now, as pdlib-transfer-bench does: a pool is allocated lazily, and first
     # touches (page faults, zeroing) inside the measured transfers cost more than the copies.

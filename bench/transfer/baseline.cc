@@ -49,8 +49,13 @@ BaselineResult RunCudaBaseline(const BenchConfig& c) {
     return result;
   };
   BenchPool src, dst;
-  if (std::string e = src.Allocate(c, BenchPool::Fill::kPattern); !e.empty()) return fail(e);
-  if (std::string e = dst.Allocate(c, BenchPool::Fill::kZero); !e.empty()) return fail(e);
+  if (std::string e = src.Allocate(c, BenchPool::Fill::kPattern, pdlib::Mode::kPrefill);
+      !e.empty()) {
+    return fail(e);
+  }
+  if (std::string e = dst.Allocate(c, BenchPool::Fill::kZero, pdlib::Mode::kDecode); !e.empty()) {
+    return fail(e);
+  }
   std::unique_ptr<CudaCopyStream> stream;
   if (std::string e = CudaCopyStream::Create(c.cuda_device, &stream); !e.empty()) return fail(e);
   const auto runs = RequestRuns(c);
@@ -108,9 +113,10 @@ BaselineResult RunMemcpyBaseline(const BenchConfig& c) {
   BaselineResult result;
   result.kind = "memcpy";
   BenchPool src, dst;
-  for (auto [pool, fill] :
-       {std::pair{&src, BenchPool::Fill::kPattern}, std::pair{&dst, BenchPool::Fill::kZero}}) {
-    if (std::string e = pool->Allocate(c, fill); !e.empty()) {
+  for (auto [pool, fill, mode] :
+       {std::tuple{&src, BenchPool::Fill::kPattern, pdlib::Mode::kPrefill},
+        std::tuple{&dst, BenchPool::Fill::kZero, pdlib::Mode::kDecode}}) {
+    if (std::string e = pool->Allocate(c, fill, mode); !e.empty()) {
       result.error = "baseline: " + e;
       return result;
     }

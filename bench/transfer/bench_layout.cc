@@ -13,7 +13,7 @@ BenchPool::~BenchPool() {
   std::free(malloced_);
 }
 
-std::string BenchPool::Allocate(const BenchConfig& c, Fill fill) {
+std::string BenchPool::Allocate(const BenchConfig& c, Fill fill, pdlib::Mode mode) {
   buffers_ = 2 * c.layers;
   buffer_bytes_ = c.PoolPages() * c.item_bytes;
   const uint64_t bytes = buffers_ * buffer_bytes_;
@@ -25,7 +25,7 @@ std::string BenchPool::Allocate(const BenchConfig& c, Fill fill) {
     allocator_ = "malloc";
   } else {
     auto pool =
-        pdlib::AllocateKVPool(c.backend, bytes, pdlib::MemoryKind::kHost, c.backend_options);
+        pdlib::AllocateKVPool(c.backend, bytes, pdlib::MemoryKind::kHost, c.backend_options, mode);
     if (!pool.ok()) return "AllocateKVPool: " + pool.status().ToString();
     pool_ = std::move(*pool);
     base_ = static_cast<uint8_t*>(pool_->data());

@@ -33,7 +33,8 @@ class BenchPool {
   // is timed; kLazy touches nothing (for the fake backend, which never touches memory: a large pool
   // then costs nothing).
   enum class Fill { kPattern, kZero, kLazy };
-  std::string Allocate(const BenchConfig& c, Fill fill);
+  // `mode`: the side whose manager registers the pool (AllocateKVPool allocates there).
+  std::string Allocate(const BenchConfig& c, Fill fill, pdlib::Mode mode);
 
   // The address of buffer b: host memory, or device memory with --memory cuda.
   uint8_t* buffer(uint64_t b) const { return base_ + b * buffer_bytes_; }

@@ -73,7 +73,7 @@ struct Rank {
     const BenchPool::Fill fill = c.backend == "fake"             ? BenchPool::Fill::kLazy
                                  : mode == pdlib::Mode::kPrefill ? BenchPool::Fill::kPattern
                                                                  : BenchPool::Fill::kZero;
-    if (std::string e = pool.Allocate(c, fill); !e.empty()) return e;
+    if (std::string e = pool.Allocate(c, fill, mode); !e.empty()) return e;
     const size_t nslots = pdlib::MetadataBuffers::SlotCountFor(c.concurrency);
     auto buffers = pdlib::MetadataBuffers::Create(nslots, 0, 0);
     if (!buffers.ok()) return buffers.status().ToString();

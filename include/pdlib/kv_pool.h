@@ -61,6 +61,15 @@ PDLIB_EXPORT StatusOr<std::unique_ptr<KVPool>> AllocateKVPool(
     std::string_view backend, uint64_t bytes, MemoryKind kind = MemoryKind::kHost,
     const std::map<std::string, std::string>& backend_options = {});
 
+// The same, for a pool that a manager of `mode` (KVManagerOptions::mode) will register. A backend
+// that configures itself per side allocates where that side's manager will look (ucx: decode's
+// UCX context runs without UCX keepalive, so a decode pool allocated without its mode is foreign
+// to the decode manager, which then cannot write into it directly). The overload without a mode
+// allocates for prefill.
+PDLIB_EXPORT StatusOr<std::unique_ptr<KVPool>> AllocateKVPool(
+    std::string_view backend, uint64_t bytes, MemoryKind kind,
+    const std::map<std::string, std::string>& backend_options, Mode mode);
+
 }  // namespace v1
 }  // namespace pdlib
 

@@ -17,8 +17,11 @@ namespace pdlib {
 inline namespace v1 {
 namespace internal {
 
+// `mode`: the side whose manager will register the pool (backends may configure themselves per
+// side, spi::TransportOptions::mode).
 using KVPoolAllocator = std::function<StatusOr<std::unique_ptr<KVPool>>(
-    uint64_t bytes, MemoryKind kind, const std::map<std::string, std::string>& backend_options)>;
+    uint64_t bytes, MemoryKind kind, const std::map<std::string, std::string>& backend_options,
+    Mode mode)>;
 
 // Registers `backend`'s allocator (a second registration under the same name is ignored).
 // Thread-safe.

@@ -40,6 +40,12 @@ class HostKVPool final : public KVPool {
 StatusOr<std::unique_ptr<KVPool>> AllocateKVPool(
     std::string_view backend, uint64_t bytes, MemoryKind kind,
     const std::map<std::string, std::string>& backend_options) {
+  return AllocateKVPool(backend, bytes, kind, backend_options, Mode::kPrefill);
+}
+
+StatusOr<std::unique_ptr<KVPool>> AllocateKVPool(
+    std::string_view backend, uint64_t bytes, MemoryKind kind,
+    const std::map<std::string, std::string>& backend_options, Mode mode) {
   // ListBackends() also registers the built-in backends, and with them their allocators.
   const std::vector<std::string> known = ListBackends();
   if (std::find(known.begin(), known.end(), backend) == known.end()) {
@@ -50,7 +56,7 @@ StatusOr<std::unique_ptr<KVPool>> AllocateKVPool(
   }
   if (bytes == 0) return Status::InvalidArgument("AllocateKVPool: cannot allocate 0 bytes");
   if (internal::KVPoolAllocator allocator = internal::FindKVPoolAllocator(backend)) {
-    return allocator(bytes, kind, backend_options);
+    return allocator(bytes, kind, backend_options, mode);
   }
   if (kind != MemoryKind::kHost) {
     return Status::Unimplemented("AllocateKVPool: backend '" + std::string(backend) +

@@ -119,7 +119,8 @@ class KVPool:
     def view(self) -> npt.NDArray[np.uint8]: ...
 
 def allocate_kv_pool(backend: str, nbytes: int, kind: MemoryKind = ...,
-                     backend_options: Dict[str, str] = ...) -> KVPool: ...
+                     backend_options: Dict[str, str] = ...,
+                     mode: Optional[Mode] = ...) -> KVPool: ...
 
 class BootstrapServer:
     def __init__(self, host: str = "0.0.0.0", port: int = 8998, auth_secret: str = "",

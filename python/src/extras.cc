@@ -213,19 +213,22 @@ void BindExtras(py::module_& m) {
   m.def(
       "allocate_kv_pool",
       [](const std::string& backend, py::handle nbytes, py::handle kind,
-         std::map<std::string, std::string> backend_options) {
+         std::map<std::string, std::string> backend_options, py::handle mode) {
         const uint64_t bytes = ToU64(nbytes, "nbytes");
         const auto k = static_cast<pdlib::MemoryKind>(ToInt(kind, "kind", 0, 1));
+        const auto m = mode.is_none() ? pdlib::Mode::kPrefill
+                                      : static_cast<pdlib::Mode>(ToInt(mode, "mode", 0, 1));
         pdlib::StatusOr<std::unique_ptr<pdlib::KVPool>> pool = pdlib::Status::Internal("unset");
         {
           py::gil_scoped_release release;
-          pool = pdlib::AllocateKVPool(backend, bytes, k, backend_options);
+          pool = pdlib::AllocateKVPool(backend, bytes, k, backend_options, m);
         }
         if (!pool.ok()) ThrowStatus(pool.status());
         return std::move(*pool);
       },
       py::arg("backend"), py::arg("nbytes"), py::arg("kind") = 0,
-      py::arg("backend_options") = std::map<std::string, std::string>{});
+      py::arg("backend_options") = std::map<std::string, std::string>{},
+      py::arg("mode") = py::none());
 
   py::class_<PyBootstrapServer>(m, "BootstrapServer",
                                 "A bootstrap server for one prefill deployment, in this process.")

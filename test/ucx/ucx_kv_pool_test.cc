@@ -266,7 +266,8 @@ TEST_CASE("ucx KV pools: contexts are shared by configuration and released with 
   CHECK(weak.expired());
 
   // A pool holds its context: a transport created afterwards with the same options shares it.
-  auto pool = pdlib::ucx::AllocateUcxPoolFor(4096, pdlib::MemoryKind::kHost, UcxOptions("shm"));
+  auto pool = pdlib::ucx::AllocateUcxPoolFor(4096, pdlib::MemoryKind::kHost, UcxOptions("shm"),
+                                             pdlib::Mode::kPrefill);
   REQUIRE(pool.ok());
   auto again = pdlib::ucx::AcquireUcxContext(parse(UcxOptions("shm")));
   REQUIRE(again.ok());
@@ -278,4 +279,32 @@ TEST_CASE("ucx KV pools: contexts are shared by configuration and released with 
   CHECK_FALSE(pdlib::ucx::InForeignUcxPool(**again, addr, 4096));
   pool->reset();
   CHECK((*again)->FindAllocation(addr, 4096) == nullptr);
+
+  // Decode's transports configure UCX differently (no keepalive): a pool allocated for decode
+  // lives in decode's context, where a decode manager finds it; one allocated for prefill is
+  // foreign to decode (the per-pool warning and emulated shm puts the Python bench hit).
+  auto parse_mode = [](std::map<std::string, std::string> options, pdlib::Mode mode) {
+    pdlib::spi::TransportOptions t;
+    t.options = std::move(options);
+    t.mode = mode;
+    auto parsed =
+        pdlib::ucx::ParseUcxOptions(t, [](const char* name) { return std::getenv(name); });
+    REQUIRE(parsed.ok());
+    return *parsed;
+  };
+  auto decode_ctx =
+      pdlib::ucx::AcquireUcxContext(parse_mode(UcxOptions("shm"), pdlib::Mode::kDecode));
+  REQUIRE(decode_ctx.ok());
+  auto decode_pool = pdlib::AllocateKVPool("ucx", 4096, pdlib::MemoryKind::kHost, UcxOptions("shm"),
+                                           pdlib::Mode::kDecode);
+  REQUIRE(decode_pool.ok());
+  const auto daddr = reinterpret_cast<uintptr_t>((*decode_pool)->data());
+  CHECK((*decode_ctx)->FindAllocation(daddr, 4096) != nullptr);
+  CHECK_FALSE(pdlib::ucx::InForeignUcxPool(**decode_ctx, daddr, 4096));
+  auto prefill_pool =
+      pdlib::AllocateKVPool("ucx", 4096, pdlib::MemoryKind::kHost, UcxOptions("shm"));
+  REQUIRE(prefill_pool.ok());
+  const auto paddr = reinterpret_cast<uintptr_t>((*prefill_pool)->data());
+  CHECK((*decode_ctx)->FindAllocation(paddr, 4096) == nullptr);
+  CHECK(pdlib::ucx::InForeignUcxPool(**decode_ctx, paddr, 4096));
 }
