@@ -395,17 +395,7 @@ class _Handle:
         return True if h is None else self._safe(h)
 
     def _safe(self, h: Any) -> bool:
-        return bool(h.pages_reusable()) or self._failed_after_every_write(h)
-
-    def _failed_after_every_write(self, h: Any) -> bool:
-        """pdlib's decode checks bootstrap_room only once every prefill writer has reported its
-        writes complete (decode_core.cc OnStatus), so nothing can land after such a failure;
-        but pdlib 0.2.0 marks the pages reusable only on the success path, and waits for a
-        drain answer that a prefill which already finished the room may never send. Until the
-        core marks them (see python/README.md), the adapter recognises that failure."""
-        reason = h.failure_reason()
-        return reason is not None and reason.code == pdlib.StatusCode.DataLoss \
-            and "holds bootstrap_room" in reason.reason
+        return bool(h.pages_reusable())
 
     def _raise_failure(self) -> None:
         if self._error is None:
