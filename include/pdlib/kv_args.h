@@ -233,6 +233,21 @@ struct KVManagerOptions {
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_ca_file;
+  // Which way KV moves; both sides of a deployment must agree (a decode whose direction
+  // differs is refused at registration, naming both). kPush (default): prefill writes into the
+  // pages decode's Init() names. kPull: decode reads prefill's pages (vLLM's model; a prefill
+  // that must not wait for decode memory): prefill's Send()/SendLayers() may come before
+  // decode's TransferInfo and publish the pages, which prefill keeps until every decode rank
+  // that reads them reports its reads done (the sender's Success and PagesReusable()), or until
+  // pull_lease passes without word from decode. With a decode prefix, prefill publishes every
+  // page of the prompt and decode reads only those after its prefix. The backend must say
+  // capabilities().reads, else Create fails naming it.
+  TransferDirection direction = TransferDirection::kPush;
+  // Prefill, pull: how long published pages are held for a room whose decode side has not come
+  // (no TransferInfo, no heartbeat). Decode renews it with a heartbeat every third of it while a
+  // receiver for the room is alive (waiting for memory or reading); past it the room fails on
+  // both sides with the reason and the pages are freed. >= 1000 ms.
+  std::chrono::milliseconds pull_lease{30000};
   // Threads that turn queued chunks into write batches (prefill).
   int32_t transfer_workers = 2;
   // Which rooms get their per-room log lines at info level (SPEC R10.3: created,

@@ -184,6 +184,13 @@ class PDLIB_EXPORT KVReceiver : public KVPollable {
   }
   // Fails the request with `reason` (code kAborted) and tells the prefill side. Idempotent.
   virtual void Abort(std::string_view reason) = 0;
+  // Recompute instead of failing (SPEC R11.4): the pages of Init()'s kv_page_indices that do not
+  // hold every byte of their tokens, in Init() order. Empty while the request is live and after
+  // Success. After Failed: in pull, the pages some read of which did not complete (the others
+  // hold every KV byte and an engine may keep them, recomputing only these); in push, every page
+  // (prefill wrote them, decode cannot tell which landed). The aux slot and state are never
+  // covered: after Failed they hold nothing usable.
+  virtual std::vector<int32_t> InvalidPages() const { return {}; }
 };
 
 // Where a request's prefill deployment can be found (from the router, SPEC R1.1).

@@ -36,6 +36,17 @@ enum class Mode : int32_t {
 };
 PDLIB_EXPORT std::string_view ModeName(Mode mode);
 
+// Which way KV moves (SPEC R11.4; KVManagerOptions::direction, the same on both sides).
+enum class TransferDirection : int32_t {
+  // Prefill writes into the pages decode named (one-sided writes; decode's memory is exposed).
+  kPush = 0,
+  // Prefill publishes its pages and keeps them under a lease; decode reads them into its own
+  // pages (one-sided reads; prefill's memory is exposed) and says when it is done.
+  kPull = 1,
+};
+// "push", "pull".
+PDLIB_EXPORT std::string_view TransferDirectionName(TransferDirection direction);
+
 // Per-request state that hybrid models carry besides the paged KV (SPEC R5.8), one family per
 // kind (KVArgs::state_families). What one request's index list for the family means:
 enum class StateType : int32_t {

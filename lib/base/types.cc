@@ -18,6 +18,12 @@ std::string_view ModeName(Mode mode) {
   return mode == Mode::kPrefill ? "prefill" : mode == Mode::kDecode ? "decode" : "invalid";
 }
 
+std::string_view TransferDirectionName(TransferDirection direction) {
+  return direction == TransferDirection::kPush   ? "push"
+         : direction == TransferDirection::kPull ? "pull"
+                                                 : "invalid";
+}
+
 std::string_view StateTypeName(StateType type) {
   switch (type) {
     case StateType::kNone: return "none";

@@ -35,9 +35,12 @@ struct StateFamilyExtent {
   friend bool operator==(const StateFamilyExtent&, const StateFamilyExtent&) = default;
 };
 
-// decode -> prefill, once per connection.
+// decode -> prefill, once per connection. In pull the same message describes prefill to decode
+// (RegisterAckMsg::source): `session` is then prefill's instance, `endpoint` prefill's target
+// endpoint, the regions prefill's, which decode reads.
 struct RegisterMsg {
   uint64_t session = 0;  // identifies the decode manager's end of this connection
+  TransferDirection direction = TransferDirection::kPush;  // must equal prefill's
   ModelFingerprint fingerprint;
   uint32_t page_size = 0;
   ParallelConfig parallel;
@@ -74,6 +77,59 @@ struct RegisterAckMsg {
   // Rooms of this decode session that failed while it was not connected and whose writes from
   // this instance are all over (see RoomsDrainedMsg).
   std::vector<uint64_t> drained_rooms;
+  // Pull only: prefill described as decode's planner and transport need it (its layout, its
+  // regions with their keys, its target endpoint for decode's Connect), and its lease, which
+  // decode's heartbeats renew every third of.
+  std::optional<RegisterMsg> source;
+  uint32_t lease_ms = 0;
+};
+
+// decode -> prefill, pull only, once right after the RegisterAck: the reply blob of decode's
+// Connect to prefill's endpoint (for CompleteTargetEndpoint; empty when !needs_reply). Sent
+// before any TransferInfo of the connection, so prefill has completed its endpoint before it
+// publishes anything decode could read.
+struct PullConnectMsg {
+  uint64_t session = 0;
+  spi::Blob reply;
+};
+
+// prefill -> decode, pull only: one published chunk of a room that decode may read now. Sent to
+// every decode rank that reads from this prefill rank, in the order the engine sent the chunks,
+// once that rank's TransferInfo is in.
+struct ReadReadyMsg {
+  uint64_t room = 0;
+  int32_t prefill_tp_rank = 0;
+  int32_t prefill_pp_rank = 0;
+  // Prefill's pages of the chunk; src_pages[k] holds the prompt's page src_offset + k (prompt
+  // positions: in pull prefill publishes every page, decode skips its prefix).
+  std::vector<int32_t> src_pages;
+  uint64_t src_offset = 0;
+  bool last = false;        // the request's last chunk
+  int32_t layer_begin = 0;  // the KV layers [layer_begin, layer_end) of this prefill rank
+  int32_t layer_end = 0;
+  // With the last chunk's last layers (last && layer_end == the rank's layers): prefill's
+  // metadata slot and state indices (flat; per-family counts, empty: one family), read after
+  // the KV.
+  std::optional<uint32_t> aux_index;
+  std::vector<int32_t> state_indices;
+  std::vector<uint32_t> state_counts;
+};
+
+// decode -> prefill, pull only: decode's reads of `room` from this prefill rank are over, none
+// can still be executed: OK when every byte of its part was read, else why not. Sent once per
+// room and prefill rank that published to it (also for a room decode failed or no longer
+// knows), so that prefill frees its pages only when no read of them can come.
+struct ReadsDoneMsg {
+  uint64_t room = 0;
+  uint64_t session = 0;
+  Status status;
+};
+
+// decode -> prefill, pull only, every third of the lease: these rooms have a live receiver here
+// (waiting for memory, or reading): keep their pages.
+struct HeartbeatMsg {
+  uint64_t session = 0;
+  std::vector<uint64_t> rooms;
 };
 
 // decode -> prefill, per request.
@@ -111,12 +167,14 @@ struct RoomsDrainedMsg {
   std::vector<uint64_t> rooms;
 };
 
-// How a prefill core reaches one connected decode manager.
+// How a prefill core reaches one connected decode manager. (The pull-only methods of the four
+// interfaces below have empty defaults so that a test double of a push peer needs none of them.)
 class DecodeLink {
  public:
   virtual ~DecodeLink() = default;
   virtual void SendStatus(const TransferStatusMsg& msg) = 0;
   virtual void SendDrained(const RoomsDrainedMsg& msg) = 0;
+  virtual void SendReadReady(const ReadReadyMsg& msg) { (void)msg; }
 };
 
 // What the control plane delivers to the prefill side (PrefillCore implements it). Called on the
@@ -128,6 +186,10 @@ class PrefillHandler {
   virtual RegisterAckMsg OnRegister(const RegisterMsg& msg, std::shared_ptr<DecodeLink> link) = 0;
   virtual void OnTransferInfo(const TransferInfoMsg& msg) = 0;
   virtual void OnAbort(uint64_t room, uint64_t session, const std::string& reason) = 0;
+  // Pull only.
+  virtual void OnPullConnect(const PullConnectMsg& msg) { (void)msg; }
+  virtual void OnReadsDone(const ReadsDoneMsg& msg) { (void)msg; }
+  virtual void OnHeartbeat(const HeartbeatMsg& msg) { (void)msg; }
   // The connection behind `link` broke or closed. A newer connection of the same session (a
   // reconnect) is not affected.
   virtual void OnDecodeGone(uint64_t session, const DecodeLink* link, const Status& reason) = 0;
@@ -142,6 +204,11 @@ class DecodeHandler {
   virtual void OnPrefillGone(const std::string& key, const Status& reason) = 0;
   // Prefill rank `key` (the instance the message names) drained the rooms listed.
   virtual void OnDrained(const std::string& key, const RoomsDrainedMsg& msg) = 0;
+  // Pull only: prefill rank `key` published a chunk of msg.room.
+  virtual void OnReadReady(const std::string& key, const ReadReadyMsg& msg) {
+    (void)key;
+    (void)msg;
+  }
 };
 
 // How a decode core reaches one prefill rank.
@@ -152,6 +219,10 @@ class PrefillLink {
   virtual RegisterAckMsg Register(const RegisterMsg& msg) = 0;
   virtual void SendTransferInfo(const TransferInfoMsg& msg) = 0;
   virtual void SendAbort(uint64_t room, uint64_t session, const std::string& reason) = 0;
+  // Pull only.
+  virtual void SendPullConnect(const PullConnectMsg& msg) { (void)msg; }
+  virtual void SendReadsDone(const ReadsDoneMsg& msg) { (void)msg; }
+  virtual void SendHeartbeat(const HeartbeatMsg& msg) { (void)msg; }
   // Ends the connection without reporting it back (shutdown, purge). Idempotent.
   virtual void Close() {}
   // True once the connection is known broken (its OnPrefillGone may already have been

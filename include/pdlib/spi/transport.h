@@ -1,8 +1,12 @@
 // The transport SPI: what a data-plane backend implements (SPEC R8.2). A backend only registers
-// memory, connects to peers from opaque blobs, posts batches of one-sided writes and reports
-// their completion; the protocol, validation and state machine live in pdlib's core.
+// memory, connects to peers from opaque blobs, posts batches of one-sided writes (and, where it
+// can, reads) and reports their completion; the protocol, validation and state machine live in
+// pdlib's core.
 //
-// The writer (prefill) is the "initiator"; the memory owner (decode) is the "target":
+// The side that posts is the "initiator"; the side whose memory is accessed is the "target".
+// Push (KVManagerOptions::direction kPush): prefill initiates writes into decode's memory. Pull
+// (kPull, capabilities().reads): decode initiates reads of prefill's memory, prefill is the
+// target. The calls are the same either way:
 //   target:    RegisterMemory(...) -> key blob per region
 //              CreateTargetEndpoint() -> {target id, endpoint blob}   -- sent in Register
 //   initiator: Connect(endpoint blob) -> {peer id, reply blob}        -- reply in RegisterAck
@@ -10,6 +14,8 @@
 //   target:    CompleteTargetEndpoint(target id, reply blob)  (transports that connect both
 //              ends, e.g. RC QPs; capabilities().needs_reply says whether it matters)
 //   initiator: PostWrites(peer, ops, callback) ... callback(Status) once per batch
+//              PostReads(peer, ops, callback)  (capabilities().reads): the same, data flowing
+//              from the target's memory into the initiator's
 //   target:    FenceTarget(target id)  (transports with capabilities().fences): after it
 //              returns OK, nothing that initiator posted, before or after, lands in our memory
 //
@@ -41,7 +47,7 @@ inline namespace v1 {
 namespace spi {
 
 // Bumped whenever a declaration in this file changes incompatibly.
-inline constexpr uint32_t kTransportSpiVersion = 2;
+inline constexpr uint32_t kTransportSpiVersion = 3;
 
 using Blob = std::vector<uint8_t>;
 using LocalRegionId = uint32_t;
@@ -57,8 +63,12 @@ struct TransportCapabilities {
   // late it is executed, reaches the target's memory (verbs: the QPs go to the error state). A
   // transport whose writes the initiator performs itself (e.g. a shared-memory mapping) cannot.
   bool fences = false;
+  // PostReads works: one-sided reads of a target's registered memory (SPI version 3). A manager
+  // in pull (KVManagerOptions::direction) refuses a backend without it at Create.
+  bool reads = false;
+  // Limits, for reads as for writes:
   uint32_t max_writes_per_batch = 0;  // 0: unlimited (the core splits larger batches)
-  uint64_t max_write_bytes = 0;       // 0: unlimited (the core splits longer writes)
+  uint64_t max_write_bytes = 0;       // 0: unlimited (the core splits longer ops)
 };
 
 struct MemoryRegion {
@@ -75,8 +85,10 @@ struct RemoteRegion {
   Blob key;  // the key blob the peer's RegisterMemory returned
 };
 
-// One one-sided write: `length` bytes from local region + local_offset to remote region +
-// remote_offset. The core has bounds-checked every op; backends check again cheaply.
+// One one-sided operation between local region + local_offset and remote region +
+// remote_offset, `length` bytes. As a write (PostWrites) the bytes go from local to remote; as a
+// read (PostReads) from remote to local. The core has bounds-checked every op; backends check
+// again cheaply.
 struct WriteOp {
   LocalRegionId local_region = 0;
   uint64_t local_offset = 0;
@@ -84,6 +96,7 @@ struct WriteOp {
   uint64_t remote_offset = 0;
   uint64_t length = 0;
 };
+using ReadOp = WriteOp;
 
 struct Connection {
   PeerId peer = 0;
@@ -100,6 +113,9 @@ struct TargetEndpoint {
 // Either way it is called only once no write of the batch can still be executed by this
 // process: the core tells the target side that a room is drained on the strength of it.
 using WriteCallback = std::function<void(Status)>;
+// The same for reads: OK when every read of the batch is in the initiator's memory; called only
+// once no read of the batch can still land there (the core hands the pages back on it).
+using ReadCallback = WriteCallback;
 
 class PDLIB_EXPORT Transport {
  public:
@@ -135,6 +151,14 @@ class PDLIB_EXPORT Transport {
   virtual StatusOr<RemoteRegionId> ImportRemoteRegion(PeerId peer, const RemoteRegion& region) = 0;
   // Posts every op of `ops` as one batch. On a non-OK return the callback is never called.
   virtual Status PostWrites(PeerId peer, std::span<const WriteOp> ops, WriteCallback done) = 0;
+  // Posts every op of `ops` as one batch of reads (remote -> local). Same rules as PostWrites.
+  // Default: kUnimplemented (capabilities().reads false).
+  virtual Status PostReads(PeerId peer, std::span<const ReadOp> ops, ReadCallback done) {
+    (void)peer;
+    (void)ops;
+    (void)done;
+    return Status::Unimplemented(std::string(name()) + ": this transport cannot read");
+  }
   // Outstanding batches to `peer` complete with kCancelled; its remote regions are dropped.
   virtual void Disconnect(PeerId peer) = 0;
 };
@@ -143,8 +167,10 @@ struct TransportOptions {
   int32_t device_id = 0;
   std::vector<std::string> nic_names;
   std::map<std::string, std::string> options;  // KVManagerOptions::backend_options
-  // The manager's side: prefill only initiates, decode is only a target. nullopt: both (tests).
+  // The manager's side. Push: prefill only initiates, decode is only a target; pull: the other
+  // way round (see `direction`). nullopt: both (tests).
   std::optional<Mode> mode;
+  TransferDirection direction = TransferDirection::kPush;
 };
 
 using TransportFactory =
