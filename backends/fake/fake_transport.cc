@@ -84,6 +84,7 @@ class FakeTransport final : public spi::Transport {
     caps.moves_bytes = false;
     caps.supports_cuda_memory = true;  // nothing is touched, so any address is fine
     caps.fences = true;                // a fenced target's batches fail; nothing ever lands
+    caps.reads = true;
     return caps;
   }
 
@@ -172,6 +173,11 @@ class FakeTransport final : public spi::Transport {
     lock.unlock();
     cv_.notify_one();
     return Status::OK();
+  }
+
+  Status PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
+                   spi::ReadCallback done) override {
+    return PostWrites(peer, ops, std::move(done));
   }
 
   void Disconnect(spi::PeerId peer) override {

@@ -16,6 +16,6 @@
 // The version of pdlib's wire protocol (control messages and the KV layout they describe). It
 // travels in every fingerprint; a peer with another version is refused when it registers.
 // 3: decode prefixes and several state families in Register, RegisterAck and TransferInfo.
-#define PDLIB_WIRE_VERSION 3
+#define PDLIB_WIRE_VERSION 4
 
 #endif  // PDLIB_EXPORT_H_

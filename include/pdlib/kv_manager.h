@@ -91,7 +91,9 @@ class PDLIB_EXPORT KVSender : public KVPollable {
   // (an empty last chunk).
   virtual std::optional<uint64_t> decode_prefix_len() const { return uint64_t{0}; }
   // The KV pages to send for a prompt of `prompt_len` tokens after decode's prefix:
-  // ceil((prompt_len - prefix) / page_size). kFailedPrecondition before the prefix is known,
+  // ceil((prompt_len - prefix) / page_size). In pull (KVManagerOptions::direction) every page of
+  // the prompt, ceil(prompt_len / page_size), known at any time: decode reads only those after
+  // its prefix. kFailedPrecondition before the prefix is known,
   // kOutOfRange (naming both numbers) when the prefix is longer than the prompt.
   virtual StatusOr<uint64_t> PagesAfterPrefix(uint64_t prompt_len) const {
     (void)prompt_len;

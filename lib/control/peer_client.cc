@@ -128,6 +128,27 @@ class ClientStream final
           continue;
         }
         if (auto h = state_->handler.lock()) h->OnDrained(state_->options.key, *drained);
+      } else if (msg.has_read_ready()) {
+        auto ready = FromProto(msg.read_ready());
+        if (!ready.ok()) {
+          PDLIB_LOG(kWarning, "prefill %s: %s", state_->options.key, ready.status().ToString());
+          continue;
+        }
+        // Like a status: only for the rank this stream registered with.
+        bool same_rank = false;
+        {
+          MutexLock lock(&state_->mu);
+          same_rank = state_->ack && state_->ack->status.ok() &&
+                      state_->ack->prefill_tp_rank == ready->prefill_tp_rank &&
+                      state_->ack->prefill_pp_rank == ready->prefill_pp_rank;
+        }
+        if (!same_rank) {
+          PDLIB_LOG(kWarning, "prefill %s: dropped a ReadReady for room %d from tp %d pp %d",
+                    state_->options.key, ready->room, ready->prefill_tp_rank,
+                    ready->prefill_pp_rank);
+          continue;
+        }
+        if (auto h = state_->handler.lock()) h->OnReadReady(state_->options.key, *ready);
       }
     }
     PdlibTsanRelease(this);
@@ -316,6 +337,24 @@ void PeerClient::SendAbort(uint64_t room, uint64_t session, const std::string& r
   DecodeToPrefill out;
   out.mutable_abort()->set_room(room);
   out.mutable_abort()->set_reason(reason);
+  state_->Enqueue(std::move(out));
+}
+
+void PeerClient::SendPullConnect(const PullConnectMsg& msg) {
+  DecodeToPrefill out;
+  ToProto(msg, out.mutable_pull_connect());
+  state_->Enqueue(std::move(out));
+}
+
+void PeerClient::SendReadsDone(const ReadsDoneMsg& msg) {
+  DecodeToPrefill out;
+  ToProto(msg, out.mutable_reads_done());
+  state_->Enqueue(std::move(out));
+}
+
+void PeerClient::SendHeartbeat(const HeartbeatMsg& msg) {
+  DecodeToPrefill out;
+  ToProto(msg, out.mutable_heartbeat());
   state_->Enqueue(std::move(out));
 }
 

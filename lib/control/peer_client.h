@@ -39,6 +39,9 @@ class PeerClient : public PrefillLink {
   RegisterAckMsg Register(const RegisterMsg& msg) override;
   void SendTransferInfo(const TransferInfoMsg& msg) override;
   void SendAbort(uint64_t room, uint64_t session, const std::string& reason) override;
+  void SendPullConnect(const PullConnectMsg& msg) override;
+  void SendReadsDone(const ReadsDoneMsg& msg) override;
+  void SendHeartbeat(const HeartbeatMsg& msg) override;
   // Ends the stream; the handler is not told. Idempotent.
   void Close() override;
   bool Broken() const override;

@@ -102,6 +102,8 @@ void ToProto(const RegisterMsg& in, wire::v1::Register* out) {
                                            in.state_dim_per_tensor.end());
   out->mutable_state_item_rows()->Add(in.state_item_rows.begin(), in.state_item_rows.end());
   out->mutable_state_split_units()->Add(in.state_split_units.begin(), in.state_split_units.end());
+  out->set_direction(in.direction == TransferDirection::kPull ? wire::v1::TRANSFER_DIRECTION_PULL
+                                                              : wire::v1::TRANSFER_DIRECTION_PUSH);
 }
 
 StatusOr<RegisterMsg> FromProto(const wire::v1::Register& in) {
@@ -148,6 +150,11 @@ StatusOr<RegisterMsg> FromProto(const wire::v1::Register& in) {
                                   in.state_dim_per_tensor().end());
   out.state_item_rows.assign(in.state_item_rows().begin(), in.state_item_rows().end());
   out.state_split_units.assign(in.state_split_units().begin(), in.state_split_units().end());
+  if (!wire::v1::TransferDirection_IsValid(in.direction())) {
+    return Status::InvalidArgument(absl::StrFormat("Register: direction %d", in.direction()));
+  }
+  out.direction = in.direction() == wire::v1::TRANSFER_DIRECTION_PULL ? TransferDirection::kPull
+                                                                      : TransferDirection::kPush;
   return out;
 }
 
@@ -163,6 +170,8 @@ void ToProto(const RegisterAckMsg& in, wire::v1::RegisterAck* out) {
   FamiliesToProto(in.state_families, out->mutable_stage_state_families());
   out->set_session_id(in.instance);
   out->mutable_drained_rooms()->Add(in.drained_rooms.begin(), in.drained_rooms.end());
+  if (in.source) ToProto(*in.source, out->mutable_source());
+  out->set_lease_ms(in.lease_ms);
 }
 
 RegisterAckMsg FromProto(const wire::v1::RegisterAck& in) {
@@ -188,6 +197,111 @@ RegisterAckMsg FromProto(const wire::v1::RegisterAck& in) {
   // Bounded like every index list; a longer one is cut (those rooms stay quarantined).
   const int drained = std::min(in.drained_rooms_size(), kMaxIndices);
   out.drained_rooms.assign(in.drained_rooms().begin(), in.drained_rooms().begin() + drained);
+  if (in.has_source()) {
+    // Prefill's own description (pull): validated like a Register; a malformed one refuses the
+    // connection.
+    auto source = FromProto(in.source());
+    if (source.ok()) {
+      out.source = std::move(*source);
+    } else if (out.status.ok()) {
+      out.status = source.status().WithPrefix("RegisterAck's source");
+    }
+  }
+  out.lease_ms = in.lease_ms();
+  return out;
+}
+
+void ToProto(const PullConnectMsg& in, wire::v1::PullConnect* out) {
+  out->set_transport_reply(in.reply.data(), in.reply.size());
+}
+
+PullConnectMsg FromProto(const wire::v1::PullConnect& in, uint64_t session) {
+  return {session, spi::Blob(in.transport_reply().begin(), in.transport_reply().end())};
+}
+
+void ToProto(const ReadsDoneMsg& in, wire::v1::ReadsDone* out) {
+  out->set_room(in.room);
+  out->set_ok(in.status.ok());
+  out->set_error_code(static_cast<int>(in.status.code()));
+  out->set_reason(std::string(in.status.message()).substr(0, 4096));
+}
+
+ReadsDoneMsg FromProto(const wire::v1::ReadsDone& in, uint64_t session) {
+  ReadsDoneMsg out;
+  out.room = in.room();
+  out.session = session;
+  if (!in.ok()) {
+    StatusCode code = StatusCodeFromInt(in.error_code());
+    if (code == StatusCode::kOk) code = StatusCode::kUnknown;
+    out.status = Status(code, in.reason().empty() ? "decode's reads failed" : in.reason());
+  }
+  return out;
+}
+
+void ToProto(const HeartbeatMsg& in, wire::v1::Heartbeat* out) {
+  out->mutable_rooms()->Add(in.rooms.begin(), in.rooms.end());
+}
+
+StatusOr<HeartbeatMsg> FromProto(const wire::v1::Heartbeat& in, uint64_t session) {
+  if (in.rooms_size() > kMaxIndices) {
+    return Status::InvalidArgument(
+        absl::StrFormat("Heartbeat with %d rooms (at most %d)", in.rooms_size(), kMaxIndices));
+  }
+  return HeartbeatMsg{session, {in.rooms().begin(), in.rooms().end()}};
+}
+
+void ToProto(const ReadReadyMsg& in, wire::v1::ReadReady* out) {
+  out->set_room(in.room);
+  out->set_prefill_tp_rank(in.prefill_tp_rank);
+  out->set_prefill_pp_rank(in.prefill_pp_rank);
+  out->mutable_src_pages()->Add(in.src_pages.begin(), in.src_pages.end());
+  out->set_src_offset(in.src_offset);
+  out->set_last(in.last);
+  out->set_layer_begin(in.layer_begin);
+  out->set_layer_end(in.layer_end);
+  if (in.aux_index) out->set_aux_index(static_cast<int32_t>(*in.aux_index));
+  out->mutable_state_indices()->Add(in.state_indices.begin(), in.state_indices.end());
+  out->mutable_state_counts()->Add(in.state_counts.begin(), in.state_counts.end());
+}
+
+StatusOr<ReadReadyMsg> FromProto(const wire::v1::ReadReady& in) {
+  if (in.src_pages_size() > kMaxIndices || in.state_indices_size() > kMaxIndices ||
+      in.state_counts_size() > kMaxRegions) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "room %d: ReadReady with %d pages, %d state indices, %d state counts", in.room(),
+        in.src_pages_size(), in.state_indices_size(), in.state_counts_size()));
+  }
+  if (in.layer_begin() < 0 || in.layer_end() < in.layer_begin()) {
+    return Status::InvalidArgument(absl::StrFormat("room %d: ReadReady for layers [%d, %d)",
+                                                   in.room(), in.layer_begin(), in.layer_end()));
+  }
+  if (in.has_aux_index() && in.aux_index() < 0) {
+    return Status::OutOfRange(
+        absl::StrFormat("room %d: ReadReady aux index %d is negative", in.room(), in.aux_index()));
+  }
+  if (in.src_offset() > (uint64_t{1} << 40)) {
+    return Status::OutOfRange(
+        absl::StrFormat("room %d: ReadReady at page %d", in.room(), in.src_offset()));
+  }
+  uint64_t counted = 0;
+  for (uint32_t c : in.state_counts()) counted += c;
+  if (in.state_counts_size() > 0 && counted != static_cast<uint64_t>(in.state_indices_size())) {
+    return Status::InvalidArgument(
+        absl::StrFormat("room %d: ReadReady state counts add up to %d for %d state indices",
+                        in.room(), counted, in.state_indices_size()));
+  }
+  ReadReadyMsg out;
+  out.room = in.room();
+  out.prefill_tp_rank = in.prefill_tp_rank();
+  out.prefill_pp_rank = in.prefill_pp_rank();
+  out.src_pages.assign(in.src_pages().begin(), in.src_pages().end());
+  out.src_offset = in.src_offset();
+  out.last = in.last();
+  out.layer_begin = in.layer_begin();
+  out.layer_end = in.layer_end();
+  if (in.has_aux_index()) out.aux_index = static_cast<uint32_t>(in.aux_index());
+  out.state_indices.assign(in.state_indices().begin(), in.state_indices().end());
+  out.state_counts.assign(in.state_counts().begin(), in.state_counts().end());
   return out;
 }
 

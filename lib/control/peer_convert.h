@@ -28,6 +28,16 @@ StatusOr<TransferStatusMsg> FromProto(const wire::v1::TransferStatus& in);
 void ToProto(const RoomsDrainedMsg& in, wire::v1::Drained* out);
 StatusOr<RoomsDrainedMsg> FromProto(const wire::v1::Drained& in);
 
+// Pull. `session` is the stream's registered session, never taken from the message.
+void ToProto(const PullConnectMsg& in, wire::v1::PullConnect* out);
+PullConnectMsg FromProto(const wire::v1::PullConnect& in, uint64_t session);
+void ToProto(const ReadsDoneMsg& in, wire::v1::ReadsDone* out);
+ReadsDoneMsg FromProto(const wire::v1::ReadsDone& in, uint64_t session);
+void ToProto(const HeartbeatMsg& in, wire::v1::Heartbeat* out);
+StatusOr<HeartbeatMsg> FromProto(const wire::v1::Heartbeat& in, uint64_t session);
+void ToProto(const ReadReadyMsg& in, wire::v1::ReadReady* out);
+StatusOr<ReadReadyMsg> FromProto(const wire::v1::ReadReady& in);
+
 }  // namespace control
 }  // namespace v1
 }  // namespace pdlib

@@ -32,6 +32,7 @@ class StreamWriter final : public DecodeLink {
   explicit StreamWriter(PeerStream* stream) : stream_(stream) {}
   void SendStatus(const TransferStatusMsg& msg) override;
   void SendDrained(const RoomsDrainedMsg& msg) override;
+  void SendReadReady(const ReadReadyMsg& msg) override;
   void Enqueue(PrefillToDecode msg);
   // Puts the RegisterAck first on the stream and opens it: until then what the core sends (it
   // may send as soon as OnRegister installed this link) waits, so the ack is always first.
@@ -149,6 +150,23 @@ class PeerStream final
         handler_->OnAbort(msg.abort().room(), session_, reason);
         return Status::OK();
       }
+      case wire::v1::DecodeToPrefill::kPullConnect: {
+        if (!registered_) return Refuse(Status::FailedPrecondition("PullConnect before Register"));
+        handler_->OnPullConnect(FromProto(msg.pull_connect(), session_));
+        return Status::OK();
+      }
+      case wire::v1::DecodeToPrefill::kReadsDone: {
+        if (!registered_) return Refuse(Status::FailedPrecondition("ReadsDone before Register"));
+        handler_->OnReadsDone(FromProto(msg.reads_done(), session_));
+        return Status::OK();
+      }
+      case wire::v1::DecodeToPrefill::kHeartbeat: {
+        if (!registered_) return Refuse(Status::FailedPrecondition("Heartbeat before Register"));
+        auto beat = FromProto(msg.heartbeat(), session_);
+        if (!beat.ok()) return beat.status();
+        handler_->OnHeartbeat(*beat);
+        return Status::OK();
+      }
       default: return Refuse(Status::InvalidArgument("empty or unknown message"));
     }
   }
@@ -198,6 +216,12 @@ void StreamWriter::SendStatus(const TransferStatusMsg& msg) {
 void StreamWriter::SendDrained(const RoomsDrainedMsg& msg) {
   PrefillToDecode out;
   ToProto(msg, out.mutable_drained());
+  Enqueue(std::move(out));
+}
+
+void StreamWriter::SendReadReady(const ReadReadyMsg& msg) {
+  PrefillToDecode out;
+  ToProto(msg, out.mutable_read_ready());
   Enqueue(std::move(out));
 }
 

@@ -26,6 +26,7 @@ StatusOr<std::shared_ptr<DecodeCore>> DecodeCore::Create(const KVManagerOptions&
   auto families = EffectiveStateFamilies(options.args);
   if (!families.ok()) return families.status();
   core->state_caps_ = StateCapacities(*families);
+  if (Status s = CheckDirectionSupported(*core->transport_, options); !s.ok()) return s;
   auto local = RegisterBuffers(*core->transport_, options.args);
   if (!local.ok()) return local.status();
   core->local_ = std::move(*local);
@@ -71,7 +72,11 @@ void DecodeCore::Shutdown() {
   MutexLock lock(&transport_mu_);
   for (auto& [key, conn] : connections) {
     conn.link->Close();
-    transport_->CloseTargetEndpoint(conn.target);
+    if (conn.source) {
+      transport_->Disconnect(conn.source->peer);  // outstanding reads complete kCancelled
+    } else {
+      transport_->CloseTargetEndpoint(conn.target);
+    }
   }
   connections.clear();
   DeregisterBuffers(*transport_, local_);
@@ -102,33 +107,51 @@ Status DecodeCore::EnsureConnected(
   }
   auto link = make_link();
   if (!link.ok()) return link.status();
-  auto target = transport_->CreateTargetEndpoint();
-  if (!target.ok()) return target.status().WithPrefix("creating transport endpoint");
+  // Push: an endpoint prefill writes through. Pull: decode connects to prefill's instead, once
+  // the RegisterAck has brought it.
+  spi::TargetEndpoint target;
+  if (!pull()) {
+    auto created = transport_->CreateTargetEndpoint();
+    if (!created.ok()) return created.status().WithPrefix("creating transport endpoint");
+    target = std::move(*created);
+  }
   RegisterMsg reg;
   reg.session = session_;
+  reg.direction = options_.direction;
   reg.fingerprint = options_.args.fingerprint;
   reg.page_size = options_.args.page_size;
   reg.parallel = options_.args.parallel;
   reg.transport = std::string(transport_->name());
-  reg.endpoint = target->blob;
+  reg.endpoint = target.blob;
   reg.kv = local_.kv.descs;
   reg.aux = local_.aux.descs;
   reg.state = local_.state.descs;
   FillRegisterLayout(options_.args, layout_, &reg);
   RegisterAckMsg ack = (*link)->Register(reg);
   Status s = ack.status;
-  if (s.ok() && transport_->capabilities().needs_reply) {
-    s = transport_->CompleteTargetEndpoint(target->id, ack.reply);
+  std::shared_ptr<const ReadSource> source;
+  if (s.ok() && pull()) {
+    auto connected = ConnectReadSource(ack, **link);
+    if (connected.ok()) {
+      source = std::move(*connected);
+    } else {
+      s = connected.status();
+    }
+  } else if (s.ok() && transport_->capabilities().needs_reply) {
+    s = transport_->CompleteTargetEndpoint(target.id, ack.reply);
   }
   if (!s.ok()) {
-    transport_->CloseTargetEndpoint(target->id);
+    if (!pull()) transport_->CloseTargetEndpoint(target.id);
+    (*link)->Close();
     return s.WithPrefix("prefill " + key + " refused the connection");
   }
   std::shared_ptr<PrefillLink> installed = *link;
   {
     MutexLock lock(&mu_);
-    connections_[key] =
-        Connection{std::move(*link), target->id, StageExtentOf(ack), next_gen_++, ack.instance};
+    Connection conn{std::move(*link), target.id, source, absl::Now(), StageExtentOf(ack),
+                    next_gen_++, ack.instance};
+    if (source) conn.next_heartbeat = absl::Now() + source->heartbeat_every;
+    connections_[key] = std::move(conn);
   }
   // The stream may have broken right after its RegisterAck, its OnPrefillGone delivered before
   // the connection above existed: a connection installed now would be dead and never purged.
@@ -249,6 +272,7 @@ void DecodeCore::SendTransferInfo(const std::shared_ptr<Room>& room) {
     if (IsTerminal(room->state->Poll())) return;
     info = room->info;
     std::vector<Exposure> exposures;
+    uint32_t layers_expected = 0;
     MutexLock conn_lock(&mu_);
     for (const auto& p : room->prefills) {
       auto it = connections_.find(p.key);
@@ -257,10 +281,20 @@ void DecodeCore::SendTransferInfo(const std::shared_ptr<Room>& room) {
         break;
       }
       links.emplace_back(it->second.link, p.target);
-      // A dummy writes nothing; every other rank may write these pages from now on.
-      if (!p.target.dummy) {
+      if (p.target.dummy) continue;
+      if (it->second.source) {
+        // Pull: nothing of that rank writes here; a page holds every byte once each reader
+        // rank's layers have been read into it.
+        layers_expected += static_cast<uint32_t>(it->second.source->plan.prefill_layers);
+      } else {
+        // Every rank but a dummy may write these pages from now on.
         exposures.push_back({p.key, it->second.gen, it->second.instance, true});
       }
+    }
+    if (pull() && lost.empty()) {
+      room->pull.assign(room->prefills.size(), {});
+      room->page_layers.assign(info.dst_kv_pages.size(), 0);
+      room->layers_expected = layers_expected;
     }
     if (lost.empty()) {
       room->exposed.insert(room->exposed.end(), exposures.begin(), exposures.end());
@@ -392,6 +426,21 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
     for (const planner::RankId& r : room->statuses_ok) {
       if (r == from) return;  // duplicate
     }
+    if (pull()) {
+      // Prefill confirms what this rank read: a success before our reads from it are all over
+      // (and reported) is a confused peer.
+      bool read = false;
+      for (size_t i = 0; i < room->prefills.size() && i < room->pull.size(); ++i) {
+        const auto& p = room->pull[i];
+        read |= room->prefills[i].target.rank == from && !room->prefills[i].target.dummy &&
+                p.done_sent && !p.failed && p.outstanding == 0;
+      }
+      if (!read) {
+        PDLIB_LOG(kWarning, "decode: room %d: success from prefill tp %d pp %d before its reads "
+                  "were done, ignored", msg.room, from.tp_rank, from.pp_rank);
+        return;
+      }
+    }
     room->statuses_ok.push_back(from);
     complete = room->statuses_ok.size() >= room->expected;
     // Every writer reported its writes complete: none of them can still land, so a failure
@@ -437,6 +486,7 @@ void DecodeCore::FailRoom(const std::shared_ptr<Room>& room, Status reason, bool
   counters_.CountFailure(*room->state);
   PDLIB_LOG(kWarning, "decode: room %d failed: %s", room->state->room(), reason.ToString());
   EnterQuarantine(room);
+  if (pull()) SendReadsDone(room);
   if (!tell_prefill) return;
   std::vector<std::shared_ptr<PrefillLink>> links;
   {
@@ -513,6 +563,13 @@ void DecodeCore::OnPrefillGone(const std::string& key, const Status& reason) {
     conn->link->Close();
     MutexLock transport_lock(&transport_mu_);
     if (!transport_) return;  // shut down meanwhile: nothing can land any more
+    if (conn->source) {
+      // Our own reads from that rank: cancelled; each batch's callback (which ends its room's
+      // hold on the pages) comes once none of its reads can land any more.
+      transport_->Disconnect(conn->source->peer);
+      PDLIB_LOG(kInfo, "decode: prefill %s gone: %s", key, reason.ToString());
+      return;
+    }
     if (transport_->capabilities().fences) {
       // Cut the prefill rank off before its pages are handed out again: a write it posted
       // (however late it runs) is dropped from now on.
@@ -545,6 +602,7 @@ void DecodeCore::CheckTimeouts() {
     if (Status s = CheckRoomDeadline(*room->state, options_, now); !s.ok()) FailRoom(room, s, true);
   }
   WarnLongQuarantines(now);
+  if (pull()) SendHeartbeats(now);
 }
 
 std::vector<uint64_t> DecodeCore::TakeReusableRooms() { return released_.Take(); }

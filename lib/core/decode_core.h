@@ -78,6 +78,11 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   void OnPrefillGone(const std::string& key, const Status& reason) override;
   // Prefill rank `key` (instance msg.instance) has nothing in flight for msg.rooms.
   void OnDrained(const std::string& key, const RoomsDrainedMsg& msg) override;
+  // Pull (decode_pull.cc): plans the chunk's reads with the connection's plan (the planner's
+  // writes, reversed) and posts them as one batch.
+  void OnReadReady(const std::string& key, const ReadReadyMsg& msg) override;
+  // KVReceiver::InvalidPages.
+  std::vector<int32_t> InvalidPages(uint64_t room, const RoomState* state) const;
   // The prefill manager at `key` is gone for good: `instance` (the in-process control plane,
   // which saw its core shut down), or, with nullopt, every instance but the one connected now
   // (the manager found nothing listening at the address).
@@ -93,9 +98,20 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
 
  private:
   struct Room;
+  // Pull: what this rank reads from one prefill rank through: its transport connection, the
+  // plan (what that rank's pages hold for this one: the planner's writes, reversed into reads),
+  // prefill's regions as imported. Immutable once connected.
+  struct ReadSource {
+    spi::PeerId peer = 0;
+    planner::PairPlan plan;
+    std::vector<spi::RemoteRegionId> kv, aux, state;
+    absl::Duration heartbeat_every;
+  };
   struct Connection {
     std::shared_ptr<PrefillLink> link;
-    spi::TargetId target = 0;
+    spi::TargetId target = 0;                   // push
+    std::shared_ptr<const ReadSource> source;  // pull
+    absl::Time next_heartbeat;
     planner::StageExtent stage;  // what that prefill rank's PP stage holds
     uint64_t gen = 0;            // connections to any key are numbered in order
     uint64_t instance = 0;       // the prefill manager instance its RegisterAck named
@@ -122,6 +138,21 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   // Sends an Abort, over the live connection to `key`, for every quarantined room still
   // waiting on `instance` there.
   void ResendAborts(const std::string& key, uint64_t instance);
+  bool pull() const { return options_.direction == TransferDirection::kPull; }
+  // Pull: Connect to prefill's endpoint (ack.source), import its regions, plan, and send the
+  // Connect reply. On error nothing is left connected.
+  StatusOr<std::shared_ptr<const ReadSource>> ConnectReadSource(const RegisterAckMsg& ack,
+                                                                PrefillLink& link);
+  // One read batch of `room` from prefills[source] is over.
+  void OnReadBatchDone(const std::shared_ptr<Room>& room, size_t source, uint64_t dst_begin,
+                       uint64_t dst_end, uint32_t layers, uint64_t bytes, Status status);
+  // Sends ReadsDone to every prefill rank of `room` that published to it and whose reads are
+  // all over, once (the room's success or failure decides what it says).
+  void SendReadsDone(const std::shared_ptr<Room>& room);
+  // A terminal room whose reads are all over: its pages are reusable unless a push exposure
+  // still holds them.
+  void ReleaseReadHold(const std::shared_ptr<Room>& room);
+  void SendHeartbeats(absl::Time now);
   const KVManagerOptions options_;
   const uint64_t session_;
   planner::SideLayout layout_;

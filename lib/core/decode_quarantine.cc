@@ -14,7 +14,9 @@ inline namespace v1 {
 
 void DecodeCore::EnterQuarantine(const std::shared_ptr<Room>& room) {
   MutexLock lock(&room->mu);
-  const bool open = std::any_of(room->exposed.begin(), room->exposed.end(),
+  // Pull: our own read batches still in flight hold the pages like an open exposure.
+  const bool open = room->reads_outstanding > 0 ||
+                    std::any_of(room->exposed.begin(), room->exposed.end(),
                                 [](const Exposure& e) { return e.open; });
   if (!open) {
     // Its pages never went out, or every rank they went to is drained, fenced or gone. Failed
@@ -56,7 +58,7 @@ void DecodeCore::ClearExposures(const std::function<bool(uint64_t, const Exposur
       if (e.open && match(id, e)) e.open = false;
       open |= e.open;
     }
-    if (room->quarantined && !open) candidates.push_back(room);
+    if (room->quarantined && !open && room->reads_outstanding == 0) candidates.push_back(room);
   }
   if (candidates.empty()) return;
   // A drained or dead prefill posts nothing more, but what it already sent may still wait in

@@ -38,6 +38,21 @@ struct DecodeCore::Room {
   absl::Time quarantined_at ABSL_GUARDED_BY(mu);
   absl::Time next_warning ABSL_GUARDED_BY(mu);
   uint64_t held_pages ABSL_GUARDED_BY(mu) = 0;  // KV pages + aux slot + state slots
+  // Pull: per entry of `prefills`, this room's reads from that rank; in total, read batches
+  // posted and not complete (while any is, the pages are held whatever the room's state); per
+  // page of info.dst_kv_pages, the layers read into it so far, summed over the prefill ranks,
+  // and what a page needs to hold every byte (the readers' layers added up).
+  struct PullProgress {
+    bool published = false;  // a ReadReady came from that rank
+    bool final_seen = false;  // its last chunk's last layers (with aux and state) were posted
+    int outstanding = 0;
+    bool failed = false;     // one of its batches failed
+    bool done_sent = false;  // ReadsDone went back to it
+  };
+  std::vector<PullProgress> pull ABSL_GUARDED_BY(mu);
+  int reads_outstanding ABSL_GUARDED_BY(mu) = 0;
+  std::vector<uint32_t> page_layers ABSL_GUARDED_BY(mu);
+  uint32_t layers_expected ABSL_GUARDED_BY(mu) = 0;
 };
 
 }  // namespace v1

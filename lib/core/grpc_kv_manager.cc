@@ -509,7 +509,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
 
 StatusOr<std::unique_ptr<KVManager>> CreateGrpcKVManager(const KVManagerOptions& options) {
   spi::TransportOptions topts{options.args.device_id, options.args.nic_names,
-                              options.backend_options, options.mode};
+                              options.backend_options, options.mode, options.direction};
   auto transport = spi::CreateTransport(options.backend, topts);
   if (!transport.ok()) return transport.status();
   if (options.mode == Mode::kPrefill) {

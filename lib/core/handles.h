@@ -60,6 +60,10 @@ class CoreSender final : public HandleBase<KVSender, PrefillCore> {
     return core_->DecodePrefix(state_->room());
   }
   StatusOr<uint64_t> PagesAfterPrefix(uint64_t prompt_len) const override {
+    // Pull publishes every page of the prompt (decode reads those after its prefix).
+    if (core_->options().direction == TransferDirection::kPull) {
+      return pdlib::PagesAfterPrefix(prompt_len, 0, core_->page_size());
+    }
     const std::optional<uint64_t> prefix = decode_prefix_len();
     if (!prefix) {
       return Status::FailedPrecondition(absl::StrFormat(
@@ -79,6 +83,9 @@ class CoreReceiver final : public HandleBase<KVReceiver, DecodeCore> {
   using KVReceiver::Init;
   Status Init(const ReceiveRequest& request) override {
     return core_->InitRoom(state_->room(), request);
+  }
+  std::vector<int32_t> InvalidPages() const override {
+    return core_->InvalidPages(state_->room(), state_.get());
   }
 };
 

@@ -181,6 +181,9 @@ class LocalDecodeLink final : public DecodeLink {
   void SendDrained(const RoomsDrainedMsg& msg) override {
     if (auto d = decode_.lock()) d->OnDrained(key_, msg);
   }
+  void SendReadReady(const ReadReadyMsg& msg) override {
+    if (auto d = decode_.lock()) d->OnReadReady(key_, msg);
+  }
 
  private:
   std::weak_ptr<DecodeCore> decode_;
@@ -206,6 +209,15 @@ class LocalPrefillLink final : public PrefillLink {
   }
   void SendAbort(uint64_t room, uint64_t session, const std::string& reason) override {
     if (auto p = prefill_.lock()) p->OnAbort(room, session, reason);
+  }
+  void SendPullConnect(const PullConnectMsg& msg) override {
+    if (auto p = prefill_.lock()) p->OnPullConnect(msg);
+  }
+  void SendReadsDone(const ReadsDoneMsg& msg) override {
+    if (auto p = prefill_.lock()) p->OnReadsDone(msg);
+  }
+  void SendHeartbeat(const HeartbeatMsg& msg) override {
+    if (auto p = prefill_.lock()) p->OnHeartbeat(msg);
   }
 
  private:
@@ -309,7 +321,7 @@ class LocalDecodeManager final : public DecodeManagerBase {
 
 StatusOr<std::unique_ptr<KVManager>> CreateLocalKVManager(const KVManagerOptions& options) {
   spi::TransportOptions topts{options.args.device_id, options.args.nic_names,
-                              options.backend_options, options.mode};
+                              options.backend_options, options.mode, options.direction};
   auto transport = spi::CreateTransport(options.backend, topts);
   if (!transport.ok()) return transport.status();
   if (options.mode == Mode::kPrefill) {

@@ -34,6 +34,17 @@ Status RegisterFamily(spi::Transport& transport, const BufferFamily& family, Mem
 
 }  // namespace
 
+Status CheckDirectionSupported(const spi::Transport& transport, const KVManagerOptions& options) {
+  if (options.direction != TransferDirection::kPull || transport.capabilities().reads) {
+    return Status::OK();
+  }
+  return Status::FailedPrecondition(absl::StrFormat(
+      "backend '%s' cannot read a peer's memory (capabilities().reads is false), so it cannot "
+      "serve direction pull: use direction push, or a backend that reads (fake, ucx, verbs, "
+      "cuda_ipc)",
+      std::string(transport.name())));
+}
+
 StatusOr<RegisteredBuffers> RegisterBuffers(spi::Transport& transport, const KVArgs& args) {
   // A GPU pool with a backend that cannot reach GPU memory: refused before anything is
   // registered, with what to do about it (the backend's own RegisterMemory would say less).

@@ -34,6 +34,9 @@ struct RegisteredBuffers {
   RegisteredFamily kv, aux, state;
 };
 
+// KVManagerOptions::direction kPull with a backend that cannot read: refused with the backend
+// named and what to do, before anything is registered.
+Status CheckDirectionSupported(const spi::Transport& transport, const KVManagerOptions& options);
 StatusOr<RegisteredBuffers> RegisterBuffers(spi::Transport& transport, const KVArgs& args);
 void DeregisterBuffers(spi::Transport& transport, const RegisteredBuffers& buffers);
 

@@ -23,6 +23,7 @@ StatusOr<std::shared_ptr<PrefillCore>> PrefillCore::Create(
   auto families = EffectiveStateFamilies(options.args);
   if (!families.ok()) return families.status();
   core->state_caps_ = StateCapacities(*families);
+  if (Status s = CheckDirectionSupported(*core->transport_, options); !s.ok()) return s;
   auto local = RegisterBuffers(*core->transport_, options.args);
   if (!local.ok()) return local.status();
   core->local_ = std::move(*local);
@@ -79,6 +80,13 @@ void PrefillCore::Shutdown() {
   MutexLock lock(&transport_mu_);
   DeregisterBuffers(*transport_, local_);
   transport_.reset();
+}
+
+std::shared_ptr<PrefillCore::Room> PrefillCore::FindRoomOrLingering(uint64_t room) const {
+  MutexLock lock(&mu_);
+  if (auto it = room_data_.find(room); it != room_data_.end()) return it->second;
+  if (auto it = lingering_.find(room); it != lingering_.end()) return it->second;
+  return nullptr;
 }
 
 std::shared_ptr<PrefillCore::Room> PrefillCore::FindRoom(uint64_t room) const {
@@ -228,6 +236,25 @@ void PrefillCore::CheckTimeouts() {
     absl::erase_if(early_aborts_, [&](const auto& entry) {
       return now - entry.second.arrived > absl::FromChrono(options_.bootstrap_timeout);
     });
+  }
+  if (pull()) {
+    // A published room lives by its lease; before it publishes, Bootstrapping has no deadline
+    // (decode may come long after prefill, and the engine decides when to publish).
+    std::vector<std::shared_ptr<Room>> timed;
+    for (auto& room : rooms) {
+      bool published = false;
+      {
+        MutexLock lock(&room->mu);
+        published = room->lease_until.has_value();
+      }
+      if (!published && room->state->Poll() != KVPoll::kBootstrapping) timed.push_back(room);
+    }
+    {
+      MutexLock lock(&mu_);
+      for (auto& [id, room] : lingering_) rooms.push_back(room);
+    }
+    CheckLeases(now, rooms);
+    rooms = std::move(timed);
   }
   for (auto& room : rooms) {
     if (Status s = CheckRoomDeadline(*room->state, options_, now); !s.ok()) FailRoom(room, s);

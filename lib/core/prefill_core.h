@@ -51,6 +51,10 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   void OnAbort(uint64_t room, uint64_t session, const std::string& reason) override;
   // The connection to `session` broke: its rooms fail, its transport peer is dropped.
   void OnDecodeGone(uint64_t session, const DecodeLink* link, const Status& reason) override;
+  // Pull (prefill_pull.cc).
+  void OnPullConnect(const PullConnectMsg& msg) override;
+  void OnReadsDone(const ReadsDoneMsg& msg) override;
+  void OnHeartbeat(const HeartbeatMsg& msg) override;
 
   // Engine side (KVSender).
   StatusOr<std::shared_ptr<RoomState>> CreateRoom(uint64_t room);
@@ -114,6 +118,29 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   // transport_->Disconnect, unless Shutdown destroyed the transport already.
   void DisconnectPeer(spi::PeerId peer);
   std::shared_ptr<Room> FindRoom(uint64_t room) const;
+  // A live room, or a failed one whose sender is gone but whose pages are still held.
+  std::shared_ptr<Room> FindRoomOrLingering(uint64_t room) const;
+
+  // Pull (prefill_pull.cc).
+  bool pull() const { return options_.direction == TransferDirection::kPull; }
+  // Sends every reader the chunks published since its last ReadReady.
+  void PublishPending(const std::shared_ptr<Room>& room);
+  // Success once every TransferInfo is in, the last chunk is published and every reader
+  // reported its reads done.
+  void MaybePullSuccess(const std::shared_ptr<Room>& room);
+  // The reader slots of a TransferInfo just appended to room->infos, and the checks that pair
+  // it with what was published before it came; not OK: refuse it.
+  Status AddReader(Room& room, const TransferInfoMsg& info, bool reads)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(room.mu);
+  // A reader's reads are over (ReadsDone, or its session is gone): false if they were already.
+  bool CloseReader(Room& room, size_t reader, bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(room.mu);
+  // Lease expiry and overdue readers of failed rooms; `rooms` are live and lingering rooms.
+  void CheckLeases(absl::Time now, const std::vector<std::shared_ptr<Room>>& rooms);
+  // Pull's RetirePeer: the session's rooms fail, its reads are over (fenced where the transport
+  // can), its endpoint is closed.
+  void RetireReader(const std::shared_ptr<Peer>& peer, const Status& reason);
+  // Pull's OnRegister half: an endpoint for decode to read through, and prefill described.
+  Status AcceptReader(const RegisterMsg& msg, Peer* peer, RegisterAckMsg* ack);
 
   const KVManagerOptions options_;
   const uint64_t instance_;

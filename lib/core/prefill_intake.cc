@@ -180,6 +180,9 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
           "the room's first one (%s, required_dst_info_num %d)",
           msg.room, msg.session, msg.is_dummy ? "dummy" : "real", msg.required_dst_info_num,
           first->is_dummy ? "dummy" : "real", first->required_dst_info_num));
+    } else if (pull() && !(refused = AddReader(*room, msg, !msg.is_dummy && peer->plan.active))
+                              .ok()) {
+      // What the engine already published does not fit this decode rank's request.
     } else {
       room->infos.push_back(msg);
       room->peers.push_back(peer);
@@ -199,6 +202,10 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
                    "prefill: room %d registered: TransferInfo from %d decode rank(s), last from "
                    "session %d",
                    msg.room, ready_infos, msg.session);
+  }
+  if (pull()) {
+    PublishPending(room);
+    MaybePullSuccess(room);
   }
 }
 

@@ -36,6 +36,12 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
     ack.status = std::move(s);
     return ack;
   };
+  if (msg.direction != options_.direction) {
+    return refuse(Status::FailedPrecondition(absl::StrFormat(
+        "direction mismatch: decode uses %s, prefill uses %s (KVManagerOptions::direction must "
+        "be the same on both sides)",
+        TransferDirectionName(msg.direction), TransferDirectionName(options_.direction))));
+  }
   if (msg.transport != transport_->name()) {
     return refuse(Status::FailedPrecondition(
         absl::StrFormat("transport mismatch: decode uses '%s', prefill uses '%s'", msg.transport,
@@ -79,29 +85,42 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
   {
     MutexLock transport_lock(&transport_mu_);  // Shutdown destroys the transport under it
     if (!transport_) return refuse(Status::Unavailable("prefill manager is shutting down"));
-    auto conn = transport_->Connect(msg.endpoint);
-    if (!conn.ok()) return refuse(conn.status().WithPrefix("connecting to decode's endpoint"));
     peer->session = msg.session;
-    peer->peer = conn->peer;
     peer->reg = msg;
     peer->plan = std::move(*plan);
     peer->required_dst_info_num = required;
     peer->link = std::move(link);
-    for (auto [descs, ids] : {std::pair{&msg.kv, &peer->kv}, std::pair{&msg.aux, &peer->aux},
-                              std::pair{&msg.state, &peer->state}}) {
-      for (const RegionDesc& d : *descs) {
-        auto id = transport_->ImportRemoteRegion(conn->peer, {d.addr, d.length, d.key});
-        if (!id.ok()) {
-          transport_->Disconnect(conn->peer);
-          return refuse(id.status().WithPrefix("importing decode region"));
+    // Undoes what the transport holds for this connection (on a refusal below).
+    auto undo = [&] {
+      if (pull()) {
+        transport_->CloseTargetEndpoint(peer->target);
+      } else {
+        transport_->Disconnect(peer->peer);
+      }
+    };
+    if (pull()) {
+      if (Status s = AcceptReader(msg, peer.get(), &ack); !s.ok()) return refuse(std::move(s));
+    } else {
+      auto conn = transport_->Connect(msg.endpoint);
+      if (!conn.ok()) return refuse(conn.status().WithPrefix("connecting to decode's endpoint"));
+      peer->peer = conn->peer;
+      reply = std::move(conn->reply);
+      for (auto [descs, ids] : {std::pair{&msg.kv, &peer->kv}, std::pair{&msg.aux, &peer->aux},
+                                std::pair{&msg.state, &peer->state}}) {
+        for (const RegionDesc& d : *descs) {
+          auto id = transport_->ImportRemoteRegion(conn->peer, {d.addr, d.length, d.key});
+          if (!id.ok()) {
+            undo();
+            return refuse(id.status().WithPrefix("importing decode region"));
+          }
+          ids->push_back(*id);
         }
-        ids->push_back(*id);
       }
     }
     {
       MutexLock lock(&mu_);
       if (stopping_) {
-        transport_->Disconnect(conn->peer);
+        undo();
         return refuse(Status::Unavailable("prefill manager is shutting down"));
       }
       auto& slot = peers_[msg.session];
@@ -113,7 +132,6 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
         pending_drained_.erase(d);
       }
     }
-    reply = std::move(conn->reply);
   }
   ack.instance = instance_;
   if (old) {
@@ -164,6 +182,7 @@ void PrefillCore::OnDecodeGone(uint64_t session, const DecodeLink* link, const S
 }
 
 void PrefillCore::RetirePeer(const std::shared_ptr<Peer>& peer, const Status& reason) {
+  if (pull()) return RetireReader(peer, reason);
   std::vector<std::shared_ptr<Room>> rooms;
   {
     MutexLock lock(&mu_);
@@ -208,7 +227,8 @@ void PrefillCore::MaybeDrained(const std::shared_ptr<Room>& room) {
   const KVPoll st = room->state->Poll();
   {
     MutexLock lock(&room->mu);
-    if (room->drained || !IsTerminal(st) || room->outstanding > 0 || room->tail_outstanding > 0) {
+    if (room->drained || !IsTerminal(st) || room->outstanding > 0 || room->tail_outstanding > 0 ||
+        room->open_readers > 0) {
       return;
     }
     room->drained = true;
@@ -232,6 +252,8 @@ void PrefillCore::MaybeDrained(const std::shared_ptr<Room>& room) {
       lingering_.erase(l);
     }
   }
+  // Pull: decode's pages were never exposed to this rank; nothing to report.
+  if (pull()) return;
   for (uint64_t session : sessions) SendDrained(session, {room->state->room()});
 }
 

@@ -14,6 +14,12 @@
 namespace pdlib {
 inline namespace v1 {
 
+// Whether prefill's state lists (`src`, per-family `src_counts`) pair up with decode's in `info`
+// family by family, by each kind's rule (planner::AlignStateLists).
+Status CheckStatePairing(const std::vector<planner::StateFamilySpan>& families,
+                         const TransferInfoMsg& info, std::span<const int32_t> src,
+                         std::span<const uint32_t> src_counts, uint32_t page_size);
+
 // One connected decode manager.
 struct PrefillCore::Peer {
   uint64_t session = 0;
@@ -21,8 +27,19 @@ struct PrefillCore::Peer {
   RegisterMsg reg;
   planner::PairPlan plan;              // what this prefill rank writes to that decode rank
   uint32_t required_dst_info_num = 1;  // TransferInfos per room, when the plan is active
-  std::vector<spi::RemoteRegionId> kv, aux, state;
+  std::vector<spi::RemoteRegionId> kv, aux, state;  // push: decode's regions
+  spi::TargetId target = 0;  // pull: this rank's endpoint that decode reads through
   std::shared_ptr<DecodeLink> link;
+};
+
+// Pull: one chunk announcement the engine made (Send, or SendLayers' new layers), published to
+// every reader in this order. `offset` is the prompt page pages[0] holds.
+struct PublishedChunk {
+  std::vector<int32_t> pages;
+  uint64_t offset = 0;
+  bool last = false;
+  int32_t layer_begin = 0;
+  int32_t layer_end = 0;
 };
 
 // Everything prefill tracks for one live request.
@@ -54,6 +71,19 @@ struct PrefillCore::Room {
   std::optional<Status> peer_gone ABSL_GUARDED_BY(mu);
   // aux/state batches in flight, plus one while Finalize is deciding what to post.
   int tail_outstanding ABSL_GUARDED_BY(mu) = 0;
+  // Pull (KVManagerOptions::direction): what the engine published, and per TransferInfo
+  // (parallel to `infos`) how much of it went to that reader, whether its reads may still run
+  // (published to it, no ReadsDone yet) and whether they all succeeded. Published pages are held
+  // until lease_until (set by the first publication, renewed by TransferInfo and heartbeats);
+  // readers_deadline bounds the wait for the ReadsDone of a failed room's readers.
+  Mutex publish_mu;  // taken before mu: keeps each reader's ReadReady messages in order
+  std::vector<PublishedChunk> published ABSL_GUARDED_BY(mu);
+  std::vector<size_t> sent_to ABSL_GUARDED_BY(mu);
+  std::vector<uint8_t> reads_open ABSL_GUARDED_BY(mu);
+  std::vector<uint8_t> reads_ok ABSL_GUARDED_BY(mu);
+  int open_readers ABSL_GUARDED_BY(mu) = 0;
+  std::optional<absl::Time> lease_until ABSL_GUARDED_BY(mu);
+  std::optional<absl::Time> readers_deadline ABSL_GUARDED_BY(mu);
   bool drained ABSL_GUARDED_BY(mu) = false;   // terminal, nothing in flight: pages reusable
   bool released ABSL_GUARDED_BY(mu) = false;  // the sender was destroyed before that
 };

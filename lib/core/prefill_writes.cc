@@ -12,8 +12,6 @@
 
 namespace pdlib {
 inline namespace v1 {
-namespace {
-
 // Whether prefill's state lists (`src`, per-family `src_counts`) pair up with decode's in `info`
 // family by family, by each kind's rule (planner::AlignStateLists).
 Status CheckStatePairing(const std::vector<planner::StateFamilySpan>& families,
@@ -35,8 +33,6 @@ Status CheckStatePairing(const std::vector<planner::StateFamilySpan>& families,
   return Status::OK();
 }
 
-}  // namespace
-
 Status PrefillCore::SendLayers(uint64_t room_id, std::span<const int32_t> pages,
                                int32_t layers_done, bool last, const StateIndices& state_arg) {
   const std::span<const int32_t> state_indices = state_arg.indices;
@@ -44,7 +40,9 @@ Status PrefillCore::SendLayers(uint64_t room_id, std::span<const int32_t> pages,
   if (!room) return Status::NotFound(absl::StrFormat("room %d is not live", room_id));
   KVPoll state = room->state->Poll();
   if (state == KVPoll::kFailed) return room->state->FailureReason();
-  if (state < KVPoll::kWaitingForInput || state == KVPoll::kSuccess) {
+  // Pull publishes whenever the engine is ready: decode may come later (its TransferInfo then
+  // finds the published chunks).
+  if ((state < KVPoll::kWaitingForInput && !pull()) || state == KVPoll::kSuccess) {
     return Status::FailedPrecondition(
         absl::StrFormat("room %d: Send() in state %s (needs the decode side's TransferInfo first)",
                         room_id, KVPollName(state)));
@@ -121,7 +119,9 @@ Status PrefillCore::SendLayers(uint64_t room_id, std::span<const int32_t> pages,
         if (!real) real = &info;
       }
       size_t total = room->pages_queued + pages.size();
+      // Pull publishes the whole prompt; decode reads the pages after its prefix.
       size_t dst_count = real ? real->dst_kv_pages.size() : total;
+      if (real && pull()) dst_count += real->decode_prefix_len / options_.args.page_size;
       if (total > dst_count || (last && total != dst_count)) {
         return Status::OutOfRange(
             absl::StrFormat("room %d: %s chunk brings the pages sent to %d but decode expects %d",
@@ -152,9 +152,22 @@ Status PrefillCore::SendLayers(uint64_t room_id, std::span<const int32_t> pages,
       }
       room->open_layers = layers_done;
     }
-    ++room->outstanding;
+    if (pull()) {
+      room->published.push_back(
+          {chunk.src_pages, chunk.dst_offset, last, chunk.layer_begin, chunk.layer_end});
+      if (!room->lease_until) {
+        room->lease_until = absl::Now() + absl::FromChrono(options_.pull_lease);
+      }
+    } else {
+      ++room->outstanding;
+    }
   }
   room->state->Advance(KVPoll::kTransferring);
+  if (pull()) {
+    PublishPending(room);
+    MaybePullSuccess(room);
+    return Status::OK();
+  }
   {
     MutexLock lock(&mu_);
     queue_.push_back(std::move(chunk));

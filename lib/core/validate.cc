@@ -247,6 +247,15 @@ Status ValidateOptions(const KVManagerOptions& options) {
         "bootstrap_port 0 (a free port) needs start_bootstrap_server: a rank that registers "
         "with another's bootstrap server must be given its port");
   }
+  if (options.direction != TransferDirection::kPush &&
+      options.direction != TransferDirection::kPull) {
+    return Status::InvalidArgument(absl::StrFormat("direction %d is neither push nor pull",
+                                                   static_cast<int>(options.direction)));
+  }
+  if (options.pull_lease < std::chrono::milliseconds(1000)) {
+    return Status::InvalidArgument(
+        absl::StrFormat("pull_lease %d ms must be >= 1000 ms", options.pull_lease.count()));
+  }
   if (options.liveness_timeout < std::chrono::milliseconds(1000)) {
     return Status::InvalidArgument(absl::StrFormat("liveness_timeout %d ms must be >= 1000 ms",
                                                    options.liveness_timeout.count()));

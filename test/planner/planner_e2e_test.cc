@@ -80,10 +80,10 @@ std::string CannotRun(const Transport& t) {
 // prefix (negative control: the rooms with a partial prefix must fail with a bad byte).
 void RunScenarioOver(const Transport& transport, const std::string& name, int64_t corrupt_room,
                      int64_t wrong_aux_room, uint64_t layerwise_seed, bool decode_prefix = false,
-                     bool ignore_prefix = false) {
+                     bool ignore_prefix = false, bool pull = false, int64_t misplace_room = -1) {
   auto s = pdlib_e2e::FindScenario(name);
   REQUIRE(s);
-  INFO("scenario " << name << " over " << transport.name
+  INFO("scenario " << name << (pull ? " (pull)" : "") << " over " << transport.name
                    << (layerwise_seed ? " layer-wise, seed " + std::to_string(layerwise_seed)
                                       : std::string()));
   const std::string port = std::to_string(pdlib_test::UnusedLocalPort());
@@ -91,6 +91,10 @@ void RunScenarioOver(const Transport& transport, const std::string& name, int64_
   if (decode_prefix) {
     common.push_back("--decode-prefix");
     common.push_back("1");
+  }
+  if (pull) {
+    common.push_back("--direction");
+    common.push_back("pull");
   }
   common.insert(common.end(), transport.flags.begin(), transport.flags.end());
   Scene scene;
@@ -115,6 +119,10 @@ void RunScenarioOver(const Transport& transport, const std::string& name, int64_
   if (ignore_prefix) {
     pargs.push_back("--ignore-prefix");
     pargs.push_back("1");
+  }
+  if (misplace_room >= 0) {
+    pargs.push_back("--misplace-room");
+    pargs.push_back(std::to_string(misplace_room));
   }
   PeerProcess& prefill = scene.Start("prefill", pargs, PDLIB_PLANNER_PEER_BINARY);
   SCENE_REQUIRE(scene, prefill.started());
@@ -144,13 +152,15 @@ void RunScenarioOver(const Transport& transport, const std::string& name, int64_
     SCENE_CHECK(scene, decode.Wait(std::chrono::milliseconds(20000)) == 1);
     return;
   }
-  if (corrupt_room >= 0 || wrong_aux_room >= 0) {
+  if (corrupt_room >= 0 || wrong_aux_room >= 0 || misplace_room >= 0) {
     const auto& rooms = decode.rooms();
-    const int64_t failed_room = corrupt_room >= 0 ? corrupt_room : wrong_aux_room;
+    const int64_t failed_room = corrupt_room >= 0   ? corrupt_room
+                                : misplace_room >= 0 ? misplace_room
+                                                     : wrong_aux_room;
     auto bad = rooms.find(static_cast<uint64_t>(failed_room));
     SCENE_REQUIRE(scene, bad != rooms.end());
     SCENE_CHECK(scene, bad->second.state == "Failed");
-    if (corrupt_room >= 0) {
+    if (corrupt_room >= 0 || misplace_room >= 0) {
       SCENE_CHECK(scene, bad->second.reason.find("bad-byte kv") != std::string::npos);
     } else {
       // pdlib's own check failed it (the engine never saw Success), naming both rooms.
@@ -330,4 +340,55 @@ TEST_CASE("planner e2e cuda_ipc host pools: tp 2P1D HND and NHD, MLA 4P2D, pipel
 }
 TEST_CASE("planner e2e cuda_ipc GPU pools: tp 2P1D HND and NHD, MLA 4P2D, pipeline PP2, state") {
   RunOverCudaIpc("cuda_ipc:gpu");
+}
+
+// Decode pull (issue #29): the same scenarios with decode reading prefill's published pages
+// (odd rooms published before decode's TransferInfo, even ones after), over ucx shm and tcp
+// (PDLIB_E2E_TRANSPORTS: verbs in the Soft-RoCE VM). Every byte of decode's pools is checked,
+// the pages not handed over included.
+namespace {
+void RunPull(const std::string& name, bool prefix = false, uint64_t layerwise_seed = 0) {
+  for (const Transport& t : LayerwiseTransports()) {
+    if (std::string why = CannotRun(t); !why.empty()) {
+      WARN("SKIP " << t.name << ": " << why);
+      continue;
+    }
+    RunScenarioOver(t, name, -1, -1, layerwise_seed, prefix, false, true);
+  }
+}
+}  // namespace
+
+TEST_CASE("planner e2e pull tp 2P1D HND and NHD: decode reads two prefill ranks' head slices") {
+  RunPull("tp_2p1d_hnd");
+  RunPull("tp_2p1d_nhd");
+}
+TEST_CASE("planner e2e pull tp 1P2D NHD and 4P2D GQA") {
+  RunPull("tp_1p2d_nhd");
+  RunPull("tp_4p2d_gqa");
+}
+TEST_CASE("planner e2e pull MLA 4P2D: one reader per decode rank, dummies still finish") {
+  RunPull("mla_4p2d");
+}
+TEST_CASE("planner e2e pull pipeline PP2 with state, and state families") {
+  RunPull("pipeline_pp2");
+  RunPull("families_2p1d");
+  RunPull("families_1p2d");
+}
+TEST_CASE("planner e2e pull decode prefix: decode reads only the pages after its prefix") {
+  RunPull("tp_2p1d_nhd", true);
+  RunPull("families_pp2", true);
+}
+TEST_CASE("planner e2e pull layerwise: each announced layer range is read as it is published") {
+  RunPull("state_mamba_2p1d", false, 1);
+  RunPull("mla_4p2d", true, 2);
+}
+TEST_CASE("planner e2e pull negative controls: a spoiled byte and a misplaced page fail the room") {
+  if (!HaveUcx()) {
+    WARN("SKIP: this build has no ucx backend");
+    return;
+  }
+  const Transport shm = *TransportNamed("ucx:shm");
+  RunScenarioOver(shm, "tp_2p1d_hnd", 1002, -1, 0, false, false, true);
+  RunScenarioOver(shm, "tp_2p1d_hnd", -1, -1, 0, false, false, true, 1003);
+  RunScenarioOver(shm, "state_mamba_2p1d", -1, 1001, 0, false, false, true);
 }

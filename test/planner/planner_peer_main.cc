@@ -10,6 +10,10 @@
 //                                            chunk sizes and steps from SEED)
 //                      [--decode-prefix 1]  (decode holds PrefixPages of each room: it hands
 //                                            over the rest, prefill sends only those)
+//                      [--direction pull]   (decode reads prefill's published pages; prefill
+//                                            publishes odd rooms before decode's TransferInfo)
+//                      [--misplace-room R]  (prefill, pull: publish room R's first two pages
+//                                            swapped; decode must find the bytes wrong)
 //                      [--memory host|cuda] (where the KV and state pools live; cuda: on GPU 0,
 //                                            registered as kCuda, mirrored in host memory where
 //                                            the pattern is written and checked)
@@ -70,6 +74,8 @@ struct Flags {
   // prefill (negative control): send the first pages of the request instead of those after
   // decode's prefix, as a sender that ignored the prefix would
   bool ignore_prefix = false;
+  bool pull = false;            // --direction pull
+  int64_t misplace_room = -1;  // prefill, pull: swap the room's first two published pages
 };
 
 constexpr uint64_t kWrongRoomOffset = 1000000;
@@ -93,6 +99,7 @@ class Rank {
     o.liveness_timeout = 2000ms;
     o.connect_timeout = 10000ms;
     o.transfer_timeout = 20000ms;
+    o.direction = f_.pull ? pdlib::TransferDirection::kPull : pdlib::TransferDirection::kPush;
     pdlib::KVArgs& a = o.args;
     a.page_size = s_.page_size;
     a.kv_head_num = s_.mla ? 1 : shape_.num_heads;
@@ -383,6 +390,7 @@ class Rank {
     auto sender = manager_->CreateSender(room);
     if (!sender.ok()) return "CreateSender: " + sender.status().ToString();
     auto& h = **sender;
+    if (f_.pull) return PublishRoom(h, room, pages, aux);
     if (WaitFor(h, pdlib::KVPoll::kWaitingForInput, 20s) != pdlib::KVPoll::kWaitingForInput) {
       return "waiting for TransferInfo: " + h.FailureReason().ToString();
     }
@@ -436,6 +444,48 @@ class Rank {
     if (WaitFor(h, pdlib::KVPoll::kSuccess, 20s) != pdlib::KVPoll::kSuccess) {
       return "transfer: " + h.FailureReason().ToString();
     }
+    return "";
+  }
+
+  // Pull: prefill publishes every page of the prompt (decode reads those after its prefix),
+  // odd rooms at once (before decode's TransferInfo can have come), even ones after it.
+  std::string PublishRoom(pdlib::KVSender& h, uint64_t room, std::vector<int32_t> pages,
+                          uint32_t aux) {
+    if (room % 2 == 0 &&
+        WaitFor(h, pdlib::KVPoll::kWaitingForInput, 20s) != pdlib::KVPoll::kWaitingForInput) {
+      return "waiting for TransferInfo: " + h.FailureReason().ToString();
+    }
+    if (static_cast<int64_t>(room) == f_.misplace_room && pages.size() >= 2) {
+      std::swap(pages[0], pages[1]);  // the negative control: decode reads the wrong pages
+    }
+    if (auto st = h.Init(pages.size(), aux); !st.ok()) return "Init: " + st.ToString();
+    const FlatState state = Flatten(StateLists(room));
+    if (f_.layerwise_seed != 0) {
+      if (std::string why = SendLayerwise(h, room, pages, 0, state.view()); !why.empty()) {
+        return why;
+      }
+    } else {
+      const size_t per_chunk = (pages.size() + static_cast<size_t>(s_.chunks) - 1) /
+                               static_cast<size_t>(s_.chunks);
+      for (size_t at = 0; at < pages.size(); at += per_chunk) {
+        const size_t n = std::min(per_chunk, pages.size() - at);
+        const bool last = at + n == pages.size();
+        auto st = h.SendStates(std::span<const int32_t>(pages).subspan(at, n), last,
+                               last ? state.view() : pdlib::StateIndices{});
+        if (!st.ok()) return "Send: " + st.ToString();
+      }
+    }
+    if (WaitFor(h, pdlib::KVPoll::kSuccess, 20s) != pdlib::KVPoll::kSuccess) {
+      return "transfer: " + h.FailureReason().ToString();
+    }
+    // Every prefill rank, dummies included, learned decode's prefix (once decode came).
+    const uint64_t want_prefix = static_cast<uint64_t>(Prefix(room)) * s_.page_size;
+    const std::optional<uint64_t> prefix = h.decode_prefix_len();
+    if (!prefix || *prefix != want_prefix) {
+      return "decode_prefix_len() " + (prefix ? std::to_string(*prefix) : std::string("nullopt")) +
+             ", decode holds " + std::to_string(want_prefix);
+    }
+    if (!h.PagesReusable()) return "Success but the pages are not reusable";
     return "";
   }
 
@@ -569,7 +619,7 @@ int Usage(const std::string& why) {
             << "\nusage: pdlib_planner_peer --role prefill|decode --scenario NAME "
                "--bootstrap-port P [--backend B] [--backend-option k=v]... [--first-room R] "
                "[--corrupt-room R] [--wrong-aux-room R] [--layerwise SEED] [--memory host|cuda] "
-               "[--decode-prefix 1]\n";
+               "[--decode-prefix 1] [--direction push|pull] [--misplace-room R]\n";
   return 2;
 }
 
@@ -606,6 +656,11 @@ int main(int argc, char** argv) {
       f.decode_prefix = v == "1";
     } else if (arg == "--ignore-prefix") {
       f.ignore_prefix = v == "1";
+    } else if (arg == "--direction") {
+      if (v != "push" && v != "pull") return Usage("--direction push|pull, not '" + v + "'");
+      f.pull = v == "pull";
+    } else if (arg == "--misplace-room") {
+      f.misplace_room = std::stoll(v);
     } else if (arg == "--first-room") {
       f.first_room = std::stoull(v);
     } else {
