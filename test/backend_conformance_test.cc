@@ -96,7 +96,11 @@ struct Pair {
   Direction direction = Direction::kWrite;
   // GPU regions (kCuda): declared first, so that they are freed after the transports.
   std::unique_ptr<pdlib_test::DeviceBuffer> init_dev, target_dev;
-  std::unique_ptr<spi::Transport> initiator, target;
+  // The initiator is destroyed first, closing its endpoints while the target still answers:
+  // UCX 1.13 over tcp aborts a process whose endpoint fails with a wireup reply pending
+  // (openucx/ucx#8175, backends/ucx/README.md), which a target destroyed under an idle
+  // initiator's half-wired endpoint causes.
+  std::unique_ptr<spi::Transport> target, initiator;
   // The bytes, in host memory: `init` is the initiator's region, `tgt` the target's. The source
   // of the data (init for writes, tgt for reads) holds a pattern, the destination zeros. With GPU
   // regions the host vector of the source is also what the device holds and Dst() refreshes the
