@@ -25,8 +25,8 @@ StatusOr<std::shared_ptr<const DecodeCore::ReadSource>> DecodeCore::ConnectReadS
   if (ack.source->direction != TransferDirection::kPull) {
     return Status::FailedPrecondition("prefill's RegisterAck describes a pushing rank");
   }
-  auto theirs = PlannerLayout(*ack.source);
-  if (!theirs.ok()) return theirs.status().WithPrefix("prefill's layout");
+  auto theirs = PlannerLayout(*ack.source, "prefill");
+  if (!theirs.ok()) return theirs.status();
   auto plan = planner::MakePairPlan(*theirs, layout_);
   if (!plan.ok()) return plan.status();
   auto source = std::make_shared<ReadSource>();

@@ -35,7 +35,7 @@ StatusOr<planner::SideLayout> PlannerLayout(const KVArgs& args, const char* side
   return l;
 }
 
-StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg) {
+StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg, const char* side) {
   planner::SideLayout l;
   l.tp_size = msg.parallel.tp_size;
   l.tp_rank = msg.parallel.tp_rank;
@@ -56,7 +56,7 @@ StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg) {
                          std::pair{msg.state_split_units.size(), "state_split_units"}}) {
     if (n != 0 && n != msg.state.size()) {
       return Status::InvalidArgument(absl::StrFormat(
-          "decode Register: %s has %d entries for %d state buffers", name, n, msg.state.size()));
+          "%s Register: %s has %d entries for %d state buffers", side, name, n, msg.state.size()));
     }
   }
   for (size_t i = 0; i < msg.state.size(); ++i) {
@@ -72,15 +72,15 @@ StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg) {
   for (const StateFamilyExtent& f : msg.state_families) {
     if (f.count < 0) {
       return Status::InvalidArgument(absl::StrFormat(
-          "decode Register: %s state family with %d buffers", StateTypeName(f.type), f.count));
+          "%s Register: %s state family with %d buffers", side, StateTypeName(f.type), f.count));
     }
     l.state_families.push_back({f.type, f.start, first, static_cast<uint32_t>(f.count)});
     first += static_cast<uint32_t>(f.count);
   }
   if (IsOpaque(msg.kv_head_num, msg.is_mla)) {
-    if (Status s = MakeOpaque(&l, "decode"); !s.ok()) return s;
+    if (Status s = MakeOpaque(&l, side); !s.ok()) return s;
   }
-  if (Status s = planner::ValidateSideLayout(l, "decode"); !s.ok()) return s;
+  if (Status s = planner::ValidateSideLayout(l, side); !s.ok()) return s;
   return l;
 }
 

@@ -23,8 +23,9 @@ inline namespace v1 {
 // This rank's layout as the planner sees it, validated; `side` names it in errors.
 StatusOr<planner::SideLayout> PlannerLayout(const KVArgs& args, const char* side);
 
-// The decode rank's layout as prefill learns it from its Register message, validated.
-StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg);
+// The decode rank's layout as prefill learns it from its Register message, validated; in pull
+// also prefill's, as decode learns it from RegisterAckMsg::source (`side` names it in errors).
+StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg, const char* side = "decode");
 
 // Fills the layout fields of a Register message from decode's KVArgs and its planner layout
 // (PlannerLayout(args)): the state families and every state buffer's shape.

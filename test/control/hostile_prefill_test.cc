@@ -291,6 +291,9 @@ struct PullAck {
     src->set_direction(wire::TRANSFER_DIRECTION_PULL);
     src->set_transport("fake");
     src->set_page_size(16);
+    src->mutable_decode_rank()->set_tp_size(1);
+    src->mutable_decode_rank()->set_pp_size(1);
+    src->mutable_decode_rank()->set_dp_size(1);
     auto* fp = src->mutable_fingerprint();
     fp->set_num_layers(kFingerprint.num_layers);
     fp->set_num_kv_heads(kFingerprint.num_kv_heads);
@@ -373,7 +376,10 @@ TEST_CASE("hostile prefill, pull: ReadReady out of range or out of turn fails th
     REQUIRE(r.ok());
     REQUIRE((*r)->Init(dst, 0).ok());
     ++infos;
-    REQUIRE(WaitFor([&] { return prefill.infos() == infos; }));
+    if (!WaitFor([&] { return prefill.infos() == infos; })) {
+      FAIL("no TransferInfo; receiver " << pdlib::KVPollName((*r)->Poll()) << " "
+                                        << (*r)->FailureReason().ToString());
+    }
     REQUIRE(prefill.Send({c.msg}));
     REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
     INFO("reason: " << (*r)->FailureReason().ToString());
