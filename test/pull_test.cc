@@ -94,7 +94,7 @@ pdlib::Status InitReceiver(pdlib::KVReceiver& r, const std::vector<int32_t>& pag
   return r.Init(req);
 }
 
-TEST_CASE("pull: prefill publishes before decode comes; both succeed once decode has read") {
+TEST_CASE("pull: prefill publishes before decode comes, both succeed once decode has read") {
   FOR_EACH_CONTROL_PLANE();
   const uint16_t port = NextPort();
   Rank p, d;
@@ -127,7 +127,7 @@ TEST_CASE("pull: prefill publishes before decode comes; both succeed once decode
   CHECK(p.manager->metrics().rooms_succeeded == 1);
 }
 
-TEST_CASE("pull: decode first, then prefill publishes; a prefix is skipped by the reader") {
+TEST_CASE("pull: decode first, then prefill publishes, a prefix is skipped by the reader") {
   FOR_EACH_CONTROL_PLANE();
   const uint16_t port = NextPort();
   Rank p, d;
@@ -264,21 +264,20 @@ class NoReads final : public pdlib::spi::Transport {
 
 TEST_CASE("pull: a backend that cannot read is refused at Create, naming it") {
   static const bool registered =
-      pdlib::spi::RegisterTransport(
-          "noreads",
-          [](const pdlib::spi::TransportOptions& o)
-              -> pdlib::StatusOr<std::unique_ptr<pdlib::spi::Transport>> {
-            auto inner = pdlib::spi::CreateTransport("fake", o);
-            if (!inner.ok()) return inner.status();
-            return std::unique_ptr<pdlib::spi::Transport>(
-                std::make_unique<NoReads>(std::move(*inner)));
-          })
+      pdlib::spi::RegisterTransport("noreads",
+                                    [](const pdlib::spi::TransportOptions& o)
+                                        -> pdlib::StatusOr<std::unique_ptr<pdlib::spi::Transport>> {
+                                      auto inner = pdlib::spi::CreateTransport("fake", o);
+                                      if (!inner.ok()) return inner.status();
+                                      return std::unique_ptr<pdlib::spi::Transport>(
+                                          std::make_unique<NoReads>(std::move(*inner)));
+                                    })
           .ok();
   REQUIRE(registered);
   g_plane = pdlib::ControlPlane::kInProcess;
   Rank d;
-  pdlib::Status st = Start(d, pdlib::Mode::kDecode, NextPort(),
-                           {TransferDirection::kPull, 30000ms, "noreads"});
+  pdlib::Status st =
+      Start(d, pdlib::Mode::kDecode, NextPort(), {TransferDirection::kPull, 30000ms, "noreads"});
   INFO(st.ToString());
   CHECK(st.code() == StatusCode::kFailedPrecondition);
   CHECK(st.message().find("backend 'noreads' cannot read a peer's memory") != std::string::npos);
@@ -312,7 +311,8 @@ TEST_CASE("pull: a request that fails after part of it was read reports only the
   CHECK(WaitFor([&] { return (*r)->PagesReusable() && (*s)->PagesReusable(); }));
 }
 
-TEST_CASE("pull: decode's abort fails prefill, whose pages come back once decode's reads are over") {
+TEST_CASE(
+    "pull: decode's abort fails prefill, whose pages come back once decode's reads are over") {
   FOR_EACH_CONTROL_PLANE();
   const uint16_t port = NextPort();
   Rank p, d;

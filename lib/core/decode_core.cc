@@ -148,8 +148,8 @@ Status DecodeCore::EnsureConnected(
   std::shared_ptr<PrefillLink> installed = *link;
   {
     MutexLock lock(&mu_);
-    Connection conn{std::move(*link), target.id, source, absl::Now(), StageExtentOf(ack),
-                    next_gen_++, ack.instance};
+    Connection conn{std::move(*link),   target.id,   source,      absl::Now(),
+                    StageExtentOf(ack), next_gen_++, ack.instance};
     if (source) conn.next_heartbeat = absl::Now() + source->heartbeat_every;
     connections_[key] = std::move(conn);
   }
@@ -436,8 +436,10 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
                 p.done_sent && !p.failed && p.outstanding == 0;
       }
       if (!read) {
-        PDLIB_LOG(kWarning, "decode: room %d: success from prefill tp %d pp %d before its reads "
-                  "were done, ignored", msg.room, from.tp_rank, from.pp_rank);
+        PDLIB_LOG(kWarning,
+                  "decode: room %d: success from prefill tp %d pp %d before its reads "
+                  "were done, ignored",
+                  msg.room, from.tp_rank, from.pp_rank);
         return;
       }
     }

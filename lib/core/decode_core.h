@@ -109,7 +109,7 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   };
   struct Connection {
     std::shared_ptr<PrefillLink> link;
-    spi::TargetId target = 0;                   // push
+    spi::TargetId target = 0;                  // push
     std::shared_ptr<const ReadSource> source;  // pull
     absl::Time next_heartbeat;
     planner::StageExtent stage;  // what that prefill rank's PP stage holds

@@ -95,9 +95,9 @@ void DecodeCore::OnReadReady(const std::string& key, const ReadReadyMsg& msg) {
     }
   }
   if (!found) {
-    return refuse(Status::InvalidArgument(absl::StrFormat(
-        "room %d: prefill tp %d pp %d at %s is not a rank this room reads from", msg.room,
-        from.tp_rank, from.pp_rank, key)));
+    return refuse(Status::InvalidArgument(
+        absl::StrFormat("room %d: prefill tp %d pp %d at %s is not a rank this room reads from",
+                        msg.room, from.tp_rank, from.pp_rank, key)));
   }
   // A room that is over reads nothing more: that rank hears its reads are over.
   if (IsTerminal(room->state->Poll())) return SendReadsDone(room);
@@ -119,8 +119,8 @@ void DecodeCore::OnReadReady(const std::string& key, const ReadReadyMsg& msg) {
                         msg.layer_begin, msg.layer_end, plan.prefill_layers));
   }
   // The prompt pages decode holds in its prefix are not read.
-  const uint64_t skip = std::min<uint64_t>(std::max<uint64_t>(prefix_pages, begin) - begin,
-                                           msg.src_pages.size());
+  const uint64_t skip =
+      std::min<uint64_t>(std::max<uint64_t>(prefix_pages, begin) - begin, msg.src_pages.size());
   const uint64_t first = begin + skip;  // the first prompt page read
   const uint64_t dst_begin = first >= prefix_pages ? first - prefix_pages : 0;
   const uint64_t count = msg.src_pages.size() - skip;
@@ -130,8 +130,8 @@ void DecodeCore::OnReadReady(const std::string& key, const ReadReadyMsg& msg) {
   if (planned.ok() && count > 0) {
     std::span<const int32_t> src(msg.src_pages.data() + skip, count);
     std::span<const int32_t> dst(info.dst_kv_pages.data() + dst_begin, count);
-    planned = planner::PlanKvWrites(plan, {src, dst, msg.last, -1, msg.layer_begin, msg.layer_end},
-                                    &out);
+    planned =
+        planner::PlanKvWrites(plan, {src, dst, msg.last, -1, msg.layer_begin, msg.layer_end}, &out);
   }
   if (planned.ok() && final) {
     planner::TailInput tail;
@@ -154,20 +154,8 @@ void DecodeCore::OnReadReady(const std::string& key, const ReadReadyMsg& msg) {
   }
   // The planner's writes, reversed: prefill's buffer is the remote side of a read.
   std::vector<spi::ReadOp> ops;
-  ops.reserve(out.writes.size());
-  for (const planner::PlannedWrite& w : out.writes) {
-    const RegisteredFamily* mine = &local_.kv;
-    const std::vector<spi::RemoteRegionId>* theirs = &source->kv;
-    if (w.kind == planner::RegionKind::kAux) {
-      mine = &local_.aux;
-      theirs = &source->aux;
-    } else if (w.kind == planner::RegionKind::kState) {
-      mine = &local_.state;
-      theirs = &source->state;
-    }
-    ops.push_back({mine->ids[w.remote_buffer], w.remote_offset, (*theirs)[w.local_buffer],
-                   w.local_offset, w.length});
-  }
+  AppendReads(out.writes, {local_.kv.ids, local_.aux.ids, local_.state.ids},
+              {source->kv, source->aux, source->state}, &ops);
   const uint32_t layers = static_cast<uint32_t>(msg.layer_end - msg.layer_begin);
   const uint64_t bytes = out.bytes;
   bool counted = true;
@@ -231,8 +219,9 @@ void DecodeCore::OnReadBatchDone(const std::shared_ptr<Room>& room, size_t sourc
       MutexLock lock(&room->mu);
       key = room->prefills[source].key;
     }
-    FailRoom(room, status.WithPrefix(absl::StrFormat("room %d: reading from prefill %s",
-                                                     room->state->room(), key)),
+    FailRoom(room,
+             status.WithPrefix(
+                 absl::StrFormat("room %d: reading from prefill %s", room->state->room(), key)),
              true);
   }
   SendReadsDone(room);
@@ -252,8 +241,8 @@ void DecodeCore::SendReadsDone(const std::shared_ptr<Room>& room) {
       Status st;
       if (p.failed || failed) {
         st = failed ? room->state->FailureReason()
-                    : Status::Unavailable(absl::StrFormat("room %d: a read failed",
-                                                          room->state->room()));
+                    : Status::Unavailable(
+                          absl::StrFormat("room %d: a read failed", room->state->room()));
       }
       done.emplace_back(room->prefills[i].key, std::move(st));
     }
@@ -324,7 +313,8 @@ std::vector<int32_t> DecodeCore::InvalidPages(uint64_t room_id, const RoomState*
   std::shared_ptr<Room> room;
   {
     MutexLock lock(&mu_);
-    if (auto it = room_data_.find(room_id); it != room_data_.end() && it->second->state.get() == state) {
+    if (auto it = room_data_.find(room_id);
+        it != room_data_.end() && it->second->state.get() == state) {
       room = it->second;
     }
   }

@@ -15,9 +15,9 @@ inline namespace v1 {
 void DecodeCore::EnterQuarantine(const std::shared_ptr<Room>& room) {
   MutexLock lock(&room->mu);
   // Pull: our own read batches still in flight hold the pages like an open exposure.
-  const bool open = room->reads_outstanding > 0 ||
-                    std::any_of(room->exposed.begin(), room->exposed.end(),
-                                [](const Exposure& e) { return e.open; });
+  const bool open =
+      room->reads_outstanding > 0 || std::any_of(room->exposed.begin(), room->exposed.end(),
+                                                 [](const Exposure& e) { return e.open; });
   if (!open) {
     // Its pages never went out, or every rank they went to is drained, fenced or gone. Failed
     // was visible before this: an engine may have destroyed the receiver in between, and

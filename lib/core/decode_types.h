@@ -43,7 +43,7 @@ struct DecodeCore::Room {
   // page of info.dst_kv_pages, the layers read into it so far, summed over the prefill ranks,
   // and what a page needs to hold every byte (the readers' layers added up).
   struct PullProgress {
-    bool published = false;  // a ReadReady came from that rank
+    bool published = false;   // a ReadReady came from that rank
     bool final_seen = false;  // its last chunk's last layers (with aux and state) were posted
     int outstanding = 0;
     bool failed = false;     // one of its batches failed

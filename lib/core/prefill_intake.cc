@@ -180,8 +180,8 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
           "the room's first one (%s, required_dst_info_num %d)",
           msg.room, msg.session, msg.is_dummy ? "dummy" : "real", msg.required_dst_info_num,
           first->is_dummy ? "dummy" : "real", first->required_dst_info_num));
-    } else if (pull() && !(refused = AddReader(*room, msg, !msg.is_dummy && peer->plan.active))
-                              .ok()) {
+    } else if (pull() &&
+               !(refused = AddReader(*room, msg, !msg.is_dummy && peer->plan.active)).ok()) {
       // What the engine already published does not fit this decode rank's request.
     } else {
       room->infos.push_back(msg);

@@ -61,7 +61,8 @@ void PrefillCore::OnPullConnect(const PullConnectMsg& msg) {
 
 Status PrefillCore::AddReader(Room& room, const TransferInfoMsg& info, bool reads) {
   if (reads && !room.published.empty()) {
-    const uint64_t want = info.decode_prefix_len / options_.args.page_size + info.dst_kv_pages.size();
+    const uint64_t want =
+        info.decode_prefix_len / options_.args.page_size + info.dst_kv_pages.size();
     if (room.pages_queued > want || (room.last_queued && room.pages_queued != want)) {
       return Status::OutOfRange(absl::StrFormat(
           "room %d: %d pages published, but decode session %d expects %d (%d after its prefix)",
@@ -129,8 +130,7 @@ void PrefillCore::MaybePullSuccess(const std::shared_ptr<Room>& room) {
     }
     for (size_t i = 0; i < room->infos.size(); ++i) {
       if (room->infos[i].is_dummy || !room->peers[i]->plan.active) continue;
-      if (room->sent_to[i] < room->published.size() || room->reads_open[i] ||
-          !room->reads_ok[i]) {
+      if (room->sent_to[i] < room->published.size() || room->reads_open[i] || !room->reads_ok[i]) {
         return;
       }
     }
@@ -210,11 +210,11 @@ void PrefillCore::CheckLeases(absl::Time now, const std::vector<std::shared_ptr<
                 "prefill: room %d: pull lease of %d ms expired with %d decode rank(s) still "
                 "reading; freeing its pages",
                 room->state->room(), static_cast<int>(options_.pull_lease.count()), open);
-      FailRoom(room, Status::DeadlineExceeded(absl::StrFormat(
-                         "room %d: pull lease of %d ms expired (%s)", room->state->room(),
-                         options_.pull_lease.count(),
-                         open > 0 ? "decode did not report its reads done"
-                                  : "no decode rank came to read the pages")));
+      FailRoom(room, Status::DeadlineExceeded(
+                         absl::StrFormat("room %d: pull lease of %d ms expired (%s)",
+                                         room->state->room(), options_.pull_lease.count(),
+                                         open > 0 ? "decode did not report its reads done"
+                                                  : "no decode rank came to read the pages")));
       continue;
     }
     if (st != KVPoll::kFailed || open == 0) continue;

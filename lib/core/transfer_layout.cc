@@ -71,8 +71,8 @@ StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg, const char* 
   uint32_t first = 0;
   for (const StateFamilyExtent& f : msg.state_families) {
     if (f.count < 0) {
-      return Status::InvalidArgument(absl::StrFormat(
-          "%s Register: %s state family with %d buffers", side, StateTypeName(f.type), f.count));
+      return Status::InvalidArgument(absl::StrFormat("%s Register: %s state family with %d buffers",
+                                                     side, StateTypeName(f.type), f.count));
     }
     l.state_families.push_back({f.type, f.start, first, static_cast<uint32_t>(f.count)});
     first += static_cast<uint32_t>(f.count);
@@ -82,6 +82,23 @@ StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg, const char* 
   }
   if (Status s = planner::ValidateSideLayout(l, side); !s.ok()) return s;
   return l;
+}
+
+void AppendReads(std::span<const planner::PlannedWrite> writes, const RegionIds& decode,
+                 const RegionIds& prefill, std::vector<spi::ReadOp>* out) {
+  out->reserve(out->size() + writes.size());
+  for (const planner::PlannedWrite& w : writes) {
+    std::span<const uint32_t> mine = decode.kv, theirs = prefill.kv;
+    if (w.kind == planner::RegionKind::kAux) {
+      mine = decode.aux;
+      theirs = prefill.aux;
+    } else if (w.kind == planner::RegionKind::kState) {
+      mine = decode.state;
+      theirs = prefill.state;
+    }
+    out->push_back(
+        {mine[w.remote_buffer], w.remote_offset, theirs[w.local_buffer], w.local_offset, w.length});
+  }
 }
 
 std::vector<StateFamilyExtent> FamilyExtents(const planner::SideLayout& layout) {

@@ -10,6 +10,7 @@
 #define PDLIB_LIB_CORE_TRANSFER_LAYOUT_H_
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "lib/core/control_messages.h"
@@ -36,6 +37,18 @@ void FillAckExtent(const planner::SideLayout& prefill, RegisterAckMsg* ack);
 
 // The stage extent a RegisterAck reports (decode's CheckStageCoverage input).
 planner::StageExtent StageExtentOf(const RegisterAckMsg& ack);
+
+// The transport regions of one side's KV, aux and state buffers, by buffer index.
+struct RegionIds {
+  std::span<const uint32_t> kv, aux, state;
+};
+
+// Pull: the planner's writes (prefill -> decode) as decode's reads. Every write becomes one read
+// of the same bytes with the roles reversed: decode's buffer (the write's remote side) is the
+// read's local region, prefill's (the write's local side) its remote region. The plan's buffer
+// indices come from layouts validated against these very lists.
+void AppendReads(std::span<const planner::PlannedWrite> writes, const RegionIds& decode,
+                 const RegionIds& prefill, std::vector<spi::ReadOp>* out);
 
 // Checks that both sides agree on MLA and on opaque KV, which needs equal TP sizes.
 Status CheckOpaqueCompatible(int32_t prefill_kv_head_num, int32_t prefill_tp, bool prefill_mla,

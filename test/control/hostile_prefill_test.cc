@@ -399,8 +399,8 @@ TEST_CASE("hostile prefill, pull: ReadReady out of range or out of turn fails th
   ++infos;
   REQUIRE(WaitFor([&] { return prefill.infos() == infos; }));
   // Another rank's ReadReady is dropped; a success before the reads is ignored.
-  REQUIRE(prefill.Send({Ready(80, {3, 4}, 0, true, 0, 1, 5),
-                        Status(80, wire::TRANSFER_RESULT_SUCCESS)}));
+  REQUIRE(prefill.Send(
+      {Ready(80, {3, 4}, 0, true, 0, 1, 5), Status(80, wire::TRANSFER_RESULT_SUCCESS)}));
   std::this_thread::sleep_for(200ms);
   CHECK((*r)->Poll() == KVPoll::kTransferring);
   CHECK(!prefill.ReadsDoneFor(80).has_value());

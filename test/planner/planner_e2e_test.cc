@@ -154,7 +154,7 @@ void RunScenarioOver(const Transport& transport, const std::string& name, int64_
   }
   if (corrupt_room >= 0 || wrong_aux_room >= 0 || misplace_room >= 0) {
     const auto& rooms = decode.rooms();
-    const int64_t failed_room = corrupt_room >= 0   ? corrupt_room
+    const int64_t failed_room = corrupt_room >= 0    ? corrupt_room
                                 : misplace_room >= 0 ? misplace_room
                                                      : wrong_aux_room;
     auto bad = rooms.find(static_cast<uint64_t>(failed_room));
@@ -334,11 +334,20 @@ void RunOverCudaIpc(const char* transport_name) {
   }
   RunScenarioOver(t, "tp_2p1d_nhd", 1002, -1, 0);  // one spoiled byte fails its room
   RunScenarioOver(t, "tp_2p1d_hnd", -1, -1, 1);    // layer-wise
+  // Pull (issue #29): decode copies from prefill's pools (process_vm_readv on host pools, IPC
+  // handles of prefill's allocations on GPU pools).
+  for (const char* scenario : {"tp_2p1d_nhd", "mla_4p2d", "pipeline_pp2", "families_1p2d"}) {
+    RunScenarioOver(t, scenario, -1, -1, 0, false, false, true);
+  }
+  RunScenarioOver(t, "tp_2p1d_hnd", -1, -1, 0, true, false, true);         // with a prefix
+  RunScenarioOver(t, "tp_2p1d_nhd", -1, -1, 0, false, false, true, 1003);  // misplaced page
 }
-TEST_CASE("planner e2e cuda_ipc host pools: tp 2P1D HND and NHD, MLA 4P2D, pipeline PP2, state") {
+TEST_CASE(
+    "planner e2e cuda_ipc host pools: tp 2P1D HND and NHD, MLA 4P2D, pipeline PP2, state, pull") {
   RunOverCudaIpc("cuda_ipc");
 }
-TEST_CASE("planner e2e cuda_ipc GPU pools: tp 2P1D HND and NHD, MLA 4P2D, pipeline PP2, state") {
+TEST_CASE(
+    "planner e2e cuda_ipc GPU pools: tp 2P1D HND and NHD, MLA 4P2D, pipeline PP2, state, pull") {
   RunOverCudaIpc("cuda_ipc:gpu");
 }
 

@@ -74,7 +74,7 @@ struct Flags {
   // prefill (negative control): send the first pages of the request instead of those after
   // decode's prefix, as a sender that ignored the prefix would
   bool ignore_prefix = false;
-  bool pull = false;            // --direction pull
+  bool pull = false;           // --direction pull
   int64_t misplace_room = -1;  // prefill, pull: swap the room's first two published pages
 };
 
@@ -465,8 +465,8 @@ class Rank {
         return why;
       }
     } else {
-      const size_t per_chunk = (pages.size() + static_cast<size_t>(s_.chunks) - 1) /
-                               static_cast<size_t>(s_.chunks);
+      const size_t per_chunk =
+          (pages.size() + static_cast<size_t>(s_.chunks) - 1) / static_cast<size_t>(s_.chunks);
       for (size_t at = 0; at < pages.size(); at += per_chunk) {
         const size_t n = std::min(per_chunk, pages.size() - at);
         const bool last = at + n == pages.size();
