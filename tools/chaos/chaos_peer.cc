@@ -86,6 +86,7 @@ struct Request {
   Clock::time_point next_chunk_at{};  // prefill: when the next chunk's "forward pass" is done
   Clock::time_point init_at{};        // decode: not Init before (pull: InitAt)
   bool initialized = false;
+  bool handed_over = false;  // decode: Init() took the pages (InvalidPages() answers for them)
   Clock::time_point held_since{};  // when the engine put it aside, its pages not reusable yet
   // Prefill: what was wrong with the prefix pdlib reported (reported as BadBytes at the end).
   std::string bad;
@@ -353,6 +354,8 @@ class Peer {
     if (pdlib::Status s = r.receiver->Init(request); !s.ok()) {
       Emit("ERROR room " + std::to_string(r.room) + " Init: " + s.ToString());
       r.receiver->Abort("Init() refused: " + s.ToString());
+    } else {
+      r.handed_over = true;
     }
     return true;
   }
@@ -472,7 +475,9 @@ class Peer {
   // tokens' bytes. Sets *kept to how many were checked; the first wrong one otherwise.
   std::optional<std::string> CheckKept(const Request& r, size_t* kept) const {
     *kept = 0;
-    if (prefill() || !pull() || !c_.verify || !r.receiver) return std::nullopt;
+    // A room that failed before Init() took its pages: pdlib never had them (InvalidPages() is
+    // about Init()'s pages only), so none is kept.
+    if (prefill() || !pull() || !c_.verify || !r.receiver || !r.handed_over) return std::nullopt;
     const std::vector<int32_t> invalid = r.receiver->InvalidPages();
     const Pool& kv_pool = kv();
     for (size_t i = r.shape.prefix_pages; i < r.pages.size(); ++i) {
