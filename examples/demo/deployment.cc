@@ -131,7 +131,8 @@ struct Deployment::Impl {
                                   "--seed",      std::to_string(options.seed),
                                   "--backend",   options.backend,
                                   "--num-pages", std::to_string(options.num_pages),
-                                  "--device",    device};
+                                  "--device",    device,
+                                  "--direction", options.direction};
     if (device == "cuda") a.insert(a.end(), {"--cuda-device", std::to_string(options.cuda_device)});
     for (const std::string& o : options.backend_options) {
       a.push_back("--backend-option");

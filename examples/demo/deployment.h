@@ -38,6 +38,9 @@ struct DeploymentOptions {
   std::string decode_test_fault;
   // Prefill hosts' layer-wise streaming (pd-prefill --layerwise).
   bool layerwise = true;
+  // Which way pdlib moves KV on the prefill and decode hosts (their --direction): "push" or
+  // "pull" (decode reads prefill's published pages).
+  std::string direction = "push";
   // Decode hosts' prefix cache (pd-decode --prefix-cache-pages): decode prefix reuse. 0: off.
   int32_t prefix_cache_pages = 0;
   uint64_t seed = 1;  // model weights; every host uses the same

@@ -81,6 +81,13 @@ ABSL_FLAG(std::string, prefix_reuse, "auto",
           "both) | auto (both with --turns > 1, else off). Models without per-request state "
           "(small, small-mla)");
 
+ABSL_FLAG(std::string, direction, "push",
+          "which way pdlib moves KV between the prefill and decode hosts (pd-prefill/pd-decode "
+          "--direction): push (prefill writes into decode's pages) | pull (prefill publishes "
+          "every page of the prompt as it is computed, decode reads the pages after its prefix) "
+          "| both (the whole run twice, push then pull, each on a fresh deployment, then TTFT, "
+          "transfer time and KV bytes moved of both). pull needs a backend that can read");
+
 ABSL_FLAG(bool, netns, false,
           "every process in a network namespace of its own (a host with its own address on one "
           "bridge; UCX over tcp on eth0 only, no shared memory between hosts). Needs root and "
@@ -136,6 +143,13 @@ constexpr char kUsage[] =
     "  pd-demo --turns 4 --requests 8 --backend-option ucx.tls=tcp \\\n"
     "      --backend-option ucx.net_devices=lo\n"
     "\n"
+    "Push or pull: --direction pull makes decode read prefill's pages (prefill publishes each\n"
+    "chunk as soon as it is computed, without waiting for decode, and frees it once every\n"
+    "decode rank has read it); --direction both runs push then pull and compares them:\n"
+    "  pd-demo --direction both --requests 16\n"
+    "  pd-demo --direction pull --turns 3 --prefix-reuse on   # decode reads only its new tail\n"
+    "At most one of --layerwise, --prefix-reuse and --direction may be both.\n"
+    "\n"
     "Beyond one host (root): --netns puts every process in a network namespace of its own, so\n"
     "UCX goes over TCP between hosts as in a cluster; --link-mbit N caps each link; --discovery\n"
     "etcd replaces the bootstrap servers with one etcd member:\n"
@@ -148,7 +162,8 @@ struct Args {
   bool quiet = false;
   std::vector<bool> layerwise = {true};  // one phase per entry
   int turns = 1;
-  std::vector<bool> prefix_reuse = {false};  // one phase per entry
+  std::vector<bool> prefix_reuse = {false};       // one phase per entry
+  std::vector<std::string> direction = {"push"};  // one phase per entry
   DeploymentOptions d;
 };
 
@@ -263,10 +278,22 @@ bool ParseArgs(int argc, char** argv, Args* a) {
                  reuse.c_str());
     return false;
   }
-  if (a->layerwise.size() > 1 && a->prefix_reuse.size() > 1) {
+  const std::string direction = absl::GetFlag(FLAGS_direction);
+  if (direction == "push" || direction == "pull") {
+    a->direction = {direction};
+  } else if (direction == "both") {
+    a->direction = {"push", "pull"};
+  } else {
+    std::fprintf(stderr, "pd-demo: --direction '%s': expected push, pull or both\n",
+                 direction.c_str());
+    return false;
+  }
+  const int boths =
+      int(a->layerwise.size() > 1) + int(a->prefix_reuse.size() > 1) + int(a->direction.size() > 1);
+  if (boths > 1) {
     std::fprintf(stderr,
-                 "pd-demo: --layerwise both and --prefix-reuse both (or auto with --turns > 1) "
-                 "each run the batch twice: pick one of them\n");
+                 "pd-demo: --layerwise both, --prefix-reuse both (or auto with --turns > 1) and "
+                 "--direction both each run the batch twice: pick one of them\n");
     return false;
   }
   const bool stateful =
@@ -364,6 +391,9 @@ struct PhaseResult {
   // after the first (the ones a decode prefix can shorten).
   std::vector<uint64_t> kv_bytes;
   std::vector<double> later_ttft_ms;
+  // Per rate, the last turn's mean TTFT and transfer time (decode's) of the disaggregated run.
+  std::vector<double> ttft_ms;
+  std::vector<double> transfer_ms;
 };
 
 // The next turn's prompt: this turn's prompt, its output, then a few new tokens (the user's
@@ -382,9 +412,11 @@ std::vector<int32_t> NextTurn(const std::vector<int32_t>& prompt,
 // Starts a deployment with the prefill hosts' layer-wise streaming `layerwise`, runs the batch at
 // every rate through it and through the colocated host, prints the table and summaries.
 PhaseResult RunPhase(const Args& args, bool layerwise, bool prefix_reuse,
+                     const std::string& direction,
                      const std::vector<std::vector<int32_t>>& first_prompts) {
   Args a = args;
   a.d.layerwise = layerwise;
+  a.d.direction = direction;
   a.d.prefix_cache_pages = prefix_reuse ? kPrefixCachePages : 0;
   if (args.layerwise.size() > 1) {  // each phase keeps its own logs
     a.d.log_dir += layerwise ? "/layerwise-on" : "/layerwise-off";
@@ -392,6 +424,10 @@ PhaseResult RunPhase(const Args& args, bool layerwise, bool prefix_reuse,
   }
   if (args.prefix_reuse.size() > 1) {
     a.d.log_dir += prefix_reuse ? "/prefix-reuse-on" : "/prefix-reuse-off";
+    std::filesystem::create_directories(a.d.log_dir);
+  }
+  if (args.direction.size() > 1) {
+    a.d.log_dir += "/" + direction;
     std::filesystem::create_directories(a.d.log_dir);
   }
   PhaseResult ph;
@@ -403,12 +439,12 @@ PhaseResult RunPhase(const Args& args, bool layerwise, bool prefix_reuse,
   std::printf(
       "pd-demo: starting %s, %zu prefill (tp %d, pp %d), %d decode (tp %d, pp %d), "
       "colocated and router %s (backend %s, model %s, hosts on %s, colocated reference on %s, "
-      "layer-wise streaming %s, decode prefix reuse %s); logs in %s\n",
+      "layer-wise streaming %s, decode prefix reuse %s, %s); logs in %s\n",
       a.d.discovery == "etcd" ? "etcd" : "bootstrap", a.d.prefills.size(), a.d.prefills[0].tp,
       a.d.prefills[0].pp, a.d.decodes, a.d.decode_tp, a.d.decode_pp, where.c_str(),
       a.d.backend.c_str(), a.d.model.c_str(), DeviceName(a.d, a.d.device).c_str(),
       DeviceName(a.d, a.d.colocated_device).c_str(), layerwise ? "on" : "off",
-      prefix_reuse ? "on" : "off", a.d.log_dir.c_str());
+      prefix_reuse ? "on" : "off", direction.c_str(), a.d.log_dir.c_str());
   std::fflush(stdout);
   const auto t0 = Clock::now();
   auto dep = Deployment::Start(a.d);
@@ -476,6 +512,10 @@ PhaseResult RunPhase(const Args& args, bool layerwise, bool prefix_reuse,
       if (turn + 1 == a.turns) {
         ph.gap_ms.push_back(ds.MeanTtftMs() - cs.MeanTtftMs());
         ph.exposed_ms.push_back(ds.MeanExposedMs());
+        ph.ttft_ms.push_back(ds.MeanTtftMs());
+        double transfer = 0;
+        for (const Outcome& d : disagg) transfer += double(d.transfer_us) / 1000.0;
+        ph.transfer_ms.push_back(disagg.empty() ? 0 : transfer / double(disagg.size()));
       }
       // The conversation goes on with the reference's output (the disaggregated one equals it
       // when the run is right; a difference is counted above either way).
@@ -534,9 +574,11 @@ int main(int argc, char** argv) {
   std::vector<PhaseResult> phases;
   for (bool layerwise : a.layerwise) {
     for (bool reuse : a.prefix_reuse) {
-      PhaseResult ph = RunPhase(a, layerwise, reuse, prompts);
-      if (!ph.started) return 1;
-      phases.push_back(std::move(ph));
+      for (const std::string& direction : a.direction) {
+        PhaseResult ph = RunPhase(a, layerwise, reuse, direction, prompts);
+        if (!ph.started) return 1;
+        phases.push_back(std::move(ph));
+      }
     }
   }
   int differ = 0, failed = 0;
@@ -565,6 +607,19 @@ int main(int argc, char** argv) {
           a.rates[k] > 0 ? std::to_string(int(a.rates[k])).c_str() : "burst", off, on,
           off > 0 ? 100.0 * (off - on) / off : 0.0, phases[0].exposed_ms[k],
           phases[1].exposed_ms[k]);
+    }
+  }
+  if (a.direction.size() == 2) {
+    for (size_t k = 0; k < a.rates.size(); ++k) {
+      std::printf(
+          "\npush vs pull, rate %s: mean TTFT %.1f ms push, %.1f ms pull; mean transfer %.2f ms "
+          "push, %.2f ms pull; exposed transfer %.2f ms push, %.2f ms pull; KV bytes moved %llu "
+          "push, %llu pull\n",
+          a.rates[k] > 0 ? std::to_string(int(a.rates[k])).c_str() : "burst", phases[0].ttft_ms[k],
+          phases[1].ttft_ms[k], phases[0].transfer_ms[k], phases[1].transfer_ms[k],
+          phases[0].exposed_ms[k], phases[1].exposed_ms[k],
+          static_cast<unsigned long long>(phases[0].kv_bytes[k]),
+          static_cast<unsigned long long>(phases[1].kv_bytes[k]));
     }
   }
   const int total = a.requests * a.turns * int(a.rates.size()) * int(phases.size());

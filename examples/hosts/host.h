@@ -65,6 +65,10 @@ struct HostOptions {
   // pdlib (unused in colocated mode).
   std::string backend = "ucx";
   std::map<std::string, std::string> backend_options;
+  // Which way KV moves (KVManagerOptions::direction); prefill and decode hosts must agree. In
+  // pull the prefill scheduler publishes every page of the prompt as soon as it is computed,
+  // without waiting for decode's TransferInfo (PrefillSchedulerOptions::direction).
+  TransferDirection direction = TransferDirection::kPush;
   ControlPlane control_plane = ControlPlane::kGrpc;  // tests use kInProcess
   std::string listen_host = "127.0.0.1";             // prefill ranks' control endpoints
   // Prefill: the bootstrap server its ranks register with. start_bootstrap runs it in this

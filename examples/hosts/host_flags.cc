@@ -47,6 +47,15 @@ ABSL_FLAG(std::string, backend, pdlib::hosts::HostOptions{}.backend,
           "pdlib transport: ucx | fake | verbs | cuda_ipc (GPU memory on one node; the default "
           "with --device cuda). fake moves no bytes: requests complete, tokens are wrong "
           "(control-plane tests)");
+ABSL_FLAG(std::string, direction, "push",
+          "which way pdlib moves KV (KVManagerOptions::direction; pd-prefill and pd-decode of a "
+          "deployment must agree, a decode that differs is refused naming both): push (prefill "
+          "writes into decode's pages once decode's request arrives) | pull (prefill publishes "
+          "each chunk's pages as soon as it is computed, before decode's request if need be, "
+          "and holds them until every decode rank has read them; with a decode prefix prefill "
+          "publishes every page of the prompt and decode reads only those after its prefix). "
+          "pull needs a backend that can read (a host whose backend cannot exits 1, naming "
+          "it); ignored with --colocated");
 ABSL_FLAG(pdlib_tools::Repeated, backend_option, {},
           "KEY=VALUE backend setting, repeatable (e.g. ucx.tls=shm, ucx.net_devices=lo)");
 ABSL_FLAG(std::string, bootstrap_host, pdlib::hosts::HostOptions{}.bootstrap_host,
@@ -209,6 +218,12 @@ StatusOr<HostFlags> ParseHostFlags(Role program, std::span<const std::string_vie
   if (o.device == kernels::Device::kCuda &&
       std::find(parsed.given.begin(), parsed.given.end(), "backend") == parsed.given.end()) {
     o.backend = kCudaDefaultBackend;
+  }
+  const std::string direction = absl::GetFlag(FLAGS_direction);
+  if (direction == "pull") {
+    o.direction = TransferDirection::kPull;
+  } else if (direction != "push") {
+    return Status::InvalidArgument("--direction '" + direction + "': expected push or pull");
   }
   for (const std::string& kv : absl::GetFlag(FLAGS_backend_option).values) {
     const size_t eq = kv.find('=');

@@ -214,6 +214,7 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
     mo.control_plane = options.control_plane;
     mo.backend = options.backend;
     mo.backend_options = options.backend_options;
+    mo.direction = options.direction;
     mo.listen_host = options.listen_host;
     mo.bootstrap_host = placement.bootstrap.host;
     mo.bootstrap_port = placement.bootstrap.port;
@@ -260,6 +261,7 @@ StatusOr<std::unique_ptr<HostRank>> HostRank::Create(const HostOptions& options,
     so.kv_bytes_per_page = kv_bytes_per_page;
     so.page_state_bytes_per_page = page_state_bytes_per_page;
     so.layerwise = options.layerwise;
+    so.direction = options.direction;
     so.group = placement.group;
     auto s = sched::PrefillScheduler::Create(
         so, {rep->pages.get(), rep->metadata.get(), rep->transport.get(), rep->runner.get()});

@@ -42,7 +42,7 @@ struct SchedulerMetrics {
   uint64_t transfer_failed_reqs = 0;   // failed afterwards (transfer, bad metadata, forward)
   uint64_t retracted_reqs = 0;         // retractions (decode)
   uint64_t resumed_reqs = 0;           // resumptions after a retraction (decode)
-  uint64_t transferred_pages = 0;      // KV pages sent (prefill) or received (decode)
+  uint64_t transferred_pages = 0;      // KV pages sent (prefill; pull: published) or received
   uint64_t transferred_bytes = 0;      // transferred_pages x the page bytes the host declared
   uint64_t forward_passes = 0;
   uint64_t forward_tokens = 0;  // tokens through forward passes

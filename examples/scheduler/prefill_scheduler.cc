@@ -16,7 +16,7 @@ struct PrefillScheduler::Req {
   RequestMemory mem;
   int32_t filled = 0;        // prompt tokens whose KV has been computed
   int32_t sent_pages = 0;    // page-table entries handed to Send, or skipped: decode's prefix
-  int32_t prefix_pages = 0;  // the prompt's first pages decode already holds (not sent)
+  int32_t prefix_pages = 0;  // push: the prompt's first pages decode already holds (not sent)
   int32_t sent_state = 0;    // state indices handed to Send (sliding window: window pages)
   int32_t first_token = -1;
   int64_t first_sent_us = 0;
@@ -168,18 +168,30 @@ void PrefillScheduler::ProcessBootstrap(std::span<const KVPoll> polls) {
       Finish(std::move(r), std::move(why), FailStage::kBootstrap);
       return;
     }
-    // Bootstrapped once decode's TransferInfo arrived; admitted in arrival order while metadata
+    // Push: bootstrapped once decode's TransferInfo arrived. Pull: at once (the pages are
+    // published for decode to read whenever it comes). Admitted in arrival order while metadata
     // slots last.
-    if (p == KVPoll::kBootstrapping || out_of_slots) return;
+    const bool pull = options_.direction == TransferDirection::kPull;
+    if ((p == KVPoll::kBootstrapping && !pull) || out_of_slots) return;
     if (!AllocAux(r->mem)) {
       out_of_slots = true;
+      return;
+    }
+    const uint64_t len = r->request.prompt.size();
+    if (pull) {
+      // Every page of the prompt is published, whatever decode's prefix (decode reads only the
+      // pages after it): prefix_pages stays 0 and nothing is skipped.
+      const uint64_t pages = PageCount(len, static_cast<uint32_t>(page_size()));
+      if (Status s = r->sender->Init(pages, r->mem.aux_slot); !s.ok()) {
+        FailEverywhere(*r->sender, s.WithPrefix("KVSender::Init"));
+      }
+      waiting_.push_back(std::move(r));
       return;
     }
     // Decode prefix reuse: decode holds the prompt's first pages already; prefill still computes
     // the whole prompt but sends only the pages after them (every TP rank learns the same
     // prefix, so the ranks stay in lockstep).
     const uint64_t prefix = r->sender->decode_prefix_len().value_or(0);
-    const uint64_t len = r->request.prompt.size();
     if (prefix > len || prefix % static_cast<uint64_t>(page_size()) != 0) {
       FailEverywhere(*r->sender,
                      Status::OutOfRange(absl::StrFormat(
@@ -338,6 +350,14 @@ void PrefillScheduler::WriteMetadata(uint32_t slot, uint64_t room, const Forward
 }
 
 void PrefillScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage stage) {
+  // KV pages that moved: push sent only those after decode's prefix; pull published every page
+  // and decode read those after its prefix (known once its TransferInfo came; 0 before).
+  int32_t moved_pages = r->sent_pages - r->prefix_pages;
+  if (options_.direction == TransferDirection::kPull) {
+    const uint64_t prefix = r->sender->decode_prefix_len().value_or(0);
+    moved_pages -= static_cast<int32_t>(
+        std::min<uint64_t>(prefix / static_cast<uint64_t>(page_size()), moved_pages));
+  }
   FinishedRequest f{
       .room = r->request.room,
       .status = std::move(status),
@@ -345,9 +365,8 @@ void PrefillScheduler::Finish(std::unique_ptr<Req> r, Status status, FailStage s
       .first_token_us = r->first_token_us,
       .transfer_start_us = r->first_sent_us,
       .transfer_end_us = r->transfer_end_us,
-      .kv_bytes =
-          static_cast<uint64_t>(r->sent_pages - r->prefix_pages) * options_.kv_bytes_per_page +
-          static_cast<uint64_t>(r->sent_state) * options_.page_state_bytes_per_page};
+      .kv_bytes = static_cast<uint64_t>(moved_pages) * options_.kv_bytes_per_page +
+                  static_cast<uint64_t>(r->sent_state) * options_.page_state_bytes_per_page};
   if (f.status.ok()) f.output_ids.push_back(r->first_token);
   // Tells decode why before the sender goes (destroying a live sender aborts it anyway).
   FinishRequest(std::move(f), stage, std::move(r->sender), r->mem, r->transferred);

@@ -2,6 +2,7 @@
 // runs it, over pdlib senders.
 //
 //   AddRequest -> bootstrap queue: a KVSender per request; waits for decode's TransferInfo
+//                                  (in pull it does not: see PrefillSchedulerOptions::direction)
 //              -> waiting queue:   a metadata slot; prefilled in chunks under a token budget
 //                                  (chunked prefill), forward with max_new_tokens = 1
 //              -> inflight queue:  KV sent chunk by chunk (whole pages until the last chunk),
@@ -77,6 +78,14 @@ struct PrefillSchedulerOptions {
   // the forward and only the last layers, aux and state remain after it. Off: Send() after the
   // forward. Either way decode gets the same bytes.
   bool layerwise = false;
+  // Which way pdlib moves the KV (KVManagerOptions::direction of the senders' manager). kPush:
+  // a request waits in the bootstrap queue for decode's TransferInfo, learns decode's prefix
+  // there and sends only the pages after it. kPull: decode reads, so a request is admitted at
+  // once (Send() publishes its pages whether or not decode has come: prefill never waits for
+  // decode memory) and every page of the prompt is sent, decode reading only those after its
+  // prefix (KVSender::PagesAfterPrefix in pull). The transfer ends when every decode rank has
+  // read them (Success, PagesReusable).
+  TransferDirection direction = TransferDirection::kPush;
   // The TP group whose ranks must agree on every request's state; null for a single rank.
   ProcessGroup* group = nullptr;
   // Microsecond clock for latency metrics; null means std::chrono::steady_clock.

@@ -93,6 +93,15 @@ TEST_CASE("a share of shapes carry a decode prefix of whole pages that the promp
     size_t sum = 0;
     for (size_t c = 0; c < s.chunks; ++c) sum += pdlib_chaos::ChunkPages(s, c);
     REQUIRE(sum == sent);
+    // Pull publishes every page of the prompt in the same number of chunks, none of them empty.
+    REQUIRE(pdlib_chaos::PublishedPages(s, pdlib::TransferDirection::kPull) == s.pages);
+    size_t published = 0;
+    for (size_t c = 0; c < s.chunks; ++c) {
+      const size_t n = pdlib_chaos::ChunkPages(s, c, pdlib::TransferDirection::kPull);
+      REQUIRE(n >= 1);
+      published += n;
+    }
+    REQUIRE(published == s.pages);
     // Windows: 1..3 pages on prefill, decode's at most one page apart, both within the prompt.
     REQUIRE(s.swa_prefill >= 1);
     REQUIRE(s.swa_prefill <= std::min<size_t>(3, s.pages));

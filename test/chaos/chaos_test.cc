@@ -6,7 +6,10 @@
 // for the request mix (issue #27): half the requests carry a decode prefix (decode hands over
 // only the pages after it, and its prefix pages must never be written) and every request two
 // state families (a mamba slot and swa window pages, each in a pool of its own). The negative
-// controls spoil bytes on purpose and require the run to catch them.
+// controls spoil bytes on purpose and require the run to catch them. Pull (issue #29, --direction
+// pull): decode reads prefill's published pages; the same checks hold (a read landing in memory
+// decode took back is a stale write), and a failed room's pages that InvalidPages() leaves out
+// must hold their bytes.
 //
 // Each run prints its summary and, on failure, the PROBLEM lines and where the processes' logs
 // were kept (stderr, shown by ctest --output-on-failure).
@@ -110,13 +113,26 @@ TEST_CASE("fake backend: 1P1D and 2P2D under kill -9 and SIGSTOP, no hang and no
   CheckClean(r);
 }
 
+// Pull over the fake backend (its reads move no bytes): prefill publishes before decode's
+// TransferInfo in most rooms, rooms whose decode was killed or frozen end by the pull lease, and
+// nothing is left held.
+TEST_CASE("fake backend, pull: 1P1D and 2P2D under kill -9 and SIGSTOP, no hang and no leak") {
+  std::vector<std::string> args = {"--backend",  "fake",    "--direction",         "pull",
+                                   "--requests", kRequests, "--fault-interval-ms", "400",
+                                   "--seed",     "12",      "--min-faults",        "3"};
+  args.insert(args.end(), kTimeouts.begin(), kTimeouts.end());
+  const RunResult r = RunChaos(args);
+  CheckClean(r);
+  CHECK(r.json.find("\"direction\":\"pull\"") != std::string::npos);
+}
+
 // Kills and freezes, seeds 1-5 per transport (1-3 under sanitizers; issue #13): a prefill frozen
 // while its writes were in flight wakes up and completes them after decode failed the room; the
 // pages stay quarantined until that prefill drains or is gone, so no write lands in a page decode
 // handed out again (stale_writes 0), and every quarantine ends (leaked 0).
 void CheckSeeds(const std::vector<std::string>& transport, const char* fault_kinds,
-                const char* requests = kRequests) {
-  for (const char* seed : kSeeds) {
+                const char* requests = kRequests, const std::vector<const char*>& seeds = kSeeds) {
+  for (const char* seed : seeds) {
     INFO("seed " << seed);
     std::vector<std::string> args = transport;
     for (const char* a : {"--requests", requests, "--fault-interval-ms", "400", "--fault-kinds",
@@ -150,6 +166,14 @@ TEST_CASE("ucx tcp: 1P1D and 2P2D under kill -9 and SIGSTOP, seeds 1-5, no stale
   CheckSeeds({"--backend", "ucx", "--backend-option", "ucx.tls=tcp", "--backend-option",
               "ucx.net_devices=lo"},
              "kill,stop");
+}
+
+// Pull over shm, seeds 1-2 (issue #29): decode reads prefill's pages while both are killed and
+// frozen; every Success carries the request's bytes, no read lands in memory decode took back,
+// and the pages of failed rooms that InvalidPages() leaves out hold their bytes.
+TEST_CASE("ucx shm, pull: 1P1D and 2P2D under kill -9 and SIGSTOP, seeds 1-2, no stale read") {
+  CheckSeeds({"--backend", "ucx", "--backend-option", "ucx.tls=shm", "--direction", "pull"},
+             "kill,stop", kRequests, {"1", "2"});
 }
 
 // UCX puts (shm): decode cannot fence and quarantines the pages until prefill drains or dies.
@@ -269,6 +293,20 @@ TEST_CASE("ucx shm negative control: a spoiled state byte is reported as bad_byt
 
 TEST_CASE("ucx shm negative control: a sender that ignores decode's prefix is bad_bytes") {
   const RunResult r = RunControl("--ignore-prefix-one-in");
+  INFO(r.json);
+  REQUIRE_FALSE(r.json.empty());
+  CHECK(r.exit_code == 1);
+  CHECK(Field(r.json, "bad_bytes") >= 1);
+  CHECK(Field(r.json, "stale_writes") == 0);
+}
+
+// Pull: prefill publishes every page and decode reads those after its prefix; the control lays
+// the pages out as a decode that ignored its prefix would read them.
+TEST_CASE("ucx shm negative control, pull: a read that ignores decode's prefix is bad_bytes") {
+  const RunResult r =
+      RunChaos({"--backend", "ucx", "--backend-option", "ucx.tls=shm", "--direction", "pull",
+                "--topology", "1p1d", "--fault-kinds", "none", "--requests", "40", "--rate", "0",
+                "--prefill-ms", "0", "--ignore-prefix-one-in", "4"});
   INFO(r.json);
   REQUIRE_FALSE(r.json.empty());
   CHECK(r.exit_code == 1);

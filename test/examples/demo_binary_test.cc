@@ -1,7 +1,7 @@
 // pd-demo's command line where it refuses to start (issue #19): --device and --reference-device
 // take cpu or cuda, and --device cuda on a machine without a usable GPU exits 1 with CUDA's
-// reason before it starts any process; --turns with decode prefix reuse end to end. The other
-// runs are demo_e2e_test's.
+// reason before it starts any process; --turns with decode prefix reuse end to end; --direction
+// pull and both (issue #29). The other runs are demo_e2e_test's.
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <filesystem>
@@ -71,6 +71,39 @@ TEST_CASE("pd-demo: --turns 3 compares decode prefix reuse off and on, outputs i
   CHECK(refused.status == 2);
   CHECK_THAT(refused.output, Catch::Contains("carries per-request state"));
   CHECK(refused.output.find("starting") == std::string::npos);
+}
+
+// Issue #29: pd-demo --direction. Pull end to end through the binaries' flags: multi-turn with
+// decode prefix reuse off then on (decode reads only the pages after its prefix: fewer bytes),
+// every output identical; --direction both runs push then pull and compares them; a bad value
+// and two "both"s are refused before anything starts.
+TEST_CASE("pd-demo: --direction pull --turns 3, prefix reuse off and on, outputs identical") {
+  const Exited e = RunDemo({"--direction", "pull", "--turns", "3", "--requests", "2",
+                            "--max-new-tokens", "4", "--quiet"},
+                           std::chrono::seconds(300));
+  INFO(e.output);
+  CHECK(e.status == 0);
+  CHECK_THAT(e.output, Catch::Contains("decode prefix reuse off, pull)"));
+  CHECK_THAT(e.output, Catch::Contains("12/12 outputs identical to the colocated run"));
+  CHECK_THAT(e.output, Catch::Contains("% less)"));
+  CHECK(e.output.find("(0% less)") == std::string::npos);
+}
+
+TEST_CASE("pd-demo: --direction both compares push and pull, outputs identical") {
+  const Exited e =
+      RunDemo({"--direction", "both", "--requests", "3", "--max-new-tokens", "4", "--quiet"},
+              std::chrono::seconds(300));
+  INFO(e.output);
+  CHECK(e.status == 0);
+  CHECK_THAT(e.output, Catch::Contains("push vs pull, rate burst: mean TTFT"));
+  CHECK_THAT(e.output, Catch::Contains("6/6 outputs identical to the colocated run"));
+  const Exited bad = RunDemo({"--direction", "sideways"});
+  CHECK(bad.status == 2);
+  CHECK_THAT(bad.output, Catch::Contains("--direction 'sideways': expected push, pull or both"));
+  const Exited two = RunDemo({"--direction", "both", "--layerwise", "both"});
+  CHECK(two.status == 2);
+  CHECK_THAT(two.output, Catch::Contains("pick one of them"));
+  CHECK(two.output.find("starting") == std::string::npos);
 }
 
 }  // namespace

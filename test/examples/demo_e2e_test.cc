@@ -306,6 +306,58 @@ TEST_CASE("demo e2e: multi-turn, decode prefix reuse (TP 2 -> TP 1): identical, 
   CHECK(later_bytes[1] * 2 < later_bytes[0]);
 }
 
+// Pull (issue #29): decode reads prefill's published pages (pd-prefill/pd-decode --direction
+// pull); prefill publishes each chunk without waiting for decode. Prefill TP 2 -> decode TP 1
+// (each decode rank reads its heads from both prefill ranks), then the hybrid model's mamba
+// state and the aux slot, read too.
+TEST_CASE("demo e2e: pull, prefill TP 2 -> decode TP 1 and the hybrid model, outputs identical") {
+  DeploymentOptions o = Options("pull-tp2");
+  o.direction = "pull";
+  o.prefills = {PrefillSpec{2, 1}};
+  RunTopology("pull-tp2", o, 6);
+  DeploymentOptions h = Options("pull-hybrid");
+  h.direction = "pull";
+  h.model = "small-hybrid";
+  RunTopology("pull-hybrid", h, 4);
+}
+
+// Pull with decode prefix reuse: prefill publishes every page of each later turn's prompt, and
+// decode reads only the pages after its prefix, so the later turns move fewer bytes than
+// without the cache (the negative control of the prefix: equal bytes would mean decode read
+// the whole prompt), with the reference's outputs either way.
+TEST_CASE("demo e2e: pull, multi-turn with decode prefix reuse: identical, fewer KV bytes") {
+  constexpr int kTurns = 3;
+  constexpr int32_t kTokens = 8;
+  uint64_t later_bytes[2] = {0, 0};
+  for (int reuse = 0; reuse < 2; ++reuse) {
+    DeploymentOptions o = Options(reuse ? "pull-turns-reuse" : "pull-turns-noreuse");
+    o.direction = "pull";
+    o.prefix_cache_pages = reuse ? 256 : 0;
+    auto d = Deployment::Start(o);
+    INFO("logs in " << o.log_dir);
+    REQUIRE(d.ok());
+    auto prompts = Prompts(4, 23);
+    for (int turn = 0; turn < kTurns; ++turn) {
+      INFO("turn " << turn + 1 << ", prefix reuse " << (reuse ? "on" : "off"));
+      auto outcomes = SendAll(**d, prompts, kTokens);
+      ExpectReference(**d, o, prompts, outcomes, kTokens);
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        if (turn > 0) later_bytes[reuse] += outcomes[i].kv_bytes;
+        prompts[i].insert(prompts[i].end(), outcomes[i].output_ids.begin(),
+                          outcomes[i].output_ids.end());
+        for (int k = 0; k < 5 + int(i); ++k) prompts[i].push_back(int32_t((turn * 41 + k) % 512));
+      }
+    }
+  }
+  std::printf(
+      "demo_e2e_test pull turns (small, %d turns): KV bytes of turns 2..%d: %llu without decode "
+      "prefix reuse, %llu with\n",
+      kTurns, kTurns, static_cast<unsigned long long>(later_bytes[0]),
+      static_cast<unsigned long long>(later_bytes[1]));
+  CHECK(later_bytes[1] > 0);
+  CHECK(later_bytes[1] * 2 < later_bytes[0]);
+}
+
 TEST_CASE("demo e2e: prefill TP 2 -> decode TP 1, outputs identical") {
   DeploymentOptions o = Options("tp2");
   o.prefills = {PrefillSpec{2, 1}};

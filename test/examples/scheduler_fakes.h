@@ -29,6 +29,11 @@ struct HandleState {
   std::vector<int32_t> init_pages;
   std::vector<int32_t> state_indices;
   uint64_t decode_prefix_len = 0;  // what Init() was given
+  // A sender's view: pull lets Send/SendLayers come before WaitingForInput (the pages are
+  // published for decode to read); sender_prefix is what decode_prefix_len() reports once the
+  // handle is past Bootstrapping.
+  bool pull = false;
+  uint64_t sender_prefix = 0;
   // KVSender::Send calls.
   struct SendCall {
     std::vector<int32_t> pages;
@@ -106,7 +111,9 @@ class FakeSender final : public FakeHandle<KVSender> {
   Status Send(std::span<const int32_t> pages, bool is_last_chunk,
               std::span<const int32_t> state_indices) override {
     if (!s_->call_error.ok()) return s_->call_error;
-    if (s_->state < KVPoll::kWaitingForInput) return Status::FailedPrecondition("not bootstrapped");
+    if (s_->state < KVPoll::kWaitingForInput && !s_->pull) {
+      return Status::FailedPrecondition("not bootstrapped");
+    }
     s_->sends.push_back({{pages.begin(), pages.end()},
                          is_last_chunk,
                          {state_indices.begin(), state_indices.end()}});
@@ -116,12 +123,18 @@ class FakeSender final : public FakeHandle<KVSender> {
                     std::span<const int32_t> state_indices) override {
     if (layers_done == s_->num_layers) return Send(pages, is_last_chunk, state_indices);
     if (!s_->layer_error.ok()) return s_->layer_error;
-    if (s_->state < KVPoll::kWaitingForInput) return Status::FailedPrecondition("not bootstrapped");
+    if (s_->state < KVPoll::kWaitingForInput && !s_->pull) {
+      return Status::FailedPrecondition("not bootstrapped");
+    }
     s_->layer_sends.push_back(
         {{pages.begin(), pages.end()}, layers_done, is_last_chunk, s_->sends.size()});
     return Status::OK();
   }
   int32_t num_layers() const override { return s_->num_layers; }
+  std::optional<uint64_t> decode_prefix_len() const override {
+    if (s_->state == KVPoll::kBootstrapping) return std::nullopt;
+    return s_->sender_prefix;
+  }
 };
 
 class FakeReceiver final : public FakeHandle<KVReceiver> {

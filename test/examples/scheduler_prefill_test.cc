@@ -179,6 +179,62 @@ TEST_CASE("scheduler: layer-wise prefill announces each chunk's layers during it
   CHECK(plain.transport[1].sends.size() == 2);
 }
 
+TEST_CASE("scheduler: pull sends every page of the prompt, before decode's TransferInfo too") {
+  PrefillSchedulerOptions o;
+  o.chunked_prefill_size = 8;
+  o.kv_bytes_per_page = 100;
+  o.direction = TransferDirection::kPull;
+  PrefillRig rig(o, /*num_pages=*/32, /*page_size=*/4);
+  rig.Add(1, 10, /*connect=*/false);  // decode has not come: prefill publishes anyway
+  rig.Add(2, 12);
+  rig.transport[1].pull = rig.transport[2].pull = true;
+  rig.transport[2].sender_prefix = 8;  // decode holds room 2's first two pages
+  rig.Step();
+  // Both admitted at once, each announcing every page of its prompt, decode's prefix or not.
+  CHECK(rig.sched->bootstrap_queue_size() == 0);
+  CHECK(rig.transport[1].init_num_pages == 3);
+  CHECK(rig.transport[2].init_num_pages == 3);
+  REQUIRE(rig.transport[1].sends.size() == 1);
+  CHECK(rig.transport[1].sends[0].pages == std::vector<int32_t>{0, 1});
+  CHECK_FALSE(rig.transport[1].sends[0].last);
+  rig.Step();
+  rig.Step();
+  REQUIRE(rig.transport[1].sends.size() == 2);
+  CHECK(rig.transport[1].sends[1].pages == std::vector<int32_t>{2});
+  CHECK(rig.transport[1].sends[1].last);
+  // Room 2's pages from the first one on, its prefix pages included.
+  std::vector<int32_t> sent;
+  for (const auto& c : rig.transport[2].sends)
+    sent.insert(sent.end(), c.pages.begin(), c.pages.end());
+  CHECK(sent.size() == 3);
+  CHECK(rig.transport[2].sends.back().last);
+  CHECK(rig.sched->inflight_queue_size() == 2);
+  // Success once decode has read them; the bytes moved are those decode read (after its
+  // prefix): 3 pages for room 1, 1 for room 2.
+  rig.transport[1].state = KVPoll::kSuccess;
+  rig.transport[2].state = KVPoll::kSuccess;
+  rig.Step();
+  REQUIRE(rig.finished.size() == 2);
+  CHECK(rig.finished[1].status.ok());
+  CHECK(rig.finished[1].kv_bytes == 300);
+  CHECK(rig.finished[2].kv_bytes == 100);
+  CHECK(rig.pages.free_pages() == 32);
+
+  // The same in push: room 1 waits for decode, room 2 sends only its page after the prefix.
+  PrefillSchedulerOptions push = o;
+  push.direction = TransferDirection::kPush;
+  PrefillRig p(push, 32, 4);
+  p.Add(1, 10, /*connect=*/false);
+  p.Add(2, 12);
+  p.transport[2].sender_prefix = 8;
+  p.Step();
+  p.Step();
+  CHECK_FALSE(p.transport[1].init_called);
+  CHECK(p.transport[2].init_num_pages == 1);
+  REQUIRE(p.transport[2].sends.size() == 1);
+  CHECK(p.transport[2].sends[0].pages.size() == 1);
+}
+
 TEST_CASE("scheduler: a refused layer announcement fails the request with the reason") {
   PrefillSchedulerOptions o;
   o.layerwise = true;

@@ -265,6 +265,9 @@ void Topology::HandleLine(size_t slot, const std::string& line) {
                    "to pdlib): "
                  : " found a write into memory it had taken back: ") +
             line.substr(6));
+  } else if (line.starts_with("KEPT ")) {
+    const auto k = ParseCounters(line);
+    if (k.contains("pages")) t_.verified_kept_pages += k.at("pages");
   } else if (line.starts_with("ERROR ")) {
     ++t_.harness_errors;
     Note(p.name() + ": " + line);
@@ -296,7 +299,11 @@ void Topology::HandleRoomLine(Proc& p, const std::string& line, Clock::time_poin
     side.kind = Outcome::kBadBytes;
     Problem("room " + std::to_string(id) +
             (p.prefill ? " was told the wrong decode prefix on " + p.name() + ": "
-                       : " reached Success on " + p.name() + " with wrong bytes: ") +
+             : rest.starts_with("kept_page=")
+                 ? " failed on " + p.name() +
+                       " with a page InvalidPages() left out holding "
+                       "wrong bytes: "
+                 : " reached Success on " + p.name() + " with wrong bytes: ") +
             rest);
   } else {
     side.kind = Outcome::kFailed;
@@ -514,7 +521,11 @@ void Topology::ShowProgress(bool force) {
 }  // namespace internal
 
 int64_t DerivedHangBound(const PeerConfig& peer) {
-  return peer.bootstrap_ms + peer.waiting_ms + peer.transfer_ms + peer.liveness_ms + 2000;
+  // Pull: a room prefill published that no decode rank reads (decode lost before its
+  // TransferInfo, or frozen: no heartbeat) lives until its lease runs out.
+  const int64_t lease =
+      peer.direction == pdlib::TransferDirection::kPull ? peer.pull_lease_ms : int64_t{0};
+  return peer.bootstrap_ms + peer.waiting_ms + peer.transfer_ms + peer.liveness_ms + lease + 2000;
 }
 
 int64_t DerivedSettle(const PeerConfig& peer) { return peer.liveness_ms; }

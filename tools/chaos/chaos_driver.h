@@ -50,7 +50,8 @@ struct ChaosOptions {
 
 // The longest a room may take to become terminal after its start or a fault event, by the
 // timeouts pdlib promises: bootstrap + waiting + transfer (a room can pass through all three
-// states) + liveness (detection of a frozen peer) + 2 s of scheduling slack.
+// states) + liveness (detection of a frozen peer) + in pull the lease (a published room no
+// decode reads) + 2 s of scheduling slack.
 int64_t DerivedHangBound(const PeerConfig& peer);
 
 // How long after a fault ended its after-effects may still fail a request that started then:

@@ -16,9 +16,11 @@
 //       [--partition_ms MS] [--link_fault_ms MS] [--discovery_down_ms MS] [--settle_ms MS]
 //       [--hang_bound_ms MS] [--backend ucx|fake] [--backend_option KEY=VALUE]...
 //       [--prefix_share 0..1] [--state_families mamba,swa,c128_state | none]
+//       [--direction push|pull] [--pull_lease_ms MS]
 //       [--json] [--verbose] [--log_dir DIR] [--min_faults N] [...]  (--help lists all)
 //
 //   e.g.  UCX_TLS=shm pdlib-chaos --requests 1000 --json
+//         pdlib-chaos --direction pull --requests 1000 --backend-option ucx.tls=shm
 //         pdlib-chaos --netns --requests 1000 --faults network,process
 //         pdlib-chaos --netns --discovery etcd --faults network,process --topology 2p2d
 //
@@ -98,10 +100,21 @@ ABSL_FLAG(int64_t, settle_ms, 0,
 ABSL_FLAG(int64_t, hang_bound_ms, 0,
           "a room must be terminal this long after its start or the last fault event (start or "
           "end) of its processes, their hosts or the discovery (0: bootstrap + waiting + "
-          "transfer + liveness timeouts + 2000)");
+          "transfer + liveness timeouts (+ the pull lease in pull) + 2000)");
 ABSL_FLAG(std::string, backend, "ucx", "ucx or fake (moves no bytes: bytes are not checked)");
 ABSL_FLAG(pdlib_tools::Repeated, backend_option, {},
           "a KVManagerOptions::backend_options entry K=V, repeatable, e.g. ucx.tls=shm");
+ABSL_FLAG(std::string, direction, "push",
+          "which way KV moves (KVManagerOptions::direction on every process): push (prefill "
+          "writes into decode's pages) or pull (decode reads prefill's: prefill publishes every "
+          "page of the prompt as it is computed, before decode's TransferInfo in the rooms "
+          "whose decode waits (half of them, up to 2 x prefill_ms), decode reads those after "
+          "its prefix; a read that lands after decode took its memory back is a "
+          "stale write, and a failed room's pages that InvalidPages() leaves out must hold their "
+          "bytes). pull needs a backend that can read");
+ABSL_FLAG(int64_t, pull_lease_ms, 3000,
+          "KVManagerOptions::pull_lease (pull): published pages no decode reads are freed after "
+          "this long; >= 1000. Adds to the derived hang bound in pull");
 ABSL_FLAG(int64_t, liveness_ms, 1000, "KVManagerOptions::liveness_timeout; >= 1000");
 ABSL_FLAG(int64_t, connect_timeout_ms, 2000, "KVManagerOptions::connect_timeout");
 ABSL_FLAG(int64_t, bootstrap_timeout_ms, 3000, "KVManagerOptions::bootstrap_timeout");
@@ -145,7 +158,9 @@ ABSL_FLAG(uint64_t, corrupt_prefix_one_in, 0,
           "request in N that has a prefix: must show up as stale_writes");
 ABSL_FLAG(uint64_t, ignore_prefix_one_in, 0,
           "negative control: prefill ignores decode's prefix in about one request in N, sending "
-          "as many pages from the start of the prompt: bad_bytes where the request has a prefix");
+          "as many pages from the start of the prompt (pull: publishing position i - prefix in "
+          "page i, what a decode that ignored its prefix would read): bad_bytes where the "
+          "request has a prefix");
 ABSL_FLAG(bool, no_verify, false, "internal: decode does not check bytes");
 ABSL_FLAG(std::string, role, "", "internal: prefill or decode, in a process the driver started");
 ABSL_FLAG(uint64_t, bootstrap_port, 0, "internal: the driver's bootstrap port");
@@ -172,8 +187,10 @@ constexpr char kUsage[] =
     "request carries the state families of --state-families (default a mamba slot and swa\n"
     "window pages, each in a pool of its own) and, with probability --prefix-share (default\n"
     "0.5), a decode prefix: decode holds the first pages of the prompt and hands over only the\n"
-    "pages after them, which prefill alone sends. Checks that every request ends within the\n"
-    "hang bound, that every Success carries the request's bytes (KV after the prefix, state,\n"
+    "pages after them, which prefill alone sends (--direction pull: decode reads instead;\n"
+    "prefill publishes every page, decode reads those after its prefix). Checks that every\n"
+    "request ends within the hang bound, that every Success carries the request's bytes (KV after "
+    "the prefix, state,\n"
     "aux), that nothing writes into decode's free pages, state items and slots or into its\n"
     "prefix pages, that every request no fault touched succeeds (those after a heal), and that\n"
     "nothing is left held; prints RESULT: CLEAN or RESULT: NOT CLEAN.\n"
@@ -248,6 +265,10 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   }
   p.backend = absl::GetFlag(FLAGS_backend);
   if (p.backend.empty()) return bad("backend", "");
+  const std::string direction = absl::GetFlag(FLAGS_direction);
+  if (direction != "push" && direction != "pull") return bad("direction", direction);
+  p.direction =
+      direction == "pull" ? pdlib::TransferDirection::kPull : pdlib::TransferDirection::kPush;
   for (const std::string& kv : absl::GetFlag(FLAGS_backend_option).values) {
     const size_t eq = kv.find('=');
     if (eq == std::string::npos || eq == 0) return bad("backend_option", kv);
@@ -290,6 +311,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
         Ms{"settle_ms", absl::GetFlag(FLAGS_settle_ms), 0, &c.settle_ms},
         Ms{"hang_bound_ms", absl::GetFlag(FLAGS_hang_bound_ms), 0, &c.hang_bound_ms},
         Ms{"liveness_ms", absl::GetFlag(FLAGS_liveness_ms), 1000, &p.liveness_ms},
+        Ms{"pull_lease_ms", absl::GetFlag(FLAGS_pull_lease_ms), 1000, &p.pull_lease_ms},
         Ms{"connect_timeout_ms", absl::GetFlag(FLAGS_connect_timeout_ms), 1, &p.connect_ms},
         Ms{"bootstrap_timeout_ms", absl::GetFlag(FLAGS_bootstrap_timeout_ms), 1, &p.bootstrap_ms},
         Ms{"waiting_timeout_ms", absl::GetFlag(FLAGS_waiting_timeout_ms), 1, &p.waiting_ms},
@@ -428,6 +450,7 @@ int RunDriver(Flags f) {
   report.seed = c.seed;
   report.netns = c.netns;
   report.discovery = c.etcd ? "etcd" : "bootstrap";
+  report.direction = std::string(pdlib::TransferDirectionName(c.peer.direction));
   report.skipped_faults = skipped;
   for (size_t k = 0; k < plans.size(); ++k) {
     const Plan& plan = plans[k];

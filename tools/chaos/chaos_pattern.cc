@@ -44,8 +44,8 @@ RequestShape ShapeOf(uint64_t room, size_t max_pages, size_t max_chunks, double 
   return s;
 }
 
-size_t ChunkPages(const RequestShape& shape, size_t chunk) {
-  const size_t sent = SentPages(shape);
+size_t ChunkPages(const RequestShape& shape, size_t chunk, pdlib::TransferDirection direction) {
+  const size_t sent = PublishedPages(shape, direction);
   const size_t base = sent / shape.chunks;
   return chunk + 1 < shape.chunks ? base : sent - base * (shape.chunks - 1);
 }

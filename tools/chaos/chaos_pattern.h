@@ -56,12 +56,20 @@ struct RequestShape {
 // when the prefix covers the prompt). With prefix_share 0 the shape is the one it always was.
 RequestShape ShapeOf(uint64_t room, size_t max_pages, size_t max_chunks, double prefix_share = 0);
 
-// KV pages prefill sends: those after decode's prefix.
+// KV pages prefill sends in push: those after decode's prefix.
 inline size_t SentPages(const RequestShape& shape) { return shape.pages - shape.prefix_pages; }
 
-// Pages of chunk `chunk` of `shape`: whole pages of the sent ones; the last chunk takes what is
-// left (0 when the prefix covers the prompt).
-size_t ChunkPages(const RequestShape& shape, size_t chunk);
+// KV pages prefill publishes in pull: every page of the prompt, whatever decode's prefix (decode
+// reads only those after it; KVSender::PagesAfterPrefix in pull). The prompt's pages in push.
+inline size_t PublishedPages(const RequestShape& shape, pdlib::TransferDirection direction) {
+  return direction == pdlib::TransferDirection::kPull ? shape.pages : SentPages(shape);
+}
+
+// Pages of chunk `chunk` of `shape`: whole pages of the sent ones (push) or of every page of the
+// prompt (pull); the last chunk takes what is left (0 in push when the prefix covers the
+// prompt). The chunk count is the shape's either way.
+size_t ChunkPages(const RequestShape& shape, size_t chunk,
+                  pdlib::TransferDirection direction = pdlib::TransferDirection::kPush);
 
 // Buffer ids of the byte pattern (FillPage's `buffer`): KV buffers are 0..2L-1; state family f's
 // buffer l is StateBufferId(f, l); the bytes decode keeps in the pages of its own prefix (its

@@ -84,7 +84,9 @@ struct Request {
   std::vector<uint32_t> state_counts;
   size_t chunks_sent = 0;             // prefill
   Clock::time_point next_chunk_at{};  // prefill: when the next chunk's "forward pass" is done
+  Clock::time_point init_at{};        // decode: not Init before (pull: InitAt)
   bool initialized = false;
+  bool handed_over = false;  // decode: Init() took the pages (InvalidPages() answers for them)
   Clock::time_point held_since{};  // when the engine put it aside, its pages not reusable yet
   // Prefill: what was wrong with the prefix pdlib reported (reported as BadBytes at the end).
   std::string bad;
@@ -161,6 +163,8 @@ class Peer {
     o.bootstrap_timeout = milliseconds(c_.bootstrap_ms);
     o.waiting_timeout = milliseconds(c_.waiting_ms);
     o.transfer_timeout = milliseconds(c_.transfer_ms);
+    o.direction = c_.direction;
+    o.pull_lease = milliseconds(c_.pull_lease_ms);
     for (auto& buffer : kv().buffers) {
       o.args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(buffer.data()));
       o.args.kv.lens.push_back(buffer.size());
@@ -215,6 +219,16 @@ class Peer {
 
  private:
   bool prefill() const { return c_.mode == pdlib::Mode::kPrefill; }
+  bool pull() const { return c_.direction == pdlib::TransferDirection::kPull; }
+
+  // Decode, pull: when decode calls Init for `room` (its TransferInfo goes then). Half the rooms
+  // wait up to 2 x prefill_ms, as a decode waiting for memory would, so that prefill often
+  // publishes before decode's TransferInfo arrives; the others as in push.
+  Clock::time_point InitAt(uint64_t room) const {
+    const uint64_t h = Mix(room ^ 0x7075626cULL);
+    if (!pull() || h % 2 == 0) return Clock::now();
+    return Clock::now() + milliseconds(int64_t((h >> 8) % uint64_t(2 * c_.prefill_ms + 1)));
+  }
 
   bool Error(const std::string& message) {
     Emit("ERROR " + message);
@@ -238,6 +252,7 @@ class Peer {
     auto r = std::make_unique<Request>();
     r->room = room;
     r->shape = ShapeOf(room, c_.max_pages, c_.max_chunks, c_.prefix_share);
+    if (!prefill()) r->init_at = InitAt(room);
     pdlib::Status s;
     if (prefill()) {
       auto sender = manager_->CreateSender(room);
@@ -327,7 +342,7 @@ class Peer {
   }
 
   bool StepReceiver(Request& r, pdlib::KVPoll st) {
-    if (r.initialized) return false;
+    if (r.initialized || Clock::now() < r.init_at) return false;
     if (!r.shape.early_init && st < pdlib::KVPoll::kWaitingForInput) return false;
     r.initialized = true;
     pdlib::ReceiveRequest request;
@@ -339,6 +354,8 @@ class Peer {
     if (pdlib::Status s = r.receiver->Init(request); !s.ok()) {
       Emit("ERROR room " + std::to_string(r.room) + " Init: " + s.ToString());
       r.receiver->Abort("Init() refused: " + s.ToString());
+    } else {
+      r.handed_over = true;
     }
     return true;
   }
@@ -350,8 +367,13 @@ class Peer {
   }
 
   // One chunk per pass, its pages filled just before its Send(), as a chunked prefill would.
+  // Push sends once decode's TransferInfo is in (WaitingForInput). Pull publishes each chunk as
+  // soon as it is computed, decode's TransferInfo or not, as a pull engine does: pdlib gives a
+  // room that never publishes no deadline while decode has not come (prefill_core.cc), so an
+  // engine that waited for decode here would hold a room forever when decode never comes.
   bool StepSender(Request& r, pdlib::KVPoll st) {
-    if (st < pdlib::KVPoll::kWaitingForInput || r.chunks_sent == r.shape.chunks) return false;
+    if (r.chunks_sent == r.shape.chunks) return false;
+    if (st < pdlib::KVPoll::kWaitingForInput && !pull()) return false;
     auto refused = [&](const pdlib::Status& s, const char* what) {
       if (s.ok()) return false;
       Emit("ERROR room " + std::to_string(r.room) + " " + what + ": " + s.ToString());
@@ -362,29 +384,35 @@ class Peer {
     const auto now = Clock::now();
     if (!r.initialized) {
       r.initialized = true;
-      // Decode's prefix, known now: it must be the one decode holds, and only the pages after
-      // it go.
+      // Push: decode's prefix, known now, must be the one decode holds, and only the pages
+      // after it go. Pull: every page goes (decode's prefix is checked at Success).
       if (!CheckPrefix(r)) {
         if (pdlib::IsTerminal(r.sender->Poll())) return true;  // failed meanwhile: Finish says
         r.sender->Abort("pdlib-chaos: " + r.bad);
         r.chunks_sent = r.shape.chunks;
         return true;
       }
-      if (refused(r.sender->Init(SentPages(r.shape), r.aux), "Init")) return true;
+      if (refused(r.sender->Init(PublishedPages(r.shape, c_.direction), r.aux), "Init")) {
+        return true;
+      }
       r.next_chunk_at = now + ChunkComputeTime(r);
       return true;
     }
     if (now < r.next_chunk_at) return false;
     r.next_chunk_at = now + ChunkComputeTime(r);
-    // Positions [first, first + n) of the prompt; the negative control that ignores decode's
-    // prefix sends the same number of pages from the start of the prompt.
+    // Positions [first, first + n) of the prompt: push starts after decode's prefix, pull at
+    // the first page. The negative control that ignores decode's prefix sends, in push, the
+    // same number of pages from the start of the prompt; in pull it publishes position
+    // i - prefix in page i, which is what a decode that ignored its prefix would read.
     const bool ignore_prefix = Spoiled(r.room, c_.ignore_prefix_one_in, 0xf);
-    size_t first = ignore_prefix ? 0 : r.shape.prefix_pages;
-    for (size_t c = 0; c < r.chunks_sent; ++c) first += ChunkPages(r.shape, c);
-    const size_t n = ChunkPages(r.shape, r.chunks_sent);
+    size_t first = ignore_prefix || pull() ? 0 : r.shape.prefix_pages;
+    for (size_t c = 0; c < r.chunks_sent; ++c) first += ChunkPages(r.shape, c, c_.direction);
+    const size_t n = ChunkPages(r.shape, r.chunks_sent, c_.direction);
+    const size_t shift = pull() && ignore_prefix ? r.shape.pages - r.shape.prefix_pages : 0;
     for (size_t b = 0; b < kv().buffers.size(); ++b) {
       for (size_t i = first; i < first + n; ++i) {
-        FillPage(kv().At(b, r.pages[i]), c_.item_bytes, r.room, uint32_t(b), uint32_t(i));
+        FillPage(kv().At(b, r.pages[i]), c_.item_bytes, r.room, uint32_t(b),
+                 uint32_t((i + shift) % r.shape.pages));
       }
     }
     if (r.chunks_sent == 0 && n > 0 && Spoiled(r.room, c_.corrupt_kv_one_in, 0xb)) {
@@ -415,24 +443,53 @@ class Peer {
     return true;
   }
 
-  // Prefill at WaitingForInput: whether decode_prefix_len() and PagesAfterPrefix() say what the
-  // room's decode holds; otherwise r.bad says what they said.
+  // Prefill before its first chunk: whether decode_prefix_len() (push: at WaitingForInput) and
+  // PagesAfterPrefix() say what the room's decode holds; otherwise r.bad says what they said.
+  // Pull: PagesAfterPrefix() is every page of the prompt, known before decode's TransferInfo,
+  // and decode's prefix may not be known yet (CheckPulledPrefix checks it at Success).
   bool CheckPrefix(Request& r) const {
-    const uint64_t want = r.shape.prefix_pages * kPageTokens;
-    const std::optional<uint64_t> prefix = r.sender->decode_prefix_len();
-    if (prefix != want) {
-      r.bad = "prefix:decode_prefix_len=" + (prefix ? std::to_string(*prefix) : "nullopt") +
-              ",expected=" + std::to_string(want);
-      return false;
-    }
+    if (!pull() && !CheckDecodePrefix(r)) return false;
+    const size_t expected = PublishedPages(r.shape, c_.direction);
     const auto pages = r.sender->PagesAfterPrefix(r.shape.prompt_tokens);
-    if (!pages.ok() || *pages != SentPages(r.shape)) {
+    if (!pages.ok() || *pages != expected) {
       r.bad = "prefix:PagesAfterPrefix(" + std::to_string(r.shape.prompt_tokens) +
               ")=" + (pages.ok() ? std::to_string(*pages) : pages.status().ToString()) +
-              ",expected=" + std::to_string(SentPages(r.shape));
+              ",expected=" + std::to_string(expected);
       return false;
     }
     return true;
+  }
+
+  // Whether decode_prefix_len() is the prefix the room's decode holds (r.bad says otherwise).
+  static bool CheckDecodePrefix(Request& r) {
+    const uint64_t want = r.shape.prefix_pages * kPageTokens;
+    const std::optional<uint64_t> prefix = r.sender->decode_prefix_len();
+    if (prefix == want) return true;
+    r.bad = "prefix:decode_prefix_len=" + (prefix ? std::to_string(*prefix) : "nullopt") +
+            ",expected=" + std::to_string(want);
+    return false;
+  }
+
+  // Decode, pull, after Failed: the pages InvalidPages() leaves out are those whose every read
+  // completed, which an engine may keep (recomputing only the others): each must hold its
+  // tokens' bytes. Sets *kept to how many were checked; the first wrong one otherwise.
+  std::optional<std::string> CheckKept(const Request& r, size_t* kept) const {
+    *kept = 0;
+    // A room that failed before Init() took its pages: pdlib never had them (InvalidPages() is
+    // about Init()'s pages only), so none is kept.
+    if (prefill() || !pull() || !c_.verify || !r.receiver || !r.handed_over) return std::nullopt;
+    const std::vector<int32_t> invalid = r.receiver->InvalidPages();
+    const Pool& kv_pool = kv();
+    for (size_t i = r.shape.prefix_pages; i < r.pages.size(); ++i) {
+      if (std::find(invalid.begin(), invalid.end(), r.pages[i]) != invalid.end()) continue;
+      for (size_t b = 0; b < kv_pool.buffers.size(); ++b) {
+        auto bad =
+            CheckPage(kv_pool.At(b, r.pages[i]), kv_pool.item, r.room, uint32_t(b), uint32_t(i));
+        if (bad) return "kept_page=" + std::to_string(r.pages[i]) + "," + *bad;
+      }
+      ++*kept;
+    }
+    return std::nullopt;
   }
 
   // The items of pool `k` that `r` holds.
@@ -491,8 +548,19 @@ class Peer {
     const uint64_t room_id = r->room;
     const std::string room = std::to_string(room_id);
     const std::string prefix = " prefix_pages=" + std::to_string(r->shape.prefix_pages);
+    // Pull: every decode rank has read the room, so decode's prefix is known; it must be the one
+    // the room's decode holds.
+    if (r->bad.empty() && prefill() && pull() && st == pdlib::KVPoll::kSuccess) {
+      CheckDecodePrefix(*r);
+    }
+    size_t kept = 0;
+    std::optional<std::string> bad_kept;
+    if (r->bad.empty() && st != pdlib::KVPoll::kSuccess) bad_kept = CheckKept(*r, &kept);
+    if (kept > 0) Emit("KEPT room=" + room + " pages=" + std::to_string(kept));
     if (!r->bad.empty()) {
       Emit("ROOM " + room + " BadBytes " + r->bad);
+    } else if (bad_kept) {
+      Emit("ROOM " + room + " BadBytes " + *bad_kept);
     } else if (st != pdlib::KVPoll::kSuccess) {
       Emit("ROOM " + room + " Failed " + r->handle().FailureReason().ToString());
     } else if (prefill()) {
@@ -588,6 +656,16 @@ class Peer {
         last_slot_room_[*aux] = room_id;
       }
     }
+    if (prefill() && pull()) {
+      // Pull: decode reads these pages, and PagesReusable() said it no longer does. They get
+      // bytes of their own (not decode's canary), so that a read after that would put them in
+      // decode's copy: bad bytes on a Success or in a page InvalidPages() left out, or a stale
+      // write in memory decode took back.
+      for (size_t k = 0; k < pools_.size(); ++k) {
+        for (int32_t i : items[k]) Poison(pools_[k], i, kPrefillFreed);
+      }
+      if (aux) PoisonSlot(*aux, kPrefillFreed);
+    }
     if (aux) {
       slot_in_use_[*aux] = false;
       slots_->Free(*aux).IgnoreError();
@@ -600,10 +678,11 @@ class Peer {
 
   // Decode: the pages and state items and the metadata slots the engine does not lend to pdlib
   // hold a canary byte; a write there is a write after its request was over (a stale or
-  // misdirected write).
-  void Poison(Pool& pool, int32_t index) {
+  // misdirected write). In pull the writes are decode's own reads: one that lands after the
+  // request was over (after PagesReusable() said none would) changes the canary the same way.
+  void Poison(Pool& pool, int32_t index, uint8_t byte = kCanary) {
     for (size_t b = 0; b < pool.buffers.size(); ++b) {
-      std::memset(pool.At(b, index), kCanary, pool.item);
+      std::memset(pool.At(b, index), byte, pool.item);
     }
   }
 
@@ -630,10 +709,10 @@ class Peer {
     return broken;
   }
 
-  void PoisonSlot(uint32_t slot) {
+  void PoisonSlot(uint32_t slot, uint8_t byte = kCanary) {
     for (int f = 0; f < pdlib::kMetadataFieldCount; ++f) {
       auto row = aux_->Row(pdlib::MetadataField(f), slot);
-      std::memset(row.data(), kCanary, row.size());
+      std::memset(row.data(), byte, row.size());
     }
   }
 
@@ -765,6 +844,9 @@ class Peer {
   }
 
   static constexpr uint8_t kCanary = 0xc5;
+  // Prefill, pull: what its memory holds once taken back (never kCanary, so that a late read of
+  // it into decode's free memory changes decode's canary).
+  static constexpr uint8_t kPrefillFreed = 0x3a;
   static constexpr uint64_t kNoRoom = ~uint64_t{0};
 
   const PeerConfig c_;
@@ -821,6 +903,8 @@ std::vector<std::string> PeerArgs(const PeerConfig& c) {
       {"--prefix-share", FormatShare(c.prefix_share)},
       {"--state-families", StateFamiliesName(c.state_families)},
       {"--max-seconds", std::to_string(c.max_seconds)},
+      {"--direction", std::string(pdlib::TransferDirectionName(c.direction))},
+      {"--pull-lease-ms", std::to_string(c.pull_lease_ms)},
   };
   std::vector<std::string> a;
   for (const auto& [flag, value] : flags) {

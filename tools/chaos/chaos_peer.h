@@ -13,6 +13,11 @@
 //                                       unverified); p: pages of the request's decode prefix
 //   ROOM <room> Success OK              prefill
 //   ROOM <room> Failed <reason>         the handle's FailureReason(), or why it was refused
+//   KEPT room=<room> pages=<n>          decode, pull, before a failed room's ROOM line: n pages
+//                                       InvalidPages() left out (an engine may keep them) hold
+//                                       every byte of their tokens
+//   ROOM <room> BadBytes kept_page=...  decode, pull: a failed room's page that InvalidPages()
+//                                       left out does not hold its tokens' bytes
 //   ROOM <room> BadBytes <first wrong>  decode: Success, but the bytes are not the request's;
 //                                       prefill: decode_prefix_len() or PagesAfterPrefix() was
 //                                       not what the room's decode holds (the room is aborted)
@@ -57,6 +62,12 @@ struct PeerConfig {
   int32_t dp_rank = 0;
   std::string backend = "ucx";
   std::map<std::string, std::string> backend_options;
+  // Which way KV moves (KVManagerOptions::direction, the same on every peer). In pull prefill
+  // publishes every page of the prompt (PublishedPages), some rooms before decode's
+  // TransferInfo, and decode reads those after its prefix; pull_lease_ms is
+  // KVManagerOptions::pull_lease.
+  pdlib::TransferDirection direction = pdlib::TransferDirection::kPush;
+  int64_t pull_lease_ms = 3000;
   bool verify = true;  // decode: check every byte of every Success (needs a byte-moving backend)
   // Negative controls of the byte check (prefill): spoil one KV byte / one aux value of about
   // one room in N (chosen by a hash of the room id); 0: never.
@@ -69,6 +80,9 @@ struct PeerConfig {
   // room in N (bad bytes); decode overwrites a byte of its own prefix pages of about one room in
   // N that has a prefix (a stale write); prefill ignores decode's prefix in about one room in N,
   // sending the same number of pages from the start of the prompt (bad bytes when it has one).
+  // In pull, where prefill publishes every page whatever the prefix, the last one lays out its
+  // pages as a decode that ignored its prefix would read them: published page i holds position
+  // i - prefix (bad bytes when it has one).
   uint64_t corrupt_state_one_in = 0;
   uint64_t corrupt_prefix_one_in = 0;
   uint64_t ignore_prefix_one_in = 0;

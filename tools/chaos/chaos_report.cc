@@ -39,6 +39,7 @@ nlohmann::ordered_json TallyFields(const Tally& t) {
           {"verified_requests", t.verified_requests},
           {"verified_bytes", t.verified_bytes},
           {"verified_prefix_requests", t.verified_prefix_requests},
+          {"verified_kept_pages", t.verified_kept_pages},
           {"harness_errors", t.harness_errors},
           {"max_fault_to_terminal_ms", t.max_fault_to_terminal_ms},
           {"hang_bound_ms", t.hang_bound_ms},
@@ -80,6 +81,7 @@ void Tally::Add(const Tally& o) {
   verified_requests += o.verified_requests;
   verified_bytes += o.verified_bytes;
   verified_prefix_requests += o.verified_prefix_requests;
+  verified_kept_pages += o.verified_kept_pages;
   harness_errors += o.harness_errors;
   max_fault_to_terminal_ms = std::max(max_fault_to_terminal_ms, o.max_fault_to_terminal_ms);
   hang_bound_ms = std::max(hang_bound_ms, o.hang_bound_ms);
@@ -112,6 +114,7 @@ std::string RenderJson(const Report& r) {
   j["seed"] = r.seed;
   j["netns"] = r.netns;
   j["discovery"] = r.discovery;
+  j["direction"] = r.direction;
   j["skipped_faults"] = r.skipped_faults;
   j["topologies"] = nlohmann::ordered_json::object();
   for (const auto& [name, t] : r.by_topology) j["topologies"][name] = TallyFields(t);
@@ -123,7 +126,8 @@ std::string RenderSummary(const Report& r) {
   const Tally& t = r.total;
   o << "pdlib-chaos: backend " << r.backend << " (" << r.transport << "), seed " << r.seed
     << ", bytes " << (r.bytes_checked ? "checked" : "not checked (backend moves none)")
-    << ", discovery " << r.discovery << (r.netns ? ", hosts in network namespaces" : "") << "\n";
+    << ", discovery " << r.discovery << ", " << r.direction
+    << (r.netns ? ", hosts in network namespaces" : "") << "\n";
   for (const auto& [name, x] : r.by_topology) {
     o << "  " << name << ": " << x.requests << " requests, " << x.faults << " faults, "
       << x.succeeded << " succeeded, " << x.failed << " failed, " << x.hung << " hung, "
@@ -146,7 +150,11 @@ std::string RenderSummary(const Report& r) {
     << t.probes - t.probes_failed << "/" << t.probes << " ok; crashes " << t.crashes
     << ", unclean exits " << t.unclean_exits << "\n  verified " << t.verified_requests
     << " requests (" << t.verified_prefix_requests << " with a decode prefix), " << t.verified_bytes
-    << " bytes\n";
+    << " bytes";
+  if (r.direction == "pull") {
+    o << "; " << t.verified_kept_pages << " pages of failed requests that InvalidPages() left out";
+  }
+  o << "\n";
   if (t.ucx_known_aborts > 0) {
     o << "  NOTE: " << t.ucx_known_aborts
       << " process(es) aborted inside UCX 1.13 (a wireup message pending on a tcp endpoint "

@@ -55,6 +55,10 @@ struct Tally {
   // Of verified_requests, those whose decode held a prefix of the prompt (only the pages after
   // it moved; the prefix pages kept decode's own bytes).
   uint64_t verified_prefix_requests = 0;
+  // Pull: pages of failed requests that KVReceiver::InvalidPages() left out (every read of them
+  // completed: an engine may keep them), each checked to hold its tokens' bytes (a wrong one is
+  // bad_bytes).
+  uint64_t verified_kept_pages = 0;
   uint64_t harness_errors = 0;  // ERROR lines from the peers (API calls refused)
   // Page reuse: failed requests whose pages decode's engine held aside until pdlib said no late
   // write could land (QUARANTINE lines), the pages they held, the most held at once by one
@@ -87,6 +91,7 @@ struct Report {
   uint64_t seed = 0;
   bool netns = false;                   // each process on a host (network namespace) of its own
   std::string discovery = "bootstrap";  // or "etcd"
+  std::string direction = "push";       // or "pull" (KVManagerOptions::direction)
   // Fault kinds asked for but not injected here, with the reason (latency: no sch_netem).
   std::map<std::string, std::string> skipped_faults;
   Tally total;
