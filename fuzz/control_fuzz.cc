@@ -451,6 +451,18 @@ void Harness::Dispatch(Stream& s, const wire::v1::DecodeToPrefill& msg) {
     case wire::v1::DecodeToPrefill::kAbort:
       if (!s.registered) return EndStream(s, Status::FailedPrecondition("Abort first"));
       return core_->OnAbort(msg.abort().room(), s.session, msg.abort().reason().substr(0, 4096));
+    case wire::v1::DecodeToPrefill::kPullConnect:
+      if (!s.registered) return EndStream(s, Status::FailedPrecondition("PullConnect first"));
+      return core_->OnPullConnect(control::FromProto(msg.pull_connect(), s.session));
+    case wire::v1::DecodeToPrefill::kReadsDone:
+      if (!s.registered) return EndStream(s, Status::FailedPrecondition("ReadsDone first"));
+      return core_->OnReadsDone(control::FromProto(msg.reads_done(), s.session));
+    case wire::v1::DecodeToPrefill::kHeartbeat: {
+      if (!s.registered) return EndStream(s, Status::FailedPrecondition("Heartbeat first"));
+      auto beat = control::FromProto(msg.heartbeat(), s.session);
+      if (beat.ok()) core_->OnHeartbeat(*beat);
+      return;
+    }
     default: return EndStream(s, Status::InvalidArgument("empty or unknown message"));
   }
 }

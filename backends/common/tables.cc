@@ -8,32 +8,35 @@ namespace toolkit {
 
 namespace {
 
-// "<backend>: write <index>", built only for an error.
-std::string WriteName(std::string_view backend, size_t index) {
-  return std::string(backend) + ": write " + std::to_string(index);
+// "<backend>: write <index>" (or "read"), built only for an error.
+std::string WriteName(std::string_view backend, size_t index, OpKind kind) {
+  return std::string(backend) + (kind == OpKind::kRead ? ": read " : ": write ") +
+         std::to_string(index);
 }
 
 }  // namespace
 
 Status CheckWrite(std::string_view backend, size_t index, const spi::WriteOp& op, spi::PeerId peer,
-                  std::optional<uint64_t> local_length, std::optional<uint64_t> remote_length) {
+                  std::optional<uint64_t> local_length, std::optional<uint64_t> remote_length,
+                  OpKind kind) {
   if (!local_length) {
-    return Status::InvalidArgument(WriteName(backend, index) + " names unregistered local region " +
+    return Status::InvalidArgument(WriteName(backend, index, kind) +
+                                   " names unregistered local region " +
                                    std::to_string(op.local_region));
   }
   if (!remote_length) {
-    return Status::InvalidArgument(WriteName(backend, index) + " names unknown remote region " +
-                                   std::to_string(op.remote_region) + " of peer " +
-                                   std::to_string(peer));
+    return Status::InvalidArgument(
+        WriteName(backend, index, kind) + " names unknown remote region " +
+        std::to_string(op.remote_region) + " of peer " + std::to_string(peer));
   }
   if (op.length > *local_length || op.local_offset > *local_length - op.length) {
-    return Status::OutOfRange(WriteName(backend, index) + " of " + std::to_string(op.length) +
+    return Status::OutOfRange(WriteName(backend, index, kind) + " of " + std::to_string(op.length) +
                               " bytes at offset " + std::to_string(op.local_offset) +
                               " leaves local region " + std::to_string(op.local_region) + " of " +
                               std::to_string(*local_length) + " bytes");
   }
   if (op.length > *remote_length || op.remote_offset > *remote_length - op.length) {
-    return Status::OutOfRange(WriteName(backend, index) + " of " + std::to_string(op.length) +
+    return Status::OutOfRange(WriteName(backend, index, kind) + " of " + std::to_string(op.length) +
                               " bytes at offset " + std::to_string(op.remote_offset) +
                               " leaves remote region " + std::to_string(op.remote_region) + " of " +
                               std::to_string(*remote_length) + " bytes");

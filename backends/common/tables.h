@@ -30,11 +30,16 @@ namespace pdlib {
 inline namespace v1 {
 namespace toolkit {
 
-// Checks write `index` of a batch to `peer` against its regions' lengths; `local_length` and
-// `remote_length` are nullopt when the region is unknown. The errors name the write, the region
-// and the bytes: InvalidArgument for an unknown region, OutOfRange for a write that leaves one.
+// What a batch does: reads (PostReads) are checked exactly like writes, only named so.
+enum class OpKind { kWrite, kRead };
+
+// Checks write (or read) `index` of a batch to `peer` against its regions' lengths;
+// `local_length` and `remote_length` are nullopt when the region is unknown. The errors name the
+// op, the region and the bytes: InvalidArgument for an unknown region, OutOfRange for an op that
+// leaves one.
 Status CheckWrite(std::string_view backend, size_t index, const spi::WriteOp& op, spi::PeerId peer,
-                  std::optional<uint64_t> local_length, std::optional<uint64_t> remote_length);
+                  std::optional<uint64_t> local_length, std::optional<uint64_t> remote_length,
+                  OpKind kind = OpKind::kWrite);
 
 // Checks a remote region as ImportRemoteRegion receives it: not empty, not wrapping around.
 Status CheckRemoteRegion(std::string_view backend, const spi::RemoteRegion& region);
@@ -111,17 +116,18 @@ class PeerTable {
     if (!entry->failure.ok()) return entry->failure;
     return entry;
   }
-  // Resolves write `index` of a batch to `id`: its local and remote entries after CheckWrite.
+  // Resolves write (or read) `index` of a batch to `id`: its local and remote entries after
+  // CheckWrite.
   template <typename Local>
   StatusOr<std::pair<const Local*, const typename decltype(Entry::regions)::value_type*>>
   ResolveWrite(spi::PeerId id, const Entry& peer, const LocalRegions<Local>& locals, size_t index,
-               const spi::WriteOp& op) const {
+               const spi::WriteOp& op, OpKind kind = OpKind::kWrite) const {
     const Local* local = locals.Find(op.local_region);
     const auto* remote =
         op.remote_region < peer.regions.size() ? &peer.regions[op.remote_region] : nullptr;
     Status s = CheckWrite(backend_, index, op, id,
                           local ? std::optional<uint64_t>(local->length) : std::nullopt,
-                          remote ? std::optional<uint64_t>(remote->length) : std::nullopt);
+                          remote ? std::optional<uint64_t>(remote->length) : std::nullopt, kind);
     if (!s.ok()) return s;
     return std::make_pair(local, remote);
   }

@@ -93,10 +93,15 @@ void CudaIpcTransport::AcceptBatch(std::unique_ptr<Batch> owned) {
   }
 }
 
+bool CudaIpcTransport::IsHostPath(Path path) {
+  return path == Path::kCma || path == Path::kDeviceToHost || path == Path::kCmaRead ||
+         path == Path::kHostToOurDevice;
+}
+
 Status CudaIpcTransport::Execute(Batch& batch) {
   bool device_ops = false;
   for (const Op& op : batch.ops) {
-    device_ops |= op.path != Path::kCma && op.path != Path::kDeviceToHost;
+    device_ops |= !IsHostPath(op.path);
   }
   if (Status s = RunHostOps(batch); !s.ok()) return s;
   return device_ops ? EnqueueDeviceOps(batch) : Status::OK();
@@ -106,17 +111,25 @@ Status CudaIpcTransport::RunHostOps(const Batch& batch) {
   uint64_t bounce_bytes = 0;
   size_t host_ops = 0;
   for (const Op& op : batch.ops) {
-    if (op.path == Path::kDeviceToHost) bounce_bytes += op.bytes;
-    host_ops += op.path == Path::kCma || op.path == Path::kDeviceToHost;
+    if (op.path == Path::kDeviceToHost || op.path == Path::kHostToOurDevice) {
+      bounce_bytes += op.bytes;
+    }
+    host_ops += IsHostPath(op.path);
   }
   if (host_ops == 0) return Status::OK();
   if (bounce_bytes > 0) bounce_.resize(bounce_bytes);
   std::vector<CmaWrite> writes;
-  writes.reserve(host_ops);
+  std::vector<CmaRead> reads;
   uint64_t bounce_at = 0;
   for (const Op& op : batch.ops) {
     if (op.path == Path::kCma) {
       writes.push_back({reinterpret_cast<const void*>(op.src), op.dst, op.bytes});
+    } else if (op.path == Path::kCmaRead) {
+      reads.push_back({op.src, reinterpret_cast<void*>(op.dst), op.bytes});
+    } else if (op.path == Path::kHostToOurDevice) {
+      // Read into our host memory first, copied to the GPU below.
+      reads.push_back({op.src, bounce_.data() + bounce_at, op.bytes});
+      bounce_at += op.bytes;
     } else if (op.path == Path::kDeviceToHost) {
       // Staged through our memory: process_vm_writev reads host memory only.
       uint8_t* staged = bounce_.data() + bounce_at;
@@ -127,12 +140,29 @@ Status CudaIpcTransport::RunHostOps(const Batch& batch) {
       writes.push_back({staged, op.dst, op.bytes});
     }
   }
-  if (bounce_bytes > 0) {
-    if (cudaError_t error = cudaStreamSynchronize(stream_->get()); error != cudaSuccess) {
-      return CudaError("cudaStreamSynchronize", error, "device to host");
+  if (!reads.empty()) {
+    if (Status s = ReadProcessMemory(batch.target_pid, reads); !s.ok()) return s;
+    bounce_at = 0;
+    for (const Op& op : batch.ops) {
+      if (op.path == Path::kDeviceToHost) bounce_at += op.bytes;
+      if (op.path != Path::kHostToOurDevice) continue;
+      cudaError_t error =
+          cudaMemcpyAsync(reinterpret_cast<void*>(op.dst), bounce_.data() + bounce_at, op.bytes,
+                          cudaMemcpyHostToDevice, stream_->get());
+      bounce_at += op.bytes;
+      if (error != cudaSuccess) {
+        cudaStreamSynchronize(stream_->get());  // what was issued may still read the bounce
+        return CudaError("cudaMemcpyAsync", error, "host to device");
+      }
     }
   }
-  return WriteProcessMemory(batch.target_pid, writes);
+  // The bounce buffer is reused by the next batch: the copies through it finish first.
+  if (bounce_bytes > 0) {
+    if (cudaError_t error = cudaStreamSynchronize(stream_->get()); error != cudaSuccess) {
+      return CudaError("cudaStreamSynchronize", error, "through the bounce buffer");
+    }
+  }
+  return writes.empty() ? Status::OK() : WriteProcessMemory(batch.target_pid, writes);
 }
 
 Status CudaIpcTransport::EnqueueDeviceOps(Batch& batch) {
@@ -144,7 +174,7 @@ Status CudaIpcTransport::EnqueueDeviceOps(Batch& batch) {
                                         reinterpret_cast<const void*>(src), bytes, kind, stream);
     if (error != cudaSuccess) {
       status = CudaError("cudaMemcpyAsync", error,
-                         "a write of " + std::to_string(bytes) + " bytes to peer " +
+                         "a copy of " + std::to_string(bytes) + " bytes between us and peer " +
                              std::to_string(batch.peer_id));
       return false;
     }
@@ -160,8 +190,13 @@ Status CudaIpcTransport::EnqueueDeviceOps(Batch& batch) {
       case Path::kHostToDevice:
         ok = memcpy_async(op.dst, op.src, op.bytes, cudaMemcpyHostToDevice);
         break;
+      case Path::kDeviceToOurHost:
+        ok = memcpy_async(op.dst, op.src, op.bytes, cudaMemcpyDeviceToHost);
+        break;
       case Path::kCma:
-      case Path::kDeviceToHost: break;  // done by RunHostOps
+      case Path::kDeviceToHost:
+      case Path::kCmaRead:
+      case Path::kHostToOurDevice: break;  // done by RunHostOps
     }
     if (!ok) break;
   }

@@ -75,6 +75,7 @@ spi::TransportCapabilities CudaIpcTransport::capabilities() const {
   caps.moves_bytes = true;
   caps.needs_reply = false;
   caps.supports_cuda_memory = probe_.count > 0;
+  caps.reads = true;    // the same paths the other way round (process_vm_readv for host memory)
   caps.fences = false;  // the initiator writes through its own mappings (file comment)
   return caps;
 }
@@ -274,6 +275,17 @@ StatusOr<spi::RemoteRegionId> CudaIpcTransport::ImportRemoteRegion(
 
 Status CudaIpcTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
                                     spi::WriteCallback done) {
+  return Post(peer, ops, std::move(done), toolkit::OpKind::kWrite);
+}
+
+Status CudaIpcTransport::PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
+                                   spi::ReadCallback done) {
+  return Post(peer, ops, std::move(done), toolkit::OpKind::kRead);
+}
+
+Status CudaIpcTransport::Post(spi::PeerId peer, std::span<const spi::WriteOp> ops,
+                              spi::WriteCallback done, toolkit::OpKind kind) {
+  const bool reads = kind == toolkit::OpKind::kRead;
   auto batch = std::make_unique<Batch>();
   batch->peer_id = peer;
   batch->done = std::move(done);
@@ -300,21 +312,25 @@ Status CudaIpcTransport::PostWrites(spi::PeerId peer, std::span<const spi::Write
   if (!found.ok()) return found.status();
   for (size_t i = 0; i < ops.size(); ++i) {
     const spi::WriteOp& op = ops[i];
-    auto resolved = peers_.ResolveWrite(peer, **found, local_regions_, i, op);
+    auto resolved = peers_.ResolveWrite(peer, **found, local_regions_, i, op, kind);
     if (!resolved.ok()) return resolved.status();
     if (op.length == 0) continue;
     const LocalRegionEntry& local = *resolved->first;
     const RemoteRegionEntry& remote = *resolved->second;
+    const uint64_t ours = local.addr + op.local_offset;
+    const uint64_t theirs = remote.addr + op.remote_offset;
     Path path = Path::kCma;
-    if (remote.cuda) {
-      path = !local.cuda               ? Path::kHostToDevice
-             : local.device == device_ ? Path::kGather
-                                       : Path::kDeviceCopy;
+    if (remote.cuda && local.cuda) {
+      path = local.device == device_ ? Path::kGather : Path::kDeviceCopy;
+    } else if (remote.cuda) {
+      path = reads ? Path::kDeviceToOurHost : Path::kHostToDevice;
     } else if (local.cuda) {
-      path = Path::kDeviceToHost;
+      path = reads ? Path::kHostToOurDevice : Path::kDeviceToHost;
+    } else {
+      path = reads ? Path::kCmaRead : Path::kCma;
     }
-    batch->ops.push_back(
-        Op{local.addr + op.local_offset, remote.addr + op.remote_offset, op.length, path});
+    batch->ops.push_back(reads ? Op{theirs, ours, op.length, path}
+                               : Op{ours, theirs, op.length, path});
   }
   // Under mu_: a Disconnect of the peer (which takes mu_ first) is queued after it.
   if (!progress_.Enqueue({std::move(batch), {}})) {

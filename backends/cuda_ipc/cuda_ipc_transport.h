@@ -17,6 +17,14 @@
 // write of it can land afterwards. GPU-to-host writes (rare) are copied back to a bounce buffer
 // first and then written like host ones.
 //
+// Reads (PostReads, pull): the same paths the other way round. The key blobs are then the
+// target's (prefill's), so the initiator (decode) opens the target's IPC handles and copies from
+// its mapping into its own memory: GPU-to-GPU reads go into the gather kernel as well, reads
+// into our host memory from the target's GPU memory are cudaMemcpyAsync, host-to-host reads are
+// process_vm_readv, and reads of the target's host memory into our GPU memory go through a
+// bounce buffer. A read batch completes like a write batch: once its event has, nothing of it
+// lands any more.
+//
 // Fencing: the initiator's GPU writes through its own mappings cannot be cut off by the target,
 // so capabilities().fences is false and decode quarantines failed rooms until prefill drains.
 //
@@ -76,23 +84,34 @@ class CudaIpcTransport final : public spi::Transport {
                                                    const spi::RemoteRegion& region) override;
   Status PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
                     spi::WriteCallback done) override;
+  // Copies from the target's memory into ours (see "Reads" in the file comment).
+  Status PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
+                   spi::ReadCallback done) override;
   void Disconnect(spi::PeerId peer) override;
 
  private:
   using Clock = std::chrono::steady_clock;
   struct PeerState;
 
-  // How one write travels.
+  // How one write or read travels.
   enum class Path : uint8_t {
+    // Writes.
     kCma,           // host -> host: process_vm_writev
     kGather,        // device -> device on this transport's device: the batch's gather kernel
     kDeviceCopy,    // device -> device from another device: cudaMemcpyAsync
     kHostToDevice,  // cudaMemcpyAsync from (pageable) host memory
     kDeviceToHost,  // cudaMemcpy into a bounce buffer, then process_vm_writev
+    // Reads (kGather and kDeviceCopy serve both: src is then the mapping, dst ours).
+    kCmaRead,          // host <- host: process_vm_readv
+    kDeviceToOurHost,  // our host memory <- the target's GPU memory: cudaMemcpyAsync
+    kHostToOurDevice,  // our GPU memory <- the target's host memory: process_vm_readv into a
+                       // bounce buffer, then cudaMemcpyAsync and a stream synchronisation
   };
+  // The data flows from src to dst. An address in the target process (the host paths) is the
+  // target's; every other address is ours (a GPU region of the target: our mapping of it).
   struct Op {
-    uint64_t src = 0;  // our address
-    uint64_t dst = 0;  // kCma/kDeviceToHost: the target's address; else ours (its mapping)
+    uint64_t src = 0;
+    uint64_t dst = 0;
     uint64_t bytes = 0;
     Path path = Path::kCma;
   };
@@ -144,8 +163,13 @@ class CudaIpcTransport final : public spi::Transport {
 
   CudaIpcTransport(CudaIpcOptions options, int32_t device);
   Status Init();
+  Status Post(spi::PeerId peer, std::span<const spi::WriteOp> ops, spi::WriteCallback done,
+              toolkit::OpKind kind);
 
   // Progress thread (cuda_ipc_progress.cc).
+  // Whether RunHostOps moves an op of this path (process_vm_readv/writev, with a bounce buffer
+  // where the GPU memory is ours); the others go on the stream.
+  static bool IsHostPath(Path path);
   void ProgressLoop();
   bool DrainCommands(bool* stop);
   void AcceptBatch(std::unique_ptr<Batch> owned);

@@ -84,7 +84,7 @@ class FakeTransport final : public spi::Transport {
     caps.moves_bytes = false;
     caps.supports_cuda_memory = true;  // nothing is touched, so any address is fine
     caps.fences = true;                // a fenced target's batches fail; nothing ever lands
-    caps.reads = true;
+    caps.reads = true;                 // validated like writes; no byte moves either way
     return caps;
   }
 
@@ -161,23 +161,12 @@ class FakeTransport final : public spi::Transport {
 
   Status PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
                     spi::WriteCallback done) override {
-    std::unique_lock lock(mu_);
-    if (stopping_) return Status::Cancelled("fake: transport is shutting down");
-    auto entry = peers_.ForWrites(peer);
-    if (!entry.ok()) return entry.status();
-    for (size_t i = 0; i < ops.size(); ++i) {
-      auto resolved = peers_.ResolveWrite(peer, **entry, local_regions_, i, ops[i]);
-      if (!resolved.ok()) return resolved.status();
-    }
-    queue_.push_back(Pending{std::move(done), (*entry)->target});
-    lock.unlock();
-    cv_.notify_one();
-    return Status::OK();
+    return Post(peer, ops, std::move(done), toolkit::OpKind::kWrite);
   }
 
   Status PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
                    spi::ReadCallback done) override {
-    return PostWrites(peer, ops, std::move(done));
+    return Post(peer, ops, std::move(done), toolkit::OpKind::kRead);
   }
 
   void Disconnect(spi::PeerId peer) override {
@@ -187,6 +176,23 @@ class FakeTransport final : public spi::Transport {
   }
 
  private:
+  // A batch of writes or reads: checked the same way, completed the same way.
+  Status Post(spi::PeerId peer, std::span<const spi::WriteOp> ops, spi::WriteCallback done,
+              toolkit::OpKind kind) {
+    std::unique_lock lock(mu_);
+    if (stopping_) return Status::Cancelled("fake: transport is shutting down");
+    auto entry = peers_.ForWrites(peer);
+    if (!entry.ok()) return entry.status();
+    for (size_t i = 0; i < ops.size(); ++i) {
+      auto resolved = peers_.ResolveWrite(peer, **entry, local_regions_, i, ops[i], kind);
+      if (!resolved.ok()) return resolved.status();
+    }
+    queue_.push_back(Pending{std::move(done), (*entry)->target});
+    lock.unlock();
+    cv_.notify_one();
+    return Status::OK();
+  }
+
   struct LocalRegion {
     uint64_t length = 0;
   };

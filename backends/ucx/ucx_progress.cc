@@ -137,13 +137,17 @@ bool UcxTransport::PostChunks(PeerState& peer) {
         // the reply endpoint carries the ack. The header lives in the batch until it is done.
         param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
         param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-        batch.am_headers.push_back(
-            AmPutHeader{kAmPutMagic, batch.am_messages, peer.target, batch.seq, op.dst + offset});
+        batch.am_headers.push_back(AmPutHeader{kAmPutMagic, batch.am_messages, peer.target,
+                                               batch.seq, op.remote + offset});
         request = ucp_am_send_nbx(peer.ep.get(), kAmPutId, &batch.am_headers.back(),
-                                  sizeof(AmPutHeader), op.src + offset, length, &param);
+                                  sizeof(AmPutHeader), op.local + offset, length, &param);
+      } else if (batch.reads) {
+        // Done (now, or when the request completes) means the bytes are in op.local.
+        request = ucp_get_nbx(peer.ep.get(), op.local + offset, length, op.remote + offset, op.rkey,
+                              &param);
       } else {
-        request =
-            ucp_put_nbx(peer.ep.get(), op.src + offset, length, op.dst + offset, op.rkey, &param);
+        request = ucp_put_nbx(peer.ep.get(), op.local + offset, length, op.remote + offset, op.rkey,
+                              &param);
       }
       posted = true;
       peer.last_activity = now_;
@@ -154,7 +158,10 @@ bool UcxTransport::PostChunks(PeerState& peer) {
       }
       if (request == nullptr) continue;  // done already (the local buffer is reusable)
       if (UCS_PTR_IS_ERR(request)) {
-        Status failed = Status::Unavailable(std::string("ucx: ") + (op.am ? "message" : "put") +
+        Status failed = Status::Unavailable(std::string("ucx: ") +
+                                            (op.am         ? "message"
+                                             : batch.reads ? "get"
+                                                           : "put") +
                                             " to peer " + std::to_string(peer.id) +
                                             " failed: " + UcsStatusName(UCS_PTR_STATUS(request)));
         batch.Fail(failed);
@@ -210,8 +217,8 @@ void UcxTransport::OnRequestDone(void* request, ucs_status_t status, void* user_
   peer.window.OnCompleted(bytes);
   peer.last_activity = self->now_;
   if (status != UCS_OK) {
-    std::string reason =
-        "ucx: write to peer " + std::to_string(peer.id) + " failed: " + UcsStatusName(status);
+    std::string reason = std::string("ucx: ") + (batch.reads ? "read from" : "write to") +
+                         " peer " + std::to_string(peer.id) + " failed: " + UcsStatusName(status);
     batch.Fail(status == UCS_ERR_CANCELED ? Status::Cancelled(reason)
                                           : Status::Unavailable(reason));
   }

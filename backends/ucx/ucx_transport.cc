@@ -61,8 +61,9 @@ StatusOr<std::span<const uint8_t>> BlobPayload(const spi::Blob& blob, uint32_t m
 
 }  // namespace
 
-UcxTransport::UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context)
-    : options_(std::move(options)), context_(std::move(context)) {}
+UcxTransport::UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context,
+                           TransferDirection direction)
+    : options_(std::move(options)), context_(std::move(context)), direction_(direction) {}
 
 StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const spi::TransportOptions& options) {
   auto parsed = ParseUcxOptions(options, [](const char* name) { return std::getenv(name); });
@@ -81,7 +82,8 @@ StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const spi::Transpor
 
   auto context = AcquireUcxContext(*parsed);
   if (!context.ok()) return context.status();
-  std::unique_ptr<UcxTransport> transport(new UcxTransport(std::move(*parsed), *context));
+  std::unique_ptr<UcxTransport> transport(
+      new UcxTransport(std::move(*parsed), *context, options.direction));
   Status init = transport->Init();
   if (!init.ok()) return init;
   return transport;
@@ -154,7 +156,9 @@ spi::TransportCapabilities UcxTransport::capabilities() const {
   caps.supports_cuda_memory = context_->cuda_supported;
   caps.max_writes_per_batch = 0;
   caps.max_write_bytes = 0;  // split into ucx.chunk_bytes puts here
-  caps.fences = am_target_ && direct_regions_.load() == 0;
+  // Pull: peers read this process's memory with gets, which no fence of pdlib's stops.
+  caps.fences = am_target_ && direct_regions_.load() == 0 && direction_ != TransferDirection::kPull;
+  caps.reads = true;  // gets on every data path; chunked and paced like puts
   return caps;
 }
 
@@ -289,6 +293,12 @@ Status UcxTransport::FenceTarget(spi::TargetId target) {
         "ucx: cannot fence a peer on the 'put' data path (ucx.data_path; an RDMA transport "
         "selects it by default): UCX cannot refuse one peer's writes");
   }
+  if (direction_ == TransferDirection::kPull) {
+    return Status::FailedPrecondition(
+        "ucx: cannot fence a peer that reads this process's memory (pull): UCX serves its gets "
+        "(executed by the peer, or emulated and answered by UCX itself) without a check pdlib "
+        "can add");
+  }
   if (int direct = direct_regions_.load(); direct > 0) {
     return Status::FailedPrecondition(
         "ucx: cannot fence a peer: " + std::to_string(direct) +
@@ -405,9 +415,21 @@ StatusOr<spi::RemoteRegionId> UcxTransport::ImportRemoteRegion(spi::PeerId peer,
 
 Status UcxTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
                                 spi::WriteCallback done) {
+  return Post(peer, ops, std::move(done), toolkit::OpKind::kWrite);
+}
+
+Status UcxTransport::PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
+                               spi::ReadCallback done) {
+  return Post(peer, ops, std::move(done), toolkit::OpKind::kRead);
+}
+
+Status UcxTransport::Post(spi::PeerId peer, std::span<const spi::WriteOp> ops,
+                          spi::WriteCallback done, toolkit::OpKind kind) {
+  const bool reads = kind == toolkit::OpKind::kRead;
   auto batch = std::make_unique<Batch>();
   batch->peer_id = peer;
   batch->done = std::move(done);
+  batch->reads = reads;
   batch->ops.reserve(ops.size());
   {
     MutexLock lock(&mu_);
@@ -417,20 +439,21 @@ Status UcxTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> 
     uint64_t am_messages = 0;
     for (size_t i = 0; i < ops.size(); ++i) {
       const spi::WriteOp& op = ops[i];
-      auto resolved = peers_.ResolveWrite(peer, entry, local_regions_, i, op);
+      auto resolved = peers_.ResolveWrite(peer, entry, local_regions_, i, op, kind);
       if (!resolved.ok()) return resolved.status();
       const LocalRegionEntry& local = *resolved->first;
-      const RemoteRegionEntry& dst = *resolved->second;
-      const bool am = entry.am && !dst.direct;
+      const RemoteRegionEntry& remote = *resolved->second;
+      // Reads are gets on every data path (the file comment says why).
+      const bool am = !reads && entry.am && !remote.direct;
       if (op.length == 0) continue;
       if (am) {
         am_messages += (op.length + options_.am_chunk_bytes - 1) / options_.am_chunk_bytes;
-      } else {
+      } else if (!reads) {
         batch->has_puts = true;
       }
-      batch->ops.push_back(
-          ResolvedOp{reinterpret_cast<const uint8_t*>(local.addr) + op.local_offset,
-                     dst.addr + op.remote_offset, op.length, local.memh->get(), dst.rkey, am});
+      batch->ops.push_back(ResolvedOp{reinterpret_cast<uint8_t*>(local.addr) + op.local_offset,
+                                      remote.addr + op.remote_offset, op.length, local.memh->get(),
+                                      remote.rkey, am});
     }
     if (am_messages > UINT32_MAX) {
       return Status::InvalidArgument("ucx: a batch of " + std::to_string(am_messages) +

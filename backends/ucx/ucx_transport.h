@@ -43,6 +43,15 @@
 //   a flag the handler checks: after FenceTarget returns, nothing from that initiator is applied
 //   (capabilities().fences). A failed or closed reply endpoint only loses an ack; it cannot
 //   abort the process as UCX's emulated put does.
+// Reads (PostReads, pull): one ucp_get_nbx per chunk of each read (ucx.chunk_bytes, paced by
+// the same window), on either data path, with the rkey the target packed. A get's completion
+// means its bytes are in the initiator's memory, so a read batch needs no flush: it completes
+// when its last get has. Where UCX has an RMA lane (shm into UCX-allocated memory: a memcpy
+// from the initiator's mapping; cma; RDMA) the initiator executes the get; elsewhere (tcp; shm
+// into memory UCX did not allocate) UCX emulates it with its own active messages, which the
+// target's progress thread answers from its memory without a check pdlib could add. So a
+// target whose memory is read (TransportOptions::direction kPull) cannot fence its readers:
+// capabilities().fences is false there and FenceTarget says why.
 // Regions a peer writes directly (a UCX-allocated pool over posix/sysv: the peer memcpys into
 // its mapping; any memory with xpmem; CUDA memory) always take puts, and a target holding such a
 // region does not claim to fence.
@@ -103,6 +112,9 @@ class UcxTransport final : public spi::Transport {
                                                    const spi::RemoteRegion& region) override;
   Status PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
                     spi::WriteCallback done) override;
+  // ucp_get_nbx per chunk, on every data path (see "Reads" in the file comment).
+  Status PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
+                   spi::ReadCallback done) override;
   void Disconnect(spi::PeerId peer) override;
   // Progresses the worker until it finds nothing more to do (three idle rounds) or 50 ms pass:
   // emulated puts already in this worker's FIFOs and sockets are applied before it returns.
@@ -117,14 +129,14 @@ class UcxTransport final : public spi::Transport {
   using Clock = std::chrono::steady_clock;
   struct PeerState;
 
-  // One write, resolved to addresses and handles when the batch is validated.
+  // One write or read, resolved to addresses and handles when the batch is validated.
   struct ResolvedOp {
-    const uint8_t* src;
-    uint64_t dst;
+    uint8_t* local;   // a write's source, a read's destination
+    uint64_t remote;  // in the target's memory
     uint64_t length;
     ucp_mem_h memh;
     ucp_rkey_h rkey;
-    bool am;  // sent as pdlib active messages, else as puts
+    bool am;  // sent as pdlib active messages, else as puts (or gets)
   };
 
   // Active message ids on pdlib's own workers, and the magics that open their headers.
@@ -164,6 +176,7 @@ class UcxTransport final : public spi::Transport {
     size_t next_op = 0;  // posting cursor: op and offset of the next chunk
     uint64_t next_offset = 0;
     bool orphaned = false;     // abandoned at a close deadline: only UCX's late callbacks remain
+    bool reads = false;        // a PostReads batch: every op is a get
     bool has_puts = false;     // some op travels as puts: a flush ends the batch
     uint32_t am_messages = 0;  // "am" messages in the batch
     std::vector<AmPutHeader> am_headers;  // one per message sent; reserved, so never moved
@@ -226,8 +239,11 @@ class UcxTransport final : public spi::Transport {
   // An open target endpoint; "am" targets keep their fence on the progress thread (AmTarget).
   struct TargetEntry {};
 
-  UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context);
+  UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context,
+               TransferDirection direction);
   Status Init();
+  Status Post(spi::PeerId peer, std::span<const spi::WriteOp> ops, spi::WriteCallback done,
+              toolkit::OpKind kind);
 
   // Progress thread (ucx_progress.cc).
   void ProgressLoop();
@@ -262,6 +278,9 @@ class UcxTransport final : public spi::Transport {
 
   const UcxOptions options_;
   std::shared_ptr<UcxContext> context_;
+  // Pull: this process's regions are read by its peers (as a target), with UCX gets that its
+  // fence cannot stop. Changes only what capabilities() claims, never the UCX context.
+  const TransferDirection direction_;
   UcpWorkerPtr worker_;
   std::vector<uint8_t> worker_address_;
   bool am_target_ = false;  // this process takes "am" messages as a target (ucx.data_path)

@@ -103,6 +103,17 @@ Status SetUpPort(ibv_context* context, uint8_t port, const VerbsOptions& options
                                 options.max_sge, options.max_message_bytes);
   if (!limits.ok()) return limits.status().WithPrefix(label);
   device->limits = *limits;
+  // Devices that report no max_sge_rd (0) take max_sge for reads too.
+  const int max_sge_rd = attr.max_sge_rd > 0 ? attr.max_sge_rd : attr.max_sge;
+  auto read_limits = EffectiveLimits(static_cast<uint32_t>(max_sge_rd), port_attr.max_msg_sz,
+                                     options.max_sge, options.max_message_bytes);
+  if (!read_limits.ok()) return read_limits.status().WithPrefix(label);
+  device->read_limits = *read_limits;
+  device->read_limits.max_sge = std::min(device->read_limits.max_sge, device->limits.max_sge);
+  device->responder_depth =
+      std::clamp<uint32_t>(static_cast<uint32_t>(attr.max_qp_rd_atom), 1, 255);
+  device->initiator_depth =
+      std::clamp<uint32_t>(static_cast<uint32_t>(attr.max_qp_init_rd_atom), 1, 255);
   device->sq_depth = std::min<uint32_t>(options.sq_depth, static_cast<uint32_t>(attr.max_qp_wr));
   device->cq_depth = std::min<uint32_t>(options.cq_depth, static_cast<uint32_t>(attr.max_cqe));
   if (device->sq_depth < 2 || device->cq_depth < device->sq_depth) {
@@ -249,7 +260,7 @@ StatusOr<QpPtr> CreateRcQp(Device& device) {
   attr.qp_state = IBV_QPS_INIT;
   attr.pkey_index = 0;
   attr.port_num = device.port;
-  attr.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+  attr.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
   if (int rc = ibv_modify_qp(qp.get(), &attr,
                              IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
       rc != 0) {
@@ -267,6 +278,7 @@ QpAddress LocalAddress(const Device& device, const ibv_qp& qp, uint32_t psn) {
   a.mtu = static_cast<uint8_t>(device.active_mtu);
   a.global = device.global;
   a.port = device.port;
+  a.rd_atomic = static_cast<uint8_t>(device.responder_depth);
   a.gid = device.gid;
   return a;
 }
@@ -288,7 +300,7 @@ Status ConnectRcQp(ibv_qp* qp, const Device& device, const QpAddress& remote, ui
   attr.path_mtu = static_cast<ibv_mtu>(std::min<int>(device.active_mtu, remote.mtu));
   attr.dest_qp_num = remote.qp_num;
   attr.rq_psn = remote.psn;
-  attr.max_dest_rd_atomic = 1;
+  attr.max_dest_rd_atomic = static_cast<uint8_t>(device.responder_depth);
   attr.min_rnr_timer = 12;
   attr.ah_attr.port_num = device.port;
   attr.ah_attr.dlid = remote.lid;
@@ -313,7 +325,7 @@ Status ConnectRcQp(ibv_qp* qp, const Device& device, const QpAddress& remote, ui
   attr.retry_cnt = RcRetryCount(device, options);
   attr.rnr_retry = 7;
   attr.sq_psn = local_psn & 0xffffff;
-  attr.max_rd_atomic = 1;
+  attr.max_rd_atomic = static_cast<uint8_t>(ReadDepth(device.initiator_depth, remote.rd_atomic));
   if (int rc = ibv_modify_qp(qp, &attr,
                              IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                                  IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
@@ -335,7 +347,8 @@ bool CudaRegistrationPossible() {
 
 namespace {
 
-constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+// Remote read: pull, where the initiator reads the target's regions (issue #29).
+constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
 
 #ifdef PDLIB_VERBS_DMABUF
 // The CUDA driver is loaded at run time, so that pdlib still loads on hosts without it.

@@ -40,6 +40,12 @@ struct Device {
   bool soft_roce = false;
   ibv_mtu active_mtu = IBV_MTU_1024;
   WrLimits limits;
+  WrLimits read_limits;  // limits with max_sge_rd: an RDMA READ's SGE list is its destination
+  // RDMA READ depths, each the device's limit within [1, 255]: what this side's QPs accept as
+  // responder (max_qp_rd_atom, set as max_dest_rd_atomic at RTR and sent to the peer) and
+  // keep outstanding as requester (max_qp_init_rd_atom, bounding max_rd_atomic at RTS).
+  uint32_t responder_depth = 1;
+  uint32_t initiator_depth = 1;
   uint32_t sq_depth = 0;  // verbs.sq_depth clamped to the device's max_qp_wr
   uint32_t cq_depth = 0;  // the CQ's real size
   // Teardown runs bottom-up: the CQ, then its channel, the PD, and the context last.
@@ -57,18 +63,21 @@ StatusOr<std::vector<std::unique_ptr<Device>>> OpenDevices(const VerbsOptions& o
 // Names of the RDMA devices present, for messages ("none" when there are none).
 std::string ListDeviceNames();
 
-// An RC QP on `device` (send queue of device.sq_depth), moved to INIT with remote write access.
+// An RC QP on `device` (send queue of device.sq_depth), moved to INIT with remote write and
+// read access.
 StatusOr<QpPtr> CreateRcQp(Device& device);
 // How a peer reaches `qp`, with `psn` as the first sequence number it will send.
 QpAddress LocalAddress(const Device& device, const ibv_qp& qp, uint32_t psn);
 // The RC retry_cnt set on `device`'s QPs: verbs.retry_cnt, except 6 for 7 on Soft-RoCE, so that
 // writes to a dead or fenced peer fail there too instead of being retried forever.
 uint8_t RcRetryCount(const Device& device, const VerbsOptions& options);
-// INIT -> RTR -> RTS towards `remote`, starting at `local_psn`. Errors name the step.
+// INIT -> RTR -> RTS towards `remote`, starting at `local_psn`; responder resources
+// device.responder_depth, initiator depth ReadDepth(device.initiator_depth, remote.rd_atomic).
+// Errors name the step.
 Status ConnectRcQp(ibv_qp* qp, const Device& device, const QpAddress& remote, uint32_t local_psn,
                    const VerbsOptions& options);
 
-// Registers `region` on `device` for local reads and remote writes. Host memory uses
+// Registers `region` on `device` for local access and remote writes and reads. Host memory uses
 // ibv_reg_mr; CUDA memory uses ibv_reg_dmabuf_mr when pdlib is built with CUDA, else (or when
 // the dma-buf export fails) ibv_reg_mr through a peer-memory driver (nvidia_peermem).
 StatusOr<MrPtr> RegisterRegion(Device& device, const spi::MemoryRegion& region);

@@ -114,22 +114,30 @@ bool VerbsTransport::PostPair(PeerState& peer, PairState& pair) {
       size_t first;
       size_t count;
     };
+    // Reads also stop at the QP's read depth; batches go in order, so a read batch waiting
+    // for depth holds back the batches behind it.
     std::vector<Take> takes;
     size_t total = 0, total_sges = 0, left_after = 0;
+    uint32_t read_room = pair.budget.read_room();
     const size_t pair_index = pair.index;
     for (Batch* batch : pair.to_post) {
       const WrPlan& plan = batch->plans[pair_index];
       const size_t remaining = plan.wrs.size() - batch->next_wr[pair_index];
-      if (total == room) {
-        left_after += remaining;
-        break;
+      size_t cap = room - total;
+      if (batch->reads) cap = std::min<size_t>(cap, read_room);
+      const size_t n = std::min<size_t>(remaining, cap);
+      if (n > 0) {
+        takes.push_back({batch, batch->next_wr[pair_index], n});
+        for (size_t i = 0; i < n; ++i) {
+          total_sges += plan.wrs[batch->next_wr[pair_index] + i].num_sge;
+        }
+        total += n;
+        if (batch->reads) read_room -= static_cast<uint32_t>(n);
       }
-      const size_t n = std::min<size_t>(remaining, room - total);
-      takes.push_back({batch, batch->next_wr[pair_index], n});
-      for (size_t i = 0; i < n; ++i) total_sges += plan.wrs[batch->next_wr[pair_index] + i].num_sge;
-      total += n;
       left_after += remaining - n;
+      if (n < remaining) break;
     }
+    if (total == 0) break;  // the first batch waits for read depth
     wr_scratch_.assign(total, ibv_send_wr{});
     sge_scratch_.resize(total_sges);
     size_t w = 0, g = 0;
@@ -141,13 +149,14 @@ bool VerbsTransport::PostPair(PeerState& peer, PairState& pair) {
         // The chain's last request is signalled when the poster stops for room with requests
         // left: its completion is what frees that room.
         const bool last_before_wait = w + 1 == total && left_after > 0;
-        const SendQueueBudget::Posted posted = pair.budget.Post(last_of_batch || last_before_wait);
+        const SendQueueBudget::Posted posted =
+            pair.budget.Post(last_of_batch || last_before_wait, take.batch->reads);
         ibv_send_wr& wr = wr_scratch_[w];
         wr.wr_id = WrId(pair.uid, posted.seq);
         wr.next = w + 1 < total ? &wr_scratch_[w + 1] : nullptr;
         wr.sg_list = &sge_scratch_[g];
         wr.num_sge = static_cast<int>(p.num_sge);
-        wr.opcode = IBV_WR_RDMA_WRITE;
+        wr.opcode = take.batch->reads ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
         wr.send_flags = posted.signalled ? IBV_SEND_SIGNALED : 0;
         wr.wr.rdma.remote_addr = p.remote_addr;
         wr.wr.rdma.rkey = p.rkey;
@@ -220,7 +229,7 @@ void VerbsTransport::HandleCompletion(const ibv_wc& wc) {
   if (!peer.failure.ok()) return;  // the flush of a QP already failed
   const Device& device = *devices_[pair.device];
   FailPeer(peer,
-           Status::Unavailable("verbs: RDMA write to peer " + std::to_string(peer.id) + " over " +
+           Status::Unavailable("verbs: RDMA request to peer " + std::to_string(peer.id) + " over " +
                                device.label() + " (QP " + std::to_string(wc.qp_num) +
                                ") failed: work completion status " + std::to_string(wc.status) +
                                " '" + ibv_wc_status_str(wc.status) + "' (vendor error " +

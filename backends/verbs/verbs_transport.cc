@@ -89,7 +89,8 @@ spi::TransportCapabilities VerbsTransport::capabilities() const {
   caps.moves_bytes = true;
   caps.needs_reply = true;  // RC QPs are connected from both ends
   caps.supports_cuda_memory = CudaRegistrationPossible();
-  caps.fences = true;  // FenceTarget: the target's QPs go to the error state
+  caps.fences = true;  // FenceTarget: the target's QPs go to the error state (reads stop too)
+  caps.reads = true;   // RDMA READ
   caps.max_writes_per_batch = 0;
   caps.max_write_bytes = 0;  // split into messages of at most max_msg_sz here
   return caps;
@@ -238,7 +239,8 @@ StatusOr<spi::Connection> VerbsTransport::Connect(const spi::Blob& target_endpoi
     pair->index = k;
     pair->device = d;
     pair->qp = std::move(*qp);
-    pair->budget = SendQueueBudget(device.sq_depth, options_.signal_every);
+    pair->budget = SendQueueBudget(device.sq_depth, options_.signal_every,
+                                   ReadDepth(device.initiator_depth, (*remote)[k].rd_atomic));
     state->pairs.push_back(std::move(pair));
     entry.pair_device.push_back(d);
   }
@@ -286,9 +288,20 @@ StatusOr<spi::RemoteRegionId> VerbsTransport::ImportRemoteRegion(spi::PeerId pee
 
 Status VerbsTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
                                   spi::WriteCallback done) {
+  return Post(peer, ops, std::move(done), toolkit::OpKind::kWrite);
+}
+
+Status VerbsTransport::PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
+                                 spi::ReadCallback done) {
+  return Post(peer, ops, std::move(done), toolkit::OpKind::kRead);
+}
+
+Status VerbsTransport::Post(spi::PeerId peer, std::span<const spi::WriteOp> ops,
+                            spi::WriteCallback done, toolkit::OpKind kind) {
   auto batch = std::make_unique<Batch>();
   batch->peer_id = peer;
   batch->done = std::move(done);
+  batch->reads = kind == toolkit::OpKind::kRead;
   std::vector<std::vector<WriteSegment>> segments;
   std::vector<size_t> pair_device;
   {
@@ -300,7 +313,7 @@ Status VerbsTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp
     segments.resize(pair_device.size());
     for (size_t i = 0; i < ops.size(); ++i) {
       const spi::WriteOp& op = ops[i];
-      auto resolved = peers_.ResolveWrite(peer, entry, local_regions_, i, op);
+      auto resolved = peers_.ResolveWrite(peer, entry, local_regions_, i, op, kind);
       if (!resolved.ok()) return resolved.status();
       const LocalRegion& local = *resolved->first;
       const RemoteRegionEntry& dst = *resolved->second;
@@ -319,7 +332,8 @@ Status VerbsTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp
   batch->plans.resize(segments.size());
   batch->next_wr.assign(segments.size(), 0);
   for (size_t k = 0; k < segments.size(); ++k) {
-    PlanWrites(segments[k], devices_[pair_device[k]]->limits, &batch->plans[k]);
+    const Device& device = *devices_[pair_device[k]];
+    PlanWrites(segments[k], batch->reads ? device.read_limits : device.limits, &batch->plans[k]);
   }
   if (!progress_.Enqueue({std::move(batch), {}})) {
     return Status::Cancelled("verbs: the transport is shutting down");

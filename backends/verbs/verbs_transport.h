@@ -26,6 +26,14 @@
 // destroyed, and new batches to it are refused with the same reason. New connections (the core
 // reconnects when the peer registers again) get new QPs.
 //
+// Reads (PostReads, pull: capabilities().reads): RDMA READ work requests, planned like writes
+// (the SGE list is the local destination, within max_sge_rd) and paced within each QP's read
+// depth as well as its send queue (verbs_wr.h). The target's MRs and QPs allow remote reads;
+// each QP gets the device's responder resources (max_qp_rd_atom, sent in the blobs) and an
+// initiator depth of the device's max_qp_init_rd_atom bounded by the peer's responder resources.
+// A read batch completes when its last READ of each QP has: the bytes are then in our memory.
+// FenceTarget stops reads too: a responder QP in the error state answers no read request.
+//
 // Fences (capabilities().fences): FenceTarget moves every QP of the target endpoint to the error
 // state with ibv_modify_qp before it returns. A responder QP in the error state drops every
 // incoming request, so no write of that initiator (queued, in flight or posted later) lands (rxe
@@ -90,6 +98,9 @@ class VerbsTransport final : public spi::Transport {
                                                    const spi::RemoteRegion& region) override;
   Status PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
                     spi::WriteCallback done) override;
+  // RDMA READ, planned and paced like writes, within each QP's read depth (verbs_wr.h).
+  Status PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
+                   spi::ReadCallback done) override;
   void Disconnect(spi::PeerId peer) override;
 
   // "rxe0:1" per device in use, for logs and tests.
@@ -134,6 +145,7 @@ class VerbsTransport final : public spi::Transport {
   // One PostWrites call. Owned by its peer's `batches` list from acceptance to completion. Its
   // parts (`pending`) are the pairs with unfinished requests, plus one while it is accepted.
   struct Batch : toolkit::BatchBase<Batch> {
+    bool reads = false;                               // RDMA READs (PostReads), else WRITEs
     std::vector<WrPlan> plans;                        // by pair
     std::vector<size_t> next_wr;                      // posting cursor, by pair
     std::vector<std::shared_ptr<RegionMrs>> regions;  // keeps the MRs used alive
@@ -162,6 +174,8 @@ class VerbsTransport final : public spi::Transport {
 
   VerbsTransport(VerbsOptions options, std::vector<std::unique_ptr<Device>> devices);
   Status Init();
+  Status Post(spi::PeerId peer, std::span<const spi::WriteOp> ops, spi::WriteCallback done,
+              toolkit::OpKind kind);
   uint32_t RandomPsn();
 
   // Progress thread (verbs_progress.cc).

@@ -83,7 +83,8 @@ spi::Blob EncodeQpAddresses(uint32_t magic, const std::vector<QpAddress>& qps) {
     PutLe(out, qp.mtu, 1);
     PutLe(out, qp.global ? kFlagGlobal : 0, 1);
     PutLe(out, qp.port, 1);
-    PutLe(out, 0, 3);
+    PutLe(out, qp.rd_atomic, 1);
+    PutLe(out, 0, 2);
     out.insert(out.end(), qp.gid.begin(), qp.gid.end());
   }
   return out;
@@ -103,6 +104,7 @@ StatusOr<std::vector<QpAddress>> DecodeQpAddresses(const spi::Blob& blob, uint32
     qp.mtu = p[10];
     const uint8_t flags = p[11];
     qp.port = p[12];
+    qp.rd_atomic = p[13];
     std::copy(p + 16, p + 32, qp.gid.begin());
     const std::string where = "verbs: " + std::string(what) + " blob entry " + std::to_string(i);
     // QP numbers 0 and 1 are the management QPs; numbers and PSNs are 24-bit on the wire.
@@ -118,7 +120,10 @@ StatusOr<std::vector<QpAddress>> DecodeQpAddresses(const spi::Blob& blob, uint32
       return Status::InvalidArgument(where + ": mtu " + std::to_string(qp.mtu) +
                                      " out of range [1, 5] (IBV_MTU_256..IBV_MTU_4096)");
     }
-    if ((flags & ~kFlagGlobal) != 0 || p[13] != 0 || p[14] != 0 || p[15] != 0) {
+    if (qp.rd_atomic == 0) {
+      return Status::InvalidArgument(where + ": rd_atomic 0 out of range [1, 255]");
+    }
+    if ((flags & ~kFlagGlobal) != 0 || p[14] != 0 || p[15] != 0) {
       return Status::InvalidArgument(where + ": unknown flags " + std::to_string(flags) +
                                      " or non-zero reserved bytes");
     }

@@ -9,7 +9,8 @@
 //
 // Layout, little-endian: u32 magic, u16 version, u16 count, then `count` fixed-size entries.
 // A QP entry: u32 qp_num, u32 psn, u16 lid, u8 mtu (enum ibv_mtu), u8 flags (bit 0: global,
-// i.e. RoCE / GRH needed), u8 port, 3 reserved zero bytes, 16-byte GID. A key entry: u32 rkey.
+// i.e. RoCE / GRH needed), u8 port, u8 rd_atomic (version 2), 2 reserved zero bytes, 16-byte
+// GID. A key entry: u32 rkey.
 #ifndef PDLIB_BACKENDS_VERBS_VERBS_WIRE_H_
 #define PDLIB_BACKENDS_VERBS_VERBS_WIRE_H_
 
@@ -27,7 +28,8 @@ namespace verbs {
 inline constexpr uint32_t kEndpointMagic = 0x45564450;  // "PDVE"
 inline constexpr uint32_t kReplyMagic = 0x52564450;     // "PDVR"
 inline constexpr uint32_t kKeyMagic = 0x4b564450;       // "PDVK"
-inline constexpr uint16_t kWireVersion = 1;
+// Version 2: QP entries carry rd_atomic (RDMA reads, issue #29).
+inline constexpr uint16_t kWireVersion = 2;
 
 // How the peer reaches one RC QP.
 struct QpAddress {
@@ -37,6 +39,9 @@ struct QpAddress {
   uint8_t mtu = 0;      // enum ibv_mtu: 1 (256 bytes) .. 5 (4096 bytes)
   bool global = false;  // RoCE (or a routed IB fabric): address by GID with a GRH
   uint8_t port = 0;
+  // The responder resources (max_dest_rd_atomic) the QP was given: how many RDMA reads the
+  // peer's side of the pair may have outstanding on it. 1 .. 255.
+  uint8_t rd_atomic = 1;
   std::array<uint8_t, 16> gid{};
   friend bool operator==(const QpAddress&, const QpAddress&) = default;
 };

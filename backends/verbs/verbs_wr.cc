@@ -62,14 +62,22 @@ void PlanWrites(std::span<const WriteSegment> writes, const WrLimits& limits, Wr
   }
 }
 
-SendQueueBudget::SendQueueBudget(uint32_t depth, uint32_t signal_every)
-    : depth_(std::max<uint32_t>(1, depth)),
-      signal_every_(std::clamp<uint32_t>(signal_every, 1, std::max<uint32_t>(1, depth))) {}
+uint32_t ReadDepth(uint32_t device_initiator_depth, uint32_t peer_responder_resources) {
+  return std::max<uint32_t>(1, std::min(device_initiator_depth, peer_responder_resources));
+}
 
-SendQueueBudget::Posted SendQueueBudget::Post(bool must_signal) {
+SendQueueBudget::SendQueueBudget(uint32_t depth, uint32_t signal_every, uint32_t read_depth)
+    : depth_(std::max<uint32_t>(1, depth)),
+      signal_every_(std::clamp<uint32_t>(signal_every, 1, std::max<uint32_t>(1, depth))),
+      read_depth_(std::max<uint32_t>(1, read_depth)) {}
+
+SendQueueBudget::Posted SendQueueBudget::Post(bool must_signal, bool read) {
   ++posted_;
   const bool fills_queue = posted_ - retired_ >= depth_;
-  const bool signalled = must_signal || fills_queue || since_signal_ + 1 >= signal_every_;
+  if (read) reads_.push_back(posted_);
+  const bool fills_reads = read && reads_.size() >= read_depth_;
+  const bool signalled =
+      must_signal || fills_queue || fills_reads || since_signal_ + 1 >= signal_every_;
   since_signal_ = signalled ? 0 : since_signal_ + 1;
   return {posted_, signalled};
 }
@@ -78,6 +86,7 @@ uint32_t SendQueueBudget::Retire(uint64_t seq) {
   if (seq <= retired_ || seq > posted_) return 0;
   const uint32_t freed = static_cast<uint32_t>(seq - retired_);
   retired_ = seq;
+  while (!reads_.empty() && reads_.front() <= seq) reads_.pop_front();
   return freed;
 }
 

@@ -28,6 +28,12 @@
 // KVManagerOptions::quarantine_warn_after is logged at ERROR with the prefill rank named. It is
 // never released by time alone. A sender's PagesReusable() says the same of its source pages:
 // pdlib reads none of them any more.
+// Pull (KVManagerOptions::direction kPull): nothing writes into decode's pages but decode's own
+// reads, so a failed receiver's pages are reusable once every read batch it posted has
+// completed (none of its reads can land after that); a sender's once every decode rank it
+// published to has reported its reads over, or its connection is gone (or, for one that stays
+// silent, liveness_timeout after the failure, a late read then landing only in that failed
+// request's pages on decode).
 #ifndef PDLIB_KV_MANAGER_H_
 #define PDLIB_KV_MANAGER_H_
 

@@ -99,6 +99,8 @@ void DecodeCore::OnReadReady(const std::string& key, const ReadReadyMsg& msg) {
         "room %d: prefill tp %d pp %d at %s is not a rank this room reads from", msg.room,
         from.tp_rank, from.pp_rank, key)));
   }
+  // A room that is over reads nothing more: that rank hears its reads are over.
+  if (IsTerminal(room->state->Poll())) return SendReadsDone(room);
   const planner::PairPlan& plan = source->plan;
   const uint64_t prefix_pages = info.decode_prefix_len / plan.page_size;
   const uint64_t total = prefix_pages + info.dst_kv_pages.size();
@@ -148,7 +150,7 @@ void DecodeCore::OnReadReady(const std::string& key, const ReadReadyMsg& msg) {
   }
   if (!planned.ok()) {
     FailRoom(room, planned.WithPrefix(absl::StrFormat("prefill %s", key)), true);
-    return;
+    return SendReadsDone(room);  // whether or not this call was the one that failed it
   }
   // The planner's writes, reversed: prefill's buffer is the remote side of a read.
   std::vector<spi::ReadOp> ops;

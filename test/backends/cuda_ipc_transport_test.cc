@@ -353,6 +353,96 @@ TEST_CASE("cuda_ipc transport writes a forked target's host memory and notices w
   t->Disconnect(conn->peer);
 }
 
+TEST_CASE("cuda_ipc process_vm_readv reads another process's memory, byte for byte") {
+  // More pieces than IOV_MAX, of odd sizes, gathered backwards from the child's copy.
+  constexpr size_t kPieces = 2500, kPiece = 37;
+  std::vector<uint8_t> region = Pattern(kPieces * kPiece, 3);
+  const std::vector<uint8_t> theirs = region;
+  Child child(region.data(), theirs);  // holds the pattern; we change ours afterwards
+  std::fill(region.begin(), region.end(), 0);
+  std::vector<uint8_t> got(region.size(), 0), expected(region.size());
+  std::vector<ci::CmaRead> reads;
+  for (size_t i = 0; i < kPieces; ++i) {
+    const size_t from = (kPieces - 1 - i) * kPiece;
+    reads.push_back(
+        {reinterpret_cast<uint64_t>(region.data() + from), got.data() + i * kPiece, kPiece});
+    std::memcpy(expected.data() + i * kPiece, theirs.data() + from, kPiece);
+  }
+  REQUIRE(ci::ReadProcessMemory(child.pid(), reads).ok());
+  CHECK(got == expected);  // the child's bytes, not our (zeroed) copy's
+  CHECK(child.Check() == 0);
+
+  // A gone process and an unmapped source are Unavailable, naming the pid.
+  Child dead(region.data(), region);
+  const pid_t pid = dead.pid();
+  dead.Kill();
+  Status gone = ci::ReadProcessMemory(pid, reads);
+  CHECK(gone.code() == StatusCode::kUnavailable);
+  CHECK(Contains(gone, std::to_string(pid)));
+  CHECK(Contains(gone, "process_vm_readv"));
+  uint8_t byte = 0;
+  ci::CmaRead unmapped{8, &byte, 1};  // address 8 is never mapped
+  Status fault = ci::ReadProcessMemory(getpid(), std::span(&unmapped, 1));
+  CHECK(fault.code() == StatusCode::kUnavailable);
+  CHECK(Contains(fault, "source is not mapped"));
+}
+
+TEST_CASE("cuda_ipc transport reads a forked target's host memory and notices when it is gone") {
+  auto t = MakeTransport();
+  REQUIRE(t->capabilities().reads);
+  constexpr size_t kPage = 4096, kPages = 64;
+  // The target's region: the child's copy keeps the pattern, ours is zeroed after the fork.
+  std::vector<uint8_t> theirs = Pattern(kPage * kPages, 11);
+  std::vector<uint8_t> ours(kPage * kPages + kPage, 0);  // a page more: must stay untouched
+  spi::Blob their_key, our_key;
+  auto tr = t->RegisterMemory({theirs.data(), theirs.size()}, &their_key);
+  auto orr = t->RegisterMemory({ours.data(), ours.size()}, &our_key);
+  REQUIRE(tr.ok());
+  REQUIRE(orr.ok());
+  // Our page i from their page (i * 7) % kPages, except page 5, left out.
+  std::vector<spi::ReadOp> ops;
+  std::vector<uint8_t> expected(ours.size(), 0);
+  for (uint64_t i = 0; i < kPages; ++i) {
+    if (i == 5) continue;
+    const uint64_t from = (i * 7) % kPages;
+    ops.push_back({*orr, i * kPage, 0, from * kPage, kPage});
+    std::memcpy(expected.data() + i * kPage, theirs.data() + from * kPage, kPage);
+  }
+  const std::vector<uint8_t> pattern = theirs;
+  Child child(theirs.data(), pattern);
+  std::fill(theirs.begin(), theirs.end(), 0);
+  auto boot = ci::ReadBootId();
+  auto start = ci::ReadProcessStartTime(child.pid());
+  REQUIRE(boot.ok());
+  REQUIRE(start.ok());
+  spi::Blob endpoint = ci::EncodeEndpoint({1, {child.pid(), *start}, *boot});
+  auto conn = t->Connect(endpoint);
+  REQUIRE(conn.ok());
+  auto remote = t->ImportRemoteRegion(
+      conn->peer, {reinterpret_cast<uint64_t>(theirs.data()), theirs.size(), their_key});
+  REQUIRE(remote.ok());
+  for (auto& op : ops) op.remote_region = *remote;
+  Completions done;
+  REQUIRE(t->PostReads(conn->peer, ops, done.Callback()).ok());
+  REQUIRE(done.Wait(1));
+  CHECK(done.statuses()[0].ok());
+  CHECK(ours == expected);  // every page read from the child, page 5 and the extra page zero
+
+  // A read past the target's region is refused, naming the read.
+  spi::ReadOp past{*orr, 0, *remote, theirs.size() - 8, 16};
+  Status out = t->PostReads(conn->peer, std::span(&past, 1), done.Callback());
+  CHECK(out.code() == StatusCode::kOutOfRange);
+  CHECK(Contains(out, "read 0"));
+
+  const pid_t pid = child.pid();
+  CHECK(child.Check() == 0);  // exits
+  Status gone = t->PostReads(conn->peer, ops, done.Callback());
+  CHECK(gone.code() == StatusCode::kUnavailable);
+  CHECK(Contains(gone, "process " + std::to_string(pid) + " exited"));
+  CHECK(t->PostReads(conn->peer, {}, done.Callback()).code() == StatusCode::kUnavailable);
+  t->Disconnect(conn->peer);
+}
+
 TEST_CASE("cuda_ipc Connect and ImportRemoteRegion refuse what cannot be written") {
   auto t = MakeTransport();
   auto boot = ci::ReadBootId();

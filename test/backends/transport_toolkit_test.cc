@@ -393,6 +393,14 @@ TEST_CASE("toolkit tables: every write is checked against both regions") {
     } else {
       CHECK(Message(r.status()) == c.message);
     }
+    // Reads (PostReads) are checked the same way and named as reads.
+    auto read = peers.ResolveWrite(id, peer, locals, 5, c.op, toolkit::OpKind::kRead);
+    CHECK(read.status().code() == c.code);
+    if (c.code != StatusCode::kOk) {
+      std::string expected = c.message;
+      expected.replace(expected.find("write 5"), 7, "read 5");
+      CHECK(Message(read.status()) == expected);
+    }
   }
   CHECK(toolkit::CheckRemoteRegion("wire", {0x1000, 0, {}}).code() == StatusCode::kInvalidArgument);
   CHECK(Message(toolkit::CheckRemoteRegion("wire", {~uint64_t{0} - 10, 100, {}})) ==

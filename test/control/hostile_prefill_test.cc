@@ -16,6 +16,7 @@
 #include "lib/control/bootstrap_server.h"
 #include "lib/proto/pdlib.grpc.pb.h"
 #include "pdlib/pdlib.h"
+#include "pdlib/spi/transport.h"
 #include "test/control/hostile_peer_util.h"
 
 using namespace pdlib_hostile;
@@ -82,6 +83,9 @@ class HostilePrefill final : public wire::Peer::Service {
         } else if (msg.has_transfer_info()) {
           std::lock_guard lock(mu_);
           infos_.push_back(msg.transfer_info());
+        } else if (msg.has_reads_done()) {
+          std::lock_guard lock(mu_);
+          reads_done_.push_back(msg.reads_done());
         }
       }
     }
@@ -104,6 +108,15 @@ class HostilePrefill final : public wire::Peer::Service {
     return infos_.size();
   }
 
+  // The ReadsDone decode sent for `room` (pull), if any.
+  std::optional<wire::ReadsDone> ReadsDoneFor(uint64_t room) {
+    std::lock_guard lock(mu_);
+    for (const auto& d : reads_done_) {
+      if (d.room() == room) return d;
+    }
+    return std::nullopt;
+  }
+
  private:
   Answer answer_;
   std::unique_ptr<grpc::Server> server_;
@@ -113,6 +126,7 @@ class HostilePrefill final : public wire::Peer::Service {
   std::mutex mu_;
   PeerStream* stream_ = nullptr;
   std::vector<wire::TransferInfo> infos_;
+  std::vector<wire::ReadsDone> reads_done_;
 };
 
 // The RegisterAck an honest prefill of Options() would send: rank (0, 0), both layers.
@@ -259,4 +273,149 @@ TEST_CASE("hostile prefill: statuses for unknown rooms, wrong ranks, duplicates,
   CHECK(m.live_rooms == 0);
   CHECK(m.rooms_succeeded == 1);
   CHECK(m.rooms_failed == 2 + (sentinel - 1000));
+}
+
+namespace {
+
+// A pulling prefill's RegisterAck: prefill described with regions and an endpoint of a real fake
+// transport (so decode can connect and import them), shaped like the decode fixture's memory.
+struct PullAck {
+  std::unique_ptr<pdlib::spi::Transport> transport;
+  Buffers buf;
+  wire::RegisterAck ack = GoodAck();
+  PullAck() {
+    auto t = pdlib::spi::CreateTransport("fake", {});
+    REQUIRE(t.ok());
+    transport = std::move(*t);
+    wire::Register* src = ack.mutable_source();
+    src->set_direction(wire::TRANSFER_DIRECTION_PULL);
+    src->set_transport("fake");
+    src->set_page_size(16);
+    auto* fp = src->mutable_fingerprint();
+    fp->set_num_layers(kFingerprint.num_layers);
+    fp->set_num_kv_heads(kFingerprint.num_kv_heads);
+    fp->set_head_dim(kFingerprint.head_dim);
+    fp->set_dtype_bytes(kFingerprint.dtype_bytes);
+    fp->set_layout_version(kFingerprint.layout_version);
+    fp->set_model_name(kFingerprint.model_name);
+    fp->set_wire_version(PDLIB_WIRE_VERSION);
+    auto endpoint = transport->CreateTargetEndpoint();
+    REQUIRE(endpoint.ok());
+    src->set_transport_endpoint(endpoint->blob.data(), endpoint->blob.size());
+    auto add = [&](google::protobuf::RepeatedPtrField<wire::RegionDesc>* out,
+                   std::vector<uint8_t>& mem, uint64_t item) {
+      pdlib::spi::Blob key;
+      REQUIRE(transport->RegisterMemory({mem.data(), mem.size()}, &key).ok());
+      auto* r = out->Add();
+      r->set_addr(Buffers::Addr(mem));
+      r->set_length(mem.size());
+      r->set_item_len(item);
+      r->set_key(key.data(), key.size());
+    };
+    add(src->mutable_kv_regions(), buf.k, kPageBytes);
+    add(src->mutable_kv_regions(), buf.v, kPageBytes);
+    add(src->mutable_aux_regions(), buf.aux, kAuxBytes);
+    ack.set_lease_ms(30000);
+  }
+};
+
+wire::PrefillToDecode Ready(uint64_t room, std::vector<int32_t> pages, uint64_t offset, bool last,
+                            int32_t layer_begin = 0, int32_t layer_end = 1, int32_t tp_rank = 0) {
+  wire::PrefillToDecode m;
+  auto* r = m.mutable_read_ready();
+  r->set_room(room);
+  r->set_prefill_tp_rank(tp_rank);
+  r->mutable_src_pages()->Add(pages.begin(), pages.end());
+  r->set_src_offset(offset);
+  r->set_last(last);
+  r->set_layer_begin(layer_begin);
+  r->set_layer_end(layer_end);
+  if (last) r->set_aux_index(1);
+  return m;
+}
+
+pdlib::KVManagerOptions PullOptions(uint16_t bootstrap_port, Buffers& b) {
+  pdlib::KVManagerOptions o = Options(pdlib::Mode::kDecode, bootstrap_port, b);
+  o.direction = pdlib::TransferDirection::kPull;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("hostile prefill, pull: ReadReady out of range or out of turn fails the room, no read") {
+  PullAck pull;
+  HostilePrefill prefill([&](const wire::Register& reg) {
+    CHECK(reg.direction() == wire::TRANSFER_DIRECTION_PULL);
+    return std::optional(pull.ack);
+  });
+  pdlib::SetLogLevel(pdlib::LogLevel::kError);
+  Buffers buf;
+  auto decode = pdlib::KVManager::Create(PullOptions(prefill.bootstrap_port(), buf));
+  REQUIRE(decode.ok());
+  const pdlib::BootstrapAddress addr{"127.0.0.1", prefill.bootstrap_port()};
+  const std::vector<int32_t> dst = {1, 2};
+  struct Case {
+    const char* what;
+    wire::PrefillToDecode msg;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {"pages past the request", Ready(70, {3}, 5, false), "published prompt pages [5, 6)"},
+      {"a last chunk that ends early", Ready(71, {3}, 0, true), "as the last chunk"},
+      {"layers prefill does not hold", Ready(72, {3}, 0, false, 0, 9), "published layers [0, 9)"},
+      {"a page outside prefill's pool", Ready(73, {4096}, 0, false), "4096"},
+  };
+  uint64_t infos = 0;
+  for (const Case& c : cases) {
+    INFO("ReadReady: " << c.what);
+    const uint64_t room = c.msg.read_ready().room();
+    auto r = (*decode)->CreateReceiver(addr, room);
+    REQUIRE(r.ok());
+    REQUIRE((*r)->Init(dst, 0).ok());
+    ++infos;
+    REQUIRE(WaitFor([&] { return prefill.infos() == infos; }));
+    REQUIRE(prefill.Send({c.msg}));
+    REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
+    INFO("reason: " << (*r)->FailureReason().ToString());
+    CHECK(Contains((*r)->FailureReason().message(), c.expected));
+    // Nothing was posted: the pages are free, and prefill hears that the reads are over.
+    CHECK(WaitFor([&] { return (*r)->PagesReusable(); }));
+    REQUIRE(WaitFor([&] { return prefill.ReadsDoneFor(room).has_value(); }));
+    CHECK(!prefill.ReadsDoneFor(room)->ok());
+  }
+  // A room decode does not know, and a rank that does not write here.
+  REQUIRE(prefill.Send({Ready(999, {1}, 0, true)}));
+  REQUIRE(WaitFor([&] { return prefill.ReadsDoneFor(999).has_value(); }));
+  CHECK(Contains(prefill.ReadsDoneFor(999)->reason(), "room 999 is not live"));
+  auto r = (*decode)->CreateReceiver(addr, 80);
+  REQUIRE(r.ok());
+  REQUIRE((*r)->Init(dst, 0).ok());
+  ++infos;
+  REQUIRE(WaitFor([&] { return prefill.infos() == infos; }));
+  // Another rank's ReadReady is dropped; a success before the reads is ignored.
+  REQUIRE(prefill.Send({Ready(80, {3, 4}, 0, true, 0, 1, 5),
+                        Status(80, wire::TRANSFER_RESULT_SUCCESS)}));
+  std::this_thread::sleep_for(200ms);
+  CHECK((*r)->Poll() == KVPoll::kTransferring);
+  CHECK(!prefill.ReadsDoneFor(80).has_value());
+  // The honest sequence: published, read (fake), reported, confirmed.
+  REQUIRE(prefill.Send({Ready(80, {3, 4}, 0, true)}));
+  REQUIRE(WaitFor([&] { return prefill.ReadsDoneFor(80).has_value(); }));
+  CHECK(prefill.ReadsDoneFor(80)->ok());
+  CHECK((*r)->Poll() == KVPoll::kTransferring);  // not before prefill confirms
+  REQUIRE(prefill.Send({Status(80, wire::TRANSFER_RESULT_SUCCESS)}));
+  REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kSuccess; }));
+  CHECK((*decode)->metrics().rooms_succeeded == 1);
+  pdlib::SetLogLevel(pdlib::LogLevel::kWarning);
+}
+
+TEST_CASE("hostile prefill, pull: an ack without prefill's description is refused") {
+  HostilePrefill prefill([](const wire::Register&) { return std::optional(GoodAck()); });
+  Buffers buf;
+  auto decode = pdlib::KVManager::Create(PullOptions(prefill.bootstrap_port(), buf));
+  REQUIRE(decode.ok());
+  auto r = (*decode)->CreateReceiver({"127.0.0.1", prefill.bootstrap_port()}, 90);
+  REQUIRE(r.ok());
+  REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
+  CHECK(Contains((*r)->FailureReason().message(), "does not describe prefill's pages"));
 }

@@ -283,6 +283,110 @@ TEST_CASE("verbs send queue: a poster that waits for room always has a completio
   }
 }
 
+TEST_CASE("verbs read depth: the smaller of our initiator depth and the peer's responder") {
+  CHECK(ReadDepth(16, 128) == 16);
+  CHECK(ReadDepth(128, 16) == 16);
+  CHECK(ReadDepth(128, 128) == 128);
+  CHECK(ReadDepth(0, 8) == 1);  // a device reporting 0 still reads, one at a time
+  CHECK(ReadDepth(8, 0) == 1);
+}
+
+TEST_CASE("verbs send queue: reads stay within the read depth, writes do not count") {
+  SendQueueBudget q(64, 64, 3);
+  CHECK(q.read_depth() == 3);
+  CHECK(q.read_room() == 3);
+  CHECK_FALSE(q.Post(false, /*read=*/false).signalled);  // a write: read room unchanged
+  CHECK(q.read_room() == 3);
+  CHECK_FALSE(q.Post(false, true).signalled);  // seq 2
+  CHECK_FALSE(q.Post(false, true).signalled);  // seq 3
+  CHECK(q.read_room() == 1);
+  auto filling = q.Post(false, true);  // seq 4 fills the depth: signalled, or none would come
+  CHECK(filling.signalled);
+  CHECK(q.read_room() == 0);
+  CHECK(q.reads_outstanding() == 3);
+  CHECK(q.room() == 60);
+  // A completion retires the reads up to it (in order), freeing their depth.
+  CHECK(q.Retire(2) == 2);
+  CHECK(q.read_room() == 1);
+  CHECK(q.Retire(4) == 2);
+  CHECK(q.read_room() == 3);
+  CHECK(q.reads_outstanding() == 0);
+  // Unbounded by default.
+  CHECK(SendQueueBudget(8, 8).read_room() > 1000);
+  CHECK(SendQueueBudget(8, 8, 0).read_depth() == 1);
+}
+
+TEST_CASE("verbs send queue: a reader that waits for read depth always has a completion coming") {
+  // The progress thread's loop against an in-order NIC that reports only signalled requests:
+  // batches of reads and writes mixed, chains cut by room, read depth and max_chain. Reads
+  // outstanding never exceed the depth, and whoever waits has a signalled request in flight.
+  std::mt19937 rng(11);
+  for (uint32_t depth : {2u, 8u, 64u}) {
+    for (uint32_t read_depth : {1u, 2u, 4u, 16u}) {
+      for (uint32_t every : {1u, 5u, 64u}) {
+        INFO("depth " << depth << " read depth " << read_depth << " every " << every);
+        SendQueueBudget q(depth, every, read_depth);
+        std::vector<std::pair<uint64_t, bool>> in_flight;  // (seq, signalled)
+        struct B {
+          size_t size;
+          bool reads;
+        };
+        std::vector<B> batches;
+        for (int b = 0; b < 150; ++b) batches.push_back({1 + rng() % 20, rng() % 3 != 0});
+        size_t batch = 0, next = 0, ends = 0;
+        const uint32_t max_chain = 1 + rng() % 7;
+        while (batch < batches.size()) {
+          // What the poster takes now: up to room (and read room for reads), in order.
+          uint32_t room = std::min(q.room(), max_chain);
+          uint32_t read_room = q.read_room();
+          size_t total = 0, left_after = 0;
+          std::vector<std::pair<size_t, size_t>> takes;  // (batch, count)
+          for (size_t b = batch; b < batches.size(); ++b) {
+            const size_t remaining = batches[b].size - (b == batch ? next : 0);
+            size_t cap = room - total;
+            if (batches[b].reads) cap = std::min<size_t>(cap, read_room);
+            const size_t n = std::min(remaining, cap);
+            if (n > 0) {
+              takes.push_back({b, n});
+              total += n;
+              if (batches[b].reads) read_room -= static_cast<uint32_t>(n);
+            }
+            left_after += remaining - n;
+            if (n < remaining) break;
+          }
+          if (total == 0) {
+            auto it = std::find_if(in_flight.begin(), in_flight.end(),
+                                   [](const auto& r) { return r.second; });
+            REQUIRE(it != in_flight.end());
+            q.Retire(it->first);
+            in_flight.erase(in_flight.begin(), it + 1);
+            continue;
+          }
+          size_t w = 0;
+          for (auto [b, n] : takes) {
+            for (size_t i = 0; i < n; ++i, ++w) {
+              const bool last_of_batch = next + 1 == batches[b].size;
+              const bool last_before_wait = w + 1 == total && left_after > 0;
+              auto posted = q.Post(last_of_batch || last_before_wait, batches[b].reads);
+              CHECK(q.reads_outstanding() <= read_depth);
+              if (last_of_batch) {
+                CHECK(posted.signalled);
+                ++ends;
+              }
+              in_flight.push_back({posted.seq, posted.signalled});
+              if (++next == batches[b].size) {
+                ++batch;
+                next = 0;
+              }
+            }
+          }
+        }
+        CHECK(ends == batches.size());
+      }
+    }
+  }
+}
+
 TEST_CASE("verbs wire: QP addresses round-trip") {
   QpAddress a;
   a.qp_num = 0x123456;
@@ -296,6 +400,7 @@ TEST_CASE("verbs wire: QP addresses round-trip") {
   b.global = false;
   b.lid = 77;
   b.qp_num = 2;
+  b.rd_atomic = 200;
   const auto blob = EncodeQpAddresses(kEndpointMagic, {a, b});
   CHECK(blob.size() == 8 + 2 * 32);
   auto decoded = DecodeQpAddresses(blob, kEndpointMagic, "endpoint");
@@ -333,10 +438,11 @@ TEST_CASE("verbs wire: every field from the peer is checked") {
       {"mtu 0", 18, 0, "mtu 0 out of range [1, 5]"},
       {"mtu 6", 18, 6, "mtu 6 out of range [1, 5]"},
       {"unknown flag", 19, 3, "unknown flags 3"},
-      {"reserved byte", 21, 9, "non-zero reserved"},
+      {"rd_atomic 0", 21, 0, "rd_atomic 0 out of range"},
+      {"reserved byte", 22, 9, "non-zero reserved"},
       {"port 0", 20, 0, "port 0"},
       {"no GID routing and LID 0", 19, 0, "LID 0 is not a unicast LID"},
-      {"version", 4, 2, "has version 2"},
+      {"version", 4, 1, "has version 1"},
       {"count 0", 6, 0, "has 0 entries"},
       {"count 17", 6, 17, "has 17 entries"},
       {"count 2 but one entry", 6, 2, "does not hold 2 entries"},
