@@ -106,6 +106,12 @@ ABSL_FLAG(std::string, decode_prefix, "",
           "WaitingForInput and sends only those pages. A fraction > 0 also runs 0 (the same "
           "calls, no prefix) first and compares the two; unset: the calls without a prefix "
           "(Init(pages, aux)), as before the prefix API");
+ABSL_FLAG(std::string, direction, "push",
+          "push|pull|both: which way KV moves (KVManagerOptions::direction, both sides; issue "
+          "#29). push: prefill writes into decode's pages once decode's TransferInfo is in; pull: "
+          "prefill publishes each request's pages as soon as its sender exists and decode reads "
+          "them (the backend must read); both: every configuration runs push, then pull, and "
+          "each pull row is compared with its push row (pull_push_* fields)");
 ABSL_FLAG(bool, json, false, "one JSON object per configuration instead of the table");
 ABSL_FLAG(std::string, role, "", "internal: the role of a child process (prefill or decode)");
 ABSL_FLAG(uint64_t, bootstrap_port, 8998, "internal: the bootstrap port of a child process");
@@ -152,6 +158,15 @@ constexpr char kUsage[] =
     "  e.g. pdlib-transfer-bench --backend ucx --backend-option ucx.tls=shm --layers 32\n"
     "       --item-bytes 32768 --pages 16 --concurrency 1 --requests 200 --warmup 20\n"
     "       --decode-prefix 0.9\n"
+    "\n"
+    "Decode pull: --direction pull makes decode read prefill's published pages (one-sided\n"
+    "reads) instead of prefill writing them; --direction both runs every configuration push,\n"
+    "then pull, and reports pull over push from the same run: pull_push_gbps_ratio,\n"
+    "pull_push_mean_us_ratio (and the push figures). moved_bytes_per_request and\n"
+    "batches_per_request then count what decode read and its read batches.\n"
+    "  e.g. pdlib-transfer-bench --backend ucx --backend-option ucx.tls=shm --layers 32\n"
+    "       --item-bytes 32768 --pages 16 --concurrency 4 --requests 400 --warmup 20\n"
+    "       --direction both\n"
     "\n"
     "GPU memory: --memory cuda puts both pools on the GPU (cudaMalloc) and --baseline memcpy\n"
     "then times the same writes as device-to-device cudaMemcpyAsync, in the same run:\n"
@@ -316,6 +331,16 @@ bool ParseArgs(int argc, char** argv, Options* o) {
     std::stable_partition(o->decode_prefixes.begin(), o->decode_prefixes.end(),
                           [](const std::optional<double>& r) { return *r == 0; });
   }
+  const std::string direction = absl::GetFlag(FLAGS_direction);
+  if (direction == "push") {
+    o->directions = {pdlib::TransferDirection::kPush};
+  } else if (direction == "pull") {
+    o->directions = {pdlib::TransferDirection::kPull};
+  } else if (direction == "both") {
+    o->directions = {pdlib::TransferDirection::kPush, pdlib::TransferDirection::kPull};
+  } else {
+    return bad("direction", direction);
+  }
   o->role = absl::GetFlag(FLAGS_role);
   if (!o->role.empty() && o->role != "prefill" && o->role != "decode") return bad("role", o->role);
   const uint64_t bootstrap_port = absl::GetFlag(FLAGS_bootstrap_port);
@@ -389,7 +414,9 @@ std::vector<std::string> ChildArgs(const BenchConfig& c, std::string_view role) 
                                 "--memory",
                                 c.memory == pdlib::MemoryKind::kCuda ? "cuda" : "host",
                                 "--cuda-device",
-                                std::to_string(c.cuda_device)};
+                                std::to_string(c.cuda_device),
+                                "--direction",
+                                std::string(pdlib::TransferDirectionName(c.direction))};
   if (c.verify) a.push_back("--verify");
   if (c.decode_prefix) {
     char r[32];

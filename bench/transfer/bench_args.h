@@ -22,6 +22,9 @@ struct Options {
   // --decode-prefix: {nullopt} without it; else the fractions asked for, with 0 first (added when
   // a fraction > 0 was asked without it: the same shape without a prefix, for the comparison).
   std::vector<std::optional<double>> decode_prefixes{std::nullopt};
+  // --direction: push, pull, or both (push first: each pull row is compared with the push row of
+  // the same configuration from this run).
+  std::vector<pdlib::TransferDirection> directions{pdlib::TransferDirection::kPush};
   bool json = false;
   bool in_process = false;
   bool baseline_memcpy = false;

@@ -91,6 +91,7 @@ struct Rank {
     o.start_bootstrap_server = start_bootstrap;
     o.transfer_workers = c.transfer_workers;
     o.room_log_every = c.room_log_every;
+    o.direction = c.direction;
     for (uint64_t b = 0; b < pool.buffers(); ++b) {
       o.args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(pool.buffer(b)));
       o.args.kv.lens.push_back(pool.buffer_bytes());
@@ -155,6 +156,18 @@ uint64_t MonotonicNs() {
 // know the prefix yet or counts pages other than the request's after the prefix.
 pdlib::Status AfterPrefix(const BenchConfig& c, const pdlib::KVSender& sender, uint64_t pages,
                           uint64_t* held) {
+  if (c.direction == pdlib::TransferDirection::kPull) {
+    // Pull: prefill publishes every page of the prompt, before decode's prefix is known; decode
+    // reads only the pages after it.
+    const pdlib::StatusOr<uint64_t> all = sender.PagesAfterPrefix(c.PromptTokens());
+    if (!all.ok()) return all.status();
+    if (*all != pages) {
+      return pdlib::Status::Internal("pull: PagesAfterPrefix counts " + std::to_string(*all) +
+                                     " pages of the request's " + std::to_string(pages));
+    }
+    *held = 0;
+    return pdlib::Status::OK();
+  }
   const std::optional<uint64_t> prefix = sender.decode_prefix_len();
   if (!prefix) return pdlib::Status::FailedPrecondition("decode prefix unknown at WaitingForInput");
   const pdlib::StatusOr<uint64_t> after = sender.PagesAfterPrefix(c.PromptTokens());
@@ -178,6 +191,7 @@ void DrivePrefill(const BenchConfig& c, Rank& rank, const PageRing& pages, uint6
   std::deque<uint64_t> to_compute;  // request indices with their TransferInfo, FIFO
   Forward forward;
   bool computing = false;
+  const bool pull = c.direction == pdlib::TransferDirection::kPull;
   auto find = [&](uint64_t index) -> InFlight<pdlib::KVSender>* {
     for (auto& f : active) {
       if (f.index == index) return &f;
@@ -246,7 +260,8 @@ void DrivePrefill(const BenchConfig& c, Rank& rank, const PageRing& pages, uint6
         progressed = true;
         continue;
       }
-      if (!f.acted && st == pdlib::KVPoll::kWaitingForInput) {
+      // Push: once decode's TransferInfo is in; pull: at once (prefill publishes its pages).
+      if (!f.acted && (st == pdlib::KVPoll::kWaitingForInput || pull)) {
         f.acted = true;
         const auto all = pages.For(f.index);
         pdlib::Status s =
@@ -618,6 +633,9 @@ RankResult RunDecodeRanks(const BenchConfig& config, const std::function<void()>
   RankResult all;
   for (size_t i = 0; i < results.size(); ++i) Merge(results[i], i == 0, &all);
   all.metrics = results[0].metrics;
+  for (size_t i = 1; i < results.size(); ++i) {  // what every rank read, in pull
+    all.metrics.bytes_transferred += results[i].metrics.bytes_transferred;
+  }
   return all;
 }
 

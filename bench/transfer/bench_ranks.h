@@ -85,6 +85,12 @@ struct BenchConfig {
   // Init()s with that count and sends the pages after the prefix, as an engine would (prefill
   // never reads this field: it learns the prefix from decode).
   std::optional<double> decode_prefix;
+  // Which way KV moves (issue #29; KVManagerOptions::direction, both sides). kPull: prefill
+  // Init()s and Send()s each request as soon as its sender exists (the pages are published; it
+  // does not wait for decode's TransferInfo), every page of the prompt whatever decode's prefix
+  // (PagesAfterPrefix counts them all); decode reads them. The rank that moves the bytes counts
+  // them (RankResult::metrics): prefill in push, decode in pull.
+  pdlib::TransferDirection direction = pdlib::TransferDirection::kPush;
 
   // Pages per K or V buffer: pool_pages, else what pool_bytes holds; never fewer than `pages`.
   uint64_t PoolPages() const;
@@ -110,8 +116,8 @@ struct RankResult {
   std::vector<uint32_t> latencies_us;  // decode: CreateReceiver() to Success, measured requests
   // decode, with layer_compute_us: the end of prefill's last layer to Success, measured requests
   std::vector<uint32_t> exposed_us;
-  // Of the rank's manager, at the end (with TP, rank 0's; bytes_transferred: every prefill
-  // rank's together).
+  // Of the rank's manager, at the end (with TP, rank 0's; bytes_transferred: every rank's of
+  // the side together).
   pdlib::KVManagerMetrics metrics;
   std::string pool_allocator;  // who allocated the KV pool (BenchPool::allocator())
 };

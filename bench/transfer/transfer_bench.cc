@@ -4,7 +4,9 @@
 // (--compare-perftest). With --memory cuda both pools are GPU memory (cuda_memory.h) and the
 // baseline is cudaMemcpy device to device. With --decode-prefix R decode holds the first
 // floor(R x pages) pages of each request and only the rest moves (issue #27); R > 0 also runs R = 0
-// and reports both with their ratios. `--help` documents every flag and every figure.
+// and reports both with their ratios. With --direction pull decode reads prefill's published pages
+// (issue #29); --direction both runs push then pull per configuration and reports pull over push.
+// `--help` documents every flag and every figure.
 //
 //   e.g.  pdlib-transfer-bench --backend fake --requests 20000 --concurrency 256 --json
 //         pdlib-transfer-bench --backend ucx --backend-option ucx.tls=shm --layers 32
@@ -303,12 +305,15 @@ Comparisons Compare(const Options& o, const BenchConfig& c) {
   return cmp;
 }
 
-// The same shape without a decode prefix (--decode-prefix 0, run just before in this run): what a
-// row with a prefix is compared with.
-struct PrefixReference {
+// The figures of a row that later rows of this run are compared with: the same shape without a
+// decode prefix (--decode-prefix 0) for a row with one, and the push row of the same
+// configuration for a pull row (--direction both).
+struct RowFigures {
   uint64_t kv_bytes_per_request = 0;
   double us_per_request = 0;
   double mean_us = 0;
+  double gbps = 0;
+  double batches_per_request = 0;  // of the side that moved the bytes
 };
 
 // One configuration's JSON object (nlohmann-json; fields in the order they are set).
@@ -334,24 +339,34 @@ class JsonObject {
 
 // Prints one configuration's outcome; returns false when it failed.
 // `reference`: with a decode prefix > 0, the same shape at prefix 0 from this run (when that row
-// succeeded); `*figures` receives this row's, for the rows after it.
+// succeeded); `push`: for a pull row, the push row of the same configuration from this run (when
+// it succeeded); `*figures` receives this row's, for the rows after it.
 bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, std::string>& d,
             const std::map<std::string, std::string>& p, const Comparisons& cmp, bool first_row,
-            const std::optional<PrefixReference>& reference, PrefixReference* figures) {
+            const std::optional<RowFigures>& reference, const std::optional<RowFigures>& push,
+            RowFigures* figures) {
   const bool error = d.count("error") && d.at("error") != "none";
   const bool failed = error || Num(d, "failed") > 0;
   const double seconds = Num(d, "seconds");
   const double ok = Num(d, "succeeded");
   const double req_per_s = seconds > 0 ? ok / seconds : 0;
   const double gbps = seconds > 0 ? ok * double(c.BytesPerRequest()) * 8 / seconds / 1e9 : 0;
-  // Per request: the KV payload that moves (the pages after decode's prefix), what prefill's
-  // managers counted as written (bytes_transferred over warm-up and measured requests), and the
-  // wall time (seconds / succeeded).
+  // Per request: the KV payload that moves (the pages after decode's prefix), what the side
+  // that moves the bytes counted (bytes_transferred over warm-up and measured requests: prefill's
+  // writes in push, decode's reads in pull) and its batches, and the wall time (seconds /
+  // succeeded).
+  const bool pull = c.direction == pdlib::TransferDirection::kPull;
+  const std::map<std::string, std::string>& mover = pull ? d : p;
   const uint64_t kv_bytes = c.BytesPerRequest();
-  const double moved_bytes = Num(p, "bytes") / double(c.warmup + c.requests);
+  const double moved_bytes = Num(mover, "bytes") / double(c.warmup + c.requests);
+  const double batches_per_request = Num(mover, "batches") / double(c.warmup + c.requests);
   const double us_per_request = ok > 0 ? seconds * 1e6 / ok : 0;
-  *figures = {kv_bytes, us_per_request, Num(d, "mean")};
-  std::optional<PrefixReference> ref;
+  *figures = {kv_bytes, us_per_request, Num(d, "mean"), gbps, batches_per_request};
+  std::optional<RowFigures> vs_push;
+  if (push && push->gbps > 0 && push->us_per_request > 0 && push->mean_us > 0 && !failed) {
+    vs_push = push;
+  }
+  std::optional<RowFigures> ref;
   if (reference && reference->kv_bytes_per_request > 0 && reference->us_per_request > 0 &&
       reference->mean_us > 0 && !failed) {
     ref = reference;
@@ -361,6 +376,7 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
     baseline_gbps = double(cmp.baseline->bytes) * 8 / cmp.baseline->seconds / 1e9;
   }
   const std::string plane = o.in_process ? "in_process" : "grpc";
+  const std::string direction(pdlib::TransferDirectionName(c.direction));
   const std::string why = d.count("why") ? d.at("why") : "";
   const std::string pool = d.count("pool") ? d.at("pool") : "none";
   if (o.json) {
@@ -368,6 +384,7 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
     j.Str("backend", c.backend);
     j.Str("transport", c.Transport());
     j.Str("control_plane", plane);
+    j.Str("direction", direction);
     j.Int("layers", c.layers);
     j.Int("item_bytes", c.item_bytes);
     j.Int("pages", c.pages);
@@ -423,6 +440,7 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
     }
     j.Int("kv_bytes_per_request", kv_bytes);
     j.Num("moved_bytes_per_request", moved_bytes, 0);
+    j.Num("batches_per_request", batches_per_request, 2);
     j.Num("us_per_request", us_per_request, 1);
     if (ref) {
       j.Int("prefix0_kv_bytes_per_request", ref->kv_bytes_per_request);
@@ -431,6 +449,15 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
       j.Num("bytes_ratio", double(kv_bytes) / double(ref->kv_bytes_per_request), 4);
       j.Num("time_ratio", us_per_request / ref->us_per_request, 4);
       j.Num("mean_us_ratio", Num(d, "mean") / ref->mean_us, 4);
+    }
+    if (vs_push) {
+      j.Num("push_gbps", vs_push->gbps, 3);
+      j.Num("push_us_per_request", vs_push->us_per_request, 1);
+      j.Num("push_mean_us", vs_push->mean_us, 1);
+      j.Num("push_batches_per_request", vs_push->batches_per_request, 2);
+      j.Num("pull_push_gbps_ratio", gbps / vs_push->gbps, 4);
+      j.Num("pull_push_time_ratio", us_per_request / vs_push->us_per_request, 4);
+      j.Num("pull_push_mean_us_ratio", Num(d, "mean") / vs_push->mean_us, 4);
     }
     j.Num("req_per_s", req_per_s, 0);
     j.Num("p50_us", Num(d, "p50"), 0);
@@ -441,6 +468,7 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
     j.Num("succeeded", ok, 0);
     j.Num("failed", Num(d, "failed"), 0);
     j.Num("prefill_write_batches", Num(p, "batches"), 0);
+    j.Num("decode_read_batches", pull ? Num(d, "batches") : 0.0, 0);
     if (c.layer_compute_us > 0) {
       j.Int("layer_compute_us", c.layer_compute_us);
       j.Str("layerwise", c.layerwise ? "on" : "off");
@@ -457,21 +485,21 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
   } else {
     if (first_row) {
       Emit(
-          "backend    transport  plane       layers item_bytes pages prefix  sent layout    "
+          "backend    transport  plane       dir  layers item_bytes pages prefix  sent layout    "
           " requests  conc   seconds  KV_bytes/req    Gbit/s    req/s    us/req  p50_us  p99_us"
           " failed  baseline_Gbit/s  ratio");
     }
     char prefix[16] = "-";  // no --decode-prefix: the calls without a prefix
     if (c.decode_prefix) std::snprintf(prefix, sizeof(prefix), "%.3g", *c.decode_prefix);
     char buf[512];
-    std::snprintf(buf, sizeof(buf),
-                  "%-10s %-10s %-11s %6" PRIu64 " %10" PRIu64 " %5" PRIu64 " %6s %5" PRIu64
-                  " %-10s %8" PRIu64 " %5" PRIu64 " %9.3f %13" PRIu64
-                  " %9.3f %8.0f %9.1f %7.0f %7.0f %6.0f",
-                  c.backend.c_str(), c.Transport().c_str(), plane.c_str(), c.layers, c.item_bytes,
-                  c.pages, prefix, c.SentPages(), std::string(LayoutName(c.layout)).c_str(),
-                  c.requests, c.concurrency, seconds, kv_bytes, gbps, req_per_s, us_per_request,
-                  Num(d, "p50"), Num(d, "p99"), Num(d, "failed"));
+    std::snprintf(
+        buf, sizeof(buf),
+        "%-10s %-10s %-11s %-4s %6" PRIu64 " %10" PRIu64 " %5" PRIu64 " %6s %5" PRIu64
+        " %-10s %8" PRIu64 " %5" PRIu64 " %9.3f %13" PRIu64 " %9.3f %8.0f %9.1f %7.0f %7.0f %6.0f",
+        c.backend.c_str(), c.Transport().c_str(), plane.c_str(), direction.c_str(), c.layers,
+        c.item_bytes, c.pages, prefix, c.SentPages(), std::string(LayoutName(c.layout)).c_str(),
+        c.requests, c.concurrency, seconds, kv_bytes, gbps, req_per_s, us_per_request,
+        Num(d, "p50"), Num(d, "p99"), Num(d, "failed"));
     std::string row = buf;
     if (baseline_gbps) {
       std::snprintf(buf, sizeof(buf), " %16.3f %6.3f", *baseline_gbps, gbps / *baseline_gbps);
@@ -503,6 +531,16 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
                     double(kv_bytes) / double(ref->kv_bytes_per_request), us_per_request,
                     ref->us_per_request, us_per_request / ref->us_per_request, Num(d, "mean"),
                     ref->mean_us, Num(d, "mean") / ref->mean_us);
+      Emit(buf);
+    }
+    if (vs_push) {
+      std::snprintf(buf, sizeof(buf),
+                    "  pull vs push (this run): Gbit/s %.3f / %.3f = %.4f; us/request %.1f / "
+                    "%.1f = %.4f; mean latency %.1f / %.1f us = %.4f; batches/request %.2f / %.2f",
+                    gbps, vs_push->gbps, gbps / vs_push->gbps, us_per_request,
+                    vs_push->us_per_request, us_per_request / vs_push->us_per_request,
+                    Num(d, "mean"), vs_push->mean_us, Num(d, "mean") / vs_push->mean_us,
+                    batches_per_request, vs_push->batches_per_request);
       Emit(buf);
     }
     if (cmp.perftest_gbytes_per_s) {
@@ -562,6 +600,7 @@ int main(int argc, char** argv) {
     o.base.layout = o.layouts.front();
     o.base.layerwise = o.layerwise.front();
     o.base.decode_prefix = o.decode_prefixes.front();
+    o.base.direction = o.directions.front();
     return RunChild(o);
   }
 
@@ -594,41 +633,55 @@ int main(int argc, char** argv) {
       for (uint64_t pages : o.pages) {
         for (Layout layout : o.layouts) {
           for (uint64_t conc : o.concurrency) {
-            // The prefix-0 rows of this shape come first (ParseArgs), one per layerwise; the rows
-            // with a prefix are compared with them.
-            std::map<bool, PrefixReference> prefix0;
-            for (const std::optional<double>& decode_prefix : o.decode_prefixes) {
-              for (bool layerwise : o.layerwise) {
-                BenchConfig c = o.base;
-                c.decode_prefix = decode_prefix;
-                c.layerwise = layerwise;
-                c.layers = layers;
-                c.item_bytes = item;
-                c.pages = pages;
-                c.layout = layout;
-                c.concurrency = conc;
-                std::map<std::string, std::string> prefill;
-                auto decode =
-                    o.in_process ? RunInProcess(c, &prefill) : RunTwoProcesses(c, &prefill);
-                const Comparisons cmp = Compare(o, c);
-                std::optional<PrefixReference> reference;
-                if (c.PrefixPages() > 0 && prefix0.count(layerwise)) {
-                  reference = prefix0[layerwise];
-                }
-                PrefixReference figures;
-                const bool ok = Report(o, c, decode, prefill, cmp, first, reference, &figures);
-                all_ok &= ok;
-                first = false;
-                if (decode_prefix && *decode_prefix == 0 && ok) prefix0[layerwise] = figures;
-                if (c.layer_compute_us > 0) {
-                  exposed[layerwise] = Num(decode, "exposed_mean");
-                  if (exposed.size() == 2 && exposed[false] > 0) {
-                    std::fprintf(
-                        o.json ? stderr : stdout,
-                        "  exposed transfer with streaming / without: %.1f / %.1f us = 1/%.1f\n",
-                        exposed[true], exposed[false],
-                        exposed[true] > 0 ? exposed[false] / exposed[true] : 0.0);
-                    exposed.clear();
+            // Per (decode prefix, layerwise) of this shape: the push row's figures, which the
+            // pull row is compared with, and the comparisons (baseline, perftest, iperf3), run
+            // once and shown on both rows.
+            std::map<std::pair<std::optional<double>, bool>, RowFigures> push_rows;
+            std::map<std::pair<std::optional<double>, bool>, Comparisons> compared;
+            for (pdlib::TransferDirection direction : o.directions) {
+              // The prefix-0 rows of this shape come first (ParseArgs), one per layerwise; the
+              // rows with a prefix are compared with them.
+              std::map<bool, RowFigures> prefix0;
+              for (const std::optional<double>& decode_prefix : o.decode_prefixes) {
+                for (bool layerwise : o.layerwise) {
+                  BenchConfig c = o.base;
+                  c.direction = direction;
+                  c.decode_prefix = decode_prefix;
+                  c.layerwise = layerwise;
+                  c.layers = layers;
+                  c.item_bytes = item;
+                  c.pages = pages;
+                  c.layout = layout;
+                  c.concurrency = conc;
+                  std::map<std::string, std::string> prefill;
+                  auto decode =
+                      o.in_process ? RunInProcess(c, &prefill) : RunTwoProcesses(c, &prefill);
+                  const auto key = std::make_pair(decode_prefix, layerwise);
+                  if (!compared.count(key)) compared[key] = Compare(o, c);
+                  std::optional<RowFigures> reference, push;
+                  if (c.PrefixPages() > 0 && prefix0.count(layerwise)) {
+                    reference = prefix0[layerwise];
+                  }
+                  if (direction == pdlib::TransferDirection::kPull && push_rows.count(key)) {
+                    push = push_rows[key];
+                  }
+                  RowFigures figures;
+                  const bool ok = Report(o, c, decode, prefill, compared[key], first, reference,
+                                         push, &figures);
+                  all_ok &= ok;
+                  first = false;
+                  if (decode_prefix && *decode_prefix == 0 && ok) prefix0[layerwise] = figures;
+                  if (direction == pdlib::TransferDirection::kPush && ok) push_rows[key] = figures;
+                  if (c.layer_compute_us > 0) {
+                    exposed[layerwise] = Num(decode, "exposed_mean");
+                    if (exposed.size() == 2 && exposed[false] > 0) {
+                      std::fprintf(
+                          o.json ? stderr : stdout,
+                          "  exposed transfer with streaming / without: %.1f / %.1f us = 1/%.1f\n",
+                          exposed[true], exposed[false],
+                          exposed[true] > 0 ? exposed[false] / exposed[true] : 0.0);
+                      exposed.clear();
+                    }
                   }
                 }
               }

@@ -33,6 +33,7 @@ from ._enums import (
     Mode,
     StateType,
     StatusCode,
+    TransferDirection,
 )
 from ._errors import (
     AbortedError,
@@ -158,6 +159,7 @@ __all__ = [
     'MetadataField', 'MetadataSlotAllocator', 'Mode', 'ModelFingerprint', 'NotFoundError',
     'OutOfRangeError', 'ParallelConfig', 'PermissionDeniedError', 'ProcessGroup',
     'ResourceExhaustedError', 'StateFamily', 'StateType', 'StatusCode', 'TorchProcessGroup',
+    'TransferDirection',
     'UnauthenticatedError', 'UnavailableError', 'UnimplementedError', 'UnknownError',
     'allocate_kv_pool', 'buffer_address', 'builtin_backends', 'element_type_bytes', 'element_type_names',
     'get_log_level',

@@ -80,6 +80,19 @@ class Discovery(enum.IntEnum):
     Etcd = 1
 
 
+class TransferDirection(enum.IntEnum):
+    """Which way KV moves (KVManagerOptions.direction, the same on both sides; C++
+    pdlib::TransferDirection)."""
+
+    Push = 0  # prefill writes into the pages decode named (decode's memory is exposed)
+    Pull = 1  # prefill publishes its pages under a lease; decode reads them (prefill's is)
+
+    @property
+    def direction_name(self) -> str:
+        """pdlib's name of the direction (C++ TransferDirectionName): "push" or "pull"."""
+        return "pull" if self is TransferDirection.Pull else "push"
+
+
 class StatusCode(enum.IntEnum):
     Ok = 0
     Cancelled = 1

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._enums import ControlPlane, Discovery, KVLayout, MemoryKind, Mode, StateType
+from ._enums import (ControlPlane, Discovery, KVLayout, MemoryKind, Mode, StateType,
+                     TransferDirection)
 from ._errors import InvalidArgumentError
 
 
@@ -266,6 +267,10 @@ class KVManagerOptions:
     etcd_tls_ca_file: str = ""
     etcd_tls_cert_file: str = ""
     etcd_tls_key_file: str = ""
+    # Pull (issue #29): decode reads prefill's published pages; both sides must agree. Prefill
+    # holds published pages for pull_lease seconds without word from decode (>= 1 s).
+    direction: TransferDirection = TransferDirection.Push
+    pull_lease: float = 30.0
 
 
 def parse_bootstrap_address(address: Any) -> Tuple[str, int]:

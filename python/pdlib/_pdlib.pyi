@@ -43,6 +43,7 @@ class KVReceiver(_Handle):
     def init(self, kv_page_indices: Indices, aux_index: Optional[int] = None,
              state_indices: Optional[StateIndices] = None, *, decode_prefix_len: int = 0,
              prompt_len: int = 0) -> None: ...
+    def invalid_pages(self) -> List[int]: ...
 
 class KVManager:
     @staticmethod

@@ -439,6 +439,8 @@ pdlib::KVManagerOptions ToOptions(py::handle options) {
   out.etcd_tls_ca_file = o.Str("etcd_tls_ca_file");
   out.etcd_tls_cert_file = o.Str("etcd_tls_cert_file");
   out.etcd_tls_key_file = o.Str("etcd_tls_key_file");
+  out.direction = o.Enum<pdlib::TransferDirection>("direction", 0, 1);
+  out.pull_lease = o.Seconds("pull_lease");
   return out;
 }
 

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_set>
+#include <vector>
 
 #include "pdlib/kv_manager.h"
 #include "pdlib/poll_reduce.h"
@@ -658,6 +659,23 @@ void BindManager(py::module_& m) {
       "slot and the state (one index list, or a list of lists: one per state family); "
       "decode_prefix_len: tokens decode already holds (whole pages), prompt_len: the prompt's "
       "tokens when known (0: not checked). KVReceiver::Init(ReceiveRequest).");
+  receiver.def(
+      "invalid_pages",
+      [](Receiver& r) {
+        std::vector<int32_t> pages;
+        {
+          HandleBase::Call call(&r, "KVReceiver");
+          const pdlib::KVReceiver* h = r.get();
+          py::gil_scoped_release release;  // takes the room's lock
+          pages = h->InvalidPages();
+        }
+        return pages;
+      },
+      "The pages of init()'s kv_page_indices that do not hold every byte of their tokens, in "
+      "init() order (KVReceiver::InvalidPages): empty while the request is live and after "
+      "Success; after Failed, in pull the pages some read of which did not complete (the "
+      "others hold their KV: recompute only these), in push every page. Not the aux slot or "
+      "the state.");
   BindHandleCommon(receiver);
 
   py::class_<PyManager, std::shared_ptr<PyManager>>(m, "KVManager",
