@@ -27,8 +27,8 @@ struct Side {
   uint32_t base = 0;
   RegionIds ids() const { return {kv_ids, aux_ids, state_ids}; }
   std::vector<uint8_t>* Region(uint32_t id) {
-    for (auto [list, ids] : {std::pair{&kv, &kv_ids}, std::pair{&aux, &aux_ids},
-                             std::pair{&state, &state_ids}}) {
+    for (auto [list, ids] :
+         {std::pair{&kv, &kv_ids}, std::pair{&aux, &aux_ids}, std::pair{&state, &state_ids}}) {
       for (size_t i = 0; i < ids->size(); ++i) {
         if ((*ids)[i] == id) return &(*list)[i];
       }

@@ -172,6 +172,13 @@ TEST_CASE("pull: a lease that expires without decode fails the room and frees th
   CHECK(why.find("pull lease of 1000 ms expired (no decode rank came to read the pages)") !=
         std::string::npos);
   CHECK(WaitFor([&] { return (*s)->PagesReusable(); }, 2000ms));
+  // A sender nobody touches (no publication, no decode) runs out of lease too: a pull room has
+  // no other timeout on prefill, and nothing hangs.
+  auto idle = p.manager->CreateSender(17);
+  REQUIRE(idle.ok());
+  REQUIRE(WaitFor([&] { return (*idle)->Poll() == KVPoll::kFailed; }, 5000ms));
+  CHECK((*idle)->FailureReason().ToString().find(
+            "(the engine published nothing and no decode rank came)") != std::string::npos);
   // A decode that comes too late fails with prefill's reason.
   REQUIRE(Start(d, pdlib::Mode::kDecode, port).ok());
   auto r = d.manager->CreateReceiver({"127.0.0.1", port}, 7);

@@ -243,10 +243,12 @@ struct KVManagerOptions {
   // page of the prompt and decode reads only those after its prefix. The backend must say
   // capabilities().reads, else Create fails naming it.
   TransferDirection direction = TransferDirection::kPush;
-  // Prefill, pull: how long published pages are held for a room whose decode side has not come
-  // (no TransferInfo, no heartbeat). Decode renews it with a heartbeat every third of it while a
-  // receiver for the room is alive (waiting for memory or reading); past it the room fails on
-  // both sides with the reason and the pages are freed. >= 1000 ms.
+  // Prefill, pull: a room's lease. It starts when the sender is created and is renewed by each
+  // publication (Send/SendLayers), by decode's TransferInfo and by decode's heartbeats (every
+  // third of it, for every room with a live receiver there, waiting for memory or reading).
+  // When it runs out the room fails on both sides with the reason (what was missing) and the
+  // pages are freed. A pull room has no other timeout on prefill (bootstrap_timeout and the
+  // others apply to push). >= 1000 ms.
   std::chrono::milliseconds pull_lease{30000};
   // Threads that turn queued chunks into write batches (prefill).
   int32_t transfer_workers = 2;

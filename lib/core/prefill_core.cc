@@ -110,6 +110,10 @@ StatusOr<std::shared_ptr<RoomState>> PrefillCore::CreateRoom(uint64_t room_id) {
       return Status::Unavailable("prefill manager is shutting down");
     }
     room_data_[room_id] = room;
+    if (pull()) {
+      MutexLock room_lock(&room->mu);
+      room->lease_until = absl::Now() + absl::FromChrono(options_.pull_lease);
+    }
     auto it = early_infos_.find(room_id);
     if (it != early_infos_.end()) {
       early = std::move(it->second.infos);
@@ -238,23 +242,15 @@ void PrefillCore::CheckTimeouts() {
     });
   }
   if (pull()) {
-    // A published room lives by its lease; before it publishes, Bootstrapping has no deadline
-    // (decode may come long after prefill, and the engine decides when to publish).
-    std::vector<std::shared_ptr<Room>> timed;
-    for (auto& room : rooms) {
-      bool published = false;
-      {
-        MutexLock lock(&room->mu);
-        published = room->lease_until.has_value();
-      }
-      if (!published && room->state->Poll() != KVPoll::kBootstrapping) timed.push_back(room);
-    }
+    // A pull room lives by its lease alone (from its creation, renewed by publications,
+    // TransferInfos and heartbeats): decode may come long after prefill, and the engine decides
+    // when to publish, so the per-state timeouts do not apply.
     {
       MutexLock lock(&mu_);
       for (auto& [id, room] : lingering_) rooms.push_back(room);
     }
     CheckLeases(now, rooms);
-    rooms = std::move(timed);
+    rooms.clear();
   }
   for (auto& room : rooms) {
     if (Status s = CheckRoomDeadline(*room->state, options_, now); !s.ok()) FailRoom(room, s);

@@ -79,7 +79,7 @@ Status PrefillCore::AddReader(Room& room, const TransferInfoMsg& info, bool read
   room.sent_to.push_back(0);
   room.reads_open.push_back(0);
   room.reads_ok.push_back(0);
-  if (room.lease_until) room.lease_until = absl::Now() + absl::FromChrono(options_.pull_lease);
+  room.lease_until = absl::Now() + absl::FromChrono(options_.pull_lease);
   return Status::OK();
 }
 
@@ -198,11 +198,14 @@ void PrefillCore::CheckLeases(absl::Time now, const std::vector<std::shared_ptr<
   for (const auto& room : rooms) {
     std::optional<absl::Time> until, readers_by;
     int open = 0;
+    bool published = false, decode_came = false;
     {
       MutexLock lock(&room->mu);
       until = room->lease_until;
       readers_by = room->readers_deadline;
       open = room->open_readers;
+      published = !room->published.empty();
+      decode_came = !room->infos.empty();
     }
     const KVPoll st = room->state->Poll();
     if (until && !IsTerminal(st) && now > *until) {
@@ -210,11 +213,13 @@ void PrefillCore::CheckLeases(absl::Time now, const std::vector<std::shared_ptr<
                 "prefill: room %d: pull lease of %d ms expired with %d decode rank(s) still "
                 "reading; freeing its pages",
                 room->state->room(), static_cast<int>(options_.pull_lease.count()), open);
+      const char* why = open > 0      ? "decode did not report its reads done"
+                        : published   ? "no decode rank came to read the pages"
+                        : decode_came ? "the engine published nothing"
+                                      : "the engine published nothing and no decode rank came";
       FailRoom(room, Status::DeadlineExceeded(
                          absl::StrFormat("room %d: pull lease of %d ms expired (%s)",
-                                         room->state->room(), options_.pull_lease.count(),
-                                         open > 0 ? "decode did not report its reads done"
-                                                  : "no decode rank came to read the pages")));
+                                         room->state->room(), options_.pull_lease.count(), why)));
       continue;
     }
     if (st != KVPoll::kFailed || open == 0) continue;

@@ -155,9 +155,7 @@ Status PrefillCore::SendLayers(uint64_t room_id, std::span<const int32_t> pages,
     if (pull()) {
       room->published.push_back(
           {chunk.src_pages, chunk.dst_offset, last, chunk.layer_begin, chunk.layer_end});
-      if (!room->lease_until) {
-        room->lease_until = absl::Now() + absl::FromChrono(options_.pull_lease);
-      }
+      room->lease_until = absl::Now() + absl::FromChrono(options_.pull_lease);
     } else {
       ++room->outstanding;
     }
