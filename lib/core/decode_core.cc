@@ -115,18 +115,8 @@ Status DecodeCore::EnsureConnected(
     if (!created.ok()) return created.status().WithPrefix("creating transport endpoint");
     target = std::move(*created);
   }
-  RegisterMsg reg;
-  reg.session = session_;
-  reg.direction = options_.direction;
-  reg.fingerprint = options_.args.fingerprint;
-  reg.page_size = options_.args.page_size;
-  reg.parallel = options_.args.parallel;
-  reg.transport = std::string(transport_->name());
-  reg.endpoint = target.blob;
-  reg.kv = local_.kv.descs;
-  reg.aux = local_.aux.descs;
-  reg.state = local_.state.descs;
-  FillRegisterLayout(options_.args, layout_, &reg);
+  const RegisterMsg reg = DescribeRank(options_, layout_, local_, std::string(transport_->name()),
+                                       session_, target.blob);
   RegisterAckMsg ack = (*link)->Register(reg);
   Status s = ack.status;
   std::shared_ptr<const ReadSource> source;

@@ -22,19 +22,8 @@ Status PrefillCore::AcceptReader(const RegisterMsg& msg, Peer* peer, RegisterAck
   auto target = transport_->CreateTargetEndpoint();
   if (!target.ok()) return target.status().WithPrefix("creating the endpoint decode reads through");
   peer->target = target->id;
-  RegisterMsg source;
-  source.session = instance_;
-  source.direction = options_.direction;
-  source.fingerprint = options_.args.fingerprint;
-  source.page_size = options_.args.page_size;
-  source.parallel = options_.args.parallel;
-  source.transport = std::string(transport_->name());
-  source.endpoint = std::move(target->blob);
-  source.kv = local_.kv.descs;
-  source.aux = local_.aux.descs;
-  source.state = local_.state.descs;
-  FillRegisterLayout(options_.args, layout_, &source);
-  ack->source = std::move(source);
+  ack->source = DescribeRank(options_, layout_, local_, std::string(transport_->name()), instance_,
+                             std::move(target->blob));
   ack->lease_ms = static_cast<uint32_t>(options_.pull_lease.count());
   return Status::OK();
 }

@@ -84,6 +84,24 @@ StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg, const char* 
   return l;
 }
 
+RegisterMsg DescribeRank(const KVManagerOptions& options, const planner::SideLayout& layout,
+                         const RegisteredBuffers& local, std::string transport, uint64_t session,
+                         spi::Blob endpoint) {
+  RegisterMsg msg;
+  msg.session = session;
+  msg.direction = options.direction;
+  msg.fingerprint = options.args.fingerprint;
+  msg.page_size = options.args.page_size;
+  msg.parallel = options.args.parallel;
+  msg.transport = std::move(transport);
+  msg.endpoint = std::move(endpoint);
+  msg.kv = local.kv.descs;
+  msg.aux = local.aux.descs;
+  msg.state = local.state.descs;
+  FillRegisterLayout(options.args, layout, &msg);
+  return msg;
+}
+
 void AppendReads(std::span<const planner::PlannedWrite> writes, const RegionIds& decode,
                  const RegionIds& prefill, std::vector<spi::ReadOp>* out) {
   out->reserve(out->size() + writes.size());

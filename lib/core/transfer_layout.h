@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "lib/core/control_messages.h"
+#include "lib/core/manager_common.h"
 #include "lib/planner/planner.h"
 #include "pdlib/kv_args.h"
 #include "pdlib/status.h"
@@ -31,6 +32,12 @@ StatusOr<planner::SideLayout> PlannerLayout(const RegisterMsg& msg, const char* 
 // Fills the layout fields of a Register message from decode's KVArgs and its planner layout
 // (PlannerLayout(args)): the state families and every state buffer's shape.
 void FillRegisterLayout(const KVArgs& args, const planner::SideLayout& layout, RegisterMsg* msg);
+
+// What a Register message says of this rank (its identity, layout and regions): decode's
+// Register, and in pull prefill's RegisterAck.source. `layout` is PlannerLayout(options.args).
+RegisterMsg DescribeRank(const KVManagerOptions& options, const planner::SideLayout& layout,
+                         const RegisteredBuffers& local, std::string transport, uint64_t session,
+                         spi::Blob endpoint);
 
 // Fills a RegisterAck's stage extent from prefill's layout.
 void FillAckExtent(const planner::SideLayout& prefill, RegisterAckMsg* ack);

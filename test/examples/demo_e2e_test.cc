@@ -273,18 +273,21 @@ TEST_CASE("demo e2e: layer-wise streaming off (pd-prefill --layerwise=false), ou
 // outputs must be the reference's either way, and the later turns must move fewer KV bytes
 // than the same turns without the cache (the negative control: equal bytes would mean no prefix
 // was used). Prefill TP 2 -> decode TP 1, so the prefix goes through the M:N head slicing.
-TEST_CASE("demo e2e: multi-turn, decode prefix reuse (TP 2 -> TP 1): identical, fewer KV bytes") {
+// Runs kTurns turns of 4 conversations without and then with decode's prefix cache on
+// deployments `base` (named `name`-noreuse / -reuse) and checks the later turns moved fewer bytes.
+void RunTurns(const char* name, const DeploymentOptions& base, int prompt_seed, int32_t salt) {
   constexpr int kTurns = 3;
   constexpr int32_t kTokens = 8;
   uint64_t later_bytes[2] = {0, 0};
   for (int reuse = 0; reuse < 2; ++reuse) {
-    DeploymentOptions o = Options(reuse ? "turns-reuse" : "turns-noreuse");
-    o.prefills = {PrefillSpec{2, 1}};
+    DeploymentOptions o = base;
+    const std::string label = std::string(name) + (reuse ? "-reuse" : "-noreuse");
+    o.log_dir = Options(label).log_dir;
     o.prefix_cache_pages = reuse ? 256 : 0;
     auto d = Deployment::Start(o);
     INFO("logs in " << o.log_dir);
     REQUIRE(d.ok());
-    auto prompts = Prompts(4, 17);
+    auto prompts = Prompts(4, prompt_seed);
     for (int turn = 0; turn < kTurns; ++turn) {
       INFO("turn " << turn + 1 << ", prefix reuse " << (reuse ? "on" : "off"));
       auto outcomes = SendAll(**d, prompts, kTokens);
@@ -293,17 +296,23 @@ TEST_CASE("demo e2e: multi-turn, decode prefix reuse (TP 2 -> TP 1): identical, 
         if (turn > 0) later_bytes[reuse] += outcomes[i].kv_bytes;
         prompts[i].insert(prompts[i].end(), outcomes[i].output_ids.begin(),
                           outcomes[i].output_ids.end());
-        for (int k = 0; k < 5 + int(i); ++k) prompts[i].push_back(int32_t((turn * 37 + k) % 512));
+        for (int k = 0; k < 5 + int(i); ++k) prompts[i].push_back(int32_t((turn * salt + k) % 512));
       }
     }
   }
   std::printf(
-      "demo_e2e_test turns (small: prefill TP 2 -> decode TP 1, %d turns): KV bytes of turns "
-      "2..%d: %llu without decode prefix reuse, %llu with\n",
-      kTurns, kTurns, static_cast<unsigned long long>(later_bytes[0]),
+      "demo_e2e_test %s (%d turns): KV bytes of turns 2..%d: %llu without decode prefix reuse, "
+      "%llu with\n",
+      name, kTurns, kTurns, static_cast<unsigned long long>(later_bytes[0]),
       static_cast<unsigned long long>(later_bytes[1]));
   CHECK(later_bytes[1] > 0);
   CHECK(later_bytes[1] * 2 < later_bytes[0]);
+}
+
+TEST_CASE("demo e2e: multi-turn, decode prefix reuse (TP 2 -> TP 1): identical, fewer KV bytes") {
+  DeploymentOptions o = Options("turns");
+  o.prefills = {PrefillSpec{2, 1}};
+  RunTurns("turns", o, 17, 37);
 }
 
 // Pull (issue #29): decode reads prefill's published pages (pd-prefill/pd-decode --direction
@@ -326,36 +335,9 @@ TEST_CASE("demo e2e: pull, prefill TP 2 -> decode TP 1 and the hybrid model, out
 // without the cache (the negative control of the prefix: equal bytes would mean decode read
 // the whole prompt), with the reference's outputs either way.
 TEST_CASE("demo e2e: pull, multi-turn with decode prefix reuse: identical, fewer KV bytes") {
-  constexpr int kTurns = 3;
-  constexpr int32_t kTokens = 8;
-  uint64_t later_bytes[2] = {0, 0};
-  for (int reuse = 0; reuse < 2; ++reuse) {
-    DeploymentOptions o = Options(reuse ? "pull-turns-reuse" : "pull-turns-noreuse");
-    o.direction = "pull";
-    o.prefix_cache_pages = reuse ? 256 : 0;
-    auto d = Deployment::Start(o);
-    INFO("logs in " << o.log_dir);
-    REQUIRE(d.ok());
-    auto prompts = Prompts(4, 23);
-    for (int turn = 0; turn < kTurns; ++turn) {
-      INFO("turn " << turn + 1 << ", prefix reuse " << (reuse ? "on" : "off"));
-      auto outcomes = SendAll(**d, prompts, kTokens);
-      ExpectReference(**d, o, prompts, outcomes, kTokens);
-      for (size_t i = 0; i < prompts.size(); ++i) {
-        if (turn > 0) later_bytes[reuse] += outcomes[i].kv_bytes;
-        prompts[i].insert(prompts[i].end(), outcomes[i].output_ids.begin(),
-                          outcomes[i].output_ids.end());
-        for (int k = 0; k < 5 + int(i); ++k) prompts[i].push_back(int32_t((turn * 41 + k) % 512));
-      }
-    }
-  }
-  std::printf(
-      "demo_e2e_test pull turns (small, %d turns): KV bytes of turns 2..%d: %llu without decode "
-      "prefix reuse, %llu with\n",
-      kTurns, kTurns, static_cast<unsigned long long>(later_bytes[0]),
-      static_cast<unsigned long long>(later_bytes[1]));
-  CHECK(later_bytes[1] > 0);
-  CHECK(later_bytes[1] * 2 < later_bytes[0]);
+  DeploymentOptions o = Options("pull-turns");
+  o.direction = "pull";
+  RunTurns("pull-turns", o, 23, 41);
 }
 
 TEST_CASE("demo e2e: prefill TP 2 -> decode TP 1, outputs identical") {

@@ -349,6 +349,22 @@ class Rank {
     return "";
   }
 
+  // Sends pages [first, end) in s_.chunks chunks with Send (the last one with the state).
+  std::string SendChunks(pdlib::KVSender& h, const std::vector<int32_t>& pages, size_t first,
+                         const FlatState& state) {
+    const size_t left = pages.size() - first;
+    const size_t per_chunk =
+        (left + static_cast<size_t>(s_.chunks) - 1) / static_cast<size_t>(s_.chunks);
+    for (size_t at = first; at < pages.size(); at += per_chunk) {
+      const size_t n = std::min(per_chunk, pages.size() - at);
+      const bool last = at + n == pages.size();
+      auto st = h.SendStates(std::span<const int32_t>(pages).subspan(at, n), last,
+                             last ? state.view() : pdlib::StateIndices{});
+      if (!st.ok()) return "Send: " + st.ToString();
+    }
+    return "";
+  }
+
   // The prefix this room's decode holds, in pages.
   int32_t Prefix(uint64_t room) const {
     return f_.decode_prefix ? pdlib_e2e::PrefixPages(s_, room) : 0;
@@ -431,15 +447,8 @@ class Rank {
                  ? ""
                  : "transfer: " + h.FailureReason().ToString();
     }
-    const size_t left = pages.size() - first;
-    const size_t per_chunk =
-        (left + static_cast<size_t>(s_.chunks) - 1) / static_cast<size_t>(s_.chunks);
-    for (size_t at = first; f_.layerwise_seed == 0 && at < pages.size(); at += per_chunk) {
-      const size_t n = std::min(per_chunk, pages.size() - at);
-      const bool last = at + n == pages.size();
-      auto st = h.SendStates(std::span<const int32_t>(pages).subspan(at, n), last,
-                             last ? state.view() : pdlib::StateIndices{});
-      if (!st.ok()) return "Send: " + st.ToString();
+    if (f_.layerwise_seed == 0) {
+      if (std::string why = SendChunks(h, pages, first, state); !why.empty()) return why;
     }
     if (WaitFor(h, pdlib::KVPoll::kSuccess, 20s) != pdlib::KVPoll::kSuccess) {
       return "transfer: " + h.FailureReason().ToString();
@@ -464,16 +473,8 @@ class Rank {
       if (std::string why = SendLayerwise(h, room, pages, 0, state.view()); !why.empty()) {
         return why;
       }
-    } else {
-      const size_t per_chunk =
-          (pages.size() + static_cast<size_t>(s_.chunks) - 1) / static_cast<size_t>(s_.chunks);
-      for (size_t at = 0; at < pages.size(); at += per_chunk) {
-        const size_t n = std::min(per_chunk, pages.size() - at);
-        const bool last = at + n == pages.size();
-        auto st = h.SendStates(std::span<const int32_t>(pages).subspan(at, n), last,
-                               last ? state.view() : pdlib::StateIndices{});
-        if (!st.ok()) return "Send: " + st.ToString();
-      }
+    } else if (std::string why = SendChunks(h, pages, 0, state); !why.empty()) {
+      return why;
     }
     if (WaitFor(h, pdlib::KVPoll::kSuccess, 20s) != pdlib::KVPoll::kSuccess) {
       return "transfer: " + h.FailureReason().ToString();
