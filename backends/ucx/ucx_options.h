@@ -9,7 +9,7 @@
 //   ucx.config.<NAME>        any other UCX variable, without the UCX_ prefix
 //                            ("ucx.config.TCP_TX_SEG_SIZE" = "64k")
 //   ucx.max_inflight_bytes   bytes posted per endpoint and not yet completed (window)
-//   ucx.chunk_bytes          longest single put; longer writes are split
+//   ucx.chunk_bytes          longest single put, get or "am" read request; longer ops are split
 //   ucx.busy_poll_us         how long the progress thread spins before it sleeps on the fds
 //   ucx.stall_timeout_ms     a peer with outstanding writes and no completion for this long is
 //                            declared dead (bounds every wait, also where UCX cannot detect a
@@ -26,8 +26,9 @@
 //                            puts are one-sided NIC writes. Memory that a peer can map (a pool UCX
 //                            allocated, with posix/sysv; any memory with xpmem) and CUDA memory
 //                            are always written with puts. See backends/ucx/README.md.
-//   ucx.am_chunk_bytes       longest single active message on the "am" path (default 32k: one
-//                            shared-memory segment of pdlib's default size holds it whole)
+//   ucx.am_chunk_bytes       longest single active message on the "am" path, a write's or a read
+//                            reply's (default 32k: one shared-memory segment of pdlib's default
+//                            size holds it whole)
 //
 // Precedence for a UCX variable: a backend option > the environment (UCX_<NAME>, read by UCX
 // itself) > pdlib's default (UcxDefaults()). pdlib never overrides what the user exported.

@@ -7,6 +7,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "backends/ucx/ucx_transport.h"
 #include "lib/base/log_internal.h"
@@ -122,8 +126,12 @@ bool UcxTransport::PostChunks(PeerState& peer) {
         continue;
       }
       const uint64_t offset = batch.next_offset;
-      const uint64_t length = toolkit::ChunkLength(
-          op.length, offset, op.am ? options_.am_chunk_bytes : options_.chunk_bytes);
+      // An "am" read is one request per chunk, answered in ucx.am_chunk_bytes replies.
+      const bool read_request = op.am && batch.reads;
+      const uint64_t limit = read_request ? std::min(options_.chunk_bytes, kMaxAmReadRequestBytes)
+                             : op.am      ? options_.am_chunk_bytes
+                                          : options_.chunk_bytes;
+      const uint64_t length = toolkit::ChunkLength(op.length, offset, limit);
       if (!peer.window.CanPost(length) || !peer.failure.ok()) return posted;
       ucp_request_param_t param{};
       param.op_attr_mask =
@@ -132,7 +140,18 @@ bool UcxTransport::PostChunks(PeerState& peer) {
       param.user_data = this;
       param.memh = op.memh;
       ucs_status_ptr_t request = nullptr;
-      if (op.am) {
+      uint64_t cookie = 0;
+      if (read_request) {
+        // Header only; the reply endpoint carries the bytes back. The request lives in the batch.
+        param.op_attr_mask =
+            (param.op_attr_mask & ~UCP_OP_ATTR_FIELD_MEMH) | UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+        cookie = ++last_read_cookie_;
+        batch.read_requests.push_back(AmReadRequest{kAmReadRequestMagic, op.am_region, peer.target,
+                                                    cookie, op.remote + offset, length});
+        request = ucp_am_send_nbx(peer.ep.get(), kAmReadId, &batch.read_requests.back(),
+                                  sizeof(AmReadRequest), nullptr, 0, &param);
+      } else if (op.am) {
         // Eager only: the target's handler applies the data it is handed (no rendezvous), and
         // the reply endpoint carries the ack. The header lives in the batch until it is done.
         param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
@@ -156,6 +175,14 @@ bool UcxTransport::PostChunks(PeerState& peer) {
         ++batch.next_op;
         batch.next_offset = 0;
       }
+      if (read_request && !UCS_PTR_IS_ERR(request)) {
+        // Answered (or given up) by OnAmReadReply, FinishAmRead or DropAmReads; the window
+        // counts the bytes until then.
+        am_reads_.emplace(cookie, AmRead{&batch, &peer, op.local + offset, length, 0});
+        ++peer.am_reads;
+        batch.AddPart();
+        peer.window.OnPosted(length);
+      }
       if (request == nullptr) continue;  // done already (the local buffer is reusable)
       if (UCS_PTR_IS_ERR(request)) {
         Status failed = Status::Unavailable(std::string("ucx: ") +
@@ -166,15 +193,16 @@ bool UcxTransport::PostChunks(PeerState& peer) {
                                             " failed: " + UcsStatusName(UCS_PTR_STATUS(request)));
         batch.Fail(failed);
         batch.next_op = batch.ops.size();
-        // The target will never count this batch's messages complete: the connection goes.
-        if (batch.awaiting_ack) FailPeer(peer, failed);
+        // The target will never count this batch's messages complete, or answer its reads:
+        // the connection goes.
+        if (batch.awaiting_ack || read_request) FailPeer(peer, failed);
         break;
       }
       auto* context = static_cast<RequestContext*>(request);
       context->batch = &batch;
-      context->bytes = length;
+      context->bytes = read_request ? 0 : length;  // a read's bytes are counted until answered
       batch.AddPart();
-      peer.window.OnPosted(length);
+      if (!read_request) peer.window.OnPosted(length);
     }
     peer.to_post.pop_front();
     if (batch.status.ok() && batch.has_puts) PostFlush(batch);
@@ -221,6 +249,10 @@ void UcxTransport::OnRequestDone(void* request, ucs_status_t status, void* user_
                          " peer " + std::to_string(peer.id) + " failed: " + UcsStatusName(status);
     batch.Fail(status == UCS_ERR_CANCELED ? Status::Cancelled(reason)
                                           : Status::Unavailable(reason));
+    // An ack or a read reply will not come for a message that was not sent.
+    if (batch.awaiting_ack || !batch.read_requests.empty()) {
+      self->FailPeer(peer, Status::Unavailable(reason));
+    }
   }
   self->ReleaseRef(batch);
 }
@@ -348,6 +380,149 @@ ucs_status_t UcxTransport::OnAmAck(void* arg, const void* header, size_t header_
   return UCS_OK;
 }
 
+// The target's side of an "am" read: checked here, answered with copies of the bytes (so no
+// send still points into a region after a fence or a deregistration), never fatal.
+ucs_status_t UcxTransport::OnAmRead(void* arg, const void* header, size_t header_length, void*,
+                                    size_t, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxTransport*>(arg);
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_ERR_UNSUPPORTED;
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0)
+    return UCS_OK;  // nowhere to answer
+  std::optional<AmReadRequest> request = DecodeAmReadRequest(header, header_length);
+  if (request) self->AnswerAmRead(param->reply_ep, *request);
+  return UCS_OK;
+}
+
+void UcxTransport::AnswerAmRead(ucp_ep_h reply_ep, const AmReadRequest& request) {
+  auto target = am_targets_.find(request.target);
+  if (target == am_targets_.end() || target->second.fenced) {
+    SendAmReadReply(reply_ep, request.cookie, 0, kAmCut, nullptr, 0);
+    return;
+  }
+  if (FindReadableRange(am_regions_, request) == nullptr) {
+    SendAmReadReply(reply_ep, request.cookie, 0, kAmBadAddress, nullptr, 0);
+    return;
+  }
+  const auto* src = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(request.addr));
+  const uint64_t chunk = std::max<uint64_t>(options_.am_chunk_bytes, 1);
+  for (uint64_t offset = 0; offset < request.length; offset += chunk) {
+    SendAmReadReply(reply_ep, request.cookie, offset, kAmOk, src + offset,
+                    std::min(chunk, request.length - offset));
+  }
+}
+
+namespace {
+
+// One reply in flight: owned by its send until UCX completes it (UCX may read the header and the
+// data until then).
+struct AmReadReplyMessage {
+  AmReadReply header;
+  std::unique_ptr<uint8_t[]> data;
+  uint64_t* failures;
+};
+
+void NoteReplyFailure(uint64_t* failures, ucs_status_t status) {
+  // A reader that died or closed: its replies have nowhere to go. Logged, never fatal.
+  if ((*failures)++ % 1000 == 0) {
+    PDLIB_LOG(kWarning, "ucx: dropped a read reply the peer no longer takes: %s (%d so far)",
+              UcsStatusName(status), *failures);
+  }
+}
+
+}  // namespace
+
+void UcxTransport::SendAmReadReply(ucp_ep_h reply_ep, uint64_t cookie, uint64_t offset,
+                                   AmStatus status, const uint8_t* data, size_t length) {
+  auto message = std::make_unique<AmReadReplyMessage>();
+  message->header = AmReadReply{kAmReadReplyMagic, status, cookie, offset};
+  message->failures = &am_reply_failures_;
+  if (length > 0) {
+    message->data.reset(new uint8_t[length]);
+    std::memcpy(message->data.get(), data, length);
+  }
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  // Eager; REPLY lets the initiator check that the reply came on the request's connection.
+  param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+  param.cb.send = [](void* request, ucs_status_t st, void* user_data) {
+    std::unique_ptr<AmReadReplyMessage> owned(static_cast<AmReadReplyMessage*>(user_data));
+    if (st != UCS_OK) NoteReplyFailure(owned->failures, st);
+    ucp_request_free(request);
+  };
+  param.user_data = message.get();
+  ucs_status_ptr_t request =
+      ucp_am_send_nbx(reply_ep, kAmReadReplyId, &message->header, sizeof(AmReadReply),
+                      message->data.get(), length, &param);
+  if (UCS_PTR_IS_PTR(request)) {
+    message.release();  // the callback owns it now
+  } else if (UCS_PTR_IS_ERR(request)) {
+    NoteReplyFailure(&am_reply_failures_, UCS_PTR_STATUS(request));
+  }
+}
+
+// The initiator's side: a reply is copied only into a live request of a healthy connection and
+// batch, and only inside that request.
+ucs_status_t UcxTransport::OnAmReadReply(void* arg, const void* header, size_t header_length,
+                                         void* data, size_t length,
+                                         const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxTransport*>(arg);
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_ERR_UNSUPPORTED;
+  std::optional<AmReadReply> reply = DecodeAmReadReply(header, header_length);
+  if (!reply) return UCS_OK;
+  auto it = self->am_reads_.find(reply->cookie);
+  if (it == self->am_reads_.end()) return UCS_OK;  // finished, dropped, or never ours
+  AmRead& read = it->second;
+  PeerState& peer = *read.peer;
+  const ucp_ep_h from =
+      (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
+  if (from == nullptr || from != peer.ep.get()) return UCS_OK;  // not the request's connection
+  if (!peer.failure.ok()) return UCS_OK;                        // DropAmReads finishes the request
+  peer.last_activity = self->now_;
+  Batch& batch = *read.batch;
+  if (reply->status != kAmOk) {
+    const char* why = reply->status == kAmCut ? "closed or fenced this connection"
+                      : reply->status == kAmBadAddress
+                          ? "refused a read outside its registered memory"
+                          : "refused a malformed read request";
+    Status failed = Status::Unavailable("ucx: peer " + std::to_string(peer.id) + " " + why);
+    batch.Fail(failed);
+    if (reply->status == kAmCut) self->FailPeer(peer, failed);
+    self->FinishAmRead(reply->cookie);
+    return UCS_OK;
+  }
+  if (!ReplyFits(read.length, reply->offset, length)) {
+    batch.Fail(Status::Unavailable("ucx: peer " + std::to_string(peer.id) + " sent " +
+                                   std::to_string(length) + " bytes at offset " +
+                                   std::to_string(reply->offset) + " for a read of " +
+                                   std::to_string(read.length) + " bytes"));
+    self->FinishAmRead(reply->cookie);
+    return UCS_OK;
+  }
+  if (batch.status.ok() && length > 0) std::memcpy(read.dst + reply->offset, data, length);
+  read.received += length;
+  if (read.received >= read.length) self->FinishAmRead(reply->cookie);
+  return UCS_OK;
+}
+
+void UcxTransport::FinishAmRead(uint64_t cookie) {
+  auto it = am_reads_.find(cookie);
+  if (it == am_reads_.end()) return;
+  const AmRead read = it->second;
+  am_reads_.erase(it);
+  --read.peer->am_reads;
+  read.peer->window.OnCompleted(read.length);
+  ReleaseRef(*read.batch);
+}
+
+void UcxTransport::DropAmReads(PeerState& peer) {
+  std::vector<uint64_t> cookies;
+  for (const auto& [cookie, read] : am_reads_) {
+    if (read.peer == &peer) cookies.push_back(cookie);
+  }
+  for (uint64_t cookie : cookies) FinishAmRead(cookie);
+}
+
 void UcxTransport::ReleaseAck(Batch& batch) {
   if (!batch.awaiting_ack) return;
   batch.awaiting_ack = false;
@@ -434,6 +609,10 @@ bool UcxTransport::ReapPeers(Clock::time_point now) {
   bool changed = false;
   for (auto it = peer_states_.begin(); it != peer_states_.end();) {
     PeerState& peer = *it->second;
+    if (!peer.failure.ok() && peer.am_reads > 0) {
+      DropAmReads(peer);  // the reply handler copies nothing for a failed peer any more
+      changed = true;
+    }
     if (!peer.failure.ok() && !peer.to_post.empty()) {
       std::deque<Batch*> unposted;
       unposted.swap(peer.to_post);

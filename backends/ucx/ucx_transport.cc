@@ -20,13 +20,14 @@ namespace {
 constexpr uint32_t kEndpointMagic = 0x45554450;  // "PDUE"
 constexpr uint32_t kKeyMagic = 0x4b554450;       // "PDUK"
 // Version 2: the endpoint blob carries the target id and data path, the key blob a flags word.
-constexpr uint32_t kBlobVersion = 2;
+// Version 3: the key blob also carries the region's id for "am" read requests.
+constexpr uint32_t kBlobVersion = 3;
 constexpr size_t kBlobHeader = 8;
 // Endpoint payload: target id (8), flags (4), reserved (4), worker address.
 constexpr size_t kEndpointPrefix = 16;
 constexpr uint32_t kEndpointAm = 1;  // the target takes "am" messages
-// Key payload: flags (4), packed rkey.
-constexpr size_t kKeyPrefix = 4;
+// Key payload: flags (4), "am" region id (4; 0 for a direct region), packed rkey.
+constexpr size_t kKeyPrefix = 8;
 constexpr uint32_t kKeyDirect = 1;  // write this region with puts (a peer can map it)
 
 spi::Blob MakeBlob(uint32_t magic, const void* payload, size_t size) {
@@ -61,9 +62,8 @@ StatusOr<std::span<const uint8_t>> BlobPayload(const spi::Blob& blob, uint32_t m
 
 }  // namespace
 
-UcxTransport::UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context,
-                           TransferDirection direction)
-    : options_(std::move(options)), context_(std::move(context)), direction_(direction) {}
+UcxTransport::UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context)
+    : options_(std::move(options)), context_(std::move(context)) {}
 
 StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const spi::TransportOptions& options) {
   auto parsed = ParseUcxOptions(options, [](const char* name) { return std::getenv(name); });
@@ -82,8 +82,7 @@ StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const spi::Transpor
 
   auto context = AcquireUcxContext(*parsed);
   if (!context.ok()) return context.status();
-  std::unique_ptr<UcxTransport> transport(
-      new UcxTransport(std::move(*parsed), *context, options.direction));
+  std::unique_ptr<UcxTransport> transport(new UcxTransport(std::move(*parsed), *context));
   Status init = transport->Init();
   if (!init.ok()) return init;
   return transport;
@@ -109,7 +108,9 @@ Status UcxTransport::Init() {
   am_target_ = options_.data_path == DataPath::kAm ||
                (options_.data_path == DataPath::kAuto && !context_->rdma_transport);
   for (auto [id, cb] :
-       {std::pair{kAmPutId, &UcxTransport::OnAmPut}, std::pair{kAmAckId, &UcxTransport::OnAmAck}}) {
+       {std::pair{kAmPutId, &UcxTransport::OnAmPut}, std::pair{kAmAckId, &UcxTransport::OnAmAck},
+        std::pair{kAmReadId, &UcxTransport::OnAmRead},
+        std::pair{kAmReadReplyId, &UcxTransport::OnAmReadReply}}) {
     ucp_am_handler_param_t am{};
     am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                     UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -156,9 +157,10 @@ spi::TransportCapabilities UcxTransport::capabilities() const {
   caps.supports_cuda_memory = context_->cuda_supported;
   caps.max_writes_per_batch = 0;
   caps.max_write_bytes = 0;  // split into ucx.chunk_bytes puts here
-  // Pull: peers read this process's memory with gets, which no fence of pdlib's stops.
-  caps.fences = am_target_ && direct_regions_.load() == 0 && direction_ != TransferDirection::kPull;
-  caps.reads = true;  // gets on every data path; chunked and paced like puts
+  // On the "am" path the handler refuses a fenced connection's writes and read requests alike;
+  // a region peers access directly (puts, gets) cannot be fenced, in push or pull.
+  caps.fences = am_target_ && direct_regions_.load() == 0;
+  caps.reads = true;  // "am" read requests or gets; chunked and paced like writes
   return caps;
 }
 
@@ -185,6 +187,7 @@ StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegio
               region.length, region.addr);
   }
   const bool direct = IsDirectRegion(region, memh != nullptr);
+  uint32_t am_region = 0;
   using Result = StatusOr<std::pair<std::shared_ptr<UcpMemh>, spi::Blob>>;
   Result mapped = progress_.Run<Result>([&]() -> Result {
     ucp_context_h ctx = context_->handle.get();
@@ -212,9 +215,13 @@ StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegio
     UcpRkeyBufferPtr owned(packed);
     std::vector<uint8_t> payload(kKeyPrefix + packed_size);
     const uint32_t flags = direct ? kKeyDirect : 0;
+    if (!direct) {
+      am_region = ++last_am_region_;
+      am_regions_.push_back(AmRegion{am_region, addr, region.length});
+    }
     std::memcpy(payload.data(), &flags, sizeof(flags));
+    std::memcpy(payload.data() + 4, &am_region, sizeof(am_region));
     std::memcpy(payload.data() + kKeyPrefix, packed, packed_size);
-    if (!direct) am_regions_.push_back(AmRegion{addr, region.length});
     return std::make_pair(std::move(handle), MakeBlob(kKeyMagic, payload.data(), payload.size()));
   });
   if (!mapped.ok()) return mapped.status();
@@ -222,7 +229,7 @@ StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegio
   if (direct) ++direct_regions_;
   MutexLock lock(&mu_);
   return local_regions_.Add(
-      LocalRegionEntry{addr, region.length, std::move(mapped->first), direct});
+      LocalRegionEntry{addr, region.length, std::move(mapped->first), direct, am_region});
 }
 
 Status UcxTransport::DeregisterMemory(spi::LocalRegionId region) {
@@ -237,11 +244,10 @@ Status UcxTransport::DeregisterMemory(spi::LocalRegionId region) {
   }
   if (entry.direct) --direct_regions_;
   // Batches accepted before this point may still use the mapping: it retires behind them.
-  // "am" messages for the region are refused from now on.
+  // "am" messages and read requests for the region are refused from now on (replies already
+  // sent carry copies of the bytes, never pointers into the region).
   return progress_.Run<Status>([&] {
-    std::erase_if(am_regions_, [&](const AmRegion& r) {
-      return r.addr == entry.addr && r.length == entry.length;
-    });
+    std::erase_if(am_regions_, [&](const AmRegion& r) { return r.id == entry.am_region; });
     retired_.emplace_back(last_seq_, std::move(memh));
     ReapRetired();
     return Status::OK();
@@ -293,17 +299,11 @@ Status UcxTransport::FenceTarget(spi::TargetId target) {
         "ucx: cannot fence a peer on the 'put' data path (ucx.data_path; an RDMA transport "
         "selects it by default): UCX cannot refuse one peer's writes");
   }
-  if (direction_ == TransferDirection::kPull) {
-    return Status::FailedPrecondition(
-        "ucx: cannot fence a peer that reads this process's memory (pull): UCX serves its gets "
-        "(executed by the peer, or emulated and answered by UCX itself) without a check pdlib "
-        "can add");
-  }
   if (int direct = direct_regions_.load(); direct > 0) {
     return Status::FailedPrecondition(
         "ucx: cannot fence a peer: " + std::to_string(direct) +
-        " registered regions are written directly by peers (a KV pool UCX allocated over "
-        "posix/sysv shared memory, xpmem, or CUDA memory)");
+        " registered regions are written or read directly by peers (a KV pool UCX allocated "
+        "over posix/sysv shared memory, xpmem, or CUDA memory)");
   }
   return progress_.Run<Status>([&]() -> Status {
     auto it = am_targets_.find(target);
@@ -381,8 +381,9 @@ StatusOr<spi::RemoteRegionId> UcxTransport::ImportRemoteRegion(spi::PeerId peer,
     return Status::InvalidArgument("ucx: remote key blob of " + std::to_string(region.key.size()) +
                                    " bytes is too short");
   }
-  uint32_t key_flags = 0;
+  uint32_t key_flags = 0, am_region = 0;
   std::memcpy(&key_flags, blob->data(), sizeof(key_flags));
+  std::memcpy(&am_region, blob->data() + 4, sizeof(am_region));
   const std::span<const uint8_t> payload = blob->subspan(kKeyPrefix);
   if (Status s = toolkit::CheckRemoteRegion("ucx", region); !s.ok()) return s;
   {
@@ -408,8 +409,8 @@ StatusOr<spi::RemoteRegionId> UcxTransport::ImportRemoteRegion(spi::PeerId peer,
   MutexLock lock(&mu_);
   PeerEntry* entry = peers_.Find(peer);  // the rkey belongs to the peer's state and goes with it
   if (entry == nullptr) return Status::NotFound("ucx: peer " + std::to_string(peer) + " left");
-  entry->regions.push_back(
-      RemoteRegionEntry{region.addr, region.length, *unpacked, (key_flags & kKeyDirect) != 0});
+  entry->regions.push_back(RemoteRegionEntry{region.addr, region.length, *unpacked,
+                                             (key_flags & kKeyDirect) != 0, am_region});
   return static_cast<spi::RemoteRegionId>(entry->regions.size() - 1);
 }
 
@@ -443,17 +444,17 @@ Status UcxTransport::Post(spi::PeerId peer, std::span<const spi::WriteOp> ops,
       if (!resolved.ok()) return resolved.status();
       const LocalRegionEntry& local = *resolved->first;
       const RemoteRegionEntry& remote = *resolved->second;
-      // Reads are gets on every data path (the file comment says why).
-      const bool am = !reads && entry.am && !remote.direct;
+      // The target's choice: its messages (writes) or read requests, else puts or gets.
+      const bool am = entry.am && !remote.direct && (!reads || remote.am_region != 0);
       if (op.length == 0) continue;
-      if (am) {
+      if (am && !reads) {
         am_messages += (op.length + options_.am_chunk_bytes - 1) / options_.am_chunk_bytes;
       } else if (!reads) {
         batch->has_puts = true;
       }
       batch->ops.push_back(ResolvedOp{reinterpret_cast<uint8_t*>(local.addr) + op.local_offset,
                                       remote.addr + op.remote_offset, op.length, local.memh->get(),
-                                      remote.rkey, am});
+                                      remote.rkey, am, remote.am_region});
     }
     if (am_messages > UINT32_MAX) {
       return Status::InvalidArgument("ucx: a batch of " + std::to_string(am_messages) +

@@ -43,15 +43,23 @@
 //   a flag the handler checks: after FenceTarget returns, nothing from that initiator is applied
 //   (capabilities().fences). A failed or closed reply endpoint only loses an ack; it cannot
 //   abort the process as UCX's emulated put does.
-// Reads (PostReads, pull): one ucp_get_nbx per chunk of each read (ucx.chunk_bytes, paced by
-// the same window), on either data path, with the rkey the target packed. A get's completion
-// means its bytes are in the initiator's memory, so a read batch needs no flush: it completes
-// when its last get has. Where UCX has an RMA lane (shm into UCX-allocated memory: a memcpy
-// from the initiator's mapping; cma; RDMA) the initiator executes the get; elsewhere (tcp; shm
-// into memory UCX did not allocate) UCX emulates it with its own active messages, which the
-// target's progress thread answers from its memory without a check pdlib could add. So a
-// target whose memory is read (TransportOptions::direction kPull) cannot fence its readers:
-// capabilities().fences is false there and FenceTarget says why.
+// Reads (PostReads, pull) follow the target's choice too (ucx_am_read.h has the wire):
+// - "am", for regions the target did not mark direct: one pdlib read request per chunk of each
+//   read (at most ucx.chunk_bytes, paced by the same window: bytes requested and not yet
+//   answered) names the target's region id (from its key blob), the address, the length and a
+//   cookie. The target's handler checks that the connection is open and not fenced and that the
+//   range lies inside that region, copies the bytes out and sends them back in reply messages of
+//   at most ucx.am_chunk_bytes (or one refusal). A reply that cannot be sent is dropped and
+//   logged, never fatal: UCX's own emulated gets abort the target when the reader dies
+//   mid-read ("ucp_get_req_handler ... Endpoint timeout"). The initiator copies a reply into
+//   place only while its request is live, its batch and its connection healthy, and the range
+//   inside the request; the batch completes when every byte has arrived. A fence (the same flag
+//   as for writes) makes the target refuse every later request, so a target in pull fences.
+// - otherwise ("put" path; direct regions: shm into UCX-allocated memory, where the initiator
+//   memcpys from its mapping; xpmem; CUDA memory): one ucp_get_nbx per chunk (ucx.chunk_bytes).
+//   A get's completion means its bytes are in the initiator's memory, so such a batch needs no
+//   flush. UCX answers these gets without a check pdlib could add, so a target with direct
+//   regions, or on the put path, cannot fence its readers.
 // Regions a peer writes directly (a UCX-allocated pool over posix/sysv: the peer memcpys into
 // its mapping; any memory with xpmem; CUDA memory) always take puts, and a target holding such a
 // region does not claim to fence.
@@ -81,6 +89,7 @@
 #include "backends/common/inflight_window.h"
 #include "backends/common/progress_thread.h"
 #include "backends/common/tables.h"
+#include "backends/ucx/ucx_am_read.h"
 #include "backends/ucx/ucx_context.h"
 #include "backends/ucx/ucx_handles.h"
 #include "backends/ucx/ucx_options.h"
@@ -112,7 +121,7 @@ class UcxTransport final : public spi::Transport {
                                                    const spi::RemoteRegion& region) override;
   Status PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
                     spi::WriteCallback done) override;
-  // ucp_get_nbx per chunk, on every data path (see "Reads" in the file comment).
+  // pdlib read requests on the "am" path, else ucp_get_nbx per chunk ("Reads" above).
   Status PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
                    spi::ReadCallback done) override;
   void Disconnect(spi::PeerId peer) override;
@@ -136,12 +145,15 @@ class UcxTransport final : public spi::Transport {
     uint64_t length;
     ucp_mem_h memh;
     ucp_rkey_h rkey;
-    bool am;  // sent as pdlib active messages, else as puts (or gets)
+    bool am;             // sent as pdlib active messages (or read requests), else puts (gets)
+    uint32_t am_region;  // the target's region id, for read requests
   };
 
   // Active message ids on pdlib's own workers, and the magics that open their headers.
   static constexpr unsigned kAmPutId = 1;
   static constexpr unsigned kAmAckId = 2;
+  static constexpr unsigned kAmReadId = 3;             // AmReadRequest, initiator -> target
+  static constexpr unsigned kAmReadReplyId = 4;        // AmReadReply + bytes, target -> initiator
   static constexpr uint32_t kAmPutMagic = 0x50414450;  // "PDAP"
   static constexpr uint32_t kAmAckMagic = 0x41414450;  // "PDAA"
   // Batches of one target whose messages are partly applied; more is a misbehaving initiator.
@@ -179,8 +191,9 @@ class UcxTransport final : public spi::Transport {
     bool reads = false;        // a PostReads batch: every op is a get
     bool has_puts = false;     // some op travels as puts: a flush ends the batch
     uint32_t am_messages = 0;  // "am" messages in the batch
-    std::vector<AmPutHeader> am_headers;  // one per message sent; reserved, so never moved
-    bool awaiting_ack = false;            // holds a reference until the target's ack
+    std::vector<AmPutHeader> am_headers;      // one per message sent; reserved, so never moved
+    bool awaiting_ack = false;                // holds a reference until the target's ack
+    std::deque<AmReadRequest> read_requests;  // one per request sent; a deque never moves them
   };
 
   // Lives in each UCX request (ucp_params_t::request_size): what its completion is for. Written
@@ -214,6 +227,7 @@ class UcxTransport final : public spi::Transport {
     Clock::time_point last_activity;
     Clock::time_point close_deadline;
     std::vector<std::promise<void>> on_erased;
+    size_t am_reads = 0;  // entries of am_reads_ for this peer
   };
 
   // A registered local region, as PostWrites validates it.
@@ -221,13 +235,15 @@ class UcxTransport final : public spi::Transport {
     uintptr_t addr = 0;
     uint64_t length = 0;
     std::shared_ptr<UcpMemh> memh;
-    bool direct = false;  // peers write it with puts (see IsDirectRegion)
+    bool direct = false;     // peers write it with puts (see IsDirectRegion)
+    uint32_t am_region = 0;  // its AmRegion id (0 when direct)
   };
   struct RemoteRegionEntry {
     uint64_t addr = 0;
     uint64_t length = 0;
     ucp_rkey_h rkey = nullptr;  // owned by the PeerState
     bool direct = false;        // the target asks for puts into this region
+    uint32_t am_region = 0;     // the target's id for it (read requests name it)
   };
   // A connection, as PostWrites validates it.
   struct PeerEntry {
@@ -239,8 +255,7 @@ class UcxTransport final : public spi::Transport {
   // An open target endpoint; "am" targets keep their fence on the progress thread (AmTarget).
   struct TargetEntry {};
 
-  UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context,
-               TransferDirection direction);
+  UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context);
   Status Init();
   Status Post(spi::PeerId peer, std::span<const spi::WriteOp> ops, spi::WriteCallback done,
               toolkit::OpKind kind);
@@ -273,14 +288,22 @@ class UcxTransport final : public spi::Transport {
   AmStatus ApplyAmPut(const AmPutHeader& header, const void* data, size_t length, bool* batch_done);
   void SendAmAck(ucp_ep_h reply_ep, uint64_t batch, AmStatus status);
   void ReleaseAck(Batch& batch);
+  // "am" reads: the target's side (OnAmRead, AnswerAmRead, SendAmReadReply) and the
+  // initiator's (OnAmReadReply, FinishAmRead, DropAmReads).
+  static ucs_status_t OnAmRead(void* arg, const void* header, size_t header_length, void* data,
+                               size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAmReadReply(void* arg, const void* header, size_t header_length, void* data,
+                                    size_t length, const ucp_am_recv_param_t* param);
+  void AnswerAmRead(ucp_ep_h reply_ep, const AmReadRequest& request);
+  void SendAmReadReply(ucp_ep_h reply_ep, uint64_t cookie, uint64_t offset, AmStatus status,
+                       const uint8_t* data, size_t length);
+  void FinishAmRead(uint64_t cookie);
+  void DropAmReads(PeerState& peer);
   // Whether a region of this kind at this address is written with puts even on the "am" path.
   bool IsDirectRegion(const spi::MemoryRegion& region, bool ucx_allocated) const;
 
   const UcxOptions options_;
   std::shared_ptr<UcxContext> context_;
-  // Pull: this process's regions are read by its peers (as a target), with UCX gets that its
-  // fence cannot stop. Changes only what capabilities() claims, never the UCX context.
-  const TransferDirection direction_;
   UcpWorkerPtr worker_;
   std::vector<uint8_t> worker_address_;
   bool am_target_ = false;  // this process takes "am" messages as a target (ucx.data_path)
@@ -306,11 +329,20 @@ class UcxTransport final : public spi::Transport {
     std::unordered_map<uint64_t, AmBatchProgress> batches;
   };
   std::unordered_map<spi::TargetId, AmTarget> am_targets_;
-  struct AmRegion {
-    uintptr_t addr;
+  std::vector<AmRegion> am_regions_;  // host memory "am" messages may write and read (not direct)
+  uint32_t last_am_region_ = 0;
+  // Initiator: "am" read requests sent and not fully answered, by cookie (never reused, so a
+  // late reply to a finished or dropped request finds nothing and is dropped).
+  struct AmRead {
+    Batch* batch;
+    PeerState* peer;
+    uint8_t* dst;
     uint64_t length;
+    uint64_t received;
   };
-  std::vector<AmRegion> am_regions_;  // host memory "am" messages may write (not direct)
+  std::unordered_map<uint64_t, AmRead> am_reads_;
+  uint64_t last_read_cookie_ = 0;
+  uint64_t am_reply_failures_ = 0;  // target: replies UCX could not send (logged, dropped)
   std::unordered_map<uint64_t, Batch*> awaiting_ack_;  // by batch seq
   std::unordered_map<spi::PeerId, std::unique_ptr<PeerState>> peer_states_;
   uint64_t last_seq_ = 0;                // seq of the last accepted batch

@@ -176,6 +176,16 @@ TEST_CASE("ucx shm, pull: 1P1D and 2P2D under kill -9 and SIGSTOP, seeds 1-2, no
              "kill,stop", kRequests, {"1", "2"});
 }
 
+// Pull over tcp, seeds 1-2 (issue #29): decode's reads travel as pdlib read requests that
+// prefill's handler answers (the "am" path). With UCX's emulated gets a decode killed or frozen
+// mid-read aborted prefill inside UCX ("ucp_get_req_handler ... Endpoint timeout", about one run
+// in two); a reply that cannot be sent is now dropped, and a frozen decode can be fenced.
+TEST_CASE("ucx tcp, pull: 1P1D and 2P2D under kill -9 and SIGSTOP, seeds 1-2, no stale read") {
+  CheckSeeds({"--backend", "ucx", "--backend-option", "ucx.tls=tcp", "--backend-option",
+              "ucx.net_devices=lo", "--direction", "pull"},
+             "kill,stop", kRequests, {"1", "2"});
+}
+
 // UCX puts (shm): decode cannot fence and quarantines the pages until prefill drains or dies.
 // By hand (`chaos_test "[put]"`): on a loaded 2-core machine its probes missed their 3 s
 // bootstrap timeout once; quarantine_stop_test covers the put path in every run.

@@ -259,6 +259,142 @@ TEST_CASE("ucx am path: the target refuses writes outside its memory and fences 
   }
 }
 
+// Reads on the "am" path (pull over tcp, or shm into memory UCX did not allocate): the target
+// answers each read request itself, so it refuses a range outside the region the request names
+// (and discloses nothing of the memory around it), keeps serving the connection afterwards, and
+// a fence makes it refuse every later request: a target in pull claims to fence.
+TEST_CASE("ucx am path reads: byte-exact, refused outside the region, fenced by the target") {
+  for (std::string tls : {"shm", "tcp"}) {
+    INFO("tls " << tls);
+    spi::TransportOptions target_options;
+    target_options.options["ucx.tls"] = tls;
+    if (tls == "tcp") target_options.options["ucx.net_devices"] = "lo";
+    target_options.direction = pdlib::TransferDirection::kPull;
+    auto target = spi::CreateTransport("ucx", target_options);
+    REQUIRE(target.ok());
+    Link link = Connect(MakeUcx(tls), std::move(*target));
+    CHECK(link.target->capabilities().fences);
+    constexpr size_t kBytes = 256 * 1024;
+    // The target's memory: a registered first half, a secret second half.
+    std::vector<uint8_t> memory(2 * kBytes);
+    for (size_t i = 0; i < memory.size(); ++i) memory[i] = static_cast<uint8_t>(i * 11 + 3);
+    std::fill(memory.begin() + kBytes, memory.end(), 0x5e);
+    std::vector<uint8_t> dst(2 * kBytes, 0xee);
+    spi::Blob unused;
+    auto dst_id = link.initiator->RegisterMemory({dst.data(), dst.size()}, &unused);
+    REQUIRE(dst_id.ok());
+    spi::Blob key;
+    auto local = link.target->RegisterMemory({memory.data(), kBytes}, &key);
+    REQUIRE(local.ok());
+    // The initiator believes (falsely) it may read both halves, as a hostile decode would claim.
+    auto forged = link.initiator->ImportRemoteRegion(
+        link.peer, {reinterpret_cast<uint64_t>(memory.data()), 2 * kBytes, key});
+    REQUIRE(forged.ok());
+    auto read = [&](const std::vector<spi::ReadOp>& ops) {
+      Completions done;
+      REQUIRE(link.initiator->PostReads(link.peer, ops, done.Callback()).ok());
+      REQUIRE(done.Wait(1, std::chrono::seconds(20)));
+      return done.statuses()[0];
+    };
+
+    {  // inside, in 32 KiB pages in reverse order and one long read: byte-exact
+      std::vector<spi::ReadOp> ops;
+      for (uint64_t off = 0; off < kBytes / 2; off += 32768) {
+        ops.push_back({*dst_id, off, *forged, kBytes / 2 - 32768 - off, 32768});
+      }
+      ops.push_back({*dst_id, kBytes / 2, *forged, kBytes / 2, kBytes / 2});
+      const Status st = read(ops);
+      INFO(st.ToString());
+      REQUIRE(st.ok());
+      for (uint64_t off = 0; off < kBytes / 2; off += 32768) {
+        CHECK(std::memcmp(dst.data() + off, memory.data() + kBytes / 2 - 32768 - off, 32768) == 0);
+      }
+      CHECK(std::memcmp(dst.data() + kBytes / 2, memory.data() + kBytes / 2, kBytes / 2) == 0);
+    }
+    std::fill(dst.begin(), dst.end(), 0xee);
+    {  // straddling the end of the region: refused, nothing of the secret half disclosed
+      const Status st = read({{*dst_id, 0, *forged, kBytes - 4096, 3 * 4096}});
+      INFO(st.ToString());
+      CHECK(st.code() == StatusCode::kUnavailable);
+      CHECK(std::string(st.message()).find("outside its registered memory") != std::string::npos);
+      CHECK(std::all_of(dst.begin(), dst.end(), [](uint8_t b) { return b == 0xee; }));
+    }
+    {  // a key naming a region the target never registered: refused the same way
+      spi::Blob bogus = key;
+      const uint32_t region = 999;
+      std::memcpy(bogus.data() + 12, &region, sizeof(region));  // header (8), flags (4), id
+      auto id = link.initiator->ImportRemoteRegion(
+          link.peer, {reinterpret_cast<uint64_t>(memory.data()), kBytes, bogus});
+      REQUIRE(id.ok());
+      const Status st = read({{*dst_id, 0, *id, 0, 4096}});
+      CHECK(st.code() == StatusCode::kUnavailable);
+      CHECK(std::all_of(dst.begin(), dst.end(), [](uint8_t b) { return b == 0xee; }));
+    }
+    {  // the connection still serves reads inside the region
+      const Status st = read({{*dst_id, 0, *forged, 0, kBytes}});
+      INFO(st.ToString());
+      CHECK(st.ok());
+      CHECK(std::memcmp(dst.data(), memory.data(), kBytes) == 0);
+    }
+    // Fenced: every later read fails, nothing more lands, and the connection is failed.
+    REQUIRE(link.target->FenceTarget(link.target_id).ok());
+    std::fill(dst.begin(), dst.end(), 0xee);
+    Completions done;
+    int posted = 0;
+    for (int i = 0; i < 4; ++i) {
+      spi::ReadOp op{*dst_id, 0, *forged, 0, kBytes};
+      posted += link.initiator->PostReads(link.peer, std::span(&op, 1), done.Callback()).ok();
+    }
+    REQUIRE(done.Wait(posted, std::chrono::seconds(20)));
+    for (const Status& st : done.statuses()) {
+      INFO(st.ToString());
+      CHECK_FALSE(st.ok());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    CHECK(std::all_of(dst.begin(), dst.end(), [](uint8_t b) { return b == 0xee; }));
+  }
+}
+
+// Disconnect and destruction with "am" reads in flight: every batch ends exactly once (OK or
+// cancelled), and no reply lands after its callback.
+TEST_CASE("ucx am reads: Disconnect and destruction end every read batch exactly once") {
+  for (std::string tls : {"shm", "tcp"}) {
+    for (bool destroy : {false, true}) {
+      INFO("tls " << tls << (destroy ? ", destroy" : ", disconnect"));
+      Link link = Connect(MakeUcx(tls, {{"ucx.max_inflight_bytes", "256k"}}), MakeUcx(tls));
+      constexpr size_t kBytes = size_t{8} << 20;
+      std::vector<uint8_t> src(kBytes, 3), dst(kBytes, 0);
+      spi::Blob unused;
+      auto dst_id = link.initiator->RegisterMemory({dst.data(), kBytes}, &unused);
+      REQUIRE(dst_id.ok());
+      spi::RemoteRegionId remote = ExportRegion(link, src.data(), kBytes);
+      std::vector<spi::ReadOp> ops;
+      for (uint64_t off = 0; off < kBytes; off += 32768)
+        ops.push_back({*dst_id, off, remote, off, 32768});
+      Completions done;
+      constexpr size_t kPosted = 16;
+      for (size_t i = 0; i < kPosted; ++i) {
+        REQUIRE(link.initiator->PostReads(link.peer, ops, done.Callback()).ok());
+      }
+      if (destroy) {
+        link.initiator.reset();
+      } else {
+        link.initiator->Disconnect(link.peer);
+        CHECK(done.statuses().size() == kPosted);
+      }
+      REQUIRE(done.Wait(kPosted, std::chrono::seconds(30)));
+      // Nothing lands after the callbacks: a reply still in flight is dropped.
+      std::fill(dst.begin(), dst.end(), 0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      CHECK(std::all_of(dst.begin(), dst.end(), [](uint8_t b) { return b == 0; }));
+      for (const Status& s : done.statuses()) {
+        INFO(s.ToString());
+        CHECK((s.ok() || s.code() == StatusCode::kCancelled));
+      }
+    }
+  }
+}
+
 TEST_CASE("ucx claims to fence only where no peer writes its memory directly") {
   CHECK_FALSE(MakeUcx("shm", {{"ucx.data_path", "put"}})->capabilities().fences);
   {
