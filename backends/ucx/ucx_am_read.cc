@@ -18,8 +18,33 @@ std::optional<Header> Decode(const void* bytes, size_t length, uint32_t magic) {
 
 }  // namespace
 
-std::optional<AmReadRequest> DecodeAmReadRequest(const void* header, size_t length) {
-  return Decode<AmReadRequest>(header, length, kAmReadRequestMagic);
+std::optional<std::vector<AmReadRequest>> DecodeAmReadBatch(const void* header,
+                                                            size_t header_length, const void* data,
+                                                            size_t length) {
+  std::optional<AmReadBatchHeader> h =
+      Decode<AmReadBatchHeader>(header, header_length, kAmReadBatchMagic);
+  if (!h || h->count == 0 || h->count > kMaxAmReadRanges || data == nullptr ||
+      length != size_t{h->count} * sizeof(AmReadRange)) {
+    return std::nullopt;
+  }
+  std::vector<AmReadRequest> requests;
+  requests.reserve(h->count);
+  uint64_t total = 0;
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  for (uint32_t i = 0; i < h->count; ++i) {
+    AmReadRange range;
+    std::memcpy(&range, bytes + size_t{i} * sizeof(range), sizeof(range));
+    if (range.length > kMaxAmReadRequestBytes - total) return std::nullopt;
+    total += range.length;
+    requests.push_back(AmReadRequest{kAmReadRequestMagic, range.region, h->target, range.cookie,
+                                     range.addr, range.length});
+  }
+  return requests;
+}
+
+bool FitsAmReadBatch(uint32_t count, uint64_t bytes, uint64_t length) {
+  return count < kMaxAmReadRanges && bytes <= kMaxAmReadRequestBytes &&
+         length <= kMaxAmReadRequestBytes - bytes;
 }
 
 std::optional<AmReadReply> DecodeAmReadReply(const void* header, size_t length) {

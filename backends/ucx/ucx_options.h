@@ -9,6 +9,9 @@
 //   ucx.config.<NAME>        any other UCX variable, without the UCX_ prefix
 //                            ("ucx.config.TCP_TX_SEG_SIZE" = "64k")
 //   ucx.max_inflight_bytes   bytes posted per endpoint and not yet completed (window)
+//   ucx.max_inflight_read_bytes  bytes an "am" read has requested per endpoint and not yet
+//                            received (the read window: it covers a round trip to the target's
+//                            handler and back, where the write window covers a local send)
 //   ucx.chunk_bytes          longest single put, get or "am" read request; longer ops are split
 //   ucx.busy_poll_us         how long the progress thread spins before it sleeps on the fds
 //   ucx.stall_timeout_ms     a peer with outstanding writes and no completion for this long is
@@ -68,6 +71,7 @@ struct UcxOptions {
   // Applied to this transport's context with ucp_config_modify: NAME (no UCX_ prefix) -> value.
   std::map<std::string, std::string> ucx_config;
   uint64_t max_inflight_bytes = 0;
+  uint64_t max_inflight_read_bytes = 0;
   uint64_t chunk_bytes = 0;
   uint32_t busy_poll_us = 0;
   uint32_t stall_timeout_ms = 0;

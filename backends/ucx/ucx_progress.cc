@@ -31,6 +31,8 @@ constexpr int kSleepTimeoutMs = 100;  // wake up anyway for UCX's timers (keepal
 // short steps (see ProgressLoop).
 constexpr auto kOutstandingPollFor = std::chrono::milliseconds(2);
 constexpr int kOutstandingSleepMs = 1;
+// "am" reads: a new request message waits until 1/kAmReadRefill of the window is free.
+constexpr uint64_t kAmReadRefill = 4;
 
 }  // namespace
 
@@ -58,7 +60,7 @@ void UcxTransport::ProgressLoop() {
       // while before sleeping: UCX does not signal the worker fd when a peer frees room in a
       // shared-memory FIFO or socket, so an armed sleep there lasts until the timeout. With
       // nothing outstanding, sleep until a command or a UCX event arrives.
-      const bool outstanding = !outstanding_seqs_.empty();
+      const bool outstanding = !outstanding_seqs_.empty() || am_replies_in_flight_ > 0;
       if (outstanding && now_ - idle.last_work() < kOutstandingPollFor) {
         sched_yield();
       } else {
@@ -132,7 +134,22 @@ bool UcxTransport::PostChunks(PeerState& peer) {
                              : op.am      ? options_.am_chunk_bytes
                                           : options_.chunk_bytes;
       const uint64_t length = toolkit::ChunkLength(op.length, offset, limit);
-      if (!peer.window.CanPost(length) || !peer.failure.ok()) return posted;
+      toolkit::InflightWindow& window = read_request ? peer.read_window : peer.window;
+      if (read_request && batch.read_open.empty() && window.in_flight() > 0 &&
+          window.limit() - std::min(window.limit(), window.in_flight()) <
+              window.limit() / kAmReadRefill) {
+        // Wait for a quarter of the window to free up, so that the next message names many
+        // ranges instead of one per reply that drained.
+        return posted;
+      }
+      if (read_request && !FitsAmReadBatch(static_cast<uint32_t>(batch.read_open.size()),
+                                           batch.read_open_bytes, length)) {
+        if (!SendReadRequests(peer, batch)) break;
+      }
+      if (!window.CanPost(length) || !peer.failure.ok()) {
+        if (read_request) SendReadRequests(peer, batch);
+        return posted;
+      }
       ucp_request_param_t param{};
       param.op_attr_mask =
           UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
@@ -142,15 +159,10 @@ bool UcxTransport::PostChunks(PeerState& peer) {
       ucs_status_ptr_t request = nullptr;
       uint64_t cookie = 0;
       if (read_request) {
-        // Header only; the reply endpoint carries the bytes back. The request lives in the batch.
-        param.op_attr_mask =
-            (param.op_attr_mask & ~UCP_OP_ATTR_FIELD_MEMH) | UCP_OP_ATTR_FIELD_FLAGS;
-        param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+        // A range of the batch's next request message (SendReadRequests sends it).
         cookie = ++last_read_cookie_;
-        batch.read_requests.push_back(AmReadRequest{kAmReadRequestMagic, op.am_region, peer.target,
-                                                    cookie, op.remote + offset, length});
-        request = ucp_am_send_nbx(peer.ep.get(), kAmReadId, &batch.read_requests.back(),
-                                  sizeof(AmReadRequest), nullptr, 0, &param);
+        batch.read_open.push_back(AmReadRange{op.am_region, 0, cookie, op.remote + offset, length});
+        batch.read_open_bytes += length;
       } else if (op.am) {
         // Eager only: the target's handler applies the data it is handed (no rendezvous), and
         // the reply endpoint carries the ack. The header lives in the batch until it is done.
@@ -175,13 +187,14 @@ bool UcxTransport::PostChunks(PeerState& peer) {
         ++batch.next_op;
         batch.next_offset = 0;
       }
-      if (read_request && !UCS_PTR_IS_ERR(request)) {
+      if (read_request) {
         // Answered (or given up) by OnAmReadReply, FinishAmRead or DropAmReads; the window
         // counts the bytes until then.
         am_reads_.emplace(cookie, AmRead{&batch, &peer, op.local + offset, length, 0});
         ++peer.am_reads;
         batch.AddPart();
-        peer.window.OnPosted(length);
+        peer.read_window.OnPosted(length);
+        continue;
       }
       if (request == nullptr) continue;  // done already (the local buffer is reusable)
       if (UCS_PTR_IS_ERR(request)) {
@@ -193,22 +206,64 @@ bool UcxTransport::PostChunks(PeerState& peer) {
                                             " failed: " + UcsStatusName(UCS_PTR_STATUS(request)));
         batch.Fail(failed);
         batch.next_op = batch.ops.size();
-        // The target will never count this batch's messages complete, or answer its reads:
-        // the connection goes.
-        if (batch.awaiting_ack || read_request) FailPeer(peer, failed);
+        // The target will never count this batch's messages complete: the connection goes.
+        if (batch.awaiting_ack) FailPeer(peer, failed);
         break;
       }
       auto* context = static_cast<RequestContext*>(request);
       context->batch = &batch;
-      context->bytes = read_request ? 0 : length;  // a read's bytes are counted until answered
+      context->bytes = length;
       batch.AddPart();
-      if (!read_request) peer.window.OnPosted(length);
+      peer.window.OnPosted(length);
     }
+    if (!batch.read_open.empty() && !SendReadRequests(peer, batch)) return posted;
     peer.to_post.pop_front();
     if (batch.status.ok() && batch.has_puts) PostFlush(batch);
     ReleaseRef(batch);  // the posting reference; may complete the batch
   }
   return posted;
+}
+
+// Sends the batch's open ranges as one request message; false when the send failed (the batch
+// and the connection are failed then: no reply will come for those ranges).
+bool UcxTransport::SendReadRequests(PeerState& peer, Batch& batch) {
+  if (batch.read_open.empty()) return true;
+  if (!peer.failure.ok()) {  // ReapPeers drops the ranges' reads
+    batch.read_open.clear();
+    batch.read_open_bytes = 0;
+    return false;
+  }
+  batch.read_headers.push_back(AmReadBatchHeader{
+      kAmReadBatchMagic, static_cast<uint32_t>(batch.read_open.size()), peer.target});
+  batch.read_messages.push_back(std::move(batch.read_open));
+  batch.read_open.clear();
+  batch.read_open_bytes = 0;
+  const std::vector<AmReadRange>& ranges = batch.read_messages.back();
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.cb.send = &UcxTransport::OnRequestDone;
+  param.user_data = this;
+  // Eager; the reply endpoint carries the bytes back. Header and ranges live in the batch.
+  param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+  ucs_status_ptr_t request = ucp_am_send_nbx(peer.ep.get(), kAmReadId, &batch.read_headers.back(),
+                                             sizeof(AmReadBatchHeader), ranges.data(),
+                                             ranges.size() * sizeof(AmReadRange), &param);
+  peer.last_activity = now_;
+  if (request == nullptr) return true;
+  if (UCS_PTR_IS_ERR(request)) {
+    Status failed = Status::Unavailable("ucx: read request to peer " + std::to_string(peer.id) +
+                                        " failed: " + UcsStatusName(UCS_PTR_STATUS(request)));
+    batch.Fail(failed);
+    batch.next_op = batch.ops.size();
+    FailPeer(peer, failed);  // its ranges' reads are dropped by ReapPeers
+    return false;
+  }
+  auto* context = static_cast<RequestContext*>(request);
+  context->batch = &batch;
+  context->bytes = 0;  // a read's bytes are counted until answered
+  batch.AddPart();
+  return true;
 }
 
 void UcxTransport::PostFlush(Batch& batch) {
@@ -250,7 +305,7 @@ void UcxTransport::OnRequestDone(void* request, ucs_status_t status, void* user_
     batch.Fail(status == UCS_ERR_CANCELED ? Status::Cancelled(reason)
                                           : Status::Unavailable(reason));
     // An ack or a read reply will not come for a message that was not sent.
-    if (batch.awaiting_ack || !batch.read_requests.empty()) {
+    if (batch.awaiting_ack || !batch.read_messages.empty()) {
       self->FailPeer(peer, Status::Unavailable(reason));
     }
   }
@@ -382,14 +437,16 @@ ucs_status_t UcxTransport::OnAmAck(void* arg, const void* header, size_t header_
 
 // The target's side of an "am" read: checked here, answered with copies of the bytes (so no
 // send still points into a region after a fence or a deregistration), never fatal.
-ucs_status_t UcxTransport::OnAmRead(void* arg, const void* header, size_t header_length, void*,
-                                    size_t, const ucp_am_recv_param_t* param) {
+ucs_status_t UcxTransport::OnAmRead(void* arg, const void* header, size_t header_length, void* data,
+                                    size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxTransport*>(arg);
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_ERR_UNSUPPORTED;
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0)
     return UCS_OK;  // nowhere to answer
-  std::optional<AmReadRequest> request = DecodeAmReadRequest(header, header_length);
-  if (request) self->AnswerAmRead(param->reply_ep, *request);
+  std::optional<std::vector<AmReadRequest>> requests =
+      DecodeAmReadBatch(header, header_length, data, length);
+  if (!requests) return UCS_OK;  // not pdlib's: no cookie to answer
+  for (const AmReadRequest& request : *requests) self->AnswerAmRead(param->reply_ep, request);
   return UCS_OK;
 }
 
@@ -419,6 +476,7 @@ struct AmReadReplyMessage {
   AmReadReply header;
   std::unique_ptr<uint8_t[]> data;
   uint64_t* failures;
+  uint64_t* in_flight;
 };
 
 void NoteReplyFailure(uint64_t* failures, ucs_status_t status) {
@@ -436,6 +494,7 @@ void UcxTransport::SendAmReadReply(ucp_ep_h reply_ep, uint64_t cookie, uint64_t 
   auto message = std::make_unique<AmReadReplyMessage>();
   message->header = AmReadReply{kAmReadReplyMagic, status, cookie, offset};
   message->failures = &am_reply_failures_;
+  message->in_flight = &am_replies_in_flight_;
   if (length > 0) {
     message->data.reset(new uint8_t[length]);
     std::memcpy(message->data.get(), data, length);
@@ -447,6 +506,7 @@ void UcxTransport::SendAmReadReply(ucp_ep_h reply_ep, uint64_t cookie, uint64_t 
   param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
   param.cb.send = [](void* request, ucs_status_t st, void* user_data) {
     std::unique_ptr<AmReadReplyMessage> owned(static_cast<AmReadReplyMessage*>(user_data));
+    --*owned->in_flight;
     if (st != UCS_OK) NoteReplyFailure(owned->failures, st);
     ucp_request_free(request);
   };
@@ -455,6 +515,7 @@ void UcxTransport::SendAmReadReply(ucp_ep_h reply_ep, uint64_t cookie, uint64_t 
       ucp_am_send_nbx(reply_ep, kAmReadReplyId, &message->header, sizeof(AmReadReply),
                       message->data.get(), length, &param);
   if (UCS_PTR_IS_PTR(request)) {
+    ++am_replies_in_flight_;
     message.release();  // the callback owns it now
   } else if (UCS_PTR_IS_ERR(request)) {
     NoteReplyFailure(&am_reply_failures_, UCS_PTR_STATUS(request));
@@ -511,7 +572,7 @@ void UcxTransport::FinishAmRead(uint64_t cookie) {
   const AmRead read = it->second;
   am_reads_.erase(it);
   --read.peer->am_reads;
-  read.peer->window.OnCompleted(read.length);
+  read.peer->read_window.OnCompleted(read.length);
   ReleaseRef(*read.batch);
 }
 

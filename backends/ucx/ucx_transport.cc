@@ -21,7 +21,8 @@ constexpr uint32_t kEndpointMagic = 0x45554450;  // "PDUE"
 constexpr uint32_t kKeyMagic = 0x4b554450;       // "PDUK"
 // Version 2: the endpoint blob carries the target id and data path, the key blob a flags word.
 // Version 3: the key blob also carries the region's id for "am" read requests.
-constexpr uint32_t kBlobVersion = 3;
+// Version 4: "am" read requests name many ranges per message (AmReadBatchHeader).
+constexpr uint32_t kBlobVersion = 4;
 constexpr size_t kBlobHeader = 8;
 // Endpoint payload: target id (8), flags (4), reserved (4), worker address.
 constexpr size_t kEndpointPrefix = 16;
@@ -349,6 +350,7 @@ StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint
     state->target = target;
     state->am = am;
     state->window = toolkit::InflightWindow(options_.max_inflight_bytes);
+    state->read_window = toolkit::InflightWindow(options_.max_inflight_read_bytes);
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER;

@@ -44,13 +44,14 @@
 //   (capabilities().fences). A failed or closed reply endpoint only loses an ack; it cannot
 //   abort the process as UCX's emulated put does.
 // Reads (PostReads, pull) follow the target's choice too (ucx_am_read.h has the wire):
-// - "am", for regions the target did not mark direct: one pdlib read request per chunk of each
-//   read (at most ucx.chunk_bytes, paced by the same window: bytes requested and not yet
-//   answered) names the target's region id (from its key blob), the address, the length and a
-//   cookie. The target's handler checks that the connection is open and not fenced and that the
-//   range lies inside that region, copies the bytes out and sends them back in reply messages of
-//   at most ucx.am_chunk_bytes (or one refusal). A reply that cannot be sent is dropped and
-//   logged, never fatal: UCX's own emulated gets abort the target when the reader dies
+// - "am", for regions the target did not mark direct: each chunk of a read (at most
+//   ucx.chunk_bytes, paced by the same window: bytes requested and not yet answered) is one
+//   range, naming the target's region id (from its key blob), the address, the length and a
+//   cookie; one request message carries a batch's ranges posted together (up to
+//   kMaxAmReadRanges, 16 MiB). The target's handler checks that the connection is open and not
+//   fenced and that the range lies inside that region, copies the bytes out and sends them back in
+//   reply messages of at most ucx.am_chunk_bytes (or one refusal). A reply that cannot be sent is
+//   dropped and logged, never fatal: UCX's own emulated gets abort the target when the reader dies
 //   mid-read ("ucp_get_req_handler ... Endpoint timeout"). The initiator copies a reply into
 //   place only while its request is live, its batch and its connection healthy, and the range
 //   inside the request; the batch completes when every byte has arrived. A fence (the same flag
@@ -152,7 +153,8 @@ class UcxTransport final : public spi::Transport {
   // Active message ids on pdlib's own workers, and the magics that open their headers.
   static constexpr unsigned kAmPutId = 1;
   static constexpr unsigned kAmAckId = 2;
-  static constexpr unsigned kAmReadId = 3;             // AmReadRequest, initiator -> target
+  static constexpr unsigned kAmReadId =
+      3;  // AmReadBatchHeader + AmReadRange[], initiator -> target
   static constexpr unsigned kAmReadReplyId = 4;        // AmReadReply + bytes, target -> initiator
   static constexpr uint32_t kAmPutMagic = 0x50414450;  // "PDAP"
   static constexpr uint32_t kAmAckMagic = 0x41414450;  // "PDAA"
@@ -191,9 +193,14 @@ class UcxTransport final : public spi::Transport {
     bool reads = false;        // a PostReads batch: every op is a get
     bool has_puts = false;     // some op travels as puts: a flush ends the batch
     uint32_t am_messages = 0;  // "am" messages in the batch
-    std::vector<AmPutHeader> am_headers;      // one per message sent; reserved, so never moved
-    bool awaiting_ack = false;                // holds a reference until the target's ack
-    std::deque<AmReadRequest> read_requests;  // one per request sent; a deque never moves them
+    std::vector<AmPutHeader> am_headers;  // one per message sent; reserved, so never moved
+    bool awaiting_ack = false;            // holds a reference until the target's ack
+    // "am" read requests: ranges posted and not yet sent (read_open), and one header and its
+    // ranges per message sent, kept until the batch is done (deques never move them).
+    std::vector<AmReadRange> read_open;
+    uint64_t read_open_bytes = 0;
+    std::deque<AmReadBatchHeader> read_headers;
+    std::deque<std::vector<AmReadRange>> read_messages;
   };
 
   // Lives in each UCX request (ucp_params_t::request_size): what its completion is for. Written
@@ -216,9 +223,10 @@ class UcxTransport final : public spi::Transport {
     UcpEp ep;
     std::vector<UcpRkeyPtr> rkeys;
     toolkit::InflightWindow window{0};
-    toolkit::BatchList<Batch> batches;  // outstanding, oldest first
-    std::deque<Batch*> to_post;         // batches with chunks still to post, in order
-    Status failure;                     // why the peer is unusable (set once)
+    toolkit::InflightWindow read_window{0};  // "am" read requests: bytes not yet answered
+    toolkit::BatchList<Batch> batches;       // outstanding, oldest first
+    std::deque<Batch*> to_post;              // batches with chunks still to post, in order
+    Status failure;                          // why the peer is unusable (set once)
     bool ep_failed = false;      // UCX reported the endpoint failed (or it stalled): no flush
     bool disconnecting = false;  // Disconnect asked: erase once drained
     CloseState close_state = CloseState::kOpen;  // advanced by AdvanceClose once failure is set
@@ -266,6 +274,7 @@ class UcxTransport final : public spi::Transport {
   void AcceptBatch(std::unique_ptr<Batch> batch);
   bool PostReady();
   bool PostChunks(PeerState& peer);
+  bool SendReadRequests(PeerState& peer, Batch& batch);
   void PostFlush(Batch& batch);
   void ReleaseRef(Batch& batch);
   void FailPeer(PeerState& peer, const Status& status);
@@ -343,6 +352,9 @@ class UcxTransport final : public spi::Transport {
   std::unordered_map<uint64_t, AmRead> am_reads_;
   uint64_t last_read_cookie_ = 0;
   uint64_t am_reply_failures_ = 0;  // target: replies UCX could not send (logged, dropped)
+  // Target: replies UCX has not sent yet. The loop polls while there are any, as it does while
+  // batches are outstanding: UCX does not wake an armed worker when a socket drains.
+  uint64_t am_replies_in_flight_ = 0;
   std::unordered_map<uint64_t, Batch*> awaiting_ack_;  // by batch seq
   std::unordered_map<spi::PeerId, std::unique_ptr<PeerState>> peer_states_;
   uint64_t last_seq_ = 0;                // seq of the last accepted batch

@@ -32,6 +32,7 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
       CHECK(std::string(d.why).size() > 20);  // every default says why
     }
     CHECK(parsed->max_inflight_bytes > 0);
+    CHECK(parsed->max_inflight_read_bytes >= parsed->max_inflight_bytes);
     CHECK(parsed->chunk_bytes > 0);
     CHECK(parsed->flush == ucx::FlushMode::kEndpoint);
   }
@@ -50,11 +51,17 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
   SECTION("backend options win over everything") {
     spi::TransportOptions options;
     options.nic_names = {"mlx5_0:1", "mlx5_1:1"};
-    options.options = {{"ucx.tls", "rc_verbs,sm"},       {"ucx.config.UCX_RX_SEG_SIZE", "1m"},
-                       {"ucx.config.RNDV_THRESH", "8k"}, {"ucx.max_inflight_bytes", "16M"},
-                       {"ucx.chunk_bytes", "256k"},      {"ucx.busy_poll_us", "5"},
-                       {"ucx.stall_timeout_ms", "0"},    {"ucx.flush", "worker"},
-                       {"ucx.data_path", "put"},         {"ucx.am_chunk_bytes", "8k"},
+    options.options = {{"ucx.tls", "rc_verbs,sm"},
+                       {"ucx.config.UCX_RX_SEG_SIZE", "1m"},
+                       {"ucx.config.RNDV_THRESH", "8k"},
+                       {"ucx.max_inflight_bytes", "16M"},
+                       {"ucx.max_inflight_read_bytes", "32M"},
+                       {"ucx.chunk_bytes", "256k"},
+                       {"ucx.busy_poll_us", "5"},
+                       {"ucx.stall_timeout_ms", "0"},
+                       {"ucx.flush", "worker"},
+                       {"ucx.data_path", "put"},
+                       {"ucx.am_chunk_bytes", "8k"},
                        {"other.backend.key", "ignored"}};
     env["UCX_TLS"] = "tcp";
     auto parsed = ucx::ParseUcxOptions(options, lookup);
@@ -65,6 +72,7 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
     CHECK(parsed->ucx_config.count("TX_SEG_SIZE") == 0);
     CHECK(parsed->ucx_config.at("RNDV_THRESH") == "8k");
     CHECK(parsed->max_inflight_bytes == uint64_t{16} << 20);
+    CHECK(parsed->max_inflight_read_bytes == uint64_t{32} << 20);
     CHECK(parsed->chunk_bytes == uint64_t{256} << 10);
     CHECK(parsed->busy_poll_us == 5);
     CHECK(parsed->stall_timeout_ms == 0);
