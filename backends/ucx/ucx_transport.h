@@ -45,11 +45,12 @@
 //   abort the process as UCX's emulated put does.
 // Reads (PostReads, pull) follow the target's choice too (ucx_am_read.h has the wire):
 // - "am", for regions the target did not mark direct: each chunk of a read (at most
-//   ucx.chunk_bytes, paced by the same window: bytes requested and not yet answered) is one
-//   range, naming the target's region id (from its key blob), the address, the length and a
-//   cookie; one request message carries a batch's ranges posted together (up to
-//   kMaxAmReadRanges, 16 MiB). The target's handler checks that the connection is open and not
-//   fenced and that the range lies inside that region, copies the bytes out and sends them back in
+//   ucx.chunk_bytes, paced by a read window, ucx.max_inflight_read_bytes: bytes requested and
+//   not yet answered) is one range, naming the target's region id (from its key blob), the
+//   address, the length and a cookie; one request message carries a batch's ranges posted
+//   together (up to kMaxAmReadRanges, 16 MiB). The target's handler checks that the connection is
+//   open and not fenced and that each range lies inside its region, copies the bytes out (a
+//   reply UCX sends later must not read a page reused meanwhile) and sends them back in
 //   reply messages of at most ucx.am_chunk_bytes (or one refusal). A reply that cannot be sent is
 //   dropped and logged, never fatal: UCX's own emulated gets abort the target when the reader dies
 //   mid-read ("ucp_get_req_handler ... Endpoint timeout"). The initiator copies a reply into
