@@ -5,6 +5,7 @@
 // hostile_peer_test.cc is the mirror image.
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <functional>
 #include <mutex>
@@ -347,8 +348,9 @@ pdlib::KVManagerOptions PullOptions(uint16_t bootstrap_port, Buffers& b) {
 
 TEST_CASE("hostile prefill, pull: ReadReady out of range or out of turn fails the room, no read") {
   PullAck pull;
+  std::atomic<int> pulling_registers{0};  // checked on this thread: Catch is not thread-safe
   HostilePrefill prefill([&](const wire::Register& reg) {
-    CHECK(reg.direction() == wire::TRANSFER_DIRECTION_PULL);
+    if (reg.direction() == wire::TRANSFER_DIRECTION_PULL) pulling_registers.fetch_add(1);
     return std::optional(pull.ack);
   });
   pdlib::SetLogLevel(pdlib::LogLevel::kError);
@@ -412,6 +414,7 @@ TEST_CASE("hostile prefill, pull: ReadReady out of range or out of turn fails th
   REQUIRE(prefill.Send({Status(80, wire::TRANSFER_RESULT_SUCCESS)}));
   REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kSuccess; }));
   CHECK((*decode)->metrics().rooms_succeeded == 1);
+  CHECK(pulling_registers.load() >= 1);  // decode said it pulls
   pdlib::SetLogLevel(pdlib::LogLevel::kWarning);
 }
 
