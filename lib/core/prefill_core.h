@@ -128,12 +128,12 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   // Success once every TransferInfo is in, the last chunk is published and every reader
   // reported its reads done.
   void MaybePullSuccess(const std::shared_ptr<Room>& room);
-  // The reader slots of a TransferInfo just appended to room->infos, and the checks that pair
-  // it with what was published before it came; not OK: refuse it.
-  Status AddReader(Room& room, const TransferInfoMsg& info, bool reads)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(room.mu);
+  // The reader slots of a TransferInfo about to be appended to room->infos, and the checks that
+  // pair it with what was published before it came; not OK: refuse it. Holding room.mu.
+  Status AddReader(Room& room, const TransferInfoMsg& info, bool reads);
   // A reader's reads are over (ReadsDone, or its session is gone): false if they were already.
-  bool CloseReader(Room& room, size_t reader, bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(room.mu);
+  // Holding room.mu.
+  bool CloseReader(Room& room, size_t reader, bool ok);
   // Lease expiry and overdue readers of failed rooms; `rooms` are live and lingering rooms.
   void CheckLeases(absl::Time now, const std::vector<std::shared_ptr<Room>>& rooms);
   // Pull's RetirePeer: the session's rooms fail, its reads are over (fenced where the transport
