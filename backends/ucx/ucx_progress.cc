@@ -608,7 +608,10 @@ void UcxTransport::FailPeer(PeerState& peer, const Status& status) {
   for (auto& batch : peer.batches) batch->Fail(peer.failure);
 }
 
-// Closing an endpoint. A healthy one is flushed first, so that the peer has handled every put
+// Closing an endpoint. On the "am" path a healthy one is first cut off at the target (a close
+// message, whose echo says that no message of ours can still be applied: an eager message the
+// target has not handled yet would otherwise land after the batch's callback said it ended).
+// A healthy one is then flushed, so that the peer has handled every put
 // already posted before the connection goes: UCX 1.13 aborts a process that handles an emulated
 // put arriving on an endpoint it has already marked failed (ucp_put_handler cannot send its
 // completion, "Fatal: unexpected error"), which a forced close with puts in flight causes. A
@@ -621,14 +624,27 @@ void UcxTransport::AdvanceClose(PeerState& peer) {
         CloseEndpoint(peer, /*force=*/true);
         return;
       }
-      ucp_request_param_t param{};  // no callback: polled here
-      ucs_status_ptr_t request = ucp_ep_flush_nbx(peer.ep.get(), &param);
-      if (UCS_PTR_IS_PTR(request)) {
-        peer.flush_request = request;
-        peer.close_state = CloseState::kFlushing;
+      if (peer.am && SendClose(peer)) {
+        peer.close_state = CloseState::kCutting;
         return;
       }
-      CloseEndpoint(peer, /*force=*/UCS_PTR_STATUS(request) != UCS_OK);
+      StartFlush(peer);
+      return;
+    }
+    case CloseState::kCutting: {
+      if (!peer.cut && !peer.ep_failed && now_ < peer.close_deadline) return;
+      if (!peer.cut && !peer.ep_failed) {
+        PDLIB_LOG(kWarning,
+                  "ucx: peer %d did not confirm within %d ms that it cut our connection off: a "
+                  "message of ours it has not handled yet may still land",
+                  peer.id, static_cast<int>(kFlushGrace / std::chrono::milliseconds(1)));
+      }
+      if (peer.ep_failed) {
+        CloseEndpoint(peer, /*force=*/true);
+        return;
+      }
+      peer.close_deadline = now_ + kFlushGrace;
+      StartFlush(peer);
       return;
     }
     case CloseState::kFlushing: {
@@ -648,6 +664,85 @@ void UcxTransport::AdvanceClose(PeerState& peer) {
     }
     case CloseState::kClosed: return;
   }
+}
+
+void UcxTransport::StartFlush(PeerState& peer) {
+  ucp_request_param_t param{};  // no callback: polled by AdvanceClose
+  ucs_status_ptr_t request = ucp_ep_flush_nbx(peer.ep.get(), &param);
+  if (UCS_PTR_IS_PTR(request)) {
+    peer.flush_request = request;
+    peer.close_state = CloseState::kFlushing;
+    return;
+  }
+  CloseEndpoint(peer, /*force=*/UCS_PTR_STATUS(request) != UCS_OK);
+}
+
+// False when the message could not be sent (the endpoint failed): then there is nothing to wait
+// for, the connection is closed by force.
+bool UcxTransport::SendClose(PeerState& peer) {
+  // Owned by the send until it completes (UCX may keep the header until then).
+  auto* header = new AmCloseHeader{kAmCloseMagic, 0, peer.target, peer.id};
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+  param.cb.send = [](void* request, ucs_status_t, void* user_data) {
+    delete static_cast<AmCloseHeader*>(user_data);
+    ucp_request_free(request);
+  };
+  param.user_data = header;
+  ucs_status_ptr_t request =
+      ucp_am_send_nbx(peer.ep.get(), kAmCloseId, header, sizeof(*header), nullptr, 0, &param);
+  if (UCS_PTR_IS_PTR(request)) return true;
+  delete header;
+  return UCS_PTR_STATUS(request) == UCS_OK;
+}
+
+// The target's side of a close: the connection is cut off as by a fence (every later message
+// of it is refused), its partly applied batches are forgotten, and the header is echoed.
+ucs_status_t UcxTransport::OnAmClose(void* arg, const void* header, size_t header_length,
+                                     void* /*data*/, size_t /*length*/,
+                                     const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxTransport*>(arg);
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_ERR_UNSUPPORTED;
+  AmCloseHeader h{};
+  if (header_length != sizeof(h)) return UCS_OK;  // not pdlib's: nothing to answer
+  std::memcpy(&h, header, sizeof(h));
+  if (h.magic != kAmCloseMagic) return UCS_OK;
+  if (auto it = self->am_targets_.find(h.target); it != self->am_targets_.end()) {
+    it->second.fenced = true;
+    it->second.batches.clear();
+  }
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) return UCS_OK;
+  auto* echo = new AmCloseHeader{kAmClosedMagic, 0, h.target, h.peer};
+  ucp_request_param_t send{};
+  send.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  send.flags = UCP_AM_SEND_FLAG_EAGER;
+  send.cb.send = [](void* request, ucs_status_t, void* user_data) {
+    delete static_cast<AmCloseHeader*>(user_data);
+    ucp_request_free(request);
+  };
+  send.user_data = echo;
+  ucs_status_ptr_t request =
+      ucp_am_send_nbx(param->reply_ep, kAmClosedId, echo, sizeof(*echo), nullptr, 0, &send);
+  // Done at once, or failed (the initiator is gone: it closes by force, nothing to confirm).
+  if (!UCS_PTR_IS_PTR(request)) delete echo;
+  return UCS_OK;
+}
+
+ucs_status_t UcxTransport::OnAmClosed(void* arg, const void* header, size_t header_length,
+                                      void* /*data*/, size_t /*length*/,
+                                      const ucp_am_recv_param_t* /*param*/) {
+  auto* self = static_cast<UcxTransport*>(arg);
+  AmCloseHeader h{};
+  if (header_length != sizeof(h)) return UCS_OK;
+  std::memcpy(&h, header, sizeof(h));
+  if (h.magic != kAmClosedMagic) return UCS_OK;
+  auto it = self->peer_states_.find(static_cast<spi::PeerId>(h.peer));
+  // Checked against the connection's target too: a peer id is never reused, but be exact.
+  if (it != self->peer_states_.end() && it->second->target == h.target) it->second->cut = true;
+  return UCS_OK;
 }
 
 void UcxTransport::CloseEndpoint(PeerState& peer, bool force) {

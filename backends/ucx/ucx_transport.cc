@@ -111,7 +111,9 @@ Status UcxTransport::Init() {
   for (auto [id, cb] :
        {std::pair{kAmPutId, &UcxTransport::OnAmPut}, std::pair{kAmAckId, &UcxTransport::OnAmAck},
         std::pair{kAmReadId, &UcxTransport::OnAmRead},
-        std::pair{kAmReadReplyId, &UcxTransport::OnAmReadReply}}) {
+        std::pair{kAmReadReplyId, &UcxTransport::OnAmReadReply},
+        std::pair{kAmCloseId, &UcxTransport::OnAmClose},
+        std::pair{kAmClosedId, &UcxTransport::OnAmClosed}}) {
     ucp_am_handler_param_t am{};
     am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                     UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;

@@ -157,8 +157,12 @@ class UcxTransport final : public spi::Transport {
   static constexpr unsigned kAmReadId =
       3;  // AmReadBatchHeader + AmReadRange[], initiator -> target
   static constexpr unsigned kAmReadReplyId = 4;        // AmReadReply + bytes, target -> initiator
+  static constexpr unsigned kAmCloseId = 5;   // AmCloseHeader, initiator -> target
+  static constexpr unsigned kAmClosedId = 6;  // AmCloseHeader echoed, target -> initiator
   static constexpr uint32_t kAmPutMagic = 0x50414450;  // "PDAP"
   static constexpr uint32_t kAmAckMagic = 0x41414450;  // "PDAA"
+  static constexpr uint32_t kAmCloseMagic = 0x43414450;   // "PDAC"
+  static constexpr uint32_t kAmClosedMagic = 0x44414450;  // "PDAD"
   // Batches of one target whose messages are partly applied; more is a misbehaving initiator.
   static constexpr size_t kMaxAmBatchesPerTarget = size_t{1} << 16;
 
@@ -180,6 +184,16 @@ class UcxTransport final : public spi::Transport {
   };
   static_assert(sizeof(AmAckHeader) == 16);
   enum AmStatus : uint32_t { kAmOk = 0, kAmCut = 1, kAmBadAddress = 2, kAmBadMessage = 3 };
+  // An initiator closing a connection on the "am" path: the target cuts the connection off (as a
+  // fence does) and echoes the header. Once the echo is in, no message of the initiator can still
+  // be applied, whatever order the target handled them in.
+  struct AmCloseHeader {
+    uint32_t magic;
+    uint32_t reserved;
+    uint64_t target;  // the target's id for the connection
+    uint64_t peer;    // the initiator's id for it, echoed
+  };
+  static_assert(sizeof(AmCloseHeader) == 24);
 
   // One PostWrites call. Owned by its peer's `batches` list from acceptance to completion. Its
   // parts (`pending`) are the UCX requests not yet completed, plus one while chunks remain to be
@@ -213,7 +227,8 @@ class UcxTransport final : public spi::Transport {
   };
   static_assert(sizeof(RequestContext) <= kRequestContextBytes);
 
-  enum class CloseState { kOpen, kFlushing, kClosing, kClosed };
+  // kCutting: on the "am" path, the close message is sent and its echo awaited (AmCloseHeader).
+  enum class CloseState { kOpen, kCutting, kFlushing, kClosing, kClosed };
 
   // The progress thread's view of one connection.
   struct PeerState {
@@ -231,6 +246,7 @@ class UcxTransport final : public spi::Transport {
     bool ep_failed = false;      // UCX reported the endpoint failed (or it stalled): no flush
     bool disconnecting = false;  // Disconnect asked: erase once drained
     CloseState close_state = CloseState::kOpen;  // advanced by AdvanceClose once failure is set
+    bool cut = false;  // the target echoed our close message: nothing of ours lands any more
     void* flush_request = nullptr;
     void* close_request = nullptr;
     Clock::time_point last_activity;
@@ -280,6 +296,8 @@ class UcxTransport final : public spi::Transport {
   void ReleaseRef(Batch& batch);
   void FailPeer(PeerState& peer, const Status& status);
   void AdvanceClose(PeerState& peer);
+  bool SendClose(PeerState& peer);
+  void StartFlush(PeerState& peer);
   void CloseEndpoint(PeerState& peer, bool force);
   bool ReapPeers(Clock::time_point now);
   void CheckStalls(Clock::time_point now);
@@ -297,6 +315,10 @@ class UcxTransport final : public spi::Transport {
                               size_t length, const ucp_am_recv_param_t* param);
   AmStatus ApplyAmPut(const AmPutHeader& header, const void* data, size_t length, bool* batch_done);
   void SendAmAck(ucp_ep_h reply_ep, uint64_t batch, AmStatus status);
+  static ucs_status_t OnAmClose(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAmClosed(void* arg, const void* header, size_t header_length, void* data,
+                                 size_t length, const ucp_am_recv_param_t* param);
   void ReleaseAck(Batch& batch);
   // "am" reads: the target's side (OnAmRead, AnswerAmRead, SendAmReadReply) and the
   // initiator's (OnAmReadReply, FinishAmRead, DropAmReads).
