@@ -25,6 +25,10 @@ constexpr auto kStallCheckPeriod = std::chrono::milliseconds(100);
 // Closing: how long a healthy endpoint may take to flush the puts already posted, and how long
 // UCX may take to close and to complete the requests it cancels (a backstop: both are prompt).
 constexpr auto kFlushGrace = std::chrono::seconds(2);
+// How long a close waits for the target to confirm that it cut the connection off (inside
+// kFlushGrace). A live target answers within milliseconds; a frozen one never does, and the wait
+// holds up whoever disconnects (the prefill core, under its transport lock), so it is short.
+constexpr auto kCutGrace = std::chrono::milliseconds(500);
 constexpr auto kCloseGrace = std::chrono::seconds(5);
 constexpr int kSleepTimeoutMs = 100;  // wake up anyway for UCX's timers (keepalive) and stalls
 // While writes are outstanding: poll (yielding) this long after the last progress, then sleep in
@@ -626,25 +630,26 @@ void UcxTransport::AdvanceClose(PeerState& peer) {
       }
       if (peer.am && SendClose(peer)) {
         peer.close_state = CloseState::kCutting;
+        peer.cut_deadline = now_ + kCutGrace;
         return;
       }
       StartFlush(peer);
       return;
     }
     case CloseState::kCutting: {
-      if (!peer.cut && !peer.ep_failed && now_ < peer.close_deadline) return;
+      if (!peer.cut && !peer.ep_failed && now_ < peer.cut_deadline) return;
       if (!peer.cut && !peer.ep_failed) {
         PDLIB_LOG(kWarning,
-                  "ucx: peer %d did not confirm within %d ms that it cut our connection off: a "
-                  "message of ours it has not handled yet may still land",
-                  peer.id, static_cast<int>(kFlushGrace / std::chrono::milliseconds(1)));
+                  "ucx: peer %d did not confirm within %d ms that it cut our connection off "
+                  "(frozen or overloaded): a message of ours it has not handled yet may still "
+                  "land",
+                  peer.id, static_cast<int>(kCutGrace / std::chrono::milliseconds(1)));
       }
       if (peer.ep_failed) {
         CloseEndpoint(peer, /*force=*/true);
         return;
       }
-      peer.close_deadline = now_ + kFlushGrace;
-      StartFlush(peer);
+      StartFlush(peer);  // within what is left of kFlushGrace
       return;
     }
     case CloseState::kFlushing: {

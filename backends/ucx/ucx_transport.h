@@ -42,7 +42,11 @@
 //   count, so order does not matter). The initiator completes the batch on that ack. A fence is
 //   a flag the handler checks: after FenceTarget returns, nothing from that initiator is applied
 //   (capabilities().fences). A failed or closed reply endpoint only loses an ack; it cannot
-//   abort the process as UCX's emulated put does.
+//   abort the process as UCX's emulated put does. Closing such a connection (Disconnect, the
+//   destructor) first sends a close message that the target answers after cutting the connection
+//   off as a fence does: once the answer is in, no message of ours can land any more, so the
+//   batches end only then (a target that does not answer within kCutGrace, frozen or gone, is
+//   closed anyway, with a warning).
 // Reads (PostReads, pull) follow the target's choice too (ucx_am_read.h has the wire):
 // - "am", for regions the target did not mark direct: each chunk of a read (at most
 //   ucx.chunk_bytes, paced by a read window, ucx.max_inflight_read_bytes: bytes requested and
@@ -162,7 +166,7 @@ class UcxTransport final : public spi::Transport {
   static constexpr uint32_t kAmPutMagic = 0x50414450;  // "PDAP"
   static constexpr uint32_t kAmAckMagic = 0x41414450;  // "PDAA"
   static constexpr uint32_t kAmCloseMagic = 0x43414450;   // "PDAC"
-  static constexpr uint32_t kAmClosedMagic = 0x44414450;  // "PDAD"
+  static constexpr uint32_t kAmClosedMagic = 0x45414450;  // "PDAE"
   // Batches of one target whose messages are partly applied; more is a misbehaving initiator.
   static constexpr size_t kMaxAmBatchesPerTarget = size_t{1} << 16;
 
@@ -251,6 +255,7 @@ class UcxTransport final : public spi::Transport {
     void* close_request = nullptr;
     Clock::time_point last_activity;
     Clock::time_point close_deadline;
+    Clock::time_point cut_deadline;  // kCutting: when to stop waiting for the target's echo
     std::vector<std::promise<void>> on_erased;
     size_t am_reads = 0;  // entries of am_reads_ for this peer
   };
