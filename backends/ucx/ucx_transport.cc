@@ -30,6 +30,11 @@ constexpr uint32_t kEndpointAm = 1;  // the target takes "am" messages
 // Key payload: flags (4), "am" region id (4; 0 for a direct region), packed rkey.
 constexpr size_t kKeyPrefix = 8;
 constexpr uint32_t kKeyDirect = 1;  // write this region with puts (a peer can map it)
+// How long a fence, and a deregistration, wait for read replies that point into the memory
+// (UcxTransport::WaitForReplies). A reader that takes its replies drains them in milliseconds;
+// the fence's wait holds up the prefill core that retires a reader.
+constexpr auto kFenceReplyGrace = std::chrono::milliseconds(500);
+constexpr auto kDeregisterReplyGrace = std::chrono::seconds(2);
 
 spi::Blob MakeBlob(uint32_t magic, const void* payload, size_t size) {
   spi::Blob blob(kBlobHeader + size);
@@ -247,14 +252,30 @@ Status UcxTransport::DeregisterMemory(spi::LocalRegionId region) {
   }
   if (entry.direct) --direct_regions_;
   // Batches accepted before this point may still use the mapping: it retires behind them.
-  // "am" messages and read requests for the region are refused from now on (replies already
-  // sent carry copies of the bytes, never pointers into the region).
-  return progress_.Run<Status>([&] {
+  // "am" messages and read requests for the region are refused from now on; replies already
+  // handed to UCX point into it, and are waited for (bounded).
+  Status removed = progress_.Run<Status>([&] {
     std::erase_if(am_regions_, [&](const AmRegion& r) { return r.id == entry.am_region; });
     retired_.emplace_back(last_seq_, std::move(memh));
     ReapRetired();
     return Status::OK();
   });
+  if (!removed.ok() || entry.am_region == 0) return removed;
+  const uint32_t id = entry.am_region;
+  if (uint64_t left = WaitForReplies(
+          [&] {
+            auto it = replies_by_region_.find(id);
+            return it == replies_by_region_.end() ? uint64_t{0} : it->second;
+          },
+          kDeregisterReplyGrace);
+      left > 0) {
+    PDLIB_LOG(kError,
+              "ucx: deregistered a region with %d read replies from it still queued after %d ms "
+              "(a reader that does not take them): UCX may read it until they end; free it only "
+              "after the transport is destroyed",
+              left, static_cast<int>(kDeregisterReplyGrace / std::chrono::milliseconds(1)));
+  }
+  return Status::OK();
 }
 
 StatusOr<spi::TargetEndpoint> UcxTransport::CreateTargetEndpoint() {
@@ -308,7 +329,7 @@ Status UcxTransport::FenceTarget(spi::TargetId target) {
         " registered regions are written or read directly by peers (a KV pool UCX allocated "
         "over posix/sysv shared memory, xpmem, or CUDA memory)");
   }
-  return progress_.Run<Status>([&]() -> Status {
+  Status fenced = progress_.Run<Status>([&]() -> Status {
     auto it = am_targets_.find(target);
     if (it == am_targets_.end()) {
       return Status::NotFound("ucx: target " + std::to_string(target) +
@@ -318,6 +339,22 @@ Status UcxTransport::FenceTarget(spi::TargetId target) {
     it->second.batches.clear();
     return Status::OK();
   });
+  if (!fenced.ok()) return fenced;
+  // Read replies sent before the fence point into the regions: the fence holds once they ended.
+  const uint64_t left = WaitForReplies(
+      [&] {
+        auto it = replies_by_target_.find(target);
+        return it == replies_by_target_.end() ? uint64_t{0} : it->second;
+      },
+      kFenceReplyGrace);
+  if (left > 0) {
+    return Status::Unavailable(
+        "ucx: target " + std::to_string(target) + " is cut off, but " + std::to_string(left) +
+        " read replies sent before are still queued after " +
+        std::to_string(kFenceReplyGrace / std::chrono::milliseconds(1)) +
+        " ms (the reader does not take them): they may still read its memory");
+  }
+  return Status::OK();
 }
 
 bool UcxTransport::IsDirectRegion(const spi::MemoryRegion& region, bool ucx_allocated) const {

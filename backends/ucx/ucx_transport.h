@@ -53,9 +53,11 @@
 //   not yet answered) is one range, naming the target's region id (from its key blob), the
 //   address, the length and a cookie; one request message carries a batch's ranges posted
 //   together (up to kMaxAmReadRanges, 16 MiB). The target's handler checks that the connection is
-//   open and not fenced and that each range lies inside its region, copies the bytes out (a
-//   reply UCX sends later must not read a page reused meanwhile) and sends them back in
-//   reply messages of at most ucx.am_chunk_bytes (or one refusal). A reply that cannot be sent is
+//   open and not fenced and that each range lies inside its region and sends the bytes back,
+//   from the region itself, in reply messages of at most ucx.am_chunk_bytes (or one refusal).
+//   UCX may read the region until such a send completes: FenceTarget waits (kFenceReplyGrace)
+//   for the connection's replies still in flight and says so when some remain, and
+//   DeregisterMemory waits (kDeregisterReplyGrace) for the region's. A reply that cannot be sent is
 //   dropped and logged, never fatal: UCX's own emulated gets abort the target when the reader dies
 //   mid-read ("ucp_get_req_handler ... Endpoint timeout"). The initiator copies a reply into
 //   place only while its request is live, its batch and its connection healthy, and the range
@@ -161,8 +163,8 @@ class UcxTransport final : public spi::Transport {
   static constexpr unsigned kAmReadId =
       3;  // AmReadBatchHeader + AmReadRange[], initiator -> target
   static constexpr unsigned kAmReadReplyId = 4;        // AmReadReply + bytes, target -> initiator
-  static constexpr unsigned kAmCloseId = 5;   // AmCloseHeader, initiator -> target
-  static constexpr unsigned kAmClosedId = 6;  // AmCloseHeader echoed, target -> initiator
+  static constexpr unsigned kAmCloseId = 5;            // AmCloseHeader, initiator -> target
+  static constexpr unsigned kAmClosedId = 6;           // AmCloseHeader echoed, target -> initiator
   static constexpr uint32_t kAmPutMagic = 0x50414450;  // "PDAP"
   static constexpr uint32_t kAmAckMagic = 0x41414450;  // "PDAA"
   static constexpr uint32_t kAmCloseMagic = 0x43414450;   // "PDAC"
@@ -332,8 +334,19 @@ class UcxTransport final : public spi::Transport {
   static ucs_status_t OnAmReadReply(void* arg, const void* header, size_t header_length, void* data,
                                     size_t length, const ucp_am_recv_param_t* param);
   void AnswerAmRead(ucp_ep_h reply_ep, const AmReadRequest& request);
-  void SendAmReadReply(ucp_ep_h reply_ep, uint64_t cookie, uint64_t offset, AmStatus status,
-                       const uint8_t* data, size_t length);
+  // Bytes of a reply: sent from the region itself (`data` points into region `region` and
+  // stays readable until UCX completes the send), for connection `target`.
+  struct ReplySource {
+    spi::TargetId target = 0;
+    uint32_t region = 0;
+  };
+  void ReplySent(const ReplySource& source);
+  void NoteReplyFailure(ucs_status_t status);
+  // Off the progress thread: waits until `count` (run on the progress thread) is 0, at most
+  // `grace`; the count left.
+  uint64_t WaitForReplies(const std::function<uint64_t()>& count, Clock::duration grace);
+  void SendAmReadReply(ucp_ep_h reply_ep, const ReplySource& source, uint64_t cookie,
+                       uint64_t offset, AmStatus status, const uint8_t* data, size_t length);
   void FinishAmRead(uint64_t cookie);
   void DropAmReads(PeerState& peer);
   // Whether a region of this kind at this address is written with puts even on the "am" path.
@@ -383,6 +396,10 @@ class UcxTransport final : public spi::Transport {
   // Target: replies UCX has not sent yet. The loop polls while there are any, as it does while
   // batches are outstanding: UCX does not wake an armed worker when a socket drains.
   uint64_t am_replies_in_flight_ = 0;
+  // The same replies by connection and by region: they point into the region (no copy), so a
+  // fence and a deregistration wait for theirs (WaitForReplies).
+  std::unordered_map<spi::TargetId, uint64_t> replies_by_target_;
+  std::unordered_map<uint32_t, uint64_t> replies_by_region_;
   std::unordered_map<uint64_t, Batch*> awaiting_ack_;  // by batch seq
   std::unordered_map<spi::PeerId, std::unique_ptr<PeerState>> peer_states_;
   uint64_t last_seq_ = 0;                // seq of the last accepted batch

@@ -1,7 +1,8 @@
 // A reader killed mid-read must not take the target down (issue #29). This process is the target
 // (prefill in pull): it serves "am" reads over tcp on lo to two reader processes forked before it
 // touches UCX. The first reads in a loop until it is frozen (SIGSTOP) with requests and replies in
-// flight and then killed; the target keeps running (UCX's emulated gets aborted it here,
+// flight (a fence on it then reports, after a bounded wait, that replies sent from the region are
+// still queued) and then killed; the target keeps running (UCX's emulated gets aborted it here,
 // "ucp_get_req_handler ... Endpoint timeout") and then serves the second reader byte for byte.
 // Its own binary: the readers are forked before any UCX state exists in the process.
 #include <signal.h>
@@ -162,14 +163,28 @@ TEST_CASE("ucx am reads over tcp: a reader frozen and killed mid-read leaves the
     SendBlob(fd, ep->blob);
     SendBlob(fd, key);
     WriteAll(fd, &addr, sizeof(addr));
+    return ep->id;
   };
 
-  serve(to_victim);
+  const spi::TargetId victim_target = serve(to_victim);
   char ready = 0;
   REQUIRE(ReadAll(from_victim, &ready, 1));  // it has read the region once and reads on
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   kill(victim, SIGSTOP);  // requests and replies in flight, replies piling up
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  {
+    // Replies go out of the region itself (no copy): a fence holds only once those sent before
+    // it have ended, and the frozen reader takes none, so the fence says that it does not hold
+    // yet, after waiting a bounded time, instead of claiming a cut that UCX could still cross.
+    const auto start = std::chrono::steady_clock::now();
+    Status fenced = (*target)->FenceTarget(victim_target);
+    const auto waited = std::chrono::steady_clock::now() - start;
+    INFO(fenced.ToString());
+    CHECK(fenced.code() == pdlib::StatusCode::kUnavailable);
+    CHECK(fenced.message().find("still queued") != std::string::npos);
+    CHECK(waited >= std::chrono::milliseconds(400));
+    CHECK(waited < std::chrono::seconds(10));
+  }
   kill(victim, SIGKILL);
   int status = 0;
   REQUIRE(waitpid(victim, &status, 0) == victim);
@@ -177,8 +192,10 @@ TEST_CASE("ucx am reads over tcp: a reader frozen and killed mid-read leaves the
   // The target's progress thread meets the dead reader's endpoint (its replies fail) meanwhile.
   std::this_thread::sleep_for(std::chrono::seconds(2));
 
-  serve(to_reader);
+  const spi::TargetId reader_target = serve(to_reader);
   CHECK(WaitExit(reader, std::chrono::seconds(120)) == 0);
+  // A reader that took all its replies: the fence holds at once.
+  CHECK((*target)->FenceTarget(reader_target).ok());
   target->reset();
   for (int fd : {to_victim, from_victim, to_reader, from_reader}) close(fd);
 }
