@@ -479,7 +479,8 @@ class _Receiving:
     receiver: Any
     local_block_ids: List[int]
     started: float
-    aborted: bool = False
+    aborted: bool = False  # vLLM finished the request while it loaded
+    abort_sent: bool = False
 
 
 class _Worker:
@@ -506,6 +507,7 @@ class _Worker:
         self.description: Optional[KVCacheDescription] = None
         self._sending: Dict[str, Any] = {}
         self._send_failed_now: Set[str] = set()
+        self._failed_senders: List[Tuple[float, Any]] = []  # (close at, sender), in order
         self._recving: Dict[str, _Receiving] = {}
         self._releasing: List[Any] = []
         self._invalid: Set[int] = set()
@@ -637,10 +639,17 @@ class _Worker:
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         # Requests vLLM finished (aborted) while their load ran: stop reading. vLLM keeps their
         # blocks until they are reported received, which happens once pdlib frees them.
+        # pdlib tells prefill of an abort only once the receiver is bound to it, so one still
+        # Bootstrapping is aborted when it leaves that state (prefill then frees its blocks at
+        # once instead of at the lease).
         for req_id in finished_req_ids:
             r = self._recving.get(req_id)
-            if r is not None and r.receiver is not None and not r.aborted:
+            if r is not None and r.receiver is not None:
                 r.aborted = True
+        for r in self._recving.values():
+            if r.aborted and not r.abort_sent and \
+                    r.receiver.poll() != pdlib.KVPoll.Bootstrapping:
+                r.abort_sent = True
                 r.receiver.abort("the request was finished by vLLM")
         done_recving: Set[str] = set()
         for req_id, r in list(self._recving.items()):
@@ -666,16 +675,23 @@ class _Worker:
             del self._recving[req_id]
         done_sending: Set[str] = set(self._send_failed_now)
         self._send_failed_now.clear()
+        now = time.monotonic()
         for req_id, sender in list(self._sending.items()):
             state = sender.poll()
             if state == pdlib.KVPoll.Failed and sender.pages_reusable():
                 logger.warning("pdlib.vllm: request %s: its blocks are freed without decode "
                                "having read them: %s", req_id, sender.failure_reason())
-            elif state != pdlib.KVPoll.Success:
+                # Kept (failed, holding nothing) for another lease, so that a decode that comes
+                # late is told why at once instead of waiting for a room nobody serves.
+                self._failed_senders.append((now + self.settings.pull_lease, sender))
+            elif state == pdlib.KVPoll.Success:
+                sender.close()
+            else:
                 continue
-            sender.close()
             done_sending.add(req_id)
             del self._sending[req_id]
+        while self._failed_senders and self._failed_senders[0][0] <= now:
+            self._failed_senders.pop(0)[1].close()
         still = []
         for receiver in self._releasing:
             if receiver.poll().is_terminal:

@@ -249,6 +249,26 @@ def test_abort_before_decode_scheduled_frees_prefill_at_once(pairs):
     assert pair.decode.stats()["decode_bytes"] == 0
 
 
+def test_abort_while_loading_keeps_decode_blocks_until_pdlib_frees_them(pairs):
+    pair = pairs("flash_attn", 1, 1, lease=1.0)
+    prompt = prompt_of(9, 6)
+    params = pair.prefill_request("stuck", prompt)
+    pair.prefill.proc.send_signal(signal.SIGSTOP)  # prefill (and its bootstrap server) frozen
+    try:
+        pair.decode_request("stuck", prompt, params)
+        time.sleep(0.5)  # decode scheduled it: WAITING_FOR_REMOTE_KVS, its receiver looking up
+        pair.decode.send({"op": "abort", "id": "stuck"})
+        assert pair.decode.event("finished", "stuck")["status"] == "FINISHED_ABORTED"
+        # vLLM holds the blocks of a request aborted while loading until the workers report it
+        # received; they do once pdlib says nothing can land in them any more.
+        freed = pair.decode.event("freed", "stuck", timeout=20)
+        assert freed["side"] == "decode"
+        pair.decode.no_event("received", "stuck", 0.3)
+    finally:
+        pair.prefill.proc.send_signal(signal.SIGCONT)
+    pair.prefill.event("freed", "stuck", timeout=20)  # prefill's lease: no decode bound
+
+
 def test_killed_prefill_reports_load_errors_and_decode_recomputes(pairs):
     pair = pairs("flash_attn", 1, 1)
     prompt = prompt_of(10, 5)
