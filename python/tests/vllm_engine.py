@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import select
 import sys
 import time
@@ -86,21 +87,41 @@ class Worker:
         self.caches: Dict[str, torch.Tensor] = {}
         nb, bs, h, d = c["num_blocks"], self.block_size, len(self.heads), c["head_dim"]
         hnd = engine.required_layout == "HND"
+        per_layer = (nb * bs * d if self.layout == "mla" else 2 * nb * bs * h * d)
+        self.pool = None
+        if c.get("pool_mode"):
+            # Benchmark: the cache in one UCX-allocated pool, as pdlib-transfer-bench's default
+            # --pool-alloc (UCX shm then copies into it directly; malloc'd memory needs a
+            # syscall per read). vLLM's own cache is GPU memory.
+            import pdlib
+            mode = pdlib.Mode.Prefill if c["pool_mode"] == "prefill" else pdlib.Mode.Decode
+            self.pool = pdlib.allocate_kv_pool("ucx", per_layer * self.layers * 2,
+                                               pdlib.MemoryKind.Host,
+                                               c["extra"]["backend_options"], mode)
+            flat = torch.frombuffer(self.pool.view(), dtype=torch.float16)
+
+        def zeros(shape: Tuple[int, ...], layer: int) -> torch.Tensor:
+            if self.pool is None:
+                return torch.zeros(shape, dtype=torch.float16)
+            return flat[layer * per_layer:(layer + 1) * per_layer].view(shape)
+
         for layer in range(self.layers):
             name = f"model.layers.{layer}.self_attn.attn"
             # As the attention backends build them: the logical shape, physically permuted by
             # the stride order of the layout (HND swaps block_size and heads).
             if self.layout == "flash_attn":
-                raw = torch.zeros((2, nb, h, bs, d) if hnd else (2, nb, bs, h, d),
-                                  dtype=torch.float16)
+                raw = zeros((2, nb, h, bs, d) if hnd else (2, nb, bs, h, d), layer)
                 t = raw.permute(0, 1, 3, 2, 4) if hnd else raw
             elif self.layout == "flashinfer":
-                raw = torch.zeros((nb, 2, h, bs, d) if hnd else (nb, 2, bs, h, d),
-                                  dtype=torch.float16)
+                raw = zeros((nb, 2, h, bs, d) if hnd else (nb, 2, bs, h, d), layer)
                 t = raw.permute(0, 1, 3, 2, 4) if hnd else raw
             else:
-                t = torch.zeros((nb, bs, d), dtype=torch.float16)
+                t = zeros((nb, bs, d), layer)
             self.caches[name] = t
+        self.model = c.get("model", True)
+        if not self.model:  # benchmark: no model, the blocks hold random bytes
+            for t in self.caches.values():
+                t.uniform_(-1, 1)
         self.connector.register_kv_caches(self.caches)
 
     def _slot(self, name: str, kv: int, block: int, offset: int) -> torch.Tensor:
@@ -112,6 +133,8 @@ class Worker:
         return t[block, offset]
 
     def write(self, salt: int, tokens: List[int], blocks: List[int], start: int, n: int) -> None:
+        if not self.model:
+            return
         for name in self.caches:
             self.connector.wait_for_layer_load(name)
             layer = list(self.caches).index(name)
@@ -147,6 +170,7 @@ class Engine:
     def __init__(self, cfg: Dict[str, Any]) -> None:
         self.cfg = cfg
         self.salt = cfg["salt"]
+        self.enable_prefix_caching = cfg.get("enable_prefix_caching", True)
         self.block_size = cfg["block_size"]
         self.vllm_config = VllmConfig(
             model_config=ModelConfig(model="pdlib-test-model", total_num_kv_heads=cfg["heads"],
@@ -178,6 +202,8 @@ class Engine:
             self.connector.set_xfer_handshake_metadata(metadata)
         # Scheduler state (block 0 is vLLM's null block, never handed out).
         self.free_blocks: List[int] = list(range(1, cfg["num_blocks"]))
+        if cfg.get("scatter_blocks"):  # a pool after churn: a request's blocks far apart
+            random.Random(self.salt).shuffle(self.free_blocks)
         self.cached: Dict[Tuple[int, ...], KVCacheBlock] = {}
         self.req_blocks: Dict[str, List[KVCacheBlock]] = {}
         self.requests: Dict[str, Request] = {}
@@ -202,6 +228,8 @@ class Engine:
         return True
 
     def _lookup(self, req: Request) -> Tuple[List[KVCacheBlock], int]:
+        if not self.enable_prefix_caching:
+            return [], 0
         tokens = req._all_token_ids
         hit: List[KVCacheBlock] = []
         for i in range((req.num_tokens - 1) // self.block_size):
@@ -212,6 +240,8 @@ class Engine:
         return hit, len(hit) * self.block_size
 
     def _cache_blocks(self, req: Request, num_tokens: int) -> None:
+        if not self.enable_prefix_caching:
+            return
         for i, block in enumerate(self.req_blocks[req.request_id][:num_tokens // self.block_size]):
             key = tuple(req._all_token_ids[:(i + 1) * self.block_size])
             if block.block_hash is None and key not in self.cached:
@@ -390,13 +420,13 @@ class Engine:
         hit = self.hit_tokens[req.request_id]
         tokens = req._all_token_ids
         checked = wrong = kept_checked = kept_wrong = 0
-        for w in self.workers:
+        for w in (self.workers if self.cfg.get("model", True) else []):
             c, bad = w.check(self.cfg["remote_salt"], tokens, blocks, hit, req.num_prompt_tokens,
                              set(invalid))
             checked, wrong = checked + c, wrong + bad
             c, bad = w.check(self.salt, tokens, blocks, 0, hit, set())
             kept_checked, kept_wrong = kept_checked + c, kept_wrong + bad
-        return {"event": "received", "id": req.request_id, "blocks": blocks, "hit_tokens": hit,
+        return {"event": "received", "id": req.request_id, "t": time.monotonic(), "blocks": blocks, "hit_tokens": hit,
                 "invalid": sorted(b for b in invalid if b in blocks), "bytes_checked": checked,
                 "bytes_wrong": wrong, "prefix_bytes_checked": kept_checked,
                 "prefix_bytes_wrong": kept_wrong}
@@ -437,15 +467,43 @@ class Engine:
                         target.add(req_id)
         return merged
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One engine-core step; True when it did anything (scheduled or finished work)."""
         out, ranges = self.schedule()
         kvo = self.execute(out, ranges)
         self.update_from_output(out, kvo)
+        return bool(ranges or kvo.finished_sending or kvo.finished_recving)
 
     def shutdown(self) -> None:
         self.connector.shutdown()
         for w in self.workers:
             w.connector.shutdown()
+
+
+class Backoff:
+    """The loop's idle wait, like pdlib-transfer-bench's drivers (bench_ranks.cc, Idler) but
+    with fewer yields, since each pass here is a whole engine step (~100 us of Python), not one
+    poll: a pass that changed nothing yields twice, then sleeps 20 us doubling up to 1 ms; a pass
+    that did resets it. On a GPU vLLM steps back to back; here a busy loop would take the CPU
+    that pdlib's progress threads copy with (2 cores)."""
+
+    def __init__(self) -> None:
+        self.delay, self.idle = 20e-6, 0
+        try:  # prctl(PR_SET_TIMERSLACK, 1 us): short sleeps stay short
+            import ctypes
+            ctypes.CDLL(None).prctl(29, ctypes.c_ulong(1000), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+    def wait(self, progressed: bool) -> None:
+        if progressed:
+            self.delay, self.idle = 20e-6, 0
+        elif self.idle < 2:
+            self.idle += 1
+            os.sched_yield()
+        else:
+            time.sleep(self.delay)
+            self.delay = min(self.delay * 2, 1e-3)
 
 
 def main() -> None:
@@ -457,8 +515,9 @@ def main() -> None:
         return
     print(json.dumps({"event": "ready", "free_blocks": engine.num_free_blocks()}), flush=True)
     buf = b""
+    idle = Backoff()
     while True:
-        ready, _, _ = select.select([sys.stdin], [], [], 0.002)
+        ready, _, _ = select.select([sys.stdin], [], [], 0)
         if ready:
             chunk = os.read(sys.stdin.fileno(), 65536)
             if not chunk:
@@ -487,15 +546,15 @@ def main() -> None:
                                           "requests": sorted(engine.requests),
                                           "decode_bytes": decode})
         try:
-            engine.step()
+            progressed = engine.step()
         except Exception:
             print(json.dumps({"event": "error", "error": traceback.format_exc()}), flush=True)
             return
         for event in engine.events:
             print(json.dumps(event), flush=True)
+        progressed = progressed or bool(engine.events)
         engine.events.clear()
-        if not ready:
-            time.sleep(0.001)
+        idle.wait(bool(ready) or progressed)
 
 
 if __name__ == "__main__":
