@@ -249,7 +249,8 @@ class _Scheduler:
     thread-safe: vLLM calls it from the engine core's thread only."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: _Settings,
-                 producer: bool) -> None:
+                 producer: bool, consumer: bool) -> None:
+        self.producer, self.consumer = producer, consumer
         self.block_size = int(vllm_config.cache_config.block_size)
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
@@ -270,8 +271,8 @@ class _Scheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> Tuple[int, bool]:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
-            return 0, False
+        if not params or not params.get("do_remote_prefill") or not self.consumer:
+            return 0, False  # (kv_producer: logged once by update_state_after_alloc)
         try:
             _parse_remote(params, self.block_size)
         except ValueError as e:
@@ -287,6 +288,11 @@ class _Scheduler:
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
+        if not self.consumer:
+            logger.error("pdlib.vllm: request %s has do_remote_prefill, but this engine's "
+                         "kv_role is kv_producer: its prompt is computed here",
+                         request.request_id)
+            return
         try:
             remote = _parse_remote(params, self.block_size)
         except ValueError as e:
@@ -331,6 +337,10 @@ class _Scheduler:
                                                          remote.num_blocks, release_only=True)
             return False, None
         if not params.get("do_remote_decode"):
+            return False, None
+        if not self.producer:
+            logger.error("pdlib.vllm: request %s has do_remote_decode, but this engine's kv_role "
+                         "is kv_consumer: nothing is handed over", request.request_id)
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                   RequestStatus.FINISHED_STOPPED) or not block_ids:
@@ -747,7 +757,8 @@ class PdlibConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler: Optional[_Scheduler] = None
         self._worker: Optional[_Worker] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _Scheduler(vllm_config, kv_cache_config, settings, producer)
+            self._scheduler = _Scheduler(vllm_config, kv_cache_config, settings, producer,
+                                         consumer)
         elif role == KVConnectorRole.WORKER:
             self._worker = _Worker(vllm_config, kv_cache_config, settings, producer, consumer)
         else:

@@ -116,9 +116,10 @@ def engine_cfg(layout: str, tp: int, salt: int, port: int, lease: float = 30.0,
 
 class Pair:
     def __init__(self, layout: str, prefill_tp: int, decode_tp: int, lease: float = 30.0,
-                 decode_over: Optional[Dict[str, Any]] = None) -> None:
+                 decode_over: Optional[Dict[str, Any]] = None,
+                 prefill_over: Optional[Dict[str, Any]] = None) -> None:
         self.prefill = EngineProc(engine_cfg(layout, prefill_tp, PREFILL_SALT, free_port(),
-                                             lease))
+                                             lease, **(prefill_over or {})))
         self.decode = EngineProc(engine_cfg(layout, decode_tp, DECODE_SALT, free_port(), lease,
                                             **(decode_over or {})))
         for e in (self.prefill, self.decode):
@@ -305,6 +306,23 @@ def test_flashinfer_unequal_tp_fails_the_load_with_pdlibs_reason(pairs):
     got = pair.decode.event("received", "fi", timeout=20)
     assert got["invalid"] == got["blocks"]
     assert pair.decode.event("finished", "fi")["output_len"] == 2
+
+
+def test_producer_and_consumer_roles(pairs):
+    pair = pairs("flash_attn", 1, 1, prefill_over={"kv_role": "kv_producer"},
+                 decode_over={"kv_role": "kv_consumer"})
+    prompt = prompt_of(11, 12)
+    got = transfer(pair, "roles", prompt)
+    assert got["bytes_wrong"] == 0 and got["bytes_checked"] == loaded_bytes(11)
+    # A consumer hands nothing over; a producer loads nothing: both compute, nothing is held.
+    pair.decode.send({"op": "add", "id": "d-as-p", "prompt": prompt, "max_tokens": 1,
+                      "kv_transfer_params": {"do_remote_decode": True}})
+    assert pair.decode.event("finished", "d-as-p")["kv_transfer_params"] is None
+    params = pair.prefill_request("p", prompt)
+    pair.prefill.send({"op": "add", "id": "p-as-d", "prompt": prompt, "max_tokens": 2,
+                       "kv_transfer_params": params})
+    assert pair.prefill.event("finished", "p-as-d")["output_len"] == 2
+    pair.prefill.no_event("received", "p-as-d", 0.3)
 
 
 def test_block_size_mismatch_is_computed_locally(pairs):
