@@ -127,7 +127,8 @@ class _Settings:
             raise _ConfigError(f"pdlib.vllm: backend must be a backend name, got {backend!r}")
         options = extra.get("backend_options", {})
         if not isinstance(options, dict) or not all(
-                isinstance(k, str) and isinstance(v, (str, int, float)) for k, v in options.items()):
+                isinstance(k, str) and isinstance(v, (str, int, float))
+                for k, v in options.items()):
             raise _ConfigError(
                 f"pdlib.vllm: backend_options must be a dict of str to str, got {options!r}")
         host = extra.get("bootstrap_host") or os.environ.get("VLLM_HOST_IP") or _local_ip("")

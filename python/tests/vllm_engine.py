@@ -426,7 +426,8 @@ class Engine:
             checked, wrong = checked + c, wrong + bad
             c, bad = w.check(self.salt, tokens, blocks, 0, hit, set())
             kept_checked, kept_wrong = kept_checked + c, kept_wrong + bad
-        return {"event": "received", "id": req.request_id, "t": time.monotonic(), "blocks": blocks, "hit_tokens": hit,
+        return {"event": "received", "id": req.request_id, "t": time.monotonic(),
+                "blocks": blocks, "hit_tokens": hit,
                 "invalid": sorted(b for b in invalid if b in blocks), "bytes_checked": checked,
                 "bytes_wrong": wrong, "prefix_bytes_checked": kept_checked,
                 "prefix_bytes_wrong": kept_wrong}
