@@ -82,7 +82,7 @@ _EXTRA_KEYS = {
     "backend_options": "dict of backend options, e.g. {'ucx.tls': 'rc'}",
     "bootstrap_host": "the address decode reaches prefill's bootstrap server at",
     "bootstrap_port": "prefill's bootstrap port (plus the DP rank); default 8998",
-    "listen_host": "where a prefill worker's control endpoint listens; default bootstrap_host",
+    "listen_host": "where a prefill worker's control endpoint listens; default its own host",
     "pull_lease": "seconds prefill holds published blocks without word from decode; default 480",
     "liveness_timeout": "seconds before a silent peer fails its requests; default 5",
     "connect_timeout": "seconds decode retries bootstrap lookups and connects; default 5",
@@ -137,7 +137,11 @@ class _Settings:
                 not 0 < port + dp_rank < 65536:
             raise _ConfigError(
                 f"pdlib.vllm: bootstrap_port {port!r} (+ DP rank {dp_rank}) is not a port")
-        listen = extra.get("listen_host", host)
+        # A worker listens on its own host's address (VLLM_HOST_IP is set per node), which is
+        # the bootstrap host's when that is loopback (one machine).
+        listen = extra.get("listen_host") or (
+            host if host.startswith("127.") or host in ("localhost", "::1") else
+            os.environ.get("VLLM_HOST_IP") or _local_ip(host))
         for name, value in (("bootstrap_host", host), ("listen_host", listen)):
             if not isinstance(value, str) or not value:
                 raise _ConfigError(f"pdlib.vllm: {name} must be a host name, got {value!r}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import select
 import sys
@@ -439,7 +440,8 @@ class Engine:
         per_worker = []
         for w in self.workers:
             c = w.connector
-            c.bind_connector_metadata(out.kv_connector_metadata)
+            # The executor sends each worker the SchedulerOutput pickled (multiproc executor).
+            c.bind_connector_metadata(pickle.loads(pickle.dumps(out.kv_connector_metadata)))
             c.start_load_kv(None)
             for req_id, (start, n) in ranges.items():
                 req = self.requests[req_id]
