@@ -335,6 +335,18 @@ def test_producer_and_consumer_roles(pairs):
     pair.prefill.no_event("received", "p-as-d", 0.3)
 
 
+def test_incompatible_model_fails_the_load_and_decode_recomputes(pairs):
+    # pdlib's registration compares the fingerprint (head size here): prefill refuses decode.
+    pair = pairs("flash_attn", 1, 1, decode_over={"head_dim": 2 * DIM})
+    prompt = prompt_of(6, 55)
+    params = pair.prefill_request("fp", prompt)
+    pair.decode_request("fp", prompt, params)
+    got = pair.decode.event("received", "fp", timeout=20)
+    assert got["invalid"] == got["blocks"] and got["bytes_wrong"] == 0
+    assert pair.decode.event("finished", "fp")["output_len"] == 2
+    assert pair.decode.stats()["decode_bytes"] == 0
+
+
 def test_block_size_mismatch_is_computed_locally(shared):
     pair = shared
     prompt = prompt_of(8, 44)
