@@ -214,11 +214,13 @@ class _Remote:
     room: int
     bootstrap: str
     num_blocks: int
+    block_size_error: Optional[str] = None  # set: nothing can be read, only released
 
 
 def _parse_remote(params: Dict[str, Any], block_size: int) -> _Remote:
     """The parameters prefill's request_finished returned, as the router passed them on; every
-    field checked (they crossed two processes and an HTTP router)."""
+    field checked (they crossed two processes and an HTTP router). A block size other than
+    decode's is not an error here: the room can still be released."""
 
     def need(key: str) -> Any:
         if key not in params:
@@ -239,10 +241,11 @@ def _parse_remote(params: Dict[str, Any], block_size: int) -> _Remote:
         raise ValueError("kv_transfer_params remote_block_ids must be a non-empty list of "
                          "block ids")
     remote_block_size = need(_BLOCK_SIZE_KEY)
+    error = None
     if remote_block_size != block_size:
-        raise ValueError(f"prefill's block size {remote_block_size!r} differs from decode's "
-                         f"{block_size}: not supported (run both with the same --block-size)")
-    return _Remote(room, pdlib_join(host, port), len(blocks))
+        error = (f"prefill's block size {remote_block_size!r} differs from decode's "
+                 f"{block_size}: not supported (run both with the same --block-size)")
+    return _Remote(room, pdlib_join(host, port), len(blocks), error)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,10 +282,9 @@ class _Scheduler:
         if not params or not params.get("do_remote_prefill") or not self.consumer:
             return 0, False  # (kv_producer: logged once by update_state_after_alloc)
         try:
-            _parse_remote(params, self.block_size)
-        except ValueError as e:
-            # Computed here instead (no side effects: update_state_after_alloc logs it once).
-            logger.debug("pdlib.vllm: request %s: %s", request.request_id, e)
+            if _parse_remote(params, self.block_size).block_size_error is not None:
+                return 0, False  # computed here (update_state_after_alloc logs why, once)
+        except ValueError:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -304,8 +306,12 @@ class _Scheduler:
             logger.error("pdlib.vllm: request %s computes its prompt locally: %s",
                          request.request_id, e)
             return
-        if num_external_tokens <= 0:
-            # Decode holds the whole prompt: read nothing, let prefill free its blocks.
+        if remote.block_size_error is not None:
+            logger.error("pdlib.vllm: request %s computes its prompt locally: %s",
+                         request.request_id, remote.block_size_error)
+        if num_external_tokens <= 0 or remote.block_size_error is not None:
+            # Nothing to read (decode holds the whole prompt, or cannot use prefill's blocks):
+            # only let prefill free its blocks now rather than at the lease.
             self._to_recv[request.request_id] = _RecvReq(remote.room, remote.bootstrap, [],
                                                          remote.num_blocks, release_only=True)
             return
@@ -622,7 +628,9 @@ class _Worker:
         if recv.error is not None:
             logger.error("pdlib.vllm: request %s (room %d): %s", req_id, recv.room, recv.error)
             self._fail_now(req_id, recv.local_block_ids)
-            return
+            recv = _RecvReq(recv.room, recv.bootstrap, [], recv.remote_num_blocks,
+                            release_only=True)  # and let prefill free its blocks
+            req_id = f"{req_id} (release)"
         prefix_blocks = recv.remote_num_blocks - len(recv.local_block_ids)
         try:
             receiver = self.decode.create_receiver(recv.bootstrap, recv.room)

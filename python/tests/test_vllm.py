@@ -356,6 +356,7 @@ def test_block_size_mismatch_is_computed_locally(shared):
     done = pair.decode.event("finished", "bs")
     assert done["output_len"] == 2
     pair.decode.no_event("received", "bs", 0.3)
+    pair.prefill.event("freed", "bs", timeout=10)  # released at once (the lease is 30 s)
 
 
 def test_unknown_extra_config_key_is_refused_naming_it():
@@ -443,9 +444,12 @@ def test_remote_params_are_validated(connector_module):
         ("pdlib_room", -1, "not a room id"), ("pdlib_room", True, "not a room id"),
         ("remote_port", 70000, "not an address"), ("remote_host", "", "not an address"),
         ("remote_block_ids", [], "non-empty list"), ("remote_block_ids", [1, -2], "non-empty"),
-        ("remote_block_ids", "12", "non-empty"), ("pdlib_block_size", 32, "block size 32"),
+        ("remote_block_ids", "12", "non-empty"),
     ]:
         with pytest.raises(ValueError, match=says):
             parse(dict(good, **{key: bad}), 16)
+    # Another block size: not readable, but the room can still be released.
+    assert "prefill's block size 32 differs from decode's 16" in \
+        parse(dict(good, pdlib_block_size=32), 16).block_size_error
     with pytest.raises(ValueError, match="lack 'pdlib_room'"):
         parse({k: v for k, v in good.items() if k != "pdlib_room"}, 16)
