@@ -30,6 +30,26 @@ constexpr auto kFlushGrace = std::chrono::seconds(2);
 // kFlushGrace). A live target answers within milliseconds; a frozen one never does, and the wait
 // holds up whoever disconnects (the prefill core, under its transport lock), so it is short.
 constexpr auto kCutGrace = std::chrono::milliseconds(500);
+
+// Sends a header-only eager active message. The header is copied to the heap, owned by the send
+// until UCX completes it. False when the send failed at once (the peer is gone or failed).
+template <typename Header>
+bool SendHeaderOnly(ucp_ep_h ep, unsigned id, const Header& header, uint32_t flags) {
+  auto* owned = new Header(header);
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = flags;
+  param.cb.send = [](void* request, ucs_status_t, void* user_data) {
+    delete static_cast<Header*>(user_data);
+    ucp_request_free(request);
+  };
+  param.user_data = owned;
+  ucs_status_ptr_t request = ucp_am_send_nbx(ep, id, owned, sizeof(Header), nullptr, 0, &param);
+  if (UCS_PTR_IS_PTR(request)) return true;
+  delete owned;
+  return UCS_PTR_STATUS(request) == UCS_OK;
+}
 constexpr auto kCloseGrace = std::chrono::seconds(5);
 constexpr int kSleepTimeoutMs = 100;  // wake up anyway for UCX's timers (keepalive) and stalls
 // While writes are outstanding: poll (yielding) this long after the last progress, then sleep in
@@ -398,21 +418,9 @@ UcxTransport::AmStatus UcxTransport::ApplyAmPut(const AmPutHeader& h, const void
 }
 
 void UcxTransport::SendAmAck(ucp_ep_h reply_ep, uint64_t batch, AmStatus status) {
-  // Owned by the send until it completes (UCX may keep the header until then).
-  auto* ack = new AmAckHeader{kAmAckMagic, status, batch};
-  ucp_request_param_t param{};
-  param.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = UCP_AM_SEND_FLAG_EAGER;
-  param.cb.send = [](void* request, ucs_status_t, void* user_data) {
-    delete static_cast<AmAckHeader*>(user_data);
-    ucp_request_free(request);
-  };
-  param.user_data = ack;
-  ucs_status_ptr_t request =
-      ucp_am_send_nbx(reply_ep, kAmAckId, ack, sizeof(*ack), nullptr, 0, &param);
-  // Done at once, or failed (the initiator is gone or its endpoint failed: the ack is moot).
-  if (!UCS_PTR_IS_PTR(request)) delete ack;
+  // A failed send means the initiator is gone or its endpoint failed: the ack is moot.
+  SendHeaderOnly(reply_ep, kAmAckId, AmAckHeader{kAmAckMagic, status, batch},
+                 UCP_AM_SEND_FLAG_EAGER);
 }
 
 ucs_status_t UcxTransport::OnAmAck(void* arg, const void* header, size_t header_length, void* data,
@@ -720,25 +728,12 @@ void UcxTransport::StartFlush(PeerState& peer) {
   CloseEndpoint(peer, /*force=*/UCS_PTR_STATUS(request) != UCS_OK);
 }
 
-// False when the message could not be sent (the endpoint failed): then there is nothing to wait
-// for, the connection is closed by force.
+// False when the message could not be sent (the endpoint failed): there is no echo to wait for,
+// and the close goes on with the flush.
 bool UcxTransport::SendClose(PeerState& peer) {
-  // Owned by the send until it completes (UCX may keep the header until then).
-  auto* header = new AmCloseHeader{kAmCloseMagic, 0, peer.target, peer.id};
-  ucp_request_param_t param{};
-  param.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-  param.cb.send = [](void* request, ucs_status_t, void* user_data) {
-    delete static_cast<AmCloseHeader*>(user_data);
-    ucp_request_free(request);
-  };
-  param.user_data = header;
-  ucs_status_ptr_t request =
-      ucp_am_send_nbx(peer.ep.get(), kAmCloseId, header, sizeof(*header), nullptr, 0, &param);
-  if (UCS_PTR_IS_PTR(request)) return true;
-  delete header;
-  return UCS_PTR_STATUS(request) == UCS_OK;
+  return SendHeaderOnly(peer.ep.get(), kAmCloseId,
+                        AmCloseHeader{kAmCloseMagic, 0, peer.target, peer.id},
+                        UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER);
 }
 
 // The target's side of a close: the connection is cut off as by a fence (every later message
@@ -757,20 +752,9 @@ ucs_status_t UcxTransport::OnAmClose(void* arg, const void* header, size_t heade
     it->second.batches.clear();
   }
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) return UCS_OK;
-  auto* echo = new AmCloseHeader{kAmClosedMagic, 0, h.target, h.peer};
-  ucp_request_param_t send{};
-  send.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  send.flags = UCP_AM_SEND_FLAG_EAGER;
-  send.cb.send = [](void* request, ucs_status_t, void* user_data) {
-    delete static_cast<AmCloseHeader*>(user_data);
-    ucp_request_free(request);
-  };
-  send.user_data = echo;
-  ucs_status_ptr_t request =
-      ucp_am_send_nbx(param->reply_ep, kAmClosedId, echo, sizeof(*echo), nullptr, 0, &send);
-  // Done at once, or failed (the initiator is gone: it closes by force, nothing to confirm).
-  if (!UCS_PTR_IS_PTR(request)) delete echo;
+  // A failed send means the initiator is gone: it closes by force, nothing to confirm.
+  SendHeaderOnly(param->reply_ep, kAmClosedId, AmCloseHeader{kAmClosedMagic, 0, h.target, h.peer},
+                 UCP_AM_SEND_FLAG_EAGER);
   return UCS_OK;
 }
 

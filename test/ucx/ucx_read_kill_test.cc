@@ -31,9 +31,12 @@ constexpr uint64_t kPage = 32768;
 
 uint8_t Pattern(size_t i) { return static_cast<uint8_t>((i * 131) ^ (i >> 13)); }
 
-spi::TransportOptions Tcp(pdlib::TransferDirection direction) {
+spi::TransportOptions Tcp(pdlib::TransferDirection direction, bool deep = false) {
   spi::TransportOptions options;
   options.options = {{"ucx.tls", "tcp"}, {"ucx.net_devices", "lo"}};
+  // A read window deeper than the sockets' buffers (a few MiB on lo): a reader frozen mid-read
+  // then always leaves replies queued at the target, not only in the kernel.
+  if (deep) options.options["ucx.max_inflight_read_bytes"] = std::to_string(size_t{256} << 20);
   options.direction = direction;
   return options;
 }
@@ -81,7 +84,7 @@ int Reader(int in, int status, bool loop) {
   if (!ReceiveBlob(in, &endpoint) || !ReceiveBlob(in, &key) || !ReadAll(in, &addr, sizeof(addr))) {
     return 10;
   }
-  auto transport = spi::CreateTransport("ucx", Tcp(pdlib::TransferDirection::kPull));
+  auto transport = spi::CreateTransport("ucx", Tcp(pdlib::TransferDirection::kPull, loop));
   if (!transport.ok()) return 11;
   spi::Transport& t = **transport;
   auto conn = t.Connect(endpoint);
