@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "tools/common/flags.h"
+#include "tools/netns/netns_plan.h"
 
 ABSL_FLAG(std::string, backend, "fake", "transport backend: fake (moves no bytes), ucx, ...");
 ABSL_FLAG(pdlib_tools::Repeated, backend_option, {},
@@ -90,6 +91,17 @@ ABSL_FLAG(bool, compare_iperf3, false,
           "to where decode ran (with --netns: between the two hosts, over the same veth link); "
           "adds iperf3_gbps and iperf3_ratio = gbps / iperf3_gbps (null, with a word on stderr, "
           "when iperf3 is not installed)");
+ABSL_FLAG(std::string, rails, "1",
+          "with --netns: the links (rails) between the two hosts that pdlib uses, a list (e.g. "
+          "1,2: one configuration each, in one run, the later ones compared with the first). The "
+          "hosts get that many veth links, each a bridge and a /24 of its own (tools/netns); UCX "
+          "runs over eth0 ... eth<N-1> (ucx.net_devices) with UCX_MAX_EAGER_RAILS=N, and, unless "
+          "--backend-option sets it, ucx.am_chunk_bytes=(most rails) x 128k on every row of a run "
+          "that has more than one rail (UCX 1.13 can stripe an active message's fragments over its "
+          "lanes, and a message of one fragment goes on one lane only; see README \"Rails\")");
+ABSL_FLAG(uint64_t, rail_mbit, 0,
+          "with --netns: caps every rail of both hosts at this many Mbit/s each way (tc tbf; 0: "
+          "no cap), so that rails, not the CPU, bound the transfer");
 ABSL_FLAG(std::string, prefill_host, "127.0.0.1",
           "internal: where a child's prefill rank listens and decode finds it");
 ABSL_FLAG(uint64_t, layer_compute_us, 0,
@@ -167,6 +179,12 @@ constexpr char kUsage[] =
     "  e.g. pdlib-transfer-bench --backend ucx --backend-option ucx.tls=shm --layers 32\n"
     "       --item-bytes 32768 --pages 16 --concurrency 4 --requests 400 --warmup 20\n"
     "       --direction both\n"
+    "\n"
+    "Rails: --netns --rails 1,2 --rail-mbit M gives the two hosts two links (one per rail), each\n"
+    "capped at M Mbit/s, and runs every configuration over one rail, then over both (UCX over\n"
+    "eth0,eth1); each later row is compared with the first (rails_gbps_ratio).\n"
+    "  e.g. pdlib-transfer-bench --netns --rails 1,2 --rail-mbit 2000 --backend ucx --layers 32\n"
+    "       --item-bytes 32768 --pages 16 --concurrency 4 --requests 200 --warmup 20\n"
     "\n"
     "GPU memory: --memory cuda puts both pools on the GPU (cudaMalloc) and --baseline memcpy\n"
     "then times the same writes as device-to-device cudaMemcpyAsync, in the same run:\n"
@@ -353,6 +371,21 @@ bool ParseArgs(int argc, char** argv, Options* o) {
   o->netns = absl::GetFlag(FLAGS_netns);
   o->compare_iperf3 = absl::GetFlag(FLAGS_compare_iperf3);
   if (o->netns && o->in_process) return bad("netns", "with --in-process");
+  const std::string rails = absl::GetFlag(FLAGS_rails);
+  std::vector<uint64_t> rail_counts;
+  if (!ParseList(rails, &rail_counts)) return bad("rails", rails);
+  o->rails.clear();
+  for (uint64_t n : rail_counts) {
+    if (n > uint64_t(pdlib_tools::kMaxRails)) return bad("rails", rails);
+    if (n > 1 && !o->netns) return bad("rails", rails + " without --netns");
+    o->rails.push_back(int(n));
+  }
+  const uint64_t rail_mbit = absl::GetFlag(FLAGS_rail_mbit);
+  if (rail_mbit > 1000000) return bad("rail_mbit", std::to_string(rail_mbit));
+  if (rail_mbit > 0 && !o->netns) {
+    return bad("rail_mbit", std::to_string(rail_mbit) + " without --netns");
+  }
+  o->rail_mbit = int(rail_mbit);
   return true;
 }
 

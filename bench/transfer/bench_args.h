@@ -33,6 +33,10 @@ struct Options {
   // UCX over tcp on eth0; and iperf3 over the same link for comparison.
   bool netns = false;
   bool compare_iperf3 = false;
+  // --rails: with --netns, the links between the two hosts to use, each value a configuration
+  // (the cluster has the most asked for); --rail_mbit: a tbf cap on every rail (0: none).
+  std::vector<int> rails{1};
+  int rail_mbit = 0;
   std::string role;  // hidden: "prefill" or "decode" in the child processes
 };
 

@@ -91,6 +91,14 @@ struct BenchConfig {
   // (PagesAfterPrefix counts them all); decode reads them. The rank that moves the bytes counts
   // them (RankResult::metrics): prefill in push, decode in pull.
   pdlib::TransferDirection direction = pdlib::TransferDirection::kPush;
+  // --netns --rails (issue #31): the links between the two hosts this configuration uses (UCX
+  // over eth0 ... eth<rails-1>) and the cap on each (0: none). Reported only; the backend
+  // options carry them to the ranks.
+  int rails = 1;
+  int rail_mbit = 0;
+  // The bytes decode's host received on each rail of the cluster (eth0, eth1, ...) while the
+  // row ran, warm-up included: whether the transfer was striped. Empty when unknown.
+  std::vector<uint64_t> rail_rx_bytes;
 
   // Pages per K or V buffer: pool_pages, else what pool_bytes holds; never fewer than `pages`.
   uint64_t PoolPages() const;

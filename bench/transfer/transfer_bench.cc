@@ -29,6 +29,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cinttypes>
 #include <cmath>
@@ -44,6 +45,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "bench/transfer/baseline.h"
@@ -330,6 +332,7 @@ class JsonObject {
     }
   }
   void Int(const char* key, uint64_t v) { j_[key] = v; }
+  void Ints(const char* key, const std::vector<uint64_t>& v) { j_[key] = v; }
   void Null(const char* key) { j_[key] = nullptr; }
   std::string Close() { return j_.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
 
@@ -337,14 +340,21 @@ class JsonObject {
   nlohmann::ordered_json j_;
 };
 
+// The row a --rails row is compared with: the first rail count of the list, same configuration.
+struct RailsBase {
+  int rails = 1;
+  double gbps = 0;
+};
+
 // Prints one configuration's outcome; returns false when it failed.
 // `reference`: with a decode prefix > 0, the same shape at prefix 0 from this run (when that row
 // succeeded); `push`: for a pull row, the push row of the same configuration from this run (when
-// it succeeded); `*figures` receives this row's, for the rows after it.
+// it succeeded); `rails_base`: for a --rails row after the first, the first's (when it
+// succeeded); `*figures` receives this row's, for the rows after it.
 bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, std::string>& d,
             const std::map<std::string, std::string>& p, const Comparisons& cmp, bool first_row,
             const std::optional<RowFigures>& reference, const std::optional<RowFigures>& push,
-            RowFigures* figures) {
+            const std::optional<RailsBase>& rails_base, RowFigures* figures) {
   const bool error = d.count("error") && d.at("error") != "none";
   const bool failed = error || Num(d, "failed") > 0;
   const double seconds = Num(d, "seconds");
@@ -379,6 +389,8 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
   const std::string direction(pdlib::TransferDirectionName(c.direction));
   const std::string why = d.count("why") ? d.at("why") : "";
   const std::string pool = d.count("pool") ? d.at("pool") : "none";
+  std::optional<RailsBase> vs_rails;
+  if (rails_base && rails_base->gbps > 0 && !failed) vs_rails = rails_base;
   if (o.json) {
     JsonObject j;
     j.Str("backend", c.backend);
@@ -437,6 +449,18 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
         j.Null("iperf3_gbps");
         j.Null("iperf3_ratio");
       }
+    }
+    if (g_cluster != nullptr) {
+      j.Int("rails", uint64_t(c.rails));
+      j.Int("rail_mbit", uint64_t(c.rail_mbit));
+      const auto devices = c.backend_options.find("ucx.net_devices");
+      if (devices != c.backend_options.end()) j.Str("net_devices", devices->second);
+      if (!c.rail_rx_bytes.empty()) j.Ints("rail_rx_bytes", c.rail_rx_bytes);
+    }
+    if (vs_rails) {
+      j.Int("rails_base", uint64_t(vs_rails->rails));
+      j.Num("rails_base_gbps", vs_rails->gbps, 3);
+      j.Num("rails_gbps_ratio", gbps / vs_rails->gbps, 3);
     }
     j.Int("kv_bytes_per_request", kv_bytes);
     j.Num("moved_bytes_per_request", moved_bytes, 0);
@@ -543,6 +567,28 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
                     batches_per_request, vs_push->batches_per_request);
       Emit(buf);
     }
+    if (g_cluster != nullptr && (o.rails.size() > 1 || c.rails > 1 || c.rail_mbit > 0)) {
+      const auto devices = c.backend_options.find("ucx.net_devices");
+      std::snprintf(buf, sizeof(buf), "  rails: %d (%s), each capped at %s", c.rails,
+                    devices != c.backend_options.end() ? devices->second.c_str() : "-",
+                    c.rail_mbit > 0 ? (std::to_string(c.rail_mbit) + " Mbit/s").c_str() : "no cap");
+      std::string line = buf;
+      if (!c.rail_rx_bytes.empty()) {
+        line += "; decode received";
+        for (size_t rail = 0; rail < c.rail_rx_bytes.size(); ++rail) {
+          std::snprintf(buf, sizeof(buf), "%s %s %.1f MB", rail == 0 ? "" : ",",
+                        pdlib_tools::RailInterface(int(rail)).c_str(),
+                        double(c.rail_rx_bytes[rail]) / 1e6);
+          line += buf;
+        }
+      }
+      Emit(line);
+    }
+    if (vs_rails) {
+      std::snprintf(buf, sizeof(buf), "  %d rails vs %d (this run): Gbit/s %.3f / %.3f = %.3f",
+                    c.rails, vs_rails->rails, gbps, vs_rails->gbps, gbps / vs_rails->gbps);
+      Emit(buf);
+    }
     if (cmp.perftest_gbytes_per_s) {
       std::snprintf(buf, sizeof(buf), "  ucx_perftest ucp_put_bw, %" PRIu64 " B puts: %.3f GB/s",
                     cmp.perftest_message_bytes, *cmp.perftest_gbytes_per_s);
@@ -561,6 +607,51 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
                  why.c_str());
   }
   return !failed;
+}
+
+// --netns: the bytes decode's host has received on each of the cluster's rails so far (its
+// eth<r> counters); empty when one cannot be read.
+std::vector<uint64_t> DecodeRailRxBytes() {
+  std::vector<uint64_t> bytes;
+  for (int rail = 0; rail < g_cluster->rails(); ++rail) {
+    auto r = g_cluster->Exec(
+        "decode",
+        {"cat", "/sys/class/net/" + pdlib_tools::RailInterface(rail) + "/statistics/rx_bytes"},
+        std::chrono::milliseconds(10000));
+    uint64_t value = 0;
+    if (!r.ok() || r->exit_status != 0) return {};
+    const std::string text = r->output.substr(0, r->output.find('\n'));
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec != std::errc() || end != text.data() + text.size()) return {};
+    bytes.push_back(value);
+  }
+  return bytes;
+}
+
+// --netns: the backend options of a configuration that uses `rails` rails. UCX runs over tcp on
+// eth0 ... eth<rails-1> with as many eager lanes (UCX_MAX_EAGER_RAILS). UCX 1.13 sends an active
+// message's first fragment on its AM lane and spreads the others over its AM bandwidth lanes, so
+// a message of one fragment (pdlib's default 32 KiB, under the 128 KiB tcp segment) never leaves
+// the first rail: with more than one rail in the run, every row (the one-rail row too, so that
+// rows differ in rails only) sends messages of (most rails) x 128 KiB, one segment per rail.
+// What the user set with --backend-option stays.
+void SetRailOptions(const Options& o, const std::map<std::string, std::string>& user, int rails,
+                    BenchConfig* c) {
+  c->rails = rails;
+  c->rail_mbit = o.rail_mbit;
+  if (c->backend != "ucx") return;
+  std::string devices;
+  for (int rail = 0; rail < rails; ++rail) {
+    devices += (rail == 0 ? "" : ",") + pdlib_tools::RailInterface(rail);
+  }
+  c->backend_options["ucx.net_devices"] = devices;
+  auto set_default = [&](const std::string& key, const std::string& value) {
+    if (!user.count(key)) c->backend_options[key] = value;
+  };
+  const int most = *std::max_element(o.rails.begin(), o.rails.end());
+  if (most == 1) return;  // as before rails: UCX's defaults
+  set_default("ucx.config.MAX_EAGER_RAILS", std::to_string(rails));
+  set_default("ucx.am_chunk_bytes", std::to_string(most * 128) + "k");
 }
 
 }  // namespace
@@ -604,9 +695,12 @@ int main(int argc, char** argv) {
     return RunChild(o);
   }
 
+  // What the command line set, before --netns adds its own (SetRailOptions keeps the user's).
+  const std::map<std::string, std::string> user_options = o.base.backend_options;
   std::unique_ptr<pdlib_tools::NetnsCluster> cluster;
   if (o.netns) {
-    auto c = pdlib_tools::NetnsCluster::Create();
+    const int max_rails = *std::max_element(o.rails.begin(), o.rails.end());
+    auto c = pdlib_tools::NetnsCluster::Create({.rails = max_rails});
     if (!c.ok()) {
       std::fprintf(stderr, "pdlib-transfer-bench: --netns: %s\n", c.status().ToString().c_str());
       return 2;
@@ -617,6 +711,16 @@ int main(int argc, char** argv) {
       if (!ip.ok()) {
         std::fprintf(stderr, "pdlib-transfer-bench: --netns: %s\n", ip.status().ToString().c_str());
         return 2;
+      }
+    }
+    if (o.rail_mbit > 0) {
+      for (const char* host : {"prefill", "decode"}) {
+        for (int rail = 0; rail < max_rails; ++rail) {
+          if (pdlib::Status s = cluster->SetRailBandwidth(host, rail, o.rail_mbit); !s.ok()) {
+            std::fprintf(stderr, "pdlib-transfer-bench: --rail-mbit: %s\n", s.ToString().c_str());
+            return 2;
+          }
+        }
       }
     }
     g_cluster = cluster.get();
@@ -633,54 +737,81 @@ int main(int argc, char** argv) {
       for (uint64_t pages : o.pages) {
         for (Layout layout : o.layouts) {
           for (uint64_t conc : o.concurrency) {
-            // Per (decode prefix, layerwise) of this shape: the push row's figures, which the
-            // pull row is compared with, and the comparisons (baseline, perftest, iperf3), run
-            // once and shown on both rows.
-            std::map<std::pair<std::optional<double>, bool>, RowFigures> push_rows;
-            std::map<std::pair<std::optional<double>, bool>, Comparisons> compared;
-            for (pdlib::TransferDirection direction : o.directions) {
-              // The prefix-0 rows of this shape come first (ParseArgs), one per layerwise; the
-              // rows with a prefix are compared with them.
-              std::map<bool, RowFigures> prefix0;
-              for (const std::optional<double>& decode_prefix : o.decode_prefixes) {
-                for (bool layerwise : o.layerwise) {
-                  BenchConfig c = o.base;
-                  c.direction = direction;
-                  c.decode_prefix = decode_prefix;
-                  c.layerwise = layerwise;
-                  c.layers = layers;
-                  c.item_bytes = item;
-                  c.pages = pages;
-                  c.layout = layout;
-                  c.concurrency = conc;
-                  std::map<std::string, std::string> prefill;
-                  auto decode =
-                      o.in_process ? RunInProcess(c, &prefill) : RunTwoProcesses(c, &prefill);
-                  const auto key = std::make_pair(decode_prefix, layerwise);
-                  if (!compared.count(key)) compared[key] = Compare(o, c);
-                  std::optional<RowFigures> reference, push;
-                  if (c.PrefixPages() > 0 && prefix0.count(layerwise)) {
-                    reference = prefix0[layerwise];
-                  }
-                  if (direction == pdlib::TransferDirection::kPull && push_rows.count(key)) {
-                    push = push_rows[key];
-                  }
-                  RowFigures figures;
-                  const bool ok = Report(o, c, decode, prefill, compared[key], first, reference,
-                                         push, &figures);
-                  all_ok &= ok;
-                  first = false;
-                  if (decode_prefix && *decode_prefix == 0 && ok) prefix0[layerwise] = figures;
-                  if (direction == pdlib::TransferDirection::kPush && ok) push_rows[key] = figures;
-                  if (c.layer_compute_us > 0) {
-                    exposed[layerwise] = Num(decode, "exposed_mean");
-                    if (exposed.size() == 2 && exposed[false] > 0) {
-                      std::fprintf(
-                          o.json ? stderr : stdout,
-                          "  exposed transfer with streaming / without: %.1f / %.1f us = 1/%.1f\n",
-                          exposed[true], exposed[false],
-                          exposed[true] > 0 ? exposed[false] / exposed[true] : 0.0);
-                      exposed.clear();
+            // Per (direction, decode prefix, layerwise): the first rail count's Gbit/s, which
+            // the rows with the other rail counts are compared with.
+            std::map<std::tuple<pdlib::TransferDirection, std::optional<double>, bool>, RailsBase>
+                first_rails;
+            for (int rails : o.rails) {
+              // Per (decode prefix, layerwise) of this shape: the push row's figures, which the
+              // pull row is compared with, and the comparisons (baseline, perftest, iperf3), run
+              // once and shown on both rows.
+              std::map<std::pair<std::optional<double>, bool>, RowFigures> push_rows;
+              std::map<std::pair<std::optional<double>, bool>, Comparisons> compared;
+              for (pdlib::TransferDirection direction : o.directions) {
+                // The prefix-0 rows of this shape come first (ParseArgs), one per layerwise; the
+                // rows with a prefix are compared with them.
+                std::map<bool, RowFigures> prefix0;
+                for (const std::optional<double>& decode_prefix : o.decode_prefixes) {
+                  for (bool layerwise : o.layerwise) {
+                    BenchConfig c = o.base;
+                    if (g_cluster != nullptr) SetRailOptions(o, user_options, rails, &c);
+                    c.direction = direction;
+                    c.decode_prefix = decode_prefix;
+                    c.layerwise = layerwise;
+                    c.layers = layers;
+                    c.item_bytes = item;
+                    c.pages = pages;
+                    c.layout = layout;
+                    c.concurrency = conc;
+                    std::map<std::string, std::string> prefill;
+                    const std::vector<uint64_t> rx_before =
+                        g_cluster != nullptr ? DecodeRailRxBytes() : std::vector<uint64_t>{};
+                    auto decode =
+                        o.in_process ? RunInProcess(c, &prefill) : RunTwoProcesses(c, &prefill);
+                    if (g_cluster != nullptr) {
+                      const std::vector<uint64_t> rx_after = DecodeRailRxBytes();
+                      if (!rx_before.empty() && rx_after.size() == rx_before.size()) {
+                        for (size_t i = 0; i < rx_after.size(); ++i) {
+                          c.rail_rx_bytes.push_back(rx_after[i] - rx_before[i]);
+                        }
+                      }
+                    }
+                    const auto key = std::make_pair(decode_prefix, layerwise);
+                    if (!compared.count(key)) compared[key] = Compare(o, c);
+                    std::optional<RowFigures> reference, push;
+                    if (c.PrefixPages() > 0 && prefix0.count(layerwise)) {
+                      reference = prefix0[layerwise];
+                    }
+                    if (direction == pdlib::TransferDirection::kPull && push_rows.count(key)) {
+                      push = push_rows[key];
+                    }
+                    const auto rails_key = std::make_tuple(direction, decode_prefix, layerwise);
+                    std::optional<RailsBase> rails_base;
+                    if (rails != o.rails.front() && first_rails.count(rails_key)) {
+                      rails_base = first_rails[rails_key];
+                    }
+                    RowFigures figures;
+                    const bool ok = Report(o, c, decode, prefill, compared[key], first, reference,
+                                           push, rails_base, &figures);
+                    if (ok && rails == o.rails.front()) {
+                      first_rails[rails_key] = {rails, figures.gbps};
+                    }
+                    all_ok &= ok;
+                    first = false;
+                    if (decode_prefix && *decode_prefix == 0 && ok) prefix0[layerwise] = figures;
+                    if (direction == pdlib::TransferDirection::kPush && ok) {
+                      push_rows[key] = figures;
+                    }
+                    if (c.layer_compute_us > 0) {
+                      exposed[layerwise] = Num(decode, "exposed_mean");
+                      if (exposed.size() == 2 && exposed[false] > 0) {
+                        std::fprintf(o.json ? stderr : stdout,
+                                     "  exposed transfer with streaming / without: %.1f / %.1f us "
+                                     "= 1/%.1f\n",
+                                     exposed[true], exposed[false],
+                                     exposed[true] > 0 ? exposed[false] / exposed[true] : 0.0);
+                        exposed.clear();
+                      }
                     }
                   }
                 }

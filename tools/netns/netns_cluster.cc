@@ -205,6 +205,10 @@ StatusOr<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(NetnsClusterOptions
     return Status::InvalidArgument("NetnsCluster prefix \"" + options.prefix +
                                    "\" must be 1 to 4 lowercase letters");
   }
+  if (options.rails < 1 || options.rails > kMaxRails) {
+    return Status::InvalidArgument("NetnsCluster rails " + std::to_string(options.rails) +
+                                   " is not in [1, " + std::to_string(kMaxRails) + "]");
+  }
   const NetnsCapabilities& capabilities = Probe();
   if (!capabilities.netns) {
     return Status::FailedPrecondition("no network namespaces here: " + capabilities.netns_reason);
@@ -274,7 +278,21 @@ Status NetnsCluster::Build() {
            {"ip", "link", "set", bridge_, "up"}}) {
     if (Status s = Run(argv); !s.ok()) return s.WithPrefix("NetnsCluster " + id_);
   }
+  if (options_.rails > 1) {
+    rail_netns_ = RailNamespace(id_);  // from here on Destroy deletes it
+    std::vector<std::vector<std::string>> commands = {{"ip", "netns", "add", rail_netns_}};
+    for (int rail = 1; rail < options_.rails; ++rail) {
+      for (auto& argv : RailBridgeCommands(rail_netns_, rail)) commands.push_back(std::move(argv));
+    }
+    for (const auto& argv : commands) {
+      if (Status s = Run(argv); !s.ok()) return s.WithPrefix("NetnsCluster " + id_ + " rails");
+    }
+  }
   return Status::OK();
+}
+
+std::string NetnsCluster::RailSubnetOf(int rail) const {
+  return FormatIpv4(RailSubnet({network_, 24}, rail).address) + "/24";
 }
 
 Status NetnsCluster::Run(const std::vector<std::string>& argv) const {
@@ -310,6 +328,18 @@ StatusOr<std::string> NetnsCluster::AddHost(const std::string& name) {
     if (Status s = Run(argv); !s.ok()) {
       RemoveHost(host).IgnoreError();  // the error that matters is the first one
       return s.WithPrefix("cluster " + id_ + ": adding host " + name);
+    }
+  }
+  for (int rail = 1; rail < options_.rails; ++rail) {
+    Host::RailLink link;
+    link.ip = FormatIpv4(RailSubnet({network_, 24}, rail).address + 2 + uint32_t(host.index));
+    host.rails.push_back(link);
+    for (const auto& argv : RailHostCommands(rail_netns_, host.netns, rail, host.index, link.ip)) {
+      if (Status s = Run(argv); !s.ok()) {
+        RemoveHost(host).IgnoreError();
+        return s.WithPrefix("cluster " + id_ + ": adding host " + name + " to rail " +
+                            std::to_string(rail));
+      }
     }
   }
   hosts_.push_back(std::move(host));
@@ -436,6 +466,77 @@ Status NetnsCluster::SetBandwidth(const std::string& host, int mbit) {
   return s;
 }
 
+StatusOr<NetnsCluster::Host::RailLink*> NetnsCluster::RailLinkOf(const std::string& host,
+                                                                 int rail) {
+  Host* h = MutableHost(host);
+  if (h == nullptr) return UnknownHost(host);
+  if (rail < 1 || rail >= options_.rails) {
+    return Status::InvalidArgument("cluster " + id_ + " has rails 0 to " +
+                                   std::to_string(options_.rails - 1) + ", not " +
+                                   std::to_string(rail));
+  }
+  return &h->rails[size_t(rail - 1)];
+}
+
+Status NetnsCluster::PartitionRail(const std::string& host, int rail) {
+  if (rail == 0) return Partition(host);
+  StatusOr<Host::RailLink*> link = RailLinkOf(host, rail);
+  if (!link.ok()) return link.status();
+  const bool before = (*link)->partitioned;
+  (*link)->partitioned = true;
+  Status s = ApplyRailFilters(*MutableHost(host), rail);
+  if (!s.ok()) (*link)->partitioned = before;
+  return s;
+}
+
+Status NetnsCluster::HealRail(const std::string& host, int rail) {
+  if (rail == 0) return Heal(host);
+  StatusOr<Host::RailLink*> link = RailLinkOf(host, rail);
+  if (!link.ok()) return link.status();
+  const bool before = (*link)->partitioned;
+  (*link)->partitioned = false;
+  Status s = ApplyRailFilters(*MutableHost(host), rail);
+  if (!s.ok()) (*link)->partitioned = before;
+  return s;
+}
+
+Status NetnsCluster::ApplyRailFilters(Host& host, int rail) {
+  Host::RailLink& link = host.rails[size_t(rail - 1)];
+  if (Probe().nft) {
+    return Run({"ip", "netns", "exec", host.netns, "nft",
+                NftFaultCommand(RailInterface(rail), link.partitioned, 0, RailFaultTable(rail))});
+  }
+  // Without nft: the host's port on the rail's bridge goes down (eth<rail> loses its carrier).
+  if (link.partitioned == link.link_down) return Status::OK();
+  Status s = Run({"ip", "-n", rail_netns_, "link", "set", RailPort(rail, host.index),
+                  link.partitioned ? "down" : "up"});
+  if (s.ok()) link.link_down = link.partitioned;
+  return s;
+}
+
+Status NetnsCluster::SetRailBandwidth(const std::string& host, int rail, int mbit) {
+  if (rail == 0) return SetBandwidth(host, mbit);
+  StatusOr<Host::RailLink*> rail_link = RailLinkOf(host, rail);
+  if (!rail_link.ok()) return rail_link.status();
+  const Host* h = FindHost(host);
+  if (mbit < 0) return Status::InvalidArgument("bandwidth " + std::to_string(mbit) + " mbit < 0");
+  if (mbit > 0 && !Probe().tbf) {
+    return Status::Unimplemented("a bandwidth cap needs tc tbf: " + Probe().tbf_reason);
+  }
+  Host::RailLink& link = **rail_link;
+  const int before = link.rate_mbit;
+  link.rate_mbit = mbit;
+  // The port in the rail namespace carries traffic to the host, eth<rail> traffic from it.
+  Status s = ApplyShape({{{"tc", "-n", rail_netns_, "qdisc"}, RailPort(rail, h->index)},
+                         {{"tc", "-n", h->netns, "qdisc"}, RailInterface(rail)}},
+                        LinkShape{.rate_mbit = mbit}, &link.qdiscs_set);
+  if (!s.ok()) {
+    link.rate_mbit = before;
+    return s.WithPrefix("host " + h->name + " rail " + std::to_string(rail));
+  }
+  return s;
+}
+
 Status NetnsCluster::SetLatency(const std::string& host, int delay_ms, int jitter_ms) {
   Host* h = MutableHost(host);
   if (h == nullptr) return UnknownHost(host);
@@ -462,6 +563,14 @@ Status NetnsCluster::ClearFaults(const std::string& host) {
   h->shape = LinkShape{};
   Status filters = ApplyFilters(*h);
   Status qdiscs = ApplyQdiscs(*h);
+  for (int rail = 1; rail < options_.rails; ++rail) {
+    const Host::RailLink& link = h->rails[size_t(rail - 1)];
+    if (link.partitioned || link.link_down) {
+      if (Status s = HealRail(host, rail); !s.ok() && filters.ok()) filters = s;
+    }
+    if (link.rate_mbit == 0 && !link.qdiscs_set) continue;
+    if (Status s = SetRailBandwidth(host, rail, 0); !s.ok() && qdiscs.ok()) qdiscs = s;
+  }
   return filters.ok() ? qdiscs : filters;
 }
 
@@ -479,36 +588,46 @@ Status NetnsCluster::ApplyFilters(Host& host) {
 
 Status NetnsCluster::ApplyQdiscs(Host& host) {
   // Both egresses: the veth in the root namespace carries traffic to the host, eth0 in its
-  // namespace traffic from it. The old qdiscs go first: a tree of netem and tbf cannot be
-  // turned into another in place.
-  const std::vector<std::vector<std::string>> devices = {{"tc", "qdisc"},
-                                                         {"tc", "-n", host.netns, "qdisc"}};
-  const std::vector<std::vector<std::string>> adds = QdiscAddArgs(host.shape);
+  // namespace traffic from it.
+  Status s = ApplyShape({{{"tc", "qdisc"}, host.veth}, {{"tc", "-n", host.netns, "qdisc"}, "eth0"}},
+                        host.shape, &host.qdiscs_set);
+  return s.ok() ? s : s.WithPrefix("host " + host.name);
+}
+
+Status NetnsCluster::ApplyShape(const std::vector<Egress>& egresses, const LinkShape& shape,
+                                bool* qdiscs_set) {
+  // The old qdiscs go first: a tree of netem and tbf cannot be turned into another in place.
+  const std::vector<std::vector<std::string>> adds = QdiscAddArgs(shape);
   Status first;
-  for (size_t i = 0; i < devices.size(); ++i) {
-    const std::string device = i == 0 ? host.veth : "eth0";
-    if (host.qdiscs_set) {
-      std::vector<std::string> del = devices[i];
+  for (const auto& [tc, device] : egresses) {
+    if (*qdiscs_set) {
+      std::vector<std::string> del = tc;
       del.insert(del.end(), {"del", "dev", device, "root"});
       // Fails harmlessly when the old shape never got installed; an add below then tells.
       RunCommand(del, options_.command_timeout).status().IgnoreError();
     }
     for (const std::vector<std::string>& args : adds) {
-      std::vector<std::string> add = devices[i];
+      std::vector<std::string> add = tc;
       add.insert(add.end(), {"add", "dev", device});
       add.insert(add.end(), args.begin(), args.end());
       if (Status s = Run(add); !s.ok() && first.ok()) first = s;
     }
   }
   // After a failure some qdisc may be left: the next call deletes before adding.
-  host.qdiscs_set = !adds.empty() || !first.ok();
-  return first.ok() ? first : first.WithPrefix("host " + host.name);
+  *qdiscs_set = !adds.empty() || !first.ok();
+  return first;
 }
 
 Status NetnsCluster::RemoveHost(const Host& host) {
   // The veth first: deleting one end deletes the pair, also when a process still inside keeps
   // the namespace alive after its name is gone.
   std::string why = Delete({"ip", "link", "del", host.veth}, options_.command_timeout);
+  for (size_t rail = 1; rail <= host.rails.size(); ++rail) {
+    std::string port =
+        Delete({"ip", "-n", rail_netns_, "link", "del", RailPort(int(rail), host.index)},
+               options_.command_timeout);
+    if (why.empty()) why = port;
+  }
   std::string ns = Delete({"ip", "netns", "del", host.netns}, options_.command_timeout);
   if (why.empty()) why = ns;
   return why.empty() ? Status::OK() : Status::Internal(why);
@@ -520,6 +639,13 @@ Status NetnsCluster::Destroy() {
     if (Status s = RemoveHost(*it); !s.ok() && first.ok()) first = s;
   }
   hosts_.clear();
+  if (!rail_netns_.empty()) {
+    if (std::string why = Delete({"ip", "netns", "del", rail_netns_}, options_.command_timeout);
+        !why.empty() && first.ok()) {
+      first = Status::Internal(why);
+    }
+    rail_netns_.clear();
+  }
   if (bridge_made_) {
     if (std::string why = Delete({"ip", "link", "del", bridge_}, options_.command_timeout);
         !why.empty() && first.ok()) {

@@ -6,6 +6,13 @@
 //     root namespace:  bridge <id>-br  10.a.b.1/24 ---+--- veth <id>-0 ==== eth0 10.a.b.2  host 0
 //                                                     +--- veth <id>-1 ==== eth0 10.a.b.3  host 1
 //
+// With NetnsClusterOptions::rails = N > 1 (issue #31) each host also gets eth1 ... eth<N-1>, one
+// per further rail: rail r is a bridge of its own in the cluster's rail namespace "<id>-rails"
+// with a /24 of its own (rail 0's third octet + r), so two hosts have N independent links, as
+// machines with N NICs on N fabrics. Only rail 0 reaches the root namespace. SetRailBandwidth caps
+// one host's link on one rail (both directions); PartitionRail / HealRail cut it and restore it
+// (nft on eth<r>, as Partition on eth0), leaving its other rails alone.
+//
 // Hosts reach each other and the root namespace (through the bridge's address) over the
 // subnet; a host's 127.0.0.1 is its own, so a listener there is out of the other hosts' reach,
 // as on separate machines. The subnet is the caller's (NetnsClusterOptions::subnet) or a free
@@ -62,6 +69,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pdlib/status.h"
@@ -95,6 +103,9 @@ struct NetnsClusterOptions {
   std::string subnet{};
   // 1 to 4 lowercase letters that start every name (see the top of this file).
   std::string prefix = "pd";
+  // Links between each pair of hosts, 1 to kMaxRails (netns_plan.h): eth0 on the bridge above,
+  // and eth1 ... on one bridge per further rail.
+  int rails = 1;
   // How long one ip/tc/nft command may take.
   std::chrono::milliseconds command_timeout{10000};
 };
@@ -127,6 +138,17 @@ class NetnsCluster {
     LinkShape shape{};        // latency and bandwidth, the same both ways
     bool qdiscs_set = false;  // some qdisc of `shape` may be installed
     bool link_down = false;   // partitioned by setting the link down (no nft)
+    // Rails 1 and up (index r - 1): eth<r>'s address and its faults.
+    struct RailLink {
+      std::string ip;
+      int rate_mbit = 0;
+      bool qdiscs_set = false;
+      bool partitioned = false;
+      bool link_down = false;  // partitioned by setting the link down (no nft)
+    };
+    std::vector<RailLink> rails{};
+    // The host's address on `rail` (0: ip).
+    const std::string& RailIp(int rail) const { return rail == 0 ? ip : rails[rail - 1].ip; }
   };
 
   // Which of netns, tbf, netem and nft this machine offers, and why not (cached: the first call
@@ -151,6 +173,11 @@ class NetnsCluster {
   const std::string& bridge() const { return bridge_; }
   const std::string& bridge_ip() const { return bridge_ip_; }  // the root namespace's address
   const std::string& subnet() const { return subnet_; }        // "10.a.b.0/24"
+  int rails() const { return options_.rails; }
+  // Rail `rail`'s /24 ("10.a.b+r.0/24"); rail 0's is subnet().
+  std::string RailSubnetOf(int rail) const;
+  // The namespace holding the bridges of rails 1 and up; empty with one rail.
+  const std::string& rail_netns() const { return rail_netns_; }
 
   // A new host `name` ([A-Za-z0-9_.-], up to 32 characters, unique in this cluster): its
   // namespace with lo up, the veth pair, eth0's address. Returns that address. On failure
@@ -178,6 +205,12 @@ class NetnsCluster {
   pdlib::Status SetLoss(const std::string& host, int percent);
   // mbit > 0 caps both directions; 0 lifts the cap.
   pdlib::Status SetBandwidth(const std::string& host, int mbit);
+  // The same for the host's link on `rail` (0: SetBandwidth; tbf only, no netem on rails >= 1).
+  pdlib::Status SetRailBandwidth(const std::string& host, int rail, int mbit);
+  // Partition / Heal of the host's link on `rail` alone (0: Partition / Heal): its other rails
+  // keep working, as when one NIC or its switch port fails.
+  pdlib::Status PartitionRail(const std::string& host, int rail);
+  pdlib::Status HealRail(const std::string& host, int rail);
   // delay_ms and jitter_ms >= 0 (0, 0: none). Unimplemented where the kernel has no sch_netem.
   pdlib::Status SetLatency(const std::string& host, int delay_ms, int jitter_ms);
   pdlib::Status ClearFaults(const std::string& host);
@@ -196,6 +229,16 @@ class NetnsCluster {
   // Makes the host's nft table (or link state) and qdiscs match its fault fields.
   pdlib::Status ApplyFilters(Host& host);
   pdlib::Status ApplyQdiscs(Host& host);
+  // The rail's nft table (or link state) made to match link.partitioned.
+  pdlib::Status ApplyRailFilters(Host& host, int rail);
+  // The host's link on `rail` >= 1, or an error for an unknown host or rail.
+  pdlib::StatusOr<Host::RailLink*> RailLinkOf(const std::string& host, int rail);
+  // One egress: the tc command up to "qdisc" ({"tc", "-n", ns, "qdisc"}) and the device.
+  using Egress = std::pair<std::vector<std::string>, std::string>;
+  // Replaces the qdiscs on every egress with those of `shape`; *qdiscs_set says whether some
+  // may be installed afterwards.
+  pdlib::Status ApplyShape(const std::vector<Egress>& egresses, const LinkShape& shape,
+                           bool* qdiscs_set);
   // Deletes one host's veth and namespace; the first failure.
   pdlib::Status RemoveHost(const Host& host);
 
@@ -207,6 +250,7 @@ class NetnsCluster {
   std::string subnet_;
   uint32_t network_ = 0;  // the subnet's address, host byte order
   bool bridge_made_ = false;
+  std::string rail_netns_;  // set once the rail namespace may exist
   std::vector<Host> hosts_;
   int next_index_ = 0;
 };

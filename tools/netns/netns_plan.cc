@@ -115,8 +115,50 @@ Ipv4Net DefaultSubnet(pid_t pid, uint32_t serial, uint32_t attempt) {
   return {(10u << 24) | (128u << 16) | (index << 8), 24};
 }
 
-std::string NftFaultCommand(std::string_view device, bool partitioned, int loss_percent) {
-  const std::string table = "netdev " + std::string(kFaultTable);
+std::string RailInterface(int rail) { return "eth" + std::to_string(rail); }
+
+std::string RailNamespace(std::string_view cluster_id) {
+  return std::string(cluster_id) + "-rails";
+}
+
+std::string RailBridge(int rail) { return "br" + std::to_string(rail); }
+
+std::string RailPort(int rail, int host_index) {
+  return "r" + std::to_string(rail) + "h" + Base36(uint64_t(host_index));
+}
+
+Ipv4Net RailSubnet(const Ipv4Net& rail0, int rail) {
+  const Ipv4Net net = NetworkOf({rail0.address, 24});
+  const uint32_t third = ((net.address >> 8 & 255) + uint32_t(rail)) & 255;
+  return {(net.address & 0xffff0000u) | third << 8, 24};
+}
+
+std::vector<std::vector<std::string>> RailBridgeCommands(std::string_view rail_netns, int rail) {
+  const std::string ns(rail_netns), bridge = RailBridge(rail);
+  return {{"ip", "-n", ns, "link", "add", bridge, "type", "bridge"},
+          {"ip", "-n", ns, "link", "set", bridge, "up"}};
+}
+
+std::vector<std::vector<std::string>> RailHostCommands(std::string_view rail_netns,
+                                                       std::string_view host_netns, int rail,
+                                                       int host_index, std::string_view ip) {
+  const std::string ns(rail_netns), host(host_netns), port = RailPort(rail, host_index),
+                                                      dev = RailInterface(rail);
+  // Made inside the rail namespace with its peer straight in the host's: neither end ever
+  // appears in the root namespace.
+  return {{"ip", "-n", ns, "link", "add", port, "type", "veth", "peer", "name", dev, "netns", host},
+          {"ip", "-n", ns, "link", "set", port, "master", RailBridge(rail), "up"},
+          {"ip", "-n", host, "addr", "add", std::string(ip) + "/24", "dev", dev},
+          {"ip", "-n", host, "link", "set", dev, "up"}};
+}
+
+std::string RailFaultTable(int rail) {
+  return std::string(kFaultTable) + "_" + RailInterface(rail);
+}
+
+std::string NftFaultCommand(std::string_view device, bool partitioned, int loss_percent,
+                            std::string_view table_name) {
+  const std::string table = "netdev " + std::string(table_name);
   // Creating the table before deleting it makes the delete succeed when there was none; the
   // whole line is one transaction, so the host never sees the table half built.
   std::string command = "add table " + table + "; delete table " + table;

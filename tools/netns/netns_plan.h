@@ -59,6 +59,37 @@ Ipv4Net NetworkOf(const Ipv4Net& net);
 // from there (when the first one is taken on this machine).
 Ipv4Net DefaultSubnet(pid_t pid, uint32_t serial, uint32_t attempt);
 
+// --- Rails (issue #31) ---
+// A cluster may have several rails: rail 0 is the bridge in the root namespace described in
+// netns_cluster.h (eth0 in each host); rail r >= 1 is a bridge of its own, "br<r>", inside the
+// cluster's rail namespace "<id>-rails", with each host's eth<r> on it, in a /24 of its own. So
+// every pair of hosts has one independent link per rail, and a rail's names, being inside that
+// namespace, never collide with another cluster's.
+inline constexpr int kMaxRails = 8;
+
+// "eth<rail>": the host's interface on the rail.
+std::string RailInterface(int rail);
+// "<id>-rails": the namespace that holds the bridges of rails 1 and up.
+std::string RailNamespace(std::string_view cluster_id);
+// In the rail namespace: the rail's bridge "br<rail>", and the host's port on it
+// "r<rail>h<host index in base 36>".
+std::string RailBridge(int rail);
+std::string RailPort(int rail, int host_index);
+// The /24 of rail `rail`: rail 0's with the third octet stepped by `rail` (mod 256), so that a
+// host's addresses on all rails end alike (10.a.b.5, 10.a.b+1.5, ...).
+Ipv4Net RailSubnet(const Ipv4Net& rail0, int rail);
+
+// The commands (argv) that put the host whose namespace is `host_netns` on rail `rail` >= 1 with
+// address `ip` (in the rail's /24): its port in `rail_netns` and eth<rail> in the host,
+// both up. The rail's bridge must exist (RailBridgeCommands).
+std::vector<std::vector<std::string>> RailHostCommands(std::string_view rail_netns,
+                                                       std::string_view host_netns, int rail,
+                                                       int host_index, std::string_view ip);
+// The nft table of the faults on a host's link on rail `rail` >= 1: "pdlib_faults_eth<rail>".
+std::string RailFaultTable(int rail);
+// The commands that make rail `rail`'s bridge in `rail_netns` (which must exist), up.
+std::vector<std::vector<std::string>> RailBridgeCommands(std::string_view rail_netns, int rail);
+
 // --- Faults ---
 // The name of the nft table that holds a host's packet filters, inside its namespace.
 inline constexpr std::string_view kFaultTable = "pdlib_faults";
@@ -67,8 +98,10 @@ inline constexpr std::string_view kFaultTable = "pdlib_faults";
 // is asked, with netdev hooks on `device` (ingress: packets to the host, egress: packets from
 // it): drop every IPv4 and IPv6 packet when `partitioned`, else drop each with probability
 // `loss_percent`/100; ARP passes. With neither, it removes the table. Idempotent. Needs a
-// kernel with the netfilter egress hook (5.16 and later).
-std::string NftFaultCommand(std::string_view device, bool partitioned, int loss_percent);
+// kernel with the netfilter egress hook (5.16 and later). `table`: the table's name (a host's
+// rails each have their own, RailFaultTable).
+std::string NftFaultCommand(std::string_view device, bool partitioned, int loss_percent,
+                            std::string_view table = kFaultTable);
 
 // What goes on one direction of a link (the egress of one device).
 struct LinkShape {
