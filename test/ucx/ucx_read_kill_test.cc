@@ -77,7 +77,8 @@ bool ReceiveBlob(int fd, spi::Blob* blob) {
 
 // The reader (decode in pull), in a child process: connects with the blobs it is sent, then
 // reads the whole region in pages, once (`loop` false: checks every byte, exit 0 when exact) or
-// forever (reporting 'R' on `status` after its first batch).
+// forever (in its second round, with 128 MiB requested, reporting 'R' on `status` and
+// stopping itself with SIGSTOP).
 int Reader(int in, int status, bool loop) {
   spi::Blob endpoint, key;
   uint64_t addr = 0;
@@ -102,12 +103,19 @@ int Reader(int in, int status, bool loop) {
     for (int i = 0; i < 4; ++i) {
       if (!t.PostReads(conn->peer, ops, done.Callback()).ok()) return 15;
     }
+    if (loop && round == 1) {
+      // 128 MiB requested (the deep window sends every request at once), a few MiB of it
+      // answered: freeze here, so that the target holds replies it cannot send, whatever the
+      // machine's speed (a stop timed from outside sometimes fell between two rounds).
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      WriteAll(status, "R", 1);
+      raise(SIGSTOP);
+    }
     if (!done.Wait(4, std::chrono::seconds(60))) return 16;
     for (const Status& s : done.statuses()) {
       if (!s.ok()) return 17;
     }
     if (!loop) break;
-    if (round == 0) WriteAll(status, "R", 1);
   }
   for (size_t i = 0; i < kBytes; ++i) {
     if (dst[i] != Pattern(i)) return 18;
@@ -171,10 +179,11 @@ TEST_CASE("ucx am reads over tcp: a reader frozen and killed mid-read leaves the
 
   const spi::TargetId victim_target = serve(to_victim);
   char ready = 0;
-  REQUIRE(ReadAll(from_victim, &ready, 1));  // it has read the region once and reads on
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  kill(victim, SIGSTOP);  // requests and replies in flight, replies piling up
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  REQUIRE(ReadAll(from_victim, &ready, 1));  // it has read the region once and stops itself
+  int stopped = 0;
+  REQUIRE(waitpid(victim, &stopped, WUNTRACED) == victim);
+  REQUIRE(WIFSTOPPED(stopped));  // requests and replies in flight, replies piling up
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
   {
     // Replies go out of the region itself (no copy): a fence holds only once those sent before
     // it have ended, and the frozen reader takes none, so the fence says that it does not hold
