@@ -109,14 +109,19 @@ class SysfsTree {
   fs::path root_;
 };
 
-RailChoice Select(const SysfsTree& tree, MemoryLocation memory, NicKind kind = NicKind::kRdma,
-                  std::vector<std::string> names = {}) {
+pdlib::StatusOr<RailChoice> Query(const SysfsTree& tree, MemoryLocation memory, NicKind kind,
+                                  std::vector<std::string> names) {
   RailQuery q;
   q.sysfs_root = tree.root();
   q.memory = std::move(memory);
   q.kind = kind;
   q.explicit_names = std::move(names);
-  auto choice = SelectRails(q);
+  return SelectRails(q);
+}
+
+RailChoice Select(const SysfsTree& tree, MemoryLocation memory, NicKind kind = NicKind::kRdma,
+                  std::vector<std::string> names = {}) {
+  auto choice = Query(tree, std::move(memory), kind, std::move(names));
   INFO(choice.status().ToString());
   REQUIRE(choice.ok());
   return *choice;
@@ -124,12 +129,7 @@ RailChoice Select(const SysfsTree& tree, MemoryLocation memory, NicKind kind = N
 
 pdlib::Status SelectError(const SysfsTree& tree, MemoryLocation memory,
                           std::vector<std::string> names, NicKind kind = NicKind::kRdma) {
-  RailQuery q;
-  q.sysfs_root = tree.root();
-  q.memory = std::move(memory);
-  q.kind = kind;
-  q.explicit_names = std::move(names);
-  auto choice = SelectRails(q);
+  auto choice = Query(tree, std::move(memory), kind, std::move(names));
   REQUIRE_FALSE(choice.ok());
   return choice.status();
 }

@@ -480,23 +480,21 @@ StatusOr<NetnsCluster::Host::RailLink*> NetnsCluster::RailLinkOf(const std::stri
 
 Status NetnsCluster::PartitionRail(const std::string& host, int rail) {
   if (rail == 0) return Partition(host);
-  StatusOr<Host::RailLink*> link = RailLinkOf(host, rail);
-  if (!link.ok()) return link.status();
-  const bool before = (*link)->partitioned;
-  (*link)->partitioned = true;
-  Status s = ApplyRailFilters(*MutableHost(host), rail);
-  if (!s.ok()) (*link)->partitioned = before;
-  return s;
+  return SetRailPartitioned(host, rail, true);
 }
 
 Status NetnsCluster::HealRail(const std::string& host, int rail) {
   if (rail == 0) return Heal(host);
+  return SetRailPartitioned(host, rail, false);
+}
+
+Status NetnsCluster::SetRailPartitioned(const std::string& host, int rail, bool partitioned) {
   StatusOr<Host::RailLink*> link = RailLinkOf(host, rail);
   if (!link.ok()) return link.status();
   const bool before = (*link)->partitioned;
-  (*link)->partitioned = false;
+  (*link)->partitioned = partitioned;
   Status s = ApplyRailFilters(*MutableHost(host), rail);
-  if (!s.ok()) (*link)->partitioned = before;
+  if (!s.ok()) (*link)->partitioned = before;  // the filters stay as they were
   return s;
 }
 

@@ -233,6 +233,8 @@ class NetnsCluster {
   pdlib::Status ApplyRailFilters(Host& host, int rail);
   // The host's link on `rail` >= 1, or an error for an unknown host or rail.
   pdlib::StatusOr<Host::RailLink*> RailLinkOf(const std::string& host, int rail);
+  // PartitionRail / HealRail of a rail >= 1: sets the link's flag and applies its filters.
+  pdlib::Status SetRailPartitioned(const std::string& host, int rail, bool partitioned);
   // One egress: the tc command up to "qdisc" ({"tc", "-n", ns, "qdisc"}) and the device.
   using Egress = std::pair<std::vector<std::string>, std::string>;
   // Replaces the qdiscs on every egress with those of `shape`; *qdiscs_set says whether some
