@@ -38,6 +38,21 @@ Status WakeSet::Open(const std::string& backend, std::span<const int> fds) {
   return Status::OK();
 }
 
+Status WakeSet::Watch(const std::string& backend, int fd) {
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = fd;
+  if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+    return Status::Internal(backend + ": epoll_ctl failed: " + std::strerror(errno));
+  }
+  return Status::OK();
+}
+
+void WakeSet::Unwatch(int fd) {
+  // Fails only for an fd the set does not hold: nothing to undo then.
+  (void)epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
+}
+
 void WakeSet::Wake() const {
   uint64_t one = 1;
   // Fails only when the counter would overflow, in which case the thread is awake anyway.

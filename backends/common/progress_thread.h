@@ -77,6 +77,10 @@ class WakeSet {
   // epoll_wait on the set; then consumes any pending wake. Returns epoll_wait's result.
   int Wait(std::span<epoll_event> events, int timeout_ms) const;
   bool is_wake_event(const epoll_event& e) const { return e.data.fd == wake_fd_; }
+  // Adds a wire fd to the set (EPOLLIN) / removes it, for wires that come and go (a UCX worker
+  // per connection). Call Unwatch before the fd is closed.
+  Status Watch(const std::string& backend, int fd);
+  void Unwatch(int fd);
 
  private:
   int wake_fd_ = -1;
@@ -100,6 +104,9 @@ class ProgressThread {
 
   // Sets up the wake fd and the epoll set over `wire_fds`.
   Status Open(std::span<const int> wire_fds) { return wake_.Open(backend_, wire_fds); }
+  // Progress thread (or before Start): adds or removes a wire fd after Open.
+  Status Watch(int fd) { return wake_.Watch(backend_, fd); }
+  void Unwatch(int fd) { wake_.Unwatch(fd); }
   // Starts the thread running `loop`, which returns once TakeCommands reported stopping.
   void Start(std::function<void()> loop) {
     MutexLock lock(&mu_);  // publishes id_ to the thread through mu_ (it takes mu_ first thing)

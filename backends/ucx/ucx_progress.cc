@@ -67,10 +67,9 @@ void UcxTransport::ProgressLoop() {
     now_ = Clock::now();
     if (DrainCommands()) break;
     bool worked = PostReady();
-    for (int i = 0; i < kProgressRounds && ucp_worker_progress(worker_.get()) != 0; ++i) {
-      worked = true;
-    }
+    worked |= ProgressWorkers();
     worked |= ReapPeers(now_);
+    worked |= ReapClosedTargets(false);
     ReapRetired();
     if (!completions_.empty()) {
       worked = true;
@@ -297,7 +296,7 @@ void UcxTransport::PostFlush(Batch& batch) {
   param.cb.send = &UcxTransport::OnRequestDone;
   param.user_data = this;
   ucs_status_ptr_t request = options_.flush == FlushMode::kWorker
-                                 ? ucp_worker_flush_nbx(worker_.get(), &param)
+                                 ? ucp_worker_flush_nbx(batch.peer->worker->worker.get(), &param)
                                  : ucp_ep_flush_nbx(batch.peer->ep.get(), &param);
   if (request == nullptr) return;
   if (UCS_PTR_IS_ERR(request)) {
@@ -348,7 +347,8 @@ void UcxTransport::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) 
 
 ucs_status_t UcxTransport::OnAmPut(void* arg, const void* header, size_t header_length, void* data,
                                    size_t length, const ucp_am_recv_param_t* param) {
-  auto* self = static_cast<UcxTransport*>(arg);
+  auto* via = static_cast<ConnWorker*>(arg);  // the worker it arrived on
+  auto* self = via->transport;
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
     // pdlib sends eager messages only: a rendezvous request is refused, which fails the send.
     return UCS_ERR_UNSUPPORTED;
@@ -359,6 +359,10 @@ ucs_status_t UcxTransport::OnAmPut(void* arg, const void* header, size_t header_
   if (header_length != sizeof(h)) return UCS_OK;  // not pdlib's: nothing to answer
   std::memcpy(&h, header, sizeof(h));
   if (h.magic != kAmPutMagic) return UCS_OK;
+  if (h.target != via->target) {  // not this worker's connection: refused
+    if (reply_ep != nullptr) self->SendAmAck(reply_ep, h.batch, kAmCut);
+    return UCS_OK;
+  }
   bool batch_done = false;
   const AmStatus status = self->ApplyAmPut(h, data, length, &batch_done);
   if (batch_done && reply_ep != nullptr) self->SendAmAck(reply_ep, h.batch, status);
@@ -425,7 +429,8 @@ void UcxTransport::SendAmAck(ucp_ep_h reply_ep, uint64_t batch, AmStatus status)
 
 ucs_status_t UcxTransport::OnAmAck(void* arg, const void* header, size_t header_length, void* data,
                                    size_t length, const ucp_am_recv_param_t* param) {
-  auto* self = static_cast<UcxTransport*>(arg);
+  auto* via = static_cast<ConnWorker*>(arg);  // the worker it arrived on
+  auto* self = via->transport;
   AmAckHeader ack{};
   if (header_length != sizeof(ack)) return UCS_OK;
   std::memcpy(&ack, header, sizeof(ack));
@@ -452,14 +457,21 @@ ucs_status_t UcxTransport::OnAmAck(void* arg, const void* header, size_t header_
 // send still points into a region after a fence or a deregistration), never fatal.
 ucs_status_t UcxTransport::OnAmRead(void* arg, const void* header, size_t header_length, void* data,
                                     size_t length, const ucp_am_recv_param_t* param) {
-  auto* self = static_cast<UcxTransport*>(arg);
+  auto* via = static_cast<ConnWorker*>(arg);  // the worker it arrived on
+  auto* self = via->transport;
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_ERR_UNSUPPORTED;
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0)
     return UCS_OK;  // nowhere to answer
   std::optional<std::vector<AmReadRequest>> requests =
       DecodeAmReadBatch(header, header_length, data, length);
   if (!requests) return UCS_OK;  // not pdlib's: no cookie to answer
-  for (const AmReadRequest& request : *requests) self->AnswerAmRead(param->reply_ep, request);
+  for (const AmReadRequest& request : *requests) {
+    if (request.target != via->target) {  // not this worker's connection: refused
+      self->SendAmReadReply(param->reply_ep, {}, request.cookie, 0, kAmCut, nullptr, 0);
+      continue;
+    }
+    self->AnswerAmRead(param->reply_ep, request);
+  }
   return UCS_OK;
 }
 
@@ -577,7 +589,8 @@ uint64_t UcxTransport::WaitForReplies(const std::function<uint64_t()>& count,
 ucs_status_t UcxTransport::OnAmReadReply(void* arg, const void* header, size_t header_length,
                                          void* data, size_t length,
                                          const ucp_am_recv_param_t* param) {
-  auto* self = static_cast<UcxTransport*>(arg);
+  auto* via = static_cast<ConnWorker*>(arg);  // the worker it arrived on
+  auto* self = via->transport;
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_ERR_UNSUPPORTED;
   std::optional<AmReadReply> reply = DecodeAmReadReply(header, header_length);
   if (!reply) return UCS_OK;
@@ -741,12 +754,13 @@ bool UcxTransport::SendClose(PeerState& peer) {
 ucs_status_t UcxTransport::OnAmClose(void* arg, const void* header, size_t header_length,
                                      void* /*data*/, size_t /*length*/,
                                      const ucp_am_recv_param_t* param) {
-  auto* self = static_cast<UcxTransport*>(arg);
+  auto* via = static_cast<ConnWorker*>(arg);  // the worker it arrived on
+  auto* self = via->transport;
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_ERR_UNSUPPORTED;
   AmCloseHeader h{};
   if (header_length != sizeof(h)) return UCS_OK;  // not pdlib's: nothing to answer
   std::memcpy(&h, header, sizeof(h));
-  if (h.magic != kAmCloseMagic) return UCS_OK;
+  if (h.magic != kAmCloseMagic || h.target != via->target) return UCS_OK;
   if (auto it = self->am_targets_.find(h.target); it != self->am_targets_.end()) {
     it->second.fenced = true;
     it->second.batches.clear();
@@ -761,7 +775,8 @@ ucs_status_t UcxTransport::OnAmClose(void* arg, const void* header, size_t heade
 ucs_status_t UcxTransport::OnAmClosed(void* arg, const void* header, size_t header_length,
                                       void* /*data*/, size_t /*length*/,
                                       const ucp_am_recv_param_t* /*param*/) {
-  auto* self = static_cast<UcxTransport*>(arg);
+  auto* via = static_cast<ConnWorker*>(arg);  // the worker it arrived on
+  auto* self = via->transport;
   AmCloseHeader h{};
   if (header_length != sizeof(h)) return UCS_OK;
   std::memcpy(&h, header, sizeof(h));
@@ -828,6 +843,10 @@ bool UcxTransport::ReapPeers(Clock::time_point now) {
       if (peer.batches.empty() && peer.disconnecting) {
         // Signalled after RunCompletions: Disconnect returns once every callback has run.
         for (auto& promise : peer.on_erased) completions_.AddSignal(std::move(promise));
+        peer.rkeys.clear();
+        // Its worker goes with it (and whatever a dead target left in its receive FIFO); the
+        // sends UCX still holds (orphaned batches') complete meanwhile.
+        DestroyWorker(std::move(peer.worker));
         it = peer_states_.erase(it);
         continue;
       }
@@ -871,19 +890,49 @@ void UcxTransport::ReapRetired() {
 
 void UcxTransport::RunCompletions() { completions_.Run(); }
 
-void UcxTransport::SleepUntilWoken(int timeout_ms) {
-  ucs_status_t st = ucp_worker_arm(worker_.get());
-  if (st == UCS_ERR_BUSY) {
-    // Events are pending that progress did not consume, e.g. a shared-memory FIFO slot that a
-    // preempted peer thread has claimed but not yet filled: give the core away before polling
-    // again, or an oversubscribed machine spins here for a whole time slice.
-    sched_yield();
-    return;
+bool UcxTransport::ProgressWorkers() {
+  bool worked = false;
+  for (ConnWorker* w : workers_) {
+    for (int i = 0; i < kProgressRounds && ucp_worker_progress(w->worker.get()) != 0; ++i) {
+      worked = true;
+    }
   }
-  epoll_event events[2];
-  // Should arming fail otherwise, do not trust the worker fd: nap briefly instead. The loop
+  return worked;
+}
+
+bool UcxTransport::ReapClosedTargets(bool all) {
+  if (closed_targets_.empty()) return false;
+  const auto now = Clock::now();
+  bool reaped = false;
+  for (auto it = closed_targets_.begin(); it != closed_targets_.end();) {
+    if (!all && now < it->first) {
+      ++it;
+      continue;
+    }
+    DestroyWorker(std::move(it->second));
+    it = closed_targets_.erase(it);
+    reaped = true;
+  }
+  return reaped;
+}
+
+void UcxTransport::SleepUntilWoken(int timeout_ms) {
+  bool armed = true;
+  for (ConnWorker* w : workers_) {
+    const ucs_status_t st = ucp_worker_arm(w->worker.get());
+    if (st == UCS_ERR_BUSY) {
+      // Events are pending that progress did not consume, e.g. a shared-memory FIFO slot that a
+      // preempted peer thread has claimed but not yet filled: give the core away before polling
+      // again, or an oversubscribed machine spins here for a whole time slice.
+      sched_yield();
+      return;
+    }
+    armed &= st == UCS_OK;
+  }
+  epoll_event events[8];
+  // Should arming fail otherwise, do not trust the workers' fds: nap briefly instead. The loop
   // re-checks everything afterwards: which fd fired does not matter.
-  progress_.Sleep(st == UCS_OK ? timeout_ms : 1, events);
+  progress_.Sleep(armed ? timeout_ms : 1, events);
 }
 
 void UcxTransport::Shutdown() {
@@ -895,14 +944,12 @@ void UcxTransport::Shutdown() {
   // Healthy peers are flushed first (AdvanceClose); every wait is bounded by its grace period.
   while (!peer_states_.empty()) {
     now_ = Clock::now();
-    bool progressed = false;
-    for (int i = 0; i < kProgressRounds && ucp_worker_progress(worker_.get()) != 0; ++i) {
-      progressed = true;
-    }
+    const bool progressed = ProgressWorkers();
     ReapPeers(now_);
     RunCompletions();
     if (!progressed) sched_yield();
   }
+  ReapClosedTargets(true);
   RunCompletions();
   retired_.clear();
 }

@@ -35,6 +35,9 @@ constexpr uint32_t kKeyDirect = 1;  // write this region with puts (a peer can m
 // the fence's wait holds up the prefill core that retires a reader.
 constexpr auto kFenceReplyGrace = std::chrono::milliseconds(500);
 constexpr auto kDeregisterReplyGrace = std::chrono::seconds(2);
+// How long a closed target's worker stays: the refusals of messages still arriving, and the
+// replies already queued, get out meanwhile.
+constexpr auto kTargetLinger = std::chrono::seconds(1);
 
 spi::Blob MakeBlob(uint32_t magic, const void* payload, size_t size) {
   spi::Blob blob(kBlobHeader + size);
@@ -95,13 +98,26 @@ StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const spi::Transpor
 }
 
 Status UcxTransport::Init() {
+  am_target_ = options_.data_path == DataPath::kAm ||
+               (options_.data_path == DataPath::kAuto && !context_->rdma_transport);
+  // Workers come with connections (MakeWorker); the epoll set starts with the wake fd alone.
+  if (Status s = progress_.Open({}); !s.ok()) return s;
+  progress_.Start([this] { ProgressLoop(); });
+  return Status::OK();
+}
+
+StatusOr<std::unique_ptr<UcxTransport::ConnWorker>> UcxTransport::MakeWorker(
+    spi::TargetId target) {
+  auto w = std::make_unique<ConnWorker>();
+  w->transport = this;
+  w->target = target;
   ucp_worker_params_t params{};
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   params.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches the worker
   ucp_worker_h raw_worker = nullptr;
   ucs_status_t st = ucp_worker_create(context_->handle.get(), &params, &raw_worker);
   if (st != UCS_OK) return Status::Internal("ucx: ucp_worker_create failed: " + UcsStatusName(st));
-  worker_.reset(raw_worker);
+  w->worker.reset(raw_worker);
 
   ucp_address_t* address = nullptr;
   size_t address_length = 0;
@@ -110,9 +126,7 @@ Status UcxTransport::Init() {
     return Status::Internal("ucx: ucp_worker_get_address failed: " + UcsStatusName(st));
   }
   UcpWorkerAddress owned_address(raw_worker, address, address_length);
-  worker_address_.assign(owned_address.data(), owned_address.data() + owned_address.size());
-  am_target_ = options_.data_path == DataPath::kAm ||
-               (options_.data_path == DataPath::kAuto && !context_->rdma_transport);
+  w->address.assign(owned_address.data(), owned_address.data() + owned_address.size());
   for (auto [id, cb] :
        {std::pair{kAmPutId, &UcxTransport::OnAmPut}, std::pair{kAmAckId, &UcxTransport::OnAmAck},
         std::pair{kAmReadId, &UcxTransport::OnAmRead},
@@ -125,28 +139,33 @@ Status UcxTransport::Init() {
     am.id = id;
     am.flags = UCP_AM_FLAG_WHOLE_MSG;
     am.cb = cb;
-    am.arg = this;
+    am.arg = w.get();
     st = ucp_worker_set_am_recv_handler(raw_worker, &am);
     if (st != UCS_OK) {
       return Status::Internal("ucx: ucp_worker_set_am_recv_handler failed: " + UcsStatusName(st));
     }
   }
-
-  st = ucp_worker_get_efd(raw_worker, &worker_fd_);
+  st = ucp_worker_get_efd(raw_worker, &w->fd);
   if (st != UCS_OK) {
     return Status::Internal("ucx: ucp_worker_get_efd failed: " + UcsStatusName(st));
   }
-  const int wire_fds[] = {worker_fd_};
-  if (Status s = progress_.Open(wire_fds); !s.ok()) return s;
-  progress_.Start([this] { ProgressLoop(); });
-  return Status::OK();
+  if (Status s = progress_.Watch(w->fd); !s.ok()) return s;
+  workers_.push_back(w.get());
+  return w;
+}
+
+void UcxTransport::DestroyWorker(std::unique_ptr<ConnWorker> worker) {
+  if (!worker) return;
+  std::erase(workers_, worker.get());
+  progress_.Unwatch(worker->fd);
+  worker->worker.reset();  // completes its outstanding sends (their callbacks run here)
 }
 
 UcxTransport::~UcxTransport() {
   progress_.Stop();  // completes every outstanding batch with kCancelled first (Shutdown)
   // Teardown order: UCX objects that hang off the worker, the worker, then the mappings; the
   // context goes when the last allocation made through it does.
-  peer_states_.clear();
+  peer_states_.clear();  // each with its worker
   progress_.ClearCommands();
   {
     MutexLock lock(&mu_);
@@ -154,7 +173,9 @@ UcxTransport::~UcxTransport() {
     local_regions_.Clear();
   }
   retired_.clear();
-  worker_.reset();
+  target_workers_.clear();
+  closed_targets_.clear();
+  workers_.clear();
   orphans_.clear();
 }
 
@@ -279,25 +300,33 @@ Status UcxTransport::DeregisterMemory(spi::LocalRegionId region) {
 }
 
 StatusOr<spi::TargetEndpoint> UcxTransport::CreateTargetEndpoint() {
-  // Every initiator connects to the same worker address; UCX creates the target's half of each
-  // connection itself. The id travels in the blob: "am" messages name it.
+  // A worker for this connection alone (see ucx_transport.h); UCX creates the target's half of
+  // the connection itself when the initiator connects to its address. The id travels in the
+  // blob: "am" messages name it, and the worker refuses any other.
   spi::TargetId id = 0;
   {
     MutexLock lock(&mu_);
     id = targets_.Add(TargetEntry{});
   }
-  if (am_target_) {
-    Status added = progress_.Run<Status>([&] {
-      am_targets_.emplace(id, AmTarget{});
-      return Status::OK();
-    });
-    if (!added.ok()) return added;
+  auto address = progress_.Run<StatusOr<std::vector<uint8_t>>>(
+      [&]() -> StatusOr<std::vector<uint8_t>> {
+        auto worker = MakeWorker(id);
+        if (!worker.ok()) return worker.status();
+        std::vector<uint8_t> bytes = (*worker)->address;
+        target_workers_.emplace(id, std::move(*worker));
+        if (am_target_) am_targets_.emplace(id, AmTarget{});
+        return bytes;
+      });
+  if (!address.ok()) {
+    MutexLock lock(&mu_);
+    targets_.Take(id);
+    return address.status();
   }
-  std::vector<uint8_t> payload(kEndpointPrefix + worker_address_.size());
+  std::vector<uint8_t> payload(kEndpointPrefix + address->size());
   const uint32_t flags = am_target_ ? kEndpointAm : 0;
   std::memcpy(payload.data(), &id, sizeof(id));
   std::memcpy(payload.data() + 8, &flags, sizeof(flags));
-  std::memcpy(payload.data() + kEndpointPrefix, worker_address_.data(), worker_address_.size());
+  std::memcpy(payload.data() + kEndpointPrefix, address->data(), address->size());
   return spi::TargetEndpoint{id, MakeBlob(kEndpointMagic, payload.data(), payload.size())};
 }
 
@@ -306,15 +335,19 @@ void UcxTransport::CloseTargetEndpoint(spi::TargetId target) {
     MutexLock lock(&mu_);
     if (!targets_.Take(target)) return;
   }
-  // From now on its "am" messages are refused; UCX's own emulated puts cannot be.
-  if (am_target_) {
-    progress_
-        .Run<Status>([&] {
-          am_targets_.erase(target);
-          return Status::OK();
-        })
-        .IgnoreError();
-  }
+  // From now on its "am" messages are refused; UCX's own emulated puts cannot be. The worker
+  // lingers a little, so that those refusals (and replies already queued) reach the initiator,
+  // and then goes, with whatever a dead initiator left in its receive FIFO.
+  progress_
+      .Run<Status>([&] {
+        am_targets_.erase(target);
+        if (auto it = target_workers_.find(target); it != target_workers_.end()) {
+          closed_targets_.emplace_back(Clock::now() + kTargetLinger, std::move(it->second));
+          target_workers_.erase(it);
+        }
+        return Status::OK();
+      })
+      .IgnoreError();
 }
 
 Status UcxTransport::FenceTarget(spi::TargetId target) {
@@ -397,13 +430,17 @@ StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint
     params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     params.err_handler.cb = &UcxTransport::OnEndpointError;
     params.err_handler.arg = state.get();
+    auto worker = MakeWorker(0);
+    if (!worker.ok()) return worker.status();
+    state->worker = std::move(*worker);
     ucp_ep_h ep = nullptr;
-    ucs_status_t st = ucp_ep_create(worker_.get(), &params, &ep);
+    ucs_status_t st = ucp_ep_create(state->worker->worker.get(), &params, &ep);
     if (st != UCS_OK) {
+      DestroyWorker(std::move(state->worker));
       return Status::Unavailable("ucx: cannot create an endpoint to the peer's worker: " +
                                  UcsStatusName(st));
     }
-    state->ep = UcpEp(worker_.get(), ep);
+    state->ep = UcpEp(state->worker->worker.get(), ep);
     spi::PeerId id = state->id;
     peer_states_.emplace(id, std::move(state));
     MutexLock lock(&mu_);
@@ -516,7 +553,7 @@ void UcxTransport::SettleIncoming() {
       .Run<Status>([this] {
         const auto deadline = Clock::now() + std::chrono::milliseconds(50);
         for (int idle = 0; idle < 3 && Clock::now() < deadline;) {
-          idle = ucp_worker_progress(worker_.get()) != 0 ? 0 : idle + 1;
+          idle = ProgressWorkers() ? 0 : idle + 1;
         }
         return Status::OK();
       })

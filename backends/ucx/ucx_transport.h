@@ -1,19 +1,30 @@
 // The UCX backend: the transport SPI (include/pdlib/spi/transport.h) on UCP one-sided puts.
 //
-// One worker per transport, in a UCP context shared with the KV pools and the other transports
-// of the process that have the same UCX configuration (ucx_context.h). One progress thread per
-// transport (backends/common/progress_thread.h) is the only thread that calls UCX with the
-// worker, its endpoints, rkeys and memory handles: API calls from other threads hand work over
-// through its command queue and wake it with its eventfd.
+// One UCP worker per connection: each Connect (the initiator's half) and each
+// CreateTargetEndpoint (the target's half) gets a worker of its own, in a UCP context shared
+// with the KV pools and the other transports of the process that have the same UCX
+// configuration (ucx_context.h). Why not one worker for all: UCX's shared-memory transports
+// (posix/sysv) give a worker one receive FIFO that every sender writes into, a slot claimed
+// first and filled after; a sender killed between the two leaves a slot that never fills, and
+// the worker then receives nothing more from anyone (measured: 8 of 60 senders killed mid-send
+// with UCX 1.13; a decode whose prefill was killed mid-reply never completed another read).
+// With a worker per connection, a dead peer blocks only its own connection's worker, which
+// goes with the connection. The cost: a worker's receive buffers (about 4 MiB with shm at UCX's
+// defaults, 0.1 MiB with tcp) and its creation (5 ms with shm) per connection.
+// One progress thread per transport (backends/common/progress_thread.h) is the only thread
+// that calls UCX with the workers, their endpoints, rkeys and memory handles: API calls from
+// other threads hand work over through its command queue and wake it with its eventfd.
 // The thread loops: run commands -> post puts (paced per endpoint by a window,
-// backends/common/inflight_window.h) -> ucp_worker_progress -> run completion callbacks ->
-// busy-poll a little -> ucp_worker_arm -> epoll on the worker's fd and the wake fd.
-// Batches, completions and the API-side tables are the toolkit's (backends/common/).
+// backends/common/inflight_window.h) -> ucp_worker_progress on every worker -> run completion
+// callbacks -> busy-poll a little -> ucp_worker_arm each -> epoll on the workers' fds and the
+// wake fd. Batches, completions and the API-side tables are the toolkit's (backends/common/).
 //
 // Keys and endpoints: RegisterMemory returns the packed rkey (ucp_rkey_pack) as the key blob;
-// CreateTargetEndpoint returns the worker's address; Connect creates an endpoint to it with peer
-// error handling (a dead peer fails its outstanding batches with kUnavailable, naming the UCX
-// status); ImportRemoteRegion unpacks the rkey on that endpoint.
+// CreateTargetEndpoint returns the address of the worker it creates for that connection;
+// Connect creates a worker and an endpoint from it to that address with peer error handling (a
+// dead peer fails its outstanding batches with kUnavailable, naming the UCX status);
+// ImportRemoteRegion unpacks the rkey on that endpoint. CloseTargetEndpoint refuses the
+// connection's messages at once and destroys its worker after kTargetLinger.
 //
 // A batch is one ucp_put_nbx per chunk of each write, then one flush (ucp_ep_flush_nbx, or
 // ucp_worker_flush_nbx with ucx.flush=worker): a put's completion only means the local buffer
@@ -236,12 +247,25 @@ class UcxTransport final : public spi::Transport {
   // kCutting: on the "am" path, the close message is sent and its echo awaited (AmCloseHeader).
   enum class CloseState { kOpen, kCutting, kFlushing, kClosing, kClosed };
 
+  // One connection's worker (see the top of this file), with what its handlers need: the
+  // handlers' argument. A target's worker serves only that target: a message naming another
+  // target id is refused.
+  struct ConnWorker {
+    UcxTransport* transport = nullptr;
+    spi::TargetId target = 0;  // the target endpoint it serves; 0 for an initiator's worker
+    UcpWorkerPtr worker;
+    int fd = -1;  // owned by the worker
+    std::vector<uint8_t> address;
+  };
+
   // The progress thread's view of one connection.
   struct PeerState {
     UcxTransport* transport = nullptr;
     spi::PeerId id = 0;
     uint64_t target = 0;  // the target's id for this connection (from its endpoint blob)
     bool am = false;      // the target takes "am" messages for regions it did not mark direct
+    // Declared before the endpoint and the rkeys: destroyed after them.
+    std::unique_ptr<ConnWorker> worker;
     UcpEp ep;
     std::vector<UcpRkeyPtr> rkeys;
     toolkit::InflightWindow window{0};
@@ -351,13 +375,18 @@ class UcxTransport final : public spi::Transport {
   void DropAmReads(PeerState& peer);
   // Whether a region of this kind at this address is written with puts even on the "am" path.
   bool IsDirectRegion(const spi::MemoryRegion& region, bool ucx_allocated) const;
+  // Progress thread: a worker with pdlib's handlers, watched by the loop / unwatched and
+  // destroyed (UCX completes the worker's outstanding sends, with their callbacks, meanwhile).
+  StatusOr<std::unique_ptr<ConnWorker>> MakeWorker(spi::TargetId target);
+  void DestroyWorker(std::unique_ptr<ConnWorker> worker);
+  // ucp_worker_progress on every worker; whether any made progress.
+  bool ProgressWorkers();
+  // Destroys the workers of closed targets whose linger is over (all of them with `all`).
+  bool ReapClosedTargets(bool all);
 
   const UcxOptions options_;
   std::shared_ptr<UcxContext> context_;
-  UcpWorkerPtr worker_;
-  std::vector<uint8_t> worker_address_;
   bool am_target_ = false;  // this process takes "am" messages as a target (ucx.data_path)
-  int worker_fd_ = -1;      // owned by the worker
 
   // Shared with API threads. A batch is queued to the progress thread under mu_, so that it
   // cannot pass a Disconnect of its peer.
@@ -379,6 +408,11 @@ class UcxTransport final : public spi::Transport {
     std::unordered_map<uint64_t, AmBatchProgress> batches;
   };
   std::unordered_map<spi::TargetId, AmTarget> am_targets_;
+  // Every worker, for the loop: those of peer_states_, target_workers_ and closed_targets_.
+  std::vector<ConnWorker*> workers_;
+  std::unordered_map<spi::TargetId, std::unique_ptr<ConnWorker>> target_workers_;
+  // Closed targets' workers, destroyed at the time given (kTargetLinger after the close).
+  std::vector<std::pair<Clock::time_point, std::unique_ptr<ConnWorker>>> closed_targets_;
   std::vector<AmRegion> am_regions_;  // host memory "am" messages may write and read (not direct)
   uint32_t last_am_region_ = 0;
   // Initiator: "am" read requests sent and not fully answered, by cookie (never reused, so a
