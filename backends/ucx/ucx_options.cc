@@ -1,5 +1,6 @@
 #include "backends/ucx/ucx_options.h"
 
+#include <algorithm>
 #include <string_view>
 
 #include "backends/common/backend_options.h"
@@ -139,7 +140,39 @@ StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
   parser.Choice("ucx.data_path", &out.data_path,
                 {{"auto", DataPath::kAuto}, {"am", DataPath::kAm}, {"put", DataPath::kPut}});
   parser.Bytes("ucx.am_chunk_bytes", &out.am_chunk_bytes);
+  parser.On("ucx.rails", [&](const std::string&, const std::string& value) {
+    out.rails.clear();
+    size_t start = 0;
+    while (start <= value.size()) {
+      const size_t comma = std::min(value.find(',', start), value.size());
+      std::string device = value.substr(start, comma - start);
+      if (device.empty()) {
+        return Status::InvalidArgument("ucx: ucx.rails='" + value +
+                                       "' has an empty entry (a comma-separated device list)");
+      }
+      if (std::find(out.rails.begin(), out.rails.end(), device) != out.rails.end()) {
+        return Status::InvalidArgument("ucx: ucx.rails='" + value + "' names " + device +
+                                       " twice");
+      }
+      out.rails.push_back(std::move(device));
+      start = comma + 1;
+    }
+    if (out.rails.size() > kMaxRails) {
+      return Status::InvalidArgument("ucx: ucx.rails='" + value + "' lists " +
+                                     std::to_string(out.rails.size()) + " rails; at most " +
+                                     std::to_string(kMaxRails));
+    }
+    return Status::OK();
+  });
   if (Status s = parser.Parse(options.options); !s.ok()) return s;
+  if (!out.rails.empty()) {
+    if (out.ucx_config.count("NET_DEVICES")) {
+      return Status::InvalidArgument(
+          "ucx: ucx.rails and ucx.net_devices (or ucx.config.NET_DEVICES) both given: rails set "
+          "each rail's devices; use one of them");
+    }
+    out.ucx_config["NET_DEVICES"] = out.rails.front();  // rail 0: the main context
+  }
   if (!out.ucx_config.count("NET_DEVICES") && !options.nic_names.empty()) {
     out.ucx_config["NET_DEVICES"] = Join(options.nic_names, ',');
   }
@@ -192,6 +225,12 @@ StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
     k->second = "inf";  // see kDefaults
   }
   out.ucx_config.merge(defaults);
+  return out;
+}
+
+UcxOptions RailOptions(const UcxOptions& options, size_t rail) {
+  UcxOptions out = options;
+  if (rail < options.rails.size()) out.ucx_config["NET_DEVICES"] = options.rails[rail];
   return out;
 }
 

@@ -32,6 +32,16 @@
 //   ucx.am_chunk_bytes       longest single active message on the "am" path, a write's or a read
 //                            reply's (default 32k: one shared-memory segment of pdlib's default
 //                            size holds it whole)
+//   ucx.rails                network devices, one rail each ("eth0,eth1", "mlx5_0:1,mlx5_1:1"):
+//                            every connection gets a worker and an endpoint per rail (rail r's
+//                            UCP context has UCX_NET_DEVICES = the r-th device) and pdlib stripes
+//                            each batch's "am" traffic (writes, read requests and their replies)
+//                            over them, whole ops at a time, to the rail with the most room;
+//                            puts and gets, flushes and remote keys use rail 0. Both sides must
+//                            list their rails in the same order (rail r talks to rail r; with
+//                            different counts, the fewer are used). Not with ucx.net_devices;
+//                            takes precedence over TransportOptions::nic_names. Unset: one rail
+//                            (UCX's own choice among ucx.net_devices). At most kMaxRails.
 //
 // Precedence for a UCX variable: a backend option > the environment (UCX_<NAME>, read by UCX
 // itself) > pdlib's default (UcxDefaults()). pdlib never overrides what the user exported.
@@ -43,6 +53,7 @@
 #include <map>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "backends/common/backend_options.h"
 #include "pdlib/spi/transport.h"
@@ -78,7 +89,15 @@ struct UcxOptions {
   FlushMode flush = FlushMode::kEndpoint;
   DataPath data_path = DataPath::kAuto;
   uint64_t am_chunk_bytes = 0;
+  // ucx.rails: one device per rail; empty: one rail, as UCX chooses. rails[0] is also the main
+  // context's NET_DEVICES (ucx_config).
+  std::vector<std::string> rails;
 };
+
+inline constexpr size_t kMaxRails = 8;
+
+// The settings of rail `rail`'s context: `options` with UCX_NET_DEVICES = that rail's device.
+UcxOptions RailOptions(const UcxOptions& options, size_t rail);
 
 // Returns the value of an environment variable or null (getenv's contract).
 using EnvLookup = std::function<const char*(const char* name)>;

@@ -58,6 +58,11 @@ constexpr auto kOutstandingPollFor = std::chrono::milliseconds(2);
 constexpr int kOutstandingSleepMs = 1;
 // "am" reads: a new request message waits until 1/kAmReadRefill of the window is free.
 constexpr uint64_t kAmReadRefill = 4;
+// ucx.rails: a batch's "am" ops stay on one rail for this many bytes before it moves to the
+// rail with the most room (between whole ops, so a page never spans two rails). Small enough
+// that one request's bytes spread over every rail, large enough that a read request message
+// still names many ranges.
+constexpr uint64_t kRailStripeBytes = uint64_t{256} << 10;
 
 }  // namespace
 
@@ -158,7 +163,9 @@ bool UcxTransport::PostChunks(PeerState& peer) {
                              : op.am      ? options_.am_chunk_bytes
                                           : options_.chunk_bytes;
       const uint64_t length = toolkit::ChunkLength(op.length, offset, limit);
-      toolkit::InflightWindow& window = read_request ? peer.read_window : peer.window;
+      if (op.am && offset == 0 && !PickRail(peer, batch, read_request)) return posted;
+      Lane& lane = op.am ? *peer.lanes[batch.rail] : *peer.lanes[0];
+      toolkit::InflightWindow& window = read_request ? lane.read_window : lane.window;
       if (read_request && batch.read_open.empty() && window.in_flight() > 0 &&
           window.limit() - std::min(window.limit(), window.in_flight()) <
               window.limit() / kAmReadRefill) {
@@ -194,18 +201,19 @@ bool UcxTransport::PostChunks(PeerState& peer) {
         param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
         batch.am_headers.push_back(AmPutHeader{kAmPutMagic, batch.am_messages, peer.target,
                                                batch.seq, op.remote + offset});
-        request = ucp_am_send_nbx(peer.ep.get(), kAmPutId, &batch.am_headers.back(),
+        request = ucp_am_send_nbx(lane.ep.get(), kAmPutId, &batch.am_headers.back(),
                                   sizeof(AmPutHeader), op.local + offset, length, &param);
       } else if (batch.reads) {
         // Done (now, or when the request completes) means the bytes are in op.local.
-        request = ucp_get_nbx(peer.ep.get(), op.local + offset, length, op.remote + offset, op.rkey,
+        request = ucp_get_nbx(lane.ep.get(), op.local + offset, length, op.remote + offset, op.rkey,
                               &param);
       } else {
-        request = ucp_put_nbx(peer.ep.get(), op.local + offset, length, op.remote + offset, op.rkey,
+        request = ucp_put_nbx(lane.ep.get(), op.local + offset, length, op.remote + offset, op.rkey,
                               &param);
       }
       posted = true;
       peer.last_activity = now_;
+      if (op.am) batch.rail_bytes += length;
       batch.next_offset += length;
       if (batch.next_offset == op.length) {
         ++batch.next_op;
@@ -214,10 +222,11 @@ bool UcxTransport::PostChunks(PeerState& peer) {
       if (read_request) {
         // Answered (or given up) by OnAmReadReply, FinishAmRead or DropAmReads; the window
         // counts the bytes until then.
-        am_reads_.emplace(cookie, AmRead{&batch, &peer, op.local + offset, length, 0});
+        am_reads_.emplace(cookie,
+                          AmRead{&batch, &peer, lane.rail, op.local + offset, length, 0});
         ++peer.am_reads;
         batch.AddPart();
-        peer.read_window.OnPosted(length);
+        lane.read_window.OnPosted(length);
         continue;
       }
       if (request == nullptr) continue;  // done already (the local buffer is reusable)
@@ -237,8 +246,9 @@ bool UcxTransport::PostChunks(PeerState& peer) {
       auto* context = static_cast<RequestContext*>(request);
       context->batch = &batch;
       context->bytes = length;
+      context->rail = lane.rail;
       batch.AddPart();
-      peer.window.OnPosted(length);
+      lane.window.OnPosted(length);
     }
     if (!batch.read_open.empty() && !SendReadRequests(peer, batch)) return posted;
     peer.to_post.pop_front();
@@ -270,7 +280,8 @@ bool UcxTransport::SendReadRequests(PeerState& peer, Batch& batch) {
   param.user_data = this;
   // Eager; the reply endpoint carries the bytes back. Header and ranges live in the batch.
   param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-  ucs_status_ptr_t request = ucp_am_send_nbx(peer.ep.get(), kAmReadId, &batch.read_headers.back(),
+  ucs_status_ptr_t request = ucp_am_send_nbx(peer.lanes[batch.rail]->ep.get(), kAmReadId,
+                                             &batch.read_headers.back(),
                                              sizeof(AmReadBatchHeader), ranges.data(),
                                              ranges.size() * sizeof(AmReadRange), &param);
   peer.last_activity = now_;
@@ -286,7 +297,34 @@ bool UcxTransport::SendReadRequests(PeerState& peer, Batch& batch) {
   auto* context = static_cast<RequestContext*>(request);
   context->batch = &batch;
   context->bytes = 0;  // a read's bytes are counted until answered
+  context->rail = batch.rail;
   batch.AddPart();
+  return true;
+}
+
+bool UcxTransport::PickRail(PeerState& peer, Batch& batch, bool read_request) {
+  if (peer.lanes.size() < 2 || batch.rail_bytes < kRailStripeBytes) return true;
+  // The most room wins; among equals the next rail after the current one (round robin when
+  // the links keep up and every window is empty).
+  const size_t n = peer.lanes.size();
+  uint32_t best = 0;
+  uint64_t best_room = 0;
+  bool found = false;
+  for (size_t i = 1; i <= n; ++i) {
+    const Lane& lane = *peer.lanes[(batch.rail + i) % n];
+    const toolkit::InflightWindow& w = read_request ? lane.read_window : lane.window;
+    const uint64_t room = w.limit() - std::min(w.limit(), w.in_flight());
+    if (!found || room > best_room) {
+      best = lane.rail;
+      best_room = room;
+      found = true;
+    }
+  }
+  if (best != batch.rail && !batch.read_open.empty() && !SendReadRequests(peer, batch)) {
+    return false;  // ranges gathered for the old rail go there first
+  }
+  batch.rail = best;
+  batch.rail_bytes = 0;
   return true;
 }
 
@@ -296,8 +334,9 @@ void UcxTransport::PostFlush(Batch& batch) {
   param.cb.send = &UcxTransport::OnRequestDone;
   param.user_data = this;
   ucs_status_ptr_t request = options_.flush == FlushMode::kWorker
-                                 ? ucp_worker_flush_nbx(batch.peer->worker->worker.get(), &param)
-                                 : ucp_ep_flush_nbx(batch.peer->ep.get(), &param);
+                                 ? ucp_worker_flush_nbx(batch.peer->lanes[0]->worker->worker.get(),
+                                                        &param)
+                                 : ucp_ep_flush_nbx(batch.peer->lanes[0]->ep.get(), &param);
   if (request == nullptr) return;
   if (UCS_PTR_IS_ERR(request)) {
     batch.Fail(Status::Unavailable("ucx: flush to peer " + std::to_string(batch.peer_id) +
@@ -307,6 +346,7 @@ void UcxTransport::PostFlush(Batch& batch) {
   auto* context = static_cast<RequestContext*>(request);
   context->batch = &batch;
   context->bytes = 0;
+  context->rail = 0;
   batch.AddPart();
 }
 
@@ -315,13 +355,14 @@ void UcxTransport::OnRequestDone(void* request, ucs_status_t status, void* user_
   auto* context = static_cast<RequestContext*>(request);
   Batch& batch = *context->batch;
   const uint64_t bytes = context->bytes;
+  const uint32_t rail = context->rail;
   ucp_request_free(request);
   if (batch.orphaned) {  // its peer and callback are gone; only the memory is left to free
     --batch.pending;
     return;
   }
   PeerState& peer = *batch.peer;
-  peer.window.OnCompleted(bytes);
+  peer.lanes[rail]->window.OnCompleted(bytes);
   peer.last_activity = self->now_;
   if (status != UCS_OK) {
     std::string reason = std::string("ucx: ") + (batch.reads ? "read from" : "write to") +
@@ -337,11 +378,17 @@ void UcxTransport::OnRequestDone(void* request, ucs_status_t status, void* user_
 }
 
 void UcxTransport::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
-  auto* peer = static_cast<PeerState*>(arg);
+  auto* lane = static_cast<Lane*>(arg);
+  PeerState* peer = lane->peer;
+  UcxTransport& self = *peer->transport;
   peer->ep_failed = true;
-  peer->transport->FailPeer(
-      *peer, Status::Unavailable("ucx: connection to peer " + std::to_string(peer->id) +
-                                 " failed: " + UcsStatusName(status)));
+  // With rails, the rail is named: its link (or its NIC) is the likely culprit.
+  const std::string rail = peer->lanes.size() > 1 ? " on rail " + std::to_string(lane->rail) +
+                                                        " (" + self.options_.rails[lane->rail] +
+                                                        ")"
+                                                  : "";
+  self.FailPeer(*peer, Status::Unavailable("ucx: connection to peer " + std::to_string(peer->id) +
+                                           rail + " failed: " + UcsStatusName(status)));
   // The endpoint is closed from the loop (ReapPeers), outside UCX's callback.
 }
 
@@ -600,7 +647,9 @@ ucs_status_t UcxTransport::OnAmReadReply(void* arg, const void* header, size_t h
   PeerState& peer = *read.peer;
   const ucp_ep_h from =
       (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
-  if (from == nullptr || from != peer.ep.get()) return UCS_OK;  // not the request's connection
+  if (from == nullptr || from != peer.lanes[read.rail]->ep.get()) {
+    return UCS_OK;  // not the request's connection (or rail)
+  }
   if (!peer.failure.ok()) return UCS_OK;                        // DropAmReads finishes the request
   peer.last_activity = self->now_;
   Batch& batch = *read.batch;
@@ -635,7 +684,7 @@ void UcxTransport::FinishAmRead(uint64_t cookie) {
   const AmRead read = it->second;
   am_reads_.erase(it);
   --read.peer->am_reads;
-  read.peer->read_window.OnCompleted(read.length);
+  read.peer->lanes[read.rail]->read_window.OnCompleted(read.length);
   ReleaseRef(*read.batch);
 }
 
@@ -720,9 +769,17 @@ void UcxTransport::AdvanceClose(PeerState& peer) {
       return;
     }
     case CloseState::kClosing: {
-      ucs_status_t st = ucp_request_check_status(peer.close_request);
-      if (st == UCS_INPROGRESS && now_ < peer.close_deadline) return;
-      ucp_request_free(std::exchange(peer.close_request, nullptr));
+      bool in_progress = false;
+      for (auto& lane : peer.lanes) {
+        in_progress |= lane->close_request != nullptr &&
+                       ucp_request_check_status(lane->close_request) == UCS_INPROGRESS;
+      }
+      if (in_progress && now_ < peer.close_deadline) return;
+      for (auto& lane : peer.lanes) {
+        if (lane->close_request != nullptr) {
+          ucp_request_free(std::exchange(lane->close_request, nullptr));
+        }
+      }
       peer.close_state = CloseState::kClosed;
       return;
     }
@@ -732,7 +789,8 @@ void UcxTransport::AdvanceClose(PeerState& peer) {
 
 void UcxTransport::StartFlush(PeerState& peer) {
   ucp_request_param_t param{};  // no callback: polled by AdvanceClose
-  ucs_status_ptr_t request = ucp_ep_flush_nbx(peer.ep.get(), &param);
+  // Lane 0 carries the puts; the other rails' "am" messages are refused after the cut.
+  ucs_status_ptr_t request = ucp_ep_flush_nbx(peer.lanes[0]->ep.get(), &param);
   if (UCS_PTR_IS_PTR(request)) {
     peer.flush_request = request;
     peer.close_state = CloseState::kFlushing;
@@ -744,7 +802,7 @@ void UcxTransport::StartFlush(PeerState& peer) {
 // False when the message could not be sent (the endpoint failed): there is no echo to wait for,
 // and the close goes on with the flush.
 bool UcxTransport::SendClose(PeerState& peer) {
-  return SendHeaderOnly(peer.ep.get(), kAmCloseId,
+  return SendHeaderOnly(peer.lanes[0]->ep.get(), kAmCloseId,
                         AmCloseHeader{kAmCloseMagic, 0, peer.target, peer.id},
                         UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER);
 }
@@ -789,18 +847,21 @@ ucs_status_t UcxTransport::OnAmClosed(void* arg, const void* header, size_t head
 
 void UcxTransport::CloseEndpoint(PeerState& peer, bool force) {
   peer.close_deadline = now_ + kCloseGrace;
-  ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  // Force: outstanding requests complete with UCS_ERR_CANCELED instead of draining to a peer
-  // that is dead or does not answer.
-  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-  ucs_status_ptr_t request = ucp_ep_close_nbx(peer.ep.Release(), &param);
-  if (UCS_PTR_IS_PTR(request)) {
-    peer.close_request = request;
-    peer.close_state = CloseState::kClosing;
-  } else {
-    peer.close_state = CloseState::kClosed;
+  bool pending = false;
+  for (auto& lane : peer.lanes) {
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    // Force: outstanding requests complete with UCS_ERR_CANCELED instead of draining to a peer
+    // that is dead or does not answer. The other rails carry "am" messages only, which the
+    // target refuses once it cut the connection off: closed by force.
+    param.flags = force || lane->rail != 0 ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    ucs_status_ptr_t request = ucp_ep_close_nbx(lane->ep.Release(), &param);
+    if (UCS_PTR_IS_PTR(request)) {
+      lane->close_request = request;
+      pending = true;
+    }
   }
+  peer.close_state = pending ? CloseState::kClosing : CloseState::kClosed;
 }
 
 bool UcxTransport::ReapPeers(Clock::time_point now) {
@@ -846,7 +907,7 @@ bool UcxTransport::ReapPeers(Clock::time_point now) {
         peer.rkeys.clear();
         // Its worker goes with it (and whatever a dead target left in its receive FIFO); the
         // sends UCX still holds (orphaned batches') complete meanwhile.
-        DestroyWorker(std::move(peer.worker));
+        for (auto& lane : peer.lanes) DestroyWorker(std::move(lane->worker));
         it = peer_states_.erase(it);
         continue;
       }
@@ -909,7 +970,7 @@ bool UcxTransport::ReapClosedTargets(bool all) {
       ++it;
       continue;
     }
-    DestroyWorker(std::move(it->second));
+    for (auto& w : it->second) DestroyWorker(std::move(w));
     it = closed_targets_.erase(it);
     reaped = true;
   }

@@ -22,9 +22,11 @@ constexpr uint32_t kKeyMagic = 0x4b554450;       // "PDUK"
 // Version 2: the endpoint blob carries the target id and data path, the key blob a flags word.
 // Version 3: the key blob also carries the region's id for "am" read requests.
 // Version 4: "am" read requests name many ranges per message (AmReadBatchHeader).
-constexpr uint32_t kBlobVersion = 4;
+// Version 5: the endpoint blob carries one worker address per rail (ucx.rails).
+constexpr uint32_t kBlobVersion = 5;
 constexpr size_t kBlobHeader = 8;
-// Endpoint payload: target id (8), flags (4), reserved (4), worker address.
+// Endpoint payload: target id (8), flags (4), rail count (4), then each rail's worker address
+// as its length (4) and its bytes.
 constexpr size_t kEndpointPrefix = 16;
 constexpr uint32_t kEndpointAm = 1;  // the target takes "am" messages
 // Key payload: flags (4), "am" region id (4; 0 for a direct region), packed rkey.
@@ -91,7 +93,17 @@ StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const spi::Transpor
 
   auto context = AcquireUcxContext(*parsed);
   if (!context.ok()) return context.status();
+  std::vector<std::shared_ptr<UcxContext>> rails = {*context};
+  for (size_t r = 1; r < parsed->rails.size(); ++r) {
+    auto rail = AcquireUcxContext(RailOptions(*parsed, r));
+    if (!rail.ok()) {
+      return rail.status().WithPrefix("ucx: rail " + std::to_string(r) + " (" + parsed->rails[r] +
+                                      ")");
+    }
+    rails.push_back(*rail);
+  }
   std::unique_ptr<UcxTransport> transport(new UcxTransport(std::move(*parsed), *context));
+  transport->rail_contexts_ = std::move(rails);
   Status init = transport->Init();
   if (!init.ok()) return init;
   return transport;
@@ -107,7 +119,7 @@ Status UcxTransport::Init() {
 }
 
 StatusOr<std::unique_ptr<UcxTransport::ConnWorker>> UcxTransport::MakeWorker(
-    spi::TargetId target) {
+    spi::TargetId target, uint32_t rail) {
   auto w = std::make_unique<ConnWorker>();
   w->transport = this;
   w->target = target;
@@ -115,7 +127,8 @@ StatusOr<std::unique_ptr<UcxTransport::ConnWorker>> UcxTransport::MakeWorker(
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   params.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches the worker
   ucp_worker_h raw_worker = nullptr;
-  ucs_status_t st = ucp_worker_create(context_->handle.get(), &params, &raw_worker);
+  ucs_status_t st =
+      ucp_worker_create(rail_contexts_.at(rail)->handle.get(), &params, &raw_worker);
   if (st != UCS_OK) return Status::Internal("ucx: ucp_worker_create failed: " + UcsStatusName(st));
   w->worker.reset(raw_worker);
 
@@ -308,25 +321,42 @@ StatusOr<spi::TargetEndpoint> UcxTransport::CreateTargetEndpoint() {
     MutexLock lock(&mu_);
     id = targets_.Add(TargetEntry{});
   }
-  auto address = progress_.Run<StatusOr<std::vector<uint8_t>>>(
-      [&]() -> StatusOr<std::vector<uint8_t>> {
-        auto worker = MakeWorker(id);
-        if (!worker.ok()) return worker.status();
-        std::vector<uint8_t> bytes = (*worker)->address;
-        target_workers_.emplace(id, std::move(*worker));
+  // One worker per rail; the blob lists their addresses in rail order.
+  auto addresses = progress_.Run<StatusOr<std::vector<std::vector<uint8_t>>>>(
+      [&]() -> StatusOr<std::vector<std::vector<uint8_t>>> {
+        RailWorkers workers;
+        std::vector<std::vector<uint8_t>> out;
+        for (uint32_t r = 0; r < rail_count(); ++r) {
+          auto worker = MakeWorker(id, r);
+          if (!worker.ok()) {
+            for (auto& w : workers) DestroyWorker(std::move(w));
+            return worker.status();
+          }
+          out.push_back((*worker)->address);
+          workers.push_back(std::move(*worker));
+        }
+        target_workers_.emplace(id, std::move(workers));
         if (am_target_) am_targets_.emplace(id, AmTarget{});
-        return bytes;
+        return out;
       });
-  if (!address.ok()) {
+  if (!addresses.ok()) {
     MutexLock lock(&mu_);
     targets_.Take(id);
-    return address.status();
+    return addresses.status();
   }
-  std::vector<uint8_t> payload(kEndpointPrefix + address->size());
+  std::vector<uint8_t> payload(kEndpointPrefix);
   const uint32_t flags = am_target_ ? kEndpointAm : 0;
+  const auto rails = static_cast<uint32_t>(addresses->size());
   std::memcpy(payload.data(), &id, sizeof(id));
   std::memcpy(payload.data() + 8, &flags, sizeof(flags));
-  std::memcpy(payload.data() + kEndpointPrefix, address->data(), address->size());
+  std::memcpy(payload.data() + 12, &rails, sizeof(rails));
+  for (const std::vector<uint8_t>& address : *addresses) {
+    const auto length = static_cast<uint32_t>(address.size());
+    const size_t at = payload.size();
+    payload.resize(at + 4 + address.size());
+    std::memcpy(payload.data() + at, &length, 4);
+    std::memcpy(payload.data() + at + 4, address.data(), address.size());
+  }
   return spi::TargetEndpoint{id, MakeBlob(kEndpointMagic, payload.data(), payload.size())};
 }
 
@@ -341,7 +371,7 @@ void UcxTransport::CloseTargetEndpoint(spi::TargetId target) {
   progress_
       .Run<Status>([&] {
         am_targets_.erase(target);
-        if (auto it = target_workers_.find(target); it != target_workers_.end()) {
+        if (auto it = target_workers_.find(target); it != target_workers_.end()) {  // every rail
           closed_targets_.emplace_back(Clock::now() + kTargetLinger, std::move(it->second));
           target_workers_.erase(it);
         }
@@ -409,11 +439,43 @@ StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint
   std::memcpy(&target, payload->data(), sizeof(target));
   std::memcpy(&flags, payload->data() + 8, sizeof(flags));
   const bool am = (flags & kEndpointAm) != 0;
-  // UCX wants the address mutable.
-  std::vector<uint8_t> address(payload->begin() + kEndpointPrefix, payload->end());
+  uint32_t rails = 0;
+  std::memcpy(&rails, payload->data() + 12, sizeof(rails));
+  if (rails == 0 || rails > kMaxRails) {
+    return Status::InvalidArgument("ucx: endpoint blob names " + std::to_string(rails) +
+                                   " rails (1 to " + std::to_string(kMaxRails) + ")");
+  }
+  // UCX wants the addresses mutable.
+  std::vector<std::vector<uint8_t>> addresses;
+  size_t at = kEndpointPrefix;
+  for (uint32_t r = 0; r < rails; ++r) {
+    uint32_t length = 0;
+    if (payload->size() - at < 4) {
+      return Status::InvalidArgument("ucx: endpoint blob ends inside rail " + std::to_string(r));
+    }
+    std::memcpy(&length, payload->data() + at, 4);
+    at += 4;
+    if (length == 0 || payload->size() - at < length) {
+      return Status::InvalidArgument("ucx: endpoint blob's rail " + std::to_string(r) +
+                                     " address of " + std::to_string(length) +
+                                     " bytes does not fit");
+    }
+    addresses.emplace_back(payload->begin() + at, payload->begin() + at + length);
+    at += length;
+  }
+  if (at != payload->size()) {
+    return Status::InvalidArgument("ucx: endpoint blob has " + std::to_string(payload->size() - at) +
+                                   " bytes after its last rail");
+  }
 
   auto connected = progress_.Run<StatusOr<spi::PeerId>>([&]() -> StatusOr<spi::PeerId> {
     auto state = std::make_unique<PeerState>();
+    auto undo = [&] {
+      for (auto& lane : state->lanes) {
+        lane->ep = UcpEp();  // closes it (progressing its worker) before the worker goes
+        DestroyWorker(std::move(lane->worker));
+      }
+    };
     {
       MutexLock lock(&mu_);
       state->id = peers_.NextId();
@@ -421,26 +483,41 @@ StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint
     state->transport = this;
     state->target = target;
     state->am = am;
-    state->window = toolkit::InflightWindow(options_.max_inflight_bytes);
-    state->read_window = toolkit::InflightWindow(options_.max_inflight_read_bytes);
-    ucp_ep_params_t params{};
-    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    params.address = reinterpret_cast<const ucp_address_t*>(address.data());
-    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    params.err_handler.cb = &UcxTransport::OnEndpointError;
-    params.err_handler.arg = state.get();
-    auto worker = MakeWorker(0);
-    if (!worker.ok()) return worker.status();
-    state->worker = std::move(*worker);
-    ucp_ep_h ep = nullptr;
-    ucs_status_t st = ucp_ep_create(state->worker->worker.get(), &params, &ep);
-    if (st != UCS_OK) {
-      DestroyWorker(std::move(state->worker));
-      return Status::Unavailable("ucx: cannot create an endpoint to the peer's worker: " +
-                                 UcsStatusName(st));
+    // Rail r connects to the target's rail r; with different rail counts, the fewer are used.
+    const size_t rails = std::min(rail_count(), addresses.size());
+    for (uint32_t r = 0; r < rails; ++r) {
+      auto lane = std::make_unique<Lane>();
+      lane->peer = state.get();
+      lane->rail = r;
+      lane->window = toolkit::InflightWindow(options_.max_inflight_bytes);
+      lane->read_window = toolkit::InflightWindow(options_.max_inflight_read_bytes);
+      auto worker = MakeWorker(0, r);
+      if (!worker.ok()) {
+        undo();
+        return worker.status();
+      }
+      lane->worker = std::move(*worker);
+      ucp_ep_params_t params{};
+      params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                          UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      params.address = reinterpret_cast<const ucp_address_t*>(addresses[r].data());
+      params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      params.err_handler.cb = &UcxTransport::OnEndpointError;
+      params.err_handler.arg = lane.get();
+      ucp_ep_h ep = nullptr;
+      ucs_status_t st = ucp_ep_create(lane->worker->worker.get(), &params, &ep);
+      if (st != UCS_OK) {
+        DestroyWorker(std::move(lane->worker));
+        undo();
+        return Status::Unavailable(
+            "ucx: cannot create an endpoint to the peer's worker" +
+            (rails > 1 ? " on rail " + std::to_string(r) + " (" + options_.rails[r] + ")"
+                       : std::string()) +
+            ": " + UcsStatusName(st));
+      }
+      lane->ep = UcpEp(lane->worker->worker.get(), ep);
+      state->lanes.push_back(std::move(lane));
     }
-    state->ep = UcpEp(state->worker->worker.get(), ep);
     spi::PeerId id = state->id;
     peer_states_.emplace(id, std::move(state));
     MutexLock lock(&mu_);
@@ -475,7 +552,8 @@ StatusOr<spi::RemoteRegionId> UcxTransport::ImportRemoteRegion(spi::PeerId peer,
     }
     if (!it->second->failure.ok()) return it->second->failure;
     ucp_rkey_h rkey = nullptr;
-    ucs_status_t st = ucp_ep_rkey_unpack(it->second->ep.get(), payload.data(), &rkey);
+    // Puts and gets go on rail 0, whose context (the main one) made the target's keys too.
+    ucs_status_t st = ucp_ep_rkey_unpack(it->second->lanes[0]->ep.get(), payload.data(), &rkey);
     if (st != UCS_OK) {
       return Status::InvalidArgument("ucx: the peer's remote key cannot be unpacked: " +
                                      UcsStatusName(st));

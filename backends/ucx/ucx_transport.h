@@ -91,6 +91,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -233,6 +234,10 @@ class UcxTransport final : public spi::Transport {
     uint64_t read_open_bytes = 0;
     std::deque<AmReadBatchHeader> read_headers;
     std::deque<std::vector<AmReadRange>> read_messages;
+    // ucx.rails: the rail its "am" ops go to, and the bytes posted there since it moved (a
+    // batch moves, between whole ops, every kRailStripeBytes; the first op picks).
+    uint32_t rail = 0;
+    uint64_t rail_bytes = UINT64_MAX;
   };
 
   // Lives in each UCX request (ucp_params_t::request_size): what its completion is for. Written
@@ -240,7 +245,8 @@ class UcxTransport final : public spi::Transport {
   // ucp_worker_progress on the same thread.
   struct RequestContext {
     Batch* batch;
-    uint64_t bytes;  // counted in the peer's window; 0 for a flush
+    uint64_t bytes : 56;  // counted in the lane's window; 0 for a flush or a read request
+    uint64_t rail : 8;    // the lane it went on
   };
   static_assert(sizeof(RequestContext) <= kRequestContextBytes);
 
@@ -258,18 +264,29 @@ class UcxTransport final : public spi::Transport {
     std::vector<uint8_t> address;
   };
 
+  struct PeerState;
+  // One rail of a connection (ucx.rails; a single lane without them): its worker, its endpoint
+  // to the target's worker of the same rail, and the windows that pace what is posted on it.
+  // Lane 0 also carries puts, gets, flushes and the close message; the others "am" traffic only.
+  struct Lane {
+    PeerState* peer = nullptr;  // the endpoint error handler's argument is the lane
+    uint32_t rail = 0;
+    std::unique_ptr<ConnWorker> worker;  // declared before the endpoint: destroyed after it
+    UcpEp ep;
+    toolkit::InflightWindow window{0};
+    toolkit::InflightWindow read_window{0};  // "am" read requests: bytes not yet answered
+    void* close_request = nullptr;
+  };
+
   // The progress thread's view of one connection.
   struct PeerState {
     UcxTransport* transport = nullptr;
     spi::PeerId id = 0;
     uint64_t target = 0;  // the target's id for this connection (from its endpoint blob)
     bool am = false;      // the target takes "am" messages for regions it did not mark direct
-    // Declared before the endpoint and the rkeys: destroyed after them.
-    std::unique_ptr<ConnWorker> worker;
-    UcpEp ep;
+    // Declared before the rkeys: destroyed after them.
+    std::vector<std::unique_ptr<Lane>> lanes;
     std::vector<UcpRkeyPtr> rkeys;
-    toolkit::InflightWindow window{0};
-    toolkit::InflightWindow read_window{0};  // "am" read requests: bytes not yet answered
     toolkit::BatchList<Batch> batches;       // outstanding, oldest first
     std::deque<Batch*> to_post;              // batches with chunks still to post, in order
     Status failure;                          // why the peer is unusable (set once)
@@ -278,7 +295,6 @@ class UcxTransport final : public spi::Transport {
     CloseState close_state = CloseState::kOpen;  // advanced by AdvanceClose once failure is set
     bool cut = false;  // the target echoed our close message: nothing of ours lands any more
     void* flush_request = nullptr;
-    void* close_request = nullptr;
     Clock::time_point last_activity;
     Clock::time_point close_deadline;
     Clock::time_point cut_deadline;  // kCutting: when to stop waiting for the target's echo
@@ -377,15 +393,22 @@ class UcxTransport final : public spi::Transport {
   bool IsDirectRegion(const spi::MemoryRegion& region, bool ucx_allocated) const;
   // Progress thread: a worker with pdlib's handlers, watched by the loop / unwatched and
   // destroyed (UCX completes the worker's outstanding sends, with their callbacks, meanwhile).
-  StatusOr<std::unique_ptr<ConnWorker>> MakeWorker(spi::TargetId target);
+  StatusOr<std::unique_ptr<ConnWorker>> MakeWorker(spi::TargetId target, uint32_t rail);
   void DestroyWorker(std::unique_ptr<ConnWorker> worker);
   // ucp_worker_progress on every worker; whether any made progress.
   bool ProgressWorkers();
   // Destroys the workers of closed targets whose linger is over (all of them with `all`).
   bool ReapClosedTargets(bool all);
+  // The lane a batch's "am" op at its cursor goes on (ucx.rails), moving the batch to the rail
+  // with the most room every kRailStripeBytes; false when a pending read request message could
+  // not be sent first.
+  bool PickRail(PeerState& peer, Batch& batch, bool read_request);
+  size_t rail_count() const { return std::max<size_t>(1, options_.rails.size()); }
 
   const UcxOptions options_;
   std::shared_ptr<UcxContext> context_;
+  // Rail r's context (ucx.rails); [0] is context_.
+  std::vector<std::shared_ptr<UcxContext>> rail_contexts_;
   bool am_target_ = false;  // this process takes "am" messages as a target (ucx.data_path)
 
   // Shared with API threads. A batch is queued to the progress thread under mu_, so that it
@@ -410,9 +433,11 @@ class UcxTransport final : public spi::Transport {
   std::unordered_map<spi::TargetId, AmTarget> am_targets_;
   // Every worker, for the loop: those of peer_states_, target_workers_ and closed_targets_.
   std::vector<ConnWorker*> workers_;
-  std::unordered_map<spi::TargetId, std::unique_ptr<ConnWorker>> target_workers_;
+  // A target's workers, one per rail.
+  using RailWorkers = std::vector<std::unique_ptr<ConnWorker>>;
+  std::unordered_map<spi::TargetId, RailWorkers> target_workers_;
   // Closed targets' workers, destroyed at the time given (kTargetLinger after the close).
-  std::vector<std::pair<Clock::time_point, std::unique_ptr<ConnWorker>>> closed_targets_;
+  std::vector<std::pair<Clock::time_point, RailWorkers>> closed_targets_;
   std::vector<AmRegion> am_regions_;  // host memory "am" messages may write and read (not direct)
   uint32_t last_am_region_ = 0;
   // Initiator: "am" read requests sent and not fully answered, by cookie (never reused, so a
@@ -420,6 +445,7 @@ class UcxTransport final : public spi::Transport {
   struct AmRead {
     Batch* batch;
     PeerState* peer;
+    uint32_t rail;  // the lane its request went on (and its replies come back on)
     uint8_t* dst;
     uint64_t length;
     uint64_t received;

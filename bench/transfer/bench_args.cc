@@ -95,10 +95,8 @@ ABSL_FLAG(std::string, rails, "1",
           "with --netns: the links (rails) between the two hosts that pdlib uses, a list (e.g. "
           "1,2: one configuration each, in one run, the later ones compared with the first). The "
           "hosts get that many veth links, each a bridge and a /24 of its own (tools/netns); UCX "
-          "runs over eth0 ... eth<N-1> (ucx.net_devices) with UCX_MAX_EAGER_RAILS=N, and, unless "
-          "--backend-option sets it, ucx.am_chunk_bytes=(most rails) x 128k on every row of a run "
-          "that has more than one rail (UCX 1.13 can stripe an active message's fragments over its "
-          "lanes, and a message of one fragment goes on one lane only; see README \"Rails\")");
+          "runs over eth0 for one rail, and pdlib stripes over eth0 ... eth<N-1> for N "
+          "(ucx.rails: a worker and an endpoint per rail; see README \"Rails\")");
 ABSL_FLAG(uint64_t, rail_mbit, 0,
           "with --netns: caps every rail of both hosts at this many Mbit/s each way (tc tbf; 0: "
           "no cap), so that rails, not the CPU, bound the transfer");
@@ -181,8 +179,9 @@ constexpr char kUsage[] =
     "       --direction both\n"
     "\n"
     "Rails: --netns --rails 1,2 --rail-mbit M gives the two hosts two links (one per rail), each\n"
-    "capped at M Mbit/s, and runs every configuration over one rail, then over both (UCX over\n"
-    "eth0,eth1); each later row is compared with the first (rails_gbps_ratio).\n"
+    "capped at M Mbit/s, and runs every configuration over one rail, then over both (pdlib\n"
+    "striping over eth0,eth1: ucx.rails); each later row is compared with the first\n"
+    "(rails_gbps_ratio).\n"
     "  e.g. pdlib-transfer-bench --netns --rails 1,2 --rail-mbit 2000 --backend ucx --layers 32\n"
     "       --item-bytes 32768 --pages 16 --concurrency 4 --requests 200 --warmup 20\n"
     "\n"

@@ -163,6 +163,38 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
     CHECK(parsed->ucx_config.at("NET_DEVICES") == "lo");
   }
 
+  SECTION("ucx.rails: one device per rail; rail 0's is the main context's") {
+    spi::TransportOptions options;
+    options.nic_names = {"mlx5_0:1"};  // ucx.rails wins over nic_names
+    options.options = {{"ucx.rails", "eth0,eth1,eth2"}, {"ucx.tls", "tcp"}};
+    auto parsed = ucx::ParseUcxOptions(options, lookup);
+    REQUIRE(parsed.ok());
+    CHECK(parsed->rails == std::vector<std::string>{"eth0", "eth1", "eth2"});
+    CHECK(parsed->ucx_config.at("NET_DEVICES") == "eth0");
+    CHECK(ucx::RailOptions(*parsed, 0).ucx_config.at("NET_DEVICES") == "eth0");
+    CHECK(ucx::RailOptions(*parsed, 2).ucx_config.at("NET_DEVICES") == "eth2");
+    CHECK(ucx::RailOptions(*parsed, 2).ucx_config.at("TLS") == "tcp");  // the rest is shared
+    auto none = ucx::ParseUcxOptions({}, lookup);
+    REQUIRE(none.ok());
+    CHECK(none->rails.empty());
+
+    for (auto [extra_key, value] : std::vector<std::pair<std::string, std::string>>{
+             {"ucx.net_devices", "eth0"},              // two ways to say which devices
+             {"ucx.config.NET_DEVICES", "eth0"},       // the same, spelled out
+             {"ucx.rails", "eth0,,eth1"},              // an empty entry
+             {"ucx.rails", "eth0,eth1,eth0"},          // a device twice
+             {"ucx.rails", "a,b,c,d,e,f,g,h,i"}}) {   // more than kMaxRails
+      spi::TransportOptions bad;
+      bad.options = {{"ucx.rails", "eth0,eth1"}};
+      bad.options[extra_key] = value;
+      INFO(extra_key << "=" << value);
+      auto refused = ucx::ParseUcxOptions(bad, lookup);
+      REQUIRE_FALSE(refused.ok());
+      CHECK(refused.status().code() == StatusCode::kInvalidArgument);
+      CHECK(std::string(refused.status().message()).find("ucx.rails") != std::string::npos);
+    }
+  }
+
   SECTION("mistakes are refused with the key in the message") {
     for (auto [key, value] :
          std::vector<std::pair<std::string, std::string>>{{"ucx.tsl", "tcp"},

@@ -120,6 +120,38 @@ TEST_CASE("ucx transports refuse bad options and CUDA memory this UCX cannot map
   }
 }
 
+// The endpoint blob lists one worker address per rail (ucx.rails); Connect checks the list
+// before it hands anything to UCX.
+TEST_CASE("ucx refuses endpoint blobs whose rail list is malformed") {
+  auto target = MakeUcx("shm");
+  auto initiator = MakeUcx("shm");
+  auto ep = target->CreateTargetEndpoint();
+  REQUIRE(ep.ok());
+  constexpr size_t kRailsAt = 8 + 12;  // blob header, then target id and flags
+  auto with_rails = [&](uint32_t rails) {
+    spi::Blob blob = ep->blob;
+    std::memcpy(blob.data() + kRailsAt, &rails, sizeof(rails));
+    return blob;
+  };
+  spi::Blob trailing = ep->blob;
+  trailing.push_back(0);
+  spi::Blob cut = ep->blob;
+  cut.resize(cut.size() - 3);
+  for (const auto& [what, blob] : std::vector<std::pair<std::string, spi::Blob>>{
+           {"no rail", with_rails(0)},
+           {"too many rails", with_rails(9)},
+           {"a rail past the end", with_rails(2)},
+           {"bytes after the last rail", trailing},
+           {"an address cut short", cut}}) {
+    INFO(what);
+    auto conn = initiator->Connect(blob);
+    REQUIRE_FALSE(conn.ok());
+    CHECK(conn.status().code() == StatusCode::kInvalidArgument);
+    CHECK(std::string(conn.status().message()).find("rail") != std::string::npos);
+  }
+  CHECK(initiator->Connect(ep->blob).ok());
+}
+
 // Random layouts: several source regions, one destination region per batch in flight, ops of
 // 64 B to 256 KiB, 1 to 4096 per batch, scattered or contiguous, and the whole destination
 // compared with an expected image (so stray writes are caught, not just missing ones).
