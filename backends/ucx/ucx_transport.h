@@ -25,6 +25,9 @@
 // dead peer fails its outstanding batches with kUnavailable, naming the UCX status);
 // ImportRemoteRegion unpacks the rkey on that endpoint. CloseTargetEndpoint refuses the
 // connection's messages at once and destroys its worker after kTargetLinger.
+// With ucx.rails, "worker" above means one worker per rail (each from that rail's context) and
+// the blob lists one address per rail; a connection's lanes stripe its "am" traffic
+// (backends/ucx/README.md, "Rails").
 //
 // A batch is one ucp_put_nbx per chunk of each write, then one flush (ucp_ep_flush_nbx, or
 // ucp_worker_flush_nbx with ucx.flush=worker): a put's completion only means the local buffer
