@@ -80,8 +80,15 @@ StatusOr<std::shared_ptr<UcxContext>> CreateContext(const UcxOptions& options, s
   ucp_context_h raw_context = nullptr;
   st = ucp_init(&params, config.get(), &raw_context);
   if (st != UCS_OK) {
+    auto setting = [&](const char* name) {
+      auto it = options.ucx_config.find(name);
+      if (it != options.ucx_config.end()) return it->second;
+      const char* env = std::getenv((std::string("UCX_") + name).c_str());
+      return env != nullptr ? std::string(env) + " (environment)" : std::string("UCX's default");
+    };
     return Status::FailedPrecondition("ucx: ucp_init failed: " + UcsStatusName(st) +
-                                      " (UCX_TLS / UCX_NET_DEVICES select no usable transport?)");
+                                      " (UCX_TLS=" + setting("TLS") + ", UCX_NET_DEVICES=" +
+                                      setting("NET_DEVICES") + " select no usable transport?)");
   }
   context->handle.reset(raw_context);
   ucp_context_attr_t attr{};

@@ -100,6 +100,12 @@ ABSL_FLAG(std::string, rails, "1",
 ABSL_FLAG(uint64_t, rail_mbit, 0,
           "with --netns: caps every rail of both hosts at this many Mbit/s each way (tc tbf; 0: "
           "no cap), so that rails, not the CPU, bound the transfer");
+ABSL_FLAG(std::string, rail_fault, "",
+          "with --netns and --rails: R,AT,FOR partitions rail R (0-based) of decode's host AT ms "
+          "after the decode rank is ready (its warm-up included) and heals it FOR ms later, in "
+          "every row with more than R rails; such a row samples decode's received bytes every "
+          "100 ms and prints the throughput before, during and after the fault and how long after "
+          "the heal it took to get back to 90% of before (JSON fault_*)");
 ABSL_FLAG(std::string, prefill_host, "127.0.0.1",
           "internal: where a child's prefill rank listens and decode finds it");
 ABSL_FLAG(uint64_t, layer_compute_us, 0,
@@ -378,6 +384,15 @@ bool ParseArgs(int argc, char** argv, Options* o) {
     if (n > uint64_t(pdlib_tools::kMaxRails)) return bad("rails", rails);
     if (n > 1 && !o->netns) return bad("rails", rails + " without --netns");
     o->rails.push_back(int(n));
+  }
+  if (const std::string fault = absl::GetFlag(FLAGS_rail_fault); !fault.empty()) {
+    std::vector<uint64_t> f;
+    if (!ParseList(fault, &f) || f.size() != 3 || f[0] >= uint64_t(pdlib_tools::kMaxRails) ||
+        f[1] > 3600000 || f[2] == 0 || f[2] > 3600000) {
+      return bad("rail_fault", fault + " (R,AT_MS,FOR_MS)");
+    }
+    if (!o->netns) return bad("rail_fault", fault + " without --netns");
+    o->rail_fault = {int(f[0]), int(f[1]), int(f[2])};
   }
   const uint64_t rail_mbit = absl::GetFlag(FLAGS_rail_mbit);
   if (rail_mbit > 1000000) return bad("rail_mbit", std::to_string(rail_mbit));

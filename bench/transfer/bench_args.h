@@ -37,6 +37,14 @@ struct Options {
   // (the cluster has the most asked for); --rail_mbit: a tbf cap on every rail (0: none).
   std::vector<int> rails{1};
   int rail_mbit = 0;
+  // --rail-fault R,AT,FOR: with --netns, rail R of decode's host is partitioned AT ms after the
+  // decode rank is ready (warm-up included) and healed FOR ms later, in every row with more than
+  // R rails; the rows then print the received throughput over time (rail < 0: no fault).
+  struct RailFault {
+    int rail = -1;
+    int at_ms = 0;
+    int for_ms = 0;
+  } rail_fault;
   std::string role;  // hidden: "prefill" or "decode" in the child processes
 };
 

@@ -99,6 +99,17 @@ struct BenchConfig {
   // The bytes decode's host received on each rail of the cluster (eth0, eth1, ...) while the
   // row ran, warm-up included: whether the transfer was striped. Empty when unknown.
   std::vector<uint64_t> rail_rx_bytes;
+  // --rail-fault: what decode received before, during and after a rail's partition (set by the
+  // parent for the rows it faulted; reported only).
+  struct FaultFigures {
+    int rail = 0, at_ms = 0, for_ms = 0;  // as asked
+    double fault_at_ms = 0, heal_at_ms = 0;  // as done, ms after decode was ready
+    double before_gbps = 0, during_gbps = 0, after_gbps = 0;
+    double recovery_ms = -1;  // heal -> first 100 ms back at >= 90% of before; -1: not in the run
+    std::vector<std::pair<double, double>> timeline;  // (ms, Gbit/s of the 100 ms ending there)
+    std::string error;
+  };
+  std::optional<FaultFigures> fault;
 
   // Pages per K or V buffer: pool_pages, else what pool_bytes holds; never fewer than `pages`.
   uint64_t PoolPages() const;

@@ -29,6 +29,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cinttypes>
@@ -168,10 +169,81 @@ int RunChild(const Options& o) {
   return r.error.empty() ? 0 : 1;
 }
 
+std::vector<uint64_t> DecodeRailRxBytes();
+
+// --rail-fault: on its own thread while decode runs (from decode's READY): partitions the rail
+// at its time, heals it, and samples decode's received bytes (all rails) every 100 ms.
+void RunRailFault(const Options::RailFault& f, const std::atomic<bool>* stop,
+                  BenchConfig::FaultFigures* out,
+                  std::vector<std::pair<double, uint64_t>>* samples) {
+  const auto t0 = Clock::now();
+  auto ms = [&] { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); };
+  bool cut = false, healed = false;
+  auto next = t0;
+  while (!stop->load()) {
+    if (!cut && ms() >= f.at_ms) {
+      if (pdlib::Status s = g_cluster->PartitionRail("decode", f.rail); !s.ok()) {
+        out->error = s.ToString();
+      }
+      cut = true;
+      out->fault_at_ms = ms();
+    }
+    if (cut && !healed && ms() >= f.at_ms + f.for_ms) {
+      if (pdlib::Status s = g_cluster->HealRail("decode", f.rail); !s.ok()) out->error = s.ToString();
+      healed = true;
+      out->heal_at_ms = ms();
+    }
+    const std::vector<uint64_t> rx = DecodeRailRxBytes();
+    uint64_t sum = 0;
+    for (uint64_t b : rx) sum += b;
+    samples->emplace_back(ms(), sum);
+    next += milliseconds(100);
+    std::this_thread::sleep_until(next);
+  }
+  if (cut && !healed) {
+    g_cluster->HealRail("decode", f.rail).IgnoreError();
+    out->heal_at_ms = ms();
+  }
+}
+
+// The figures of a faulted row from its samples.
+void SummarizeFault(const std::vector<std::pair<double, uint64_t>>& samples,
+                    BenchConfig::FaultFigures* f) {
+  auto gbps = [](uint64_t bytes, double ms) { return ms > 0 ? double(bytes) * 8 / ms / 1e6 : 0; };
+  // Mean rate over the samples whose window ends in (from, to].
+  auto mean = [&](double from, double to) {
+    uint64_t bytes = 0;
+    double ms = 0;
+    for (size_t i = 1; i < samples.size(); ++i) {
+      if (samples[i].first <= from || samples[i].first > to) continue;
+      bytes += samples[i].second - samples[i - 1].second;
+      ms += samples[i].first - samples[i - 1].first;
+    }
+    return gbps(bytes, ms);
+  };
+  for (size_t i = 1; i < samples.size(); ++i) {
+    f->timeline.emplace_back(samples[i].first,
+                             gbps(samples[i].second - samples[i - 1].second,
+                                  samples[i].first - samples[i - 1].first));
+  }
+  f->before_gbps = mean(std::max(0.0, f->fault_at_ms - 2000), f->fault_at_ms);
+  f->during_gbps = mean(f->fault_at_ms, f->heal_at_ms);
+  f->after_gbps = mean(f->heal_at_ms, f->heal_at_ms + 2000);
+  for (const auto& [t, rate] : f->timeline) {
+    if (t - 100 >= f->heal_at_ms && rate >= 0.9 * f->before_gbps) {
+      f->recovery_ms = t - 100 - f->heal_at_ms;
+      break;
+    }
+  }
+}
+
 // Runs one configuration in two child processes; returns the decode side's result fields (with
-// "error" set on failure) and the prefill side's in `prefill`.
-std::map<std::string, std::string> RunTwoProcesses(BenchConfig c,
-                                                   std::map<std::string, std::string>* prefill) {
+// "error" set on failure) and the prefill side's in `prefill`. With `fault` (--rail-fault), the
+// rail is partitioned and healed meanwhile and c->fault gets the figures.
+std::map<std::string, std::string> RunTwoProcesses(BenchConfig* config,
+                                                   std::map<std::string, std::string>* prefill,
+                                                   const Options::RailFault* fault) {
+  BenchConfig& c = *config;
   // Generous bounds; a healthy run needs a fraction of them.
   const auto start_deadline = Clock::now() + std::chrono::seconds(30);
   const auto run_deadline = Clock::now() + std::chrono::seconds(60 + (c.requests + c.warmup) / 200);
@@ -195,7 +267,26 @@ std::map<std::string, std::string> RunTwoProcesses(BenchConfig c,
     auto decode_child = StartChild(c, "decode");
     if (!decode_child) return {{"error", "yes"}, {"why", "cannot start the decode process"}};
     ChildProcess& d = *decode_child;
+    std::atomic<bool> stop{false};
+    std::thread faulting;
+    std::vector<std::pair<double, uint64_t>> samples;
+    if (fault != nullptr) {
+      c.fault.emplace();
+      c.fault->rail = fault->rail;
+      c.fault->at_ms = fault->at_ms;
+      c.fault->for_ms = fault->for_ms;
+      if (d.Expect("READY", start_deadline)) {
+        faulting = std::thread(RunRailFault, *fault, &stop, &*c.fault, &samples);
+      } else {
+        c.fault->error = "decode never became ready";
+      }
+    }
     auto dres = d.Expect("RESULT ", run_deadline);
+    if (faulting.joinable()) {
+      stop = true;
+      faulting.join();
+      SummarizeFault(samples, &*c.fault);
+    }
     auto pres = p.Expect("RESULT ", dres ? run_deadline : Clock::now());
     p.Send("QUIT");
     // The figures are in; a process that then fails to exit cleanly is still worth a word.
@@ -459,6 +550,20 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
       const auto devices = c.backend_options.find("ucx.net_devices");
       if (devices != c.backend_options.end()) j.Str("net_devices", devices->second);
       if (!c.rail_rx_bytes.empty()) j.Ints("rail_rx_bytes", c.rail_rx_bytes);
+      if (c.fault) {
+        j.Int("fault_rail", uint64_t(c.fault->rail));
+        j.Num("fault_at_ms", c.fault->fault_at_ms, 0);
+        j.Num("fault_heal_at_ms", c.fault->heal_at_ms, 0);
+        j.Num("fault_before_gbps", c.fault->before_gbps, 3);
+        j.Num("fault_during_gbps", c.fault->during_gbps, 3);
+        j.Num("fault_after_gbps", c.fault->after_gbps, 3);
+        if (c.fault->recovery_ms >= 0) {
+          j.Num("fault_recovery_ms", c.fault->recovery_ms, 0);
+        } else {
+          j.Null("fault_recovery_ms");
+        }
+        if (!c.fault->error.empty()) j.Str("fault_error", c.fault->error);
+      }
     }
     if (vs_rails) {
       j.Int("rails_base", uint64_t(vs_rails->rails));
@@ -589,6 +694,26 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
         }
       }
       Emit(line);
+    }
+    if (c.fault) {
+      const BenchConfig::FaultFigures& f = *c.fault;
+      std::snprintf(buf, sizeof(buf),
+                    "  rail fault: %s partitioned at %.0f ms for %.0f ms (after decode was "
+                    "ready): Gbit/s %.3f in the 2 s before, %.3f during, %.3f in the 2 s after; "
+                    "back to 90%% of before %s",
+                    pdlib_tools::RailInterface(f.rail).c_str(), f.fault_at_ms,
+                    f.heal_at_ms - f.fault_at_ms, f.before_gbps, f.during_gbps, f.after_gbps,
+                    f.recovery_ms >= 0
+                        ? (std::to_string(int(f.recovery_ms)) + " ms after the heal").c_str()
+                        : "not within the run");
+      Emit(buf);
+      std::string line = "  received Gbit/s per 100 ms:";
+      for (const auto& [t, rate] : f.timeline) {
+        std::snprintf(buf, sizeof(buf), " %.0f:%.2f", t, rate);
+        line += buf;
+      }
+      Emit(line);
+      if (!f.error.empty()) Emit("  rail fault error: " + f.error);
     }
     if (vs_rails) {
       std::snprintf(buf, sizeof(buf), "  %d rails vs %d (this run): Gbit/s %.3f / %.3f = %.3f",
@@ -768,8 +893,13 @@ int main(int argc, char** argv) {
                     std::map<std::string, std::string> prefill;
                     const std::vector<uint64_t> rx_before =
                         g_cluster != nullptr ? DecodeRailRxBytes() : std::vector<uint64_t>{};
-                    auto decode =
-                        o.in_process ? RunInProcess(c, &prefill) : RunTwoProcesses(c, &prefill);
+                    const Options::RailFault* fault =
+                        g_cluster != nullptr && o.rail_fault.rail >= 0 &&
+                                c.rails > o.rail_fault.rail
+                            ? &o.rail_fault
+                            : nullptr;
+                    auto decode = o.in_process ? RunInProcess(c, &prefill)
+                                               : RunTwoProcesses(&c, &prefill, fault);
                     if (g_cluster != nullptr) {
                       const std::vector<uint64_t> rx_after = DecodeRailRxBytes();
                       if (!rx_before.empty() && rx_after.size() == rx_before.size()) {

@@ -343,6 +343,27 @@ StatusOr<std::string> NetnsCluster::AddHost(const std::string& name) {
     }
   }
   hosts_.push_back(std::move(host));
+  // The kernel reports a new link's carrier (operstate "up", what UCX's tcp transport and other
+  // programs check before they use a device) up to a second after the link came up (linkwatch):
+  // wait for every rail's link, so that a program started in the host right away finds them.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (int rail = 0; rail < options_.rails; ++rail) {
+    const std::string link = RailInterface(rail);
+    while (true) {
+      auto state = Exec(name, {"cat", "/sys/class/net/" + link + "/operstate"},
+                        std::chrono::milliseconds(2000));
+      if (state.ok() && state->exit_status == 0 && state->output.rfind("up", 0) == 0) break;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        const std::string seen =
+            state.ok() ? state->output.substr(0, state->output.find('\n')) : state.status().ToString();
+        RemoveHost(hosts_.back()).IgnoreError();
+        hosts_.pop_back();
+        return Status::Unavailable("cluster " + id_ + ": host " + name + "'s " + link +
+                                   " is not up after 5 s (operstate: " + seen + ")");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
   return hosts_.back().ip;
 }
 
