@@ -86,9 +86,9 @@ StatusOr<std::shared_ptr<UcxContext>> CreateContext(const UcxOptions& options, s
       const char* env = std::getenv((std::string("UCX_") + name).c_str());
       return env != nullptr ? std::string(env) + " (environment)" : std::string("UCX's default");
     };
-    return Status::FailedPrecondition("ucx: ucp_init failed: " + UcsStatusName(st) +
-                                      " (UCX_TLS=" + setting("TLS") + ", UCX_NET_DEVICES=" +
-                                      setting("NET_DEVICES") + " select no usable transport?)");
+    return Status::FailedPrecondition(
+        "ucx: ucp_init failed: " + UcsStatusName(st) + " (UCX_TLS=" + setting("TLS") +
+        ", UCX_NET_DEVICES=" + setting("NET_DEVICES") + " select no usable transport?)");
   }
   context->handle.reset(raw_context);
   ucp_context_attr_t attr{};

@@ -151,8 +151,7 @@ StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
                                        "' has an empty entry (a comma-separated device list)");
       }
       if (std::find(out.rails.begin(), out.rails.end(), device) != out.rails.end()) {
-        return Status::InvalidArgument("ucx: ucx.rails='" + value + "' names " + device +
-                                       " twice");
+        return Status::InvalidArgument("ucx: ucx.rails='" + value + "' names " + device + " twice");
       }
       out.rails.push_back(std::move(device));
       start = comma + 1;

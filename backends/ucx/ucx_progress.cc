@@ -222,8 +222,7 @@ bool UcxTransport::PostChunks(PeerState& peer) {
       if (read_request) {
         // Answered (or given up) by OnAmReadReply, FinishAmRead or DropAmReads; the window
         // counts the bytes until then.
-        am_reads_.emplace(cookie,
-                          AmRead{&batch, &peer, lane.rail, op.local + offset, length, 0});
+        am_reads_.emplace(cookie, AmRead{&batch, &peer, lane.rail, op.local + offset, length, 0});
         ++peer.am_reads;
         batch.AddPart();
         lane.read_window.OnPosted(length);
@@ -280,10 +279,9 @@ bool UcxTransport::SendReadRequests(PeerState& peer, Batch& batch) {
   param.user_data = this;
   // Eager; the reply endpoint carries the bytes back. Header and ranges live in the batch.
   param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-  ucs_status_ptr_t request = ucp_am_send_nbx(peer.lanes[batch.rail]->ep.get(), kAmReadId,
-                                             &batch.read_headers.back(),
-                                             sizeof(AmReadBatchHeader), ranges.data(),
-                                             ranges.size() * sizeof(AmReadRange), &param);
+  ucs_status_ptr_t request = ucp_am_send_nbx(
+      peer.lanes[batch.rail]->ep.get(), kAmReadId, &batch.read_headers.back(),
+      sizeof(AmReadBatchHeader), ranges.data(), ranges.size() * sizeof(AmReadRange), &param);
   peer.last_activity = now_;
   if (request == nullptr) return true;
   if (UCS_PTR_IS_ERR(request)) {
@@ -333,10 +331,10 @@ void UcxTransport::PostFlush(Batch& batch) {
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = &UcxTransport::OnRequestDone;
   param.user_data = this;
-  ucs_status_ptr_t request = options_.flush == FlushMode::kWorker
-                                 ? ucp_worker_flush_nbx(batch.peer->lanes[0]->worker->worker.get(),
-                                                        &param)
-                                 : ucp_ep_flush_nbx(batch.peer->lanes[0]->ep.get(), &param);
+  ucs_status_ptr_t request =
+      options_.flush == FlushMode::kWorker
+          ? ucp_worker_flush_nbx(batch.peer->lanes[0]->worker->worker.get(), &param)
+          : ucp_ep_flush_nbx(batch.peer->lanes[0]->ep.get(), &param);
   if (request == nullptr) return;
   if (UCS_PTR_IS_ERR(request)) {
     batch.Fail(Status::Unavailable("ucx: flush to peer " + std::to_string(batch.peer_id) +
@@ -384,8 +382,7 @@ void UcxTransport::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) 
   peer->ep_failed = true;
   // With rails, the rail is named: its link (or its NIC) is the likely culprit.
   const std::string rail = peer->lanes.size() > 1 ? " on rail " + std::to_string(lane->rail) +
-                                                        " (" + self.options_.rails[lane->rail] +
-                                                        ")"
+                                                        " (" + self.options_.rails[lane->rail] + ")"
                                                   : "";
   self.FailPeer(*peer, Status::Unavailable("ucx: connection to peer " + std::to_string(peer->id) +
                                            rail + " failed: " + UcsStatusName(status)));
@@ -650,7 +647,7 @@ ucs_status_t UcxTransport::OnAmReadReply(void* arg, const void* header, size_t h
   if (from == nullptr || from != peer.lanes[read.rail]->ep.get()) {
     return UCS_OK;  // not the request's connection (or rail)
   }
-  if (!peer.failure.ok()) return UCS_OK;                        // DropAmReads finishes the request
+  if (!peer.failure.ok()) return UCS_OK;  // DropAmReads finishes the request
   peer.last_activity = self->now_;
   Batch& batch = *read.batch;
   if (reply->status != kAmOk) {

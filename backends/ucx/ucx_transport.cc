@@ -118,8 +118,8 @@ Status UcxTransport::Init() {
   return Status::OK();
 }
 
-StatusOr<std::unique_ptr<UcxTransport::ConnWorker>> UcxTransport::MakeWorker(
-    spi::TargetId target, uint32_t rail) {
+StatusOr<std::unique_ptr<UcxTransport::ConnWorker>> UcxTransport::MakeWorker(spi::TargetId target,
+                                                                             uint32_t rail) {
   auto w = std::make_unique<ConnWorker>();
   w->transport = this;
   w->target = target;
@@ -127,8 +127,7 @@ StatusOr<std::unique_ptr<UcxTransport::ConnWorker>> UcxTransport::MakeWorker(
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   params.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches the worker
   ucp_worker_h raw_worker = nullptr;
-  ucs_status_t st =
-      ucp_worker_create(rail_contexts_.at(rail)->handle.get(), &params, &raw_worker);
+  ucs_status_t st = ucp_worker_create(rail_contexts_.at(rail)->handle.get(), &params, &raw_worker);
   if (st != UCS_OK) return Status::Internal("ucx: ucp_worker_create failed: " + UcsStatusName(st));
   w->worker.reset(raw_worker);
 
@@ -464,7 +463,8 @@ StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint
     at += length;
   }
   if (at != payload->size()) {
-    return Status::InvalidArgument("ucx: endpoint blob has " + std::to_string(payload->size() - at) +
+    return Status::InvalidArgument("ucx: endpoint blob has " +
+                                   std::to_string(payload->size() - at) +
                                    " bytes after its last rail");
   }
 
@@ -498,8 +498,8 @@ StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint
       }
       lane->worker = std::move(*worker);
       ucp_ep_params_t params{};
-      params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
-                          UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                          UCP_EP_PARAM_FIELD_ERR_HANDLER;
       params.address = reinterpret_cast<const ucp_address_t*>(addresses[r].data());
       params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
       params.err_handler.cb = &UcxTransport::OnEndpointError;

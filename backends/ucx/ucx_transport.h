@@ -290,9 +290,9 @@ class UcxTransport final : public spi::Transport {
     // Declared before the rkeys: destroyed after them.
     std::vector<std::unique_ptr<Lane>> lanes;
     std::vector<UcpRkeyPtr> rkeys;
-    toolkit::BatchList<Batch> batches;       // outstanding, oldest first
-    std::deque<Batch*> to_post;              // batches with chunks still to post, in order
-    Status failure;                          // why the peer is unusable (set once)
+    toolkit::BatchList<Batch> batches;  // outstanding, oldest first
+    std::deque<Batch*> to_post;         // batches with chunks still to post, in order
+    Status failure;                     // why the peer is unusable (set once)
     bool ep_failed = false;      // UCX reported the endpoint failed (or it stalled): no flush
     bool disconnecting = false;  // Disconnect asked: erase once drained
     CloseState close_state = CloseState::kOpen;  // advanced by AdvanceClose once failure is set

@@ -102,7 +102,7 @@ struct BenchConfig {
   // --rail-fault: what decode received before, during and after a rail's partition (set by the
   // parent for the rows it faulted; reported only).
   struct FaultFigures {
-    int rail = 0, at_ms = 0, for_ms = 0;  // as asked
+    int rail = 0, at_ms = 0, for_ms = 0;     // as asked
     double fault_at_ms = 0, heal_at_ms = 0;  // as done, ms after decode was ready
     double before_gbps = 0, during_gbps = 0, after_gbps = 0;
     double recovery_ms = -1;  // heal -> first 100 ms back at >= 90% of before; -1: not in the run

@@ -189,7 +189,8 @@ void RunRailFault(const Options::RailFault& f, const std::atomic<bool>* stop,
       out->fault_at_ms = ms();
     }
     if (cut && !healed && ms() >= f.at_ms + f.for_ms) {
-      if (pdlib::Status s = g_cluster->HealRail("decode", f.rail); !s.ok()) out->error = s.ToString();
+      if (pdlib::Status s = g_cluster->HealRail("decode", f.rail); !s.ok())
+        out->error = s.ToString();
       healed = true;
       out->heal_at_ms = ms();
     }
@@ -222,9 +223,8 @@ void SummarizeFault(const std::vector<std::pair<double, uint64_t>>& samples,
     return gbps(bytes, ms);
   };
   for (size_t i = 1; i < samples.size(); ++i) {
-    f->timeline.emplace_back(samples[i].first,
-                             gbps(samples[i].second - samples[i - 1].second,
-                                  samples[i].first - samples[i - 1].first));
+    f->timeline.emplace_back(samples[i].first, gbps(samples[i].second - samples[i - 1].second,
+                                                    samples[i].first - samples[i - 1].first));
   }
   f->before_gbps = mean(std::max(0.0, f->fault_at_ms - 2000), f->fault_at_ms);
   f->during_gbps = mean(f->fault_at_ms, f->heal_at_ms);
@@ -893,11 +893,11 @@ int main(int argc, char** argv) {
                     std::map<std::string, std::string> prefill;
                     const std::vector<uint64_t> rx_before =
                         g_cluster != nullptr ? DecodeRailRxBytes() : std::vector<uint64_t>{};
-                    const Options::RailFault* fault =
-                        g_cluster != nullptr && o.rail_fault.rail >= 0 &&
-                                c.rails > o.rail_fault.rail
-                            ? &o.rail_fault
-                            : nullptr;
+                    const Options::RailFault* fault = g_cluster != nullptr &&
+                                                              o.rail_fault.rail >= 0 &&
+                                                              c.rails > o.rail_fault.rail
+                                                          ? &o.rail_fault
+                                                          : nullptr;
                     auto decode = o.in_process ? RunInProcess(c, &prefill)
                                                : RunTwoProcesses(&c, &prefill, fault);
                     if (g_cluster != nullptr) {

@@ -179,11 +179,11 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
     CHECK(none->rails.empty());
 
     for (auto [extra_key, value] : std::vector<std::pair<std::string, std::string>>{
-             {"ucx.net_devices", "eth0"},              // two ways to say which devices
-             {"ucx.config.NET_DEVICES", "eth0"},       // the same, spelled out
-             {"ucx.rails", "eth0,,eth1"},              // an empty entry
-             {"ucx.rails", "eth0,eth1,eth0"},          // a device twice
-             {"ucx.rails", "a,b,c,d,e,f,g,h,i"}}) {   // more than kMaxRails
+             {"ucx.net_devices", "eth0"},            // two ways to say which devices
+             {"ucx.config.NET_DEVICES", "eth0"},     // the same, spelled out
+             {"ucx.rails", "eth0,,eth1"},            // an empty entry
+             {"ucx.rails", "eth0,eth1,eth0"},        // a device twice
+             {"ucx.rails", "a,b,c,d,e,f,g,h,i"}}) {  // more than kMaxRails
       spi::TransportOptions bad;
       bad.options = {{"ucx.rails", "eth0,eth1"}};
       bad.options[extra_key] = value;

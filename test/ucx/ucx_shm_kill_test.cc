@@ -35,7 +35,9 @@ constexpr int kRounds = 16;
 constexpr size_t kBytes = size_t{1} << 20;
 constexpr uint64_t kPage = 32768;
 
-uint8_t Pattern(size_t i, int seed) { return static_cast<uint8_t>((i * 131 + seed * 7) ^ (i >> 9)); }
+uint8_t Pattern(size_t i, int seed) {
+  return static_cast<uint8_t>((i * 131 + seed * 7) ^ (i >> 9));
+}
 
 spi::TransportOptions Shm(pdlib::TransferDirection direction) {
   spi::TransportOptions options;
@@ -97,7 +99,8 @@ bool ReceiveExposure(int fd, Exposure* e) {
 
 std::vector<spi::WriteOp> Pages(spi::LocalRegionId local, spi::RemoteRegionId remote) {
   std::vector<spi::WriteOp> ops;
-  for (uint64_t off = 0; off < kBytes; off += kPage) ops.push_back({local, off, remote, off, kPage});
+  for (uint64_t off = 0; off < kBytes; off += kPage)
+    ops.push_back({local, off, remote, off, kPage});
   return ops;
 }
 
@@ -220,7 +223,8 @@ TEST_CASE("ucx shm push: writers killed mid-write leave the target receiving fro
   auto expose = [&](const Child& c, size_t region) {
     auto ep = (*target)->CreateTargetEndpoint();
     REQUIRE(ep.ok());
-    SendExposure(c.to, {ep->blob, keys[region], reinterpret_cast<uint64_t>(regions[region].data())});
+    SendExposure(c.to,
+                 {ep->blob, keys[region], reinterpret_cast<uint64_t>(regions[region].data())});
     return ep->id;
   };
   std::mt19937 rng(7);

@@ -137,12 +137,12 @@ TEST_CASE("ucx refuses endpoint blobs whose rail list is malformed") {
   trailing.push_back(0);
   spi::Blob cut = ep->blob;
   cut.resize(cut.size() - 3);
-  for (const auto& [what, blob] : std::vector<std::pair<std::string, spi::Blob>>{
-           {"no rail", with_rails(0)},
-           {"too many rails", with_rails(9)},
-           {"a rail past the end", with_rails(2)},
-           {"bytes after the last rail", trailing},
-           {"an address cut short", cut}}) {
+  for (const auto& [what, blob] :
+       std::vector<std::pair<std::string, spi::Blob>>{{"no rail", with_rails(0)},
+                                                      {"too many rails", with_rails(9)},
+                                                      {"a rail past the end", with_rails(2)},
+                                                      {"bytes after the last rail", trailing},
+                                                      {"an address cut short", cut}}) {
     INFO(what);
     auto conn = initiator->Connect(blob);
     REQUIRE_FALSE(conn.ok());

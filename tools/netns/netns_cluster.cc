@@ -354,8 +354,8 @@ StatusOr<std::string> NetnsCluster::AddHost(const std::string& name) {
                         std::chrono::milliseconds(2000));
       if (state.ok() && state->exit_status == 0 && state->output.rfind("up", 0) == 0) break;
       if (std::chrono::steady_clock::now() >= deadline) {
-        const std::string seen =
-            state.ok() ? state->output.substr(0, state->output.find('\n')) : state.status().ToString();
+        const std::string seen = state.ok() ? state->output.substr(0, state->output.find('\n'))
+                                            : state.status().ToString();
         RemoveHost(hosts_.back()).IgnoreError();
         hosts_.pop_back();
         return Status::Unavailable("cluster " + id_ + ": host " + name + "'s " + link +
