@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "pdlib/spi/transport.h"
+#include "test/support/pipe_io.h"
 #include "test/support/write_completions.h"
 
 namespace spi = pdlib::spi;
@@ -41,39 +42,10 @@ spi::TransportOptions Tcp(pdlib::TransferDirection direction, bool deep = false)
   return options;
 }
 
-bool ReadAll(int fd, void* data, size_t size) {
-  auto* p = static_cast<uint8_t*>(data);
-  while (size > 0) {
-    ssize_t n = read(fd, p, size);
-    if (n <= 0) return false;
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-void WriteAll(int fd, const void* data, size_t size) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (size > 0) {
-    ssize_t n = write(fd, p, size);
-    if (n <= 0) return;
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
-}
-
-void SendBlob(int fd, const spi::Blob& blob) {
-  const uint64_t size = blob.size();
-  WriteAll(fd, &size, sizeof(size));
-  WriteAll(fd, blob.data(), blob.size());
-}
-
-bool ReceiveBlob(int fd, spi::Blob* blob) {
-  uint64_t size = 0;
-  if (!ReadAll(fd, &size, sizeof(size)) || size > (1u << 20)) return false;
-  blob->resize(size);
-  return ReadAll(fd, blob->data(), size);
-}
+using pdlib::testing::ReadAll;
+using pdlib::testing::ReceiveBlob;
+using pdlib::testing::SendBlob;
+using pdlib::testing::WriteAll;
 
 // The reader (decode in pull), in a child process: connects with the blobs it is sent, then
 // reads the whole region in pages, once (`loop` false: checks every byte, exit 0 when exact) or
