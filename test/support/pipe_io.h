@@ -1,12 +1,17 @@
-// Blocking whole-buffer reads and writes on a pipe, and length-prefixed blobs over it: how the
-// multi-process transport tests hand endpoints and keys to the children they fork.
+// Blocking whole-buffer reads and writes on a pipe, length-prefixed blobs over it, and waiting
+// for a child: how the multi-process transport tests hand endpoints and keys to the children
+// they fork, and collect their verdicts.
 #ifndef PDLIB_TEST_SUPPORT_PIPE_IO_H_
 #define PDLIB_TEST_SUPPORT_PIPE_IO_H_
 
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <thread>
 
 #include "pdlib/spi/transport.h"
 
@@ -47,6 +52,20 @@ inline bool ReceiveBlob(int fd, spi::Blob* blob) {
   if (!ReadAll(fd, &size, sizeof(size)) || size > (1u << 20)) return false;
   blob->resize(size);
   return ReadAll(fd, blob->data(), size);
+}
+
+// The child's exit status; 128 when a signal ended it; -1 when it was still running after
+// `limit` (it is killed then).
+inline int WaitExit(pid_t pid, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  return -1;
 }
 
 }  // namespace pdlib::testing

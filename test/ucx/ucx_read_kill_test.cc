@@ -45,6 +45,7 @@ spi::TransportOptions Tcp(pdlib::TransferDirection direction, bool deep = false)
 using pdlib::testing::ReadAll;
 using pdlib::testing::ReceiveBlob;
 using pdlib::testing::SendBlob;
+using pdlib::testing::WaitExit;
 using pdlib::testing::WriteAll;
 
 // The reader (decode in pull), in a child process: connects with the blobs it is sent, then
@@ -111,18 +112,6 @@ pid_t ForkReader(int* to_child, int* from_child, bool loop) {
   *to_child = down[1];
   *from_child = up[0];
   return pid;
-}
-
-int WaitExit(pid_t pid, std::chrono::seconds limit) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < deadline) {
-    int status = 0;
-    if (waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, nullptr, 0);
-  return -1;
 }
 
 }  // namespace

@@ -50,6 +50,7 @@ spi::TransportOptions Shm(pdlib::TransferDirection direction) {
 using pdlib::testing::ReadAll;
 using pdlib::testing::ReceiveBlob;
 using pdlib::testing::SendBlob;
+using pdlib::testing::WaitExit;
 using pdlib::testing::WriteAll;
 
 // Where a peer's bytes go or come from: an endpoint blob, a key blob and the region's address.
@@ -150,18 +151,6 @@ Child Fork(Role role, int seed) {
   close(down[0]);
   close(up[1]);
   return Child{pid, down[1], up[0]};
-}
-
-int WaitExit(pid_t pid, std::chrono::seconds limit) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < deadline) {
-    int status = 0;
-    if (waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, nullptr, 0);
-  return -1;
 }
 
 void Kill(const Child& c) {
