@@ -27,6 +27,10 @@ constexpr UcxDefault kDefaults[] = {
      "per 8 KiB and gets about a quarter of the loopback throughput for 32 KiB writes"},
     {"RX_SEG_SIZE", "128k", "TCP_TX_SEG_SIZE,TCP_RX_SEG_SIZE,TX_SEG_SIZE,RX_SEG_SIZE",
      "tcp's receive segment must hold a whole send segment"},
+    {"CONN_NB", "y", "TCP_CONN_NB,CONN_NB",
+     "tcp connects with a blocking connect() by default: an endpoint to an address that does not "
+     "answer (a partitioned link, a rail that died) would hold the progress thread, and every "
+     "other connection with it, for seconds (measured: 3 s per attempt on a cut rail)"},
     {"KEEPALIVE_INTERVAL", "20s", "KEEPALIVE_INTERVAL",
      "UCX declares a silent peer dead after this; pdlib's own liveness (the control stream) fails "
      "requests long before. It stays well above a pause (GC, SIGSTOP): UCX 1.13 aborts a target "
@@ -52,6 +56,7 @@ constexpr DefaultScope kScopes[] = {
     {"MM_SEG_SIZE", "shm,sm,mm,posix,sysv"},
     {"TX_SEG_SIZE", "tcp"},
     {"RX_SEG_SIZE", "tcp"},
+    {"CONN_NB", "tcp"},
 };
 
 // True when `name` is in the comma-separated `list`.
@@ -110,6 +115,10 @@ StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
   out.busy_poll_us = 20;
   out.stall_timeout_ms = 30000;
   out.am_chunk_bytes = uint64_t{32} << 10;
+  // A TCP link partitioned for a second comes back about 0.5 s after the heal (retransmission
+  // backoff), so a rail is declared down only after a longer silence than that.
+  out.rail_stall_ms = 3000;
+  out.rail_retry_ms = 1000;
 
   toolkit::OptionParser parser("ucx");
   parser.On("ucx.tls", [&](const std::string&, const std::string& value) {
@@ -140,6 +149,8 @@ StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
   parser.Choice("ucx.data_path", &out.data_path,
                 {{"auto", DataPath::kAuto}, {"am", DataPath::kAm}, {"put", DataPath::kPut}});
   parser.Bytes("ucx.am_chunk_bytes", &out.am_chunk_bytes);
+  parser.Number("ucx.rail_stall_ms", &out.rail_stall_ms, 0, 24u * 3600 * 1000);
+  parser.Number("ucx.rail_retry_ms", &out.rail_retry_ms, 10, 3600u * 1000);
   parser.On("ucx.rails", [&](const std::string&, const std::string& value) {
     out.rails.clear();
     size_t start = 0;

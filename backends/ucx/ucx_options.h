@@ -42,6 +42,15 @@
 //                            different counts, the fewer are used). Not with ucx.net_devices;
 //                            takes precedence over TransportOptions::nic_names. Unset: one rail
 //                            (UCX's own choice among ucx.net_devices). At most kMaxRails.
+//   ucx.rail_stall_ms        with ucx.rails: a rail that carries work (bytes in its windows, or
+//                            batches awaiting an ack that sent messages on it) and on which
+//                            nothing completed or arrived for this long (a probe is sent on it
+//                            halfway) is down: the batches that used it fail with the rail's
+//                            name, the others go on over the remaining rails (default 3000;
+//                            0: never, a rail's stall is then the connection's). Rail 0 carries
+//                            puts and the close handshake: its death fails the connection.
+//   ucx.rail_retry_ms        how often a down rail is probed on a fresh endpoint; it rejoins the
+//                            stripe when the probe comes back (default 1000)
 //
 // Precedence for a UCX variable: a backend option > the environment (UCX_<NAME>, read by UCX
 // itself) > pdlib's default (UcxDefaults()). pdlib never overrides what the user exported.
@@ -92,6 +101,8 @@ struct UcxOptions {
   // ucx.rails: one device per rail; empty: one rail, as UCX chooses. rails[0] is also the main
   // context's NET_DEVICES (ucx_config).
   std::vector<std::string> rails;
+  uint32_t rail_stall_ms = 0;
+  uint32_t rail_retry_ms = 0;
 };
 
 inline constexpr size_t kMaxRails = 8;

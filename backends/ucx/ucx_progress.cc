@@ -71,7 +71,8 @@ void UcxTransport::ProgressLoop() {
   while (true) {
     now_ = Clock::now();
     if (DrainCommands()) break;
-    bool worked = PostReady();
+    bool worked = rail_service_ && ServiceLanes(now_);
+    worked |= PostReady();
     worked |= ProgressWorkers();
     worked |= ReapPeers(now_);
     worked |= ReapClosedTargets(false);
@@ -201,6 +202,7 @@ bool UcxTransport::PostChunks(PeerState& peer) {
         param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
         batch.am_headers.push_back(AmPutHeader{kAmPutMagic, batch.am_messages, peer.target,
                                                batch.seq, op.remote + offset});
+        batch.lanes_used |= uint8_t(1u << lane.rail);
         request = ucp_am_send_nbx(lane.ep.get(), kAmPutId, &batch.am_headers.back(),
                                   sizeof(AmPutHeader), op.local + offset, length, &param);
       } else if (batch.reads) {
@@ -236,6 +238,12 @@ bool UcxTransport::PostChunks(PeerState& peer) {
                                                            : "put") +
                                             " to peer " + std::to_string(peer.id) +
                                             " failed: " + UcsStatusName(UCS_PTR_STATUS(request)));
+        if (op.am && RailsMayFail(peer, lane.rail)) {  // the batches that used the rail fail
+          LaneDown(peer, lane.rail,
+                   std::string("a message on it failed: ") + UcsStatusName(UCS_PTR_STATUS(request)),
+                   false);
+          return posted;
+        }
         batch.Fail(failed);
         batch.next_op = batch.ops.size();
         // The target will never count this batch's messages complete: the connection goes.
@@ -260,6 +268,10 @@ bool UcxTransport::PostChunks(PeerState& peer) {
 // Sends the batch's open ranges as one request message; false when the send failed (the batch
 // and the connection are failed then: no reply will come for those ranges).
 bool UcxTransport::SendReadRequests(PeerState& peer, Batch& batch) {
+  return SendReadRequests(peer, batch, batch.rail);
+}
+
+bool UcxTransport::SendReadRequests(PeerState& peer, Batch& batch, uint32_t rail) {
   if (batch.read_open.empty()) return true;
   if (!peer.failure.ok()) {  // ReapPeers drops the ranges' reads
     batch.read_open.clear();
@@ -280,11 +292,18 @@ bool UcxTransport::SendReadRequests(PeerState& peer, Batch& batch) {
   // Eager; the reply endpoint carries the bytes back. Header and ranges live in the batch.
   param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
   ucs_status_ptr_t request = ucp_am_send_nbx(
-      peer.lanes[batch.rail]->ep.get(), kAmReadId, &batch.read_headers.back(),
+      peer.lanes[rail]->ep.get(), kAmReadId, &batch.read_headers.back(),
       sizeof(AmReadBatchHeader), ranges.data(), ranges.size() * sizeof(AmReadRange), &param);
   peer.last_activity = now_;
   if (request == nullptr) return true;
   if (UCS_PTR_IS_ERR(request)) {
+    if (RailsMayFail(peer, rail)) {  // its ranges are asked again on another rail
+      LaneDown(peer, rail,
+               std::string("a read request on it failed: ") +
+                   UcsStatusName(UCS_PTR_STATUS(request)),
+               false);
+      return true;
+    }
     Status failed = Status::Unavailable("ucx: read request to peer " + std::to_string(peer.id) +
                                         " failed: " + UcsStatusName(UCS_PTR_STATUS(request)));
     batch.Fail(failed);
@@ -295,13 +314,16 @@ bool UcxTransport::SendReadRequests(PeerState& peer, Batch& batch) {
   auto* context = static_cast<RequestContext*>(request);
   context->batch = &batch;
   context->bytes = 0;  // a read's bytes are counted until answered
-  context->rail = batch.rail;
+  context->rail = rail;
   batch.AddPart();
   return true;
 }
 
 bool UcxTransport::PickRail(PeerState& peer, Batch& batch, bool read_request) {
-  if (peer.lanes.size() < 2 || batch.rail_bytes < kRailStripeBytes) return true;
+  if (peer.lanes.size() < 2 ||
+      (batch.rail_bytes < kRailStripeBytes && !peer.lanes[batch.rail]->down)) {
+    return true;
+  }
   // The most room wins; among equals the next rail after the current one (round robin when
   // the links keep up and every window is empty).
   const size_t n = peer.lanes.size();
@@ -310,6 +332,7 @@ bool UcxTransport::PickRail(PeerState& peer, Batch& batch, bool read_request) {
   bool found = false;
   for (size_t i = 1; i <= n; ++i) {
     const Lane& lane = *peer.lanes[(batch.rail + i) % n];
+    if (lane.down) continue;  // rail 0 never is: something is always found
     const toolkit::InflightWindow& w = read_request ? lane.read_window : lane.window;
     const uint64_t room = w.limit() - std::min(w.limit(), w.in_flight());
     if (!found || room > best_room) {
@@ -360,9 +383,15 @@ void UcxTransport::OnRequestDone(void* request, ucs_status_t status, void* user_
     return;
   }
   PeerState& peer = *batch.peer;
-  peer.lanes[rail]->window.OnCompleted(bytes);
+  Lane& lane = *peer.lanes[rail];
+  lane.window.OnCompleted(bytes);
+  lane.last_progress = self->now_;
   peer.last_activity = self->now_;
-  if (status != UCS_OK) {
+  if (status != UCS_OK && lane.down) {
+    // The rail's endpoint went: its batches are abandoned, its read requests asked again.
+  } else if (status != UCS_OK && self->RailsMayFail(peer, rail)) {
+    self->LaneDown(peer, rail, std::string("a send on it failed: ") + UcsStatusName(status), false);
+  } else if (status != UCS_OK) {
     std::string reason = std::string("ucx: ") + (batch.reads ? "read from" : "write to") +
                          " peer " + std::to_string(peer.id) + " failed: " + UcsStatusName(status);
     batch.Fail(status == UCS_ERR_CANCELED ? Status::Cancelled(reason)
@@ -379,6 +408,15 @@ void UcxTransport::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) 
   auto* lane = static_cast<Lane*>(arg);
   PeerState* peer = lane->peer;
   UcxTransport& self = *peer->transport;
+  if (lane->down) {  // a probe's endpoint: the attempt is over (ProbeLane tears it down)
+    lane->probe_deadline = self.now_;
+    return;
+  }
+  if (self.RailsMayFail(*peer, lane->rail)) {
+    self.LaneDown(*peer, lane->rail, std::string("its endpoint failed: ") + UcsStatusName(status),
+                  false);
+    return;
+  }
   peer->ep_failed = true;
   // With rails, the rail is named: its link (or its NIC) is the likely culprit.
   const std::string rail = peer->lanes.size() > 1 ? " on rail " + std::to_string(lane->rail) +
@@ -422,6 +460,9 @@ UcxTransport::AmStatus UcxTransport::ApplyAmPut(const AmPutHeader& h, const void
     return kAmCut;
   }
   AmTarget& target = target_it->second;
+  if (!target.abandoned.empty() && target.abandoned.count(h.batch) != 0) {
+    return kAmOk;  // given up with a dead rail (kAmAbandon): dropped, never acknowledged
+  }
   AmStatus status = kAmOk;
   if (h.messages == 0) {
     status = kAmBadMessage;
@@ -484,6 +525,7 @@ ucs_status_t UcxTransport::OnAmAck(void* arg, const void* header, size_t header_
   Batch& batch = *it->second;
   PeerState& peer = *batch.peer;
   peer.last_activity = self->now_;
+  if (Lane* lane = self->LaneOf(via, peer.id)) lane->last_progress = self->now_;
   if (ack.status != kAmOk) {
     const char* why = ack.status == kAmCut ? "closed or fenced this connection"
                       : ack.status == kAmBadAddress
@@ -649,6 +691,7 @@ ucs_status_t UcxTransport::OnAmReadReply(void* arg, const void* header, size_t h
   }
   if (!peer.failure.ok()) return UCS_OK;  // DropAmReads finishes the request
   peer.last_activity = self->now_;
+  peer.lanes[read.rail]->last_progress = self->now_;
   Batch& batch = *read.batch;
   if (reply->status != kAmOk) {
     const char* why = reply->status == kAmCut ? "closed or fenced this connection"
@@ -846,6 +889,7 @@ void UcxTransport::CloseEndpoint(PeerState& peer, bool force) {
   peer.close_deadline = now_ + kCloseGrace;
   bool pending = false;
   for (auto& lane : peer.lanes) {
+    if (!lane->ep) continue;  // a down rail's, already closed (ResetLane)
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     // Force: outstanding requests complete with UCS_ERR_CANCELED instead of draining to a peer
@@ -927,6 +971,7 @@ void UcxTransport::OrphanBatches(PeerState& peer) {
 }
 
 void UcxTransport::CheckStalls(Clock::time_point now) {
+  CheckRailStalls(now);
   if (options_.stall_timeout_ms == 0) return;
   const auto limit = std::chrono::milliseconds(options_.stall_timeout_ms);
   for (auto& [id, peer] : peer_states_) {

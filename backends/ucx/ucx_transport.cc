@@ -23,7 +23,7 @@ constexpr uint32_t kKeyMagic = 0x4b554450;       // "PDUK"
 // Version 3: the key blob also carries the region's id for "am" read requests.
 // Version 4: "am" read requests name many ranges per message (AmReadBatchHeader).
 // Version 5: the endpoint blob carries one worker address per rail (ucx.rails).
-constexpr uint32_t kBlobVersion = 5;
+constexpr uint32_t kBlobVersion = 6;
 constexpr size_t kBlobHeader = 8;
 // Endpoint payload: target id (8), flags (4), rail count (4), then each rail's worker address
 // as its length (4) and its bytes.
@@ -123,6 +123,7 @@ StatusOr<std::unique_ptr<UcxTransport::ConnWorker>> UcxTransport::MakeWorker(spi
   auto w = std::make_unique<ConnWorker>();
   w->transport = this;
   w->target = target;
+  w->rail = rail;
   ucp_worker_params_t params{};
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   params.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches the worker
@@ -144,7 +145,11 @@ StatusOr<std::unique_ptr<UcxTransport::ConnWorker>> UcxTransport::MakeWorker(spi
         std::pair{kAmReadId, &UcxTransport::OnAmRead},
         std::pair{kAmReadReplyId, &UcxTransport::OnAmReadReply},
         std::pair{kAmCloseId, &UcxTransport::OnAmClose},
-        std::pair{kAmClosedId, &UcxTransport::OnAmClosed}}) {
+        std::pair{kAmClosedId, &UcxTransport::OnAmClosed},
+        std::pair{kAmAbandonId, &UcxTransport::OnAmAbandon},
+        std::pair{kAmAbandonedId, &UcxTransport::OnAmAbandoned},
+        std::pair{kAmProbeId, &UcxTransport::OnAmProbe},
+        std::pair{kAmProbeAckId, &UcxTransport::OnAmProbeAck}}) {
     ucp_am_handler_param_t am{};
     am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                     UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -491,6 +496,8 @@ StatusOr<spi::Connection> UcxTransport::Connect(const spi::Blob& target_endpoint
       lane->rail = r;
       lane->window = toolkit::InflightWindow(options_.max_inflight_bytes);
       lane->read_window = toolkit::InflightWindow(options_.max_inflight_read_bytes);
+      lane->remote_address = addresses[r];
+      lane->last_progress = Clock::now();
       auto worker = MakeWorker(0, r);
       if (!worker.ok()) {
         undo();

@@ -105,6 +105,7 @@
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -180,10 +181,19 @@ class UcxTransport final : public spi::Transport {
   static constexpr unsigned kAmReadReplyId = 4;        // AmReadReply + bytes, target -> initiator
   static constexpr unsigned kAmCloseId = 5;            // AmCloseHeader, initiator -> target
   static constexpr unsigned kAmClosedId = 6;           // AmCloseHeader echoed, target -> initiator
+  // ucx.rails (AmRailHeader): a rail gone down, and a rail probed.
+  static constexpr unsigned kAmAbandonId = 7;    // + batch seqs, initiator -> target
+  static constexpr unsigned kAmAbandonedId = 8;  // echoed, target -> initiator
+  static constexpr unsigned kAmProbeId = 9;      // initiator -> target, on the probed rail
+  static constexpr unsigned kAmProbeAckId = 10;  // echoed, target -> initiator, the same rail
   static constexpr uint32_t kAmPutMagic = 0x50414450;  // "PDAP"
   static constexpr uint32_t kAmAckMagic = 0x41414450;  // "PDAA"
   static constexpr uint32_t kAmCloseMagic = 0x43414450;   // "PDAC"
   static constexpr uint32_t kAmClosedMagic = 0x45414450;  // "PDAE"
+  static constexpr uint32_t kAmAbandonMagic = 0x42414450;    // "PDAB"
+  static constexpr uint32_t kAmAbandonedMagic = 0x46414450;  // "PDAF"
+  static constexpr uint32_t kAmProbeMagic = 0x52414450;      // "PDAR"
+  static constexpr uint32_t kAmProbeAckMagic = 0x4b414450;   // "PDAK"
   // Batches of one target whose messages are partly applied; more is a misbehaving initiator.
   static constexpr size_t kMaxAmBatchesPerTarget = size_t{1} << 16;
 
@@ -215,6 +225,20 @@ class UcxTransport final : public spi::Transport {
     uint64_t peer;    // the initiator's id for it, echoed
   };
   static_assert(sizeof(AmCloseHeader) == 24);
+  // A rail of a connection going down or coming back (ucx.rails; backends/ucx/README.md, "A rail
+  // that dies"). kAmAbandon: the initiator gave up the batches whose seqs follow the header (they
+  // had messages on the dead rail); the target forgets their progress and drops every later
+  // message of theirs, from any rail, then echoes the header (kAmAbandoned): once the echo is in,
+  // nothing of those batches can land any more, so they may fail. kAmProbe: sent on a rail's
+  // fresh endpoint (or on a quiet one), echoed on the same rail (kAmProbeAck): the rail works.
+  struct AmRailHeader {
+    uint32_t magic;
+    uint32_t rail;
+    uint64_t target;  // the target's id for the connection
+    uint64_t peer;    // the initiator's id for it, echoed
+    uint64_t token;   // kAmAbandon: which abandonment the echo answers; a probe's number
+  };
+  static_assert(sizeof(AmRailHeader) == 32);
 
   // One PostWrites call. Owned by its peer's `batches` list from acceptance to completion. Its
   // parts (`pending`) are the UCX requests not yet completed, plus one while chunks remain to be
@@ -241,6 +265,7 @@ class UcxTransport final : public spi::Transport {
     // batch moves, between whole ops, every kRailStripeBytes; the first op picks).
     uint32_t rail = 0;
     uint64_t rail_bytes = UINT64_MAX;
+    uint8_t lanes_used = 0;  // bit r: a message of the batch went on rail r
   };
 
   // Lives in each UCX request (ucp_params_t::request_size): what its completion is for. Written
@@ -262,6 +287,7 @@ class UcxTransport final : public spi::Transport {
   struct ConnWorker {
     UcxTransport* transport = nullptr;
     spi::TargetId target = 0;  // the target endpoint it serves; 0 for an initiator's worker
+    uint32_t rail = 0;
     UcpWorkerPtr worker;
     int fd = -1;  // owned by the worker
     std::vector<uint8_t> address;
@@ -279,6 +305,16 @@ class UcxTransport final : public spi::Transport {
     toolkit::InflightWindow window{0};
     toolkit::InflightWindow read_window{0};  // "am" read requests: bytes not yet answered
     void* close_request = nullptr;
+    // A rail that dies (LaneDown; backends/ucx/README.md, "A rail that dies").
+    std::vector<uint8_t> remote_address;  // the target's worker on this rail, to come back to
+    Clock::time_point last_progress;      // a send completed or a message arrived on it
+    uint64_t probe_sent = 0;              // the number of the probe out (0: none)
+    Clock::time_point probe_deadline;
+    bool down = false;         // out of the stripe until a probe on a fresh endpoint comes back
+    bool reset = false;        // down, and its old worker not yet torn down (ServiceLanes)
+    Clock::time_point down_since;
+    Clock::time_point next_probe;
+    std::string down_reason;
   };
 
   // The progress thread's view of one connection.
@@ -303,6 +339,15 @@ class UcxTransport final : public spi::Transport {
     Clock::time_point cut_deadline;  // kCutting: when to stop waiting for the target's echo
     std::vector<std::promise<void>> on_erased;
     size_t am_reads = 0;  // entries of am_reads_ for this peer
+    // Batches given up with a dead rail: sent in a kAmAbandon message, their echo awaited.
+    struct Abandonment {
+      uint64_t token = 0;
+      uint32_t rail = 0;
+      std::vector<uint64_t> seqs;
+      bool sent = false;
+      Clock::time_point deadline;
+    };
+    std::vector<Abandonment> abandonments;
   };
 
   // A registered local region, as PostWrites validates it.
@@ -342,6 +387,7 @@ class UcxTransport final : public spi::Transport {
   bool PostReady();
   bool PostChunks(PeerState& peer);
   bool SendReadRequests(PeerState& peer, Batch& batch);
+  bool SendReadRequests(PeerState& peer, Batch& batch, uint32_t rail);
   void PostFlush(Batch& batch);
   void ReleaseRef(Batch& batch);
   void FailPeer(PeerState& peer, const Status& status);
@@ -351,6 +397,35 @@ class UcxTransport final : public spi::Transport {
   void CloseEndpoint(PeerState& peer, bool force);
   bool ReapPeers(Clock::time_point now);
   void CheckStalls(Clock::time_point now);
+  // ucx.rails: lane `rail` of `peer` is down (a stall, an endpoint error, a failed send): marks
+  // it and the batches that used it; may run inside UCX callbacks. Rail 0, or the last live
+  // rail, fails the whole connection instead.
+  void LaneDown(PeerState& peer, uint32_t rail, const std::string& why, bool stalled);
+  // The loop's side of LaneDown and of coming back: abandons, tears down, probes, fails over.
+  bool ServiceLanes(Clock::time_point now);
+  // Whether a failure on `rail` is that rail's alone (LaneDown), not the connection's: rails,
+  // the "am" path, not rail 0, another rail up, and the connection healthy.
+  bool RailsMayFail(const PeerState& peer, uint32_t rail) const;
+  // Per-rail stalls (ucx.rail_stall_ms): probes quiet rails, downs silent ones.
+  void CheckRailStalls(Clock::time_point now);
+  void ResetLane(PeerState& peer, Lane& lane);
+  void ProbeLane(PeerState& peer, Lane& lane);
+  void FailOverReads(PeerState& peer, uint32_t rail);
+  bool SendProbe(PeerState& peer, Lane& lane);
+  // "rail 1 (eth1)"
+  std::string RailName(uint32_t rail) const;
+  // The first lane that is not down: control messages go there.
+  Lane* ControlLane(PeerState& peer);
+  static ucs_status_t OnAmAbandon(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAmAbandoned(void* arg, const void* header, size_t header_length,
+                                    void* data, size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAmProbe(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAmProbeAck(void* arg, const void* header, size_t header_length, void* data,
+                                   size_t length, const ucp_am_recv_param_t* param);
+  // The peer and lane a message arriving on `via` (an initiator's worker) belongs to, or null.
+  Lane* LaneOf(const ConnWorker* via, uint64_t peer);
   void ReapRetired();
   void OrphanBatches(PeerState& peer);
   void RunCompletions();
@@ -432,6 +507,8 @@ class UcxTransport final : public spi::Transport {
   struct AmTarget {
     bool fenced = false;
     std::unordered_map<uint64_t, AmBatchProgress> batches;
+    // Batches the initiator gave up with a dead rail (kAmAbandon): their messages are dropped.
+    std::unordered_set<uint64_t> abandoned;
   };
   std::unordered_map<spi::TargetId, AmTarget> am_targets_;
   // Every worker, for the loop: those of peer_states_, target_workers_ and closed_targets_.
@@ -455,6 +532,8 @@ class UcxTransport final : public spi::Transport {
   };
   std::unordered_map<uint64_t, AmRead> am_reads_;
   uint64_t last_read_cookie_ = 0;
+  uint64_t last_rail_token_ = 0;  // kAmAbandon and kAmProbe numbers
+  bool rail_service_ = false;     // a lane is down or an abandonment is out: ServiceLanes runs
   uint64_t am_reply_failures_ = 0;  // target: replies UCX could not send (logged, dropped)
   // Target: replies UCX has not sent yet. The loop polls while there are any, as it does while
   // batches are outstanding: UCX does not wake an armed worker when a socket drains.

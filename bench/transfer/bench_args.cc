@@ -106,6 +106,10 @@ ABSL_FLAG(std::string, rail_fault, "",
           "every row with more than R rails; such a row samples decode's received bytes every "
           "100 ms and prints the throughput before, during and after the fault and how long after "
           "the heal it took to get back to 90% of before (JSON fault_*)");
+ABSL_FLAG(bool, failures_ok, false,
+          "failed requests do not fail a row (with --rail-fault: the requests a dead rail takes "
+          "down); they are still counted (JSON failed, first_failure), and a wrong byte under "
+          "--verify still fails the row (JSON wrong_bytes)");
 ABSL_FLAG(std::string, prefill_host, "127.0.0.1",
           "internal: where a child's prefill rank listens and decode finds it");
 ABSL_FLAG(uint64_t, layer_compute_us, 0,
@@ -252,6 +256,7 @@ bool ParseArgs(int argc, char** argv, Options* o) {
   o->json = absl::GetFlag(FLAGS_json);
   o->in_process = absl::GetFlag(FLAGS_in_process);
   o->compare_perftest = absl::GetFlag(FLAGS_compare_perftest);
+  o->failures_ok = absl::GetFlag(FLAGS_failures_ok);
   b.verify = absl::GetFlag(FLAGS_verify);
   b.backend = absl::GetFlag(FLAGS_backend);
   for (const std::string& kv : absl::GetFlag(FLAGS_backend_option).values) {

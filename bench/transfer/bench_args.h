@@ -45,6 +45,9 @@ struct Options {
     int at_ms = 0;
     int for_ms = 0;
   } rail_fault;
+  // --failures_ok: failed requests do not fail a row (a fault's expected casualties); wrong
+  // bytes under --verify still do.
+  bool failures_ok = false;
   std::string role;  // hidden: "prefill" or "decode" in the child processes
 };
 

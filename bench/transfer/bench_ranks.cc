@@ -407,6 +407,7 @@ void DriveDecode(const BenchConfig& c, Rank& rank, const PageRing& pages, uint64
           wrong_bytes = VerifyRequest(c, rank, pages, *src_pages, f.index);
         }
         if (!wrong_bytes.empty()) {
+          ++result->wrong;
           if (result->failed++ == 0) result->first_failure = wrong_bytes;
         } else if (st == pdlib::KVPoll::kSuccess) {
           ++result->succeeded;
@@ -520,6 +521,7 @@ void Merge(const RankResult& from, bool first, RankResult* into) {
   // Every rank sees every request: a request counts once, failed if any rank failed it.
   into->succeeded = first ? from.succeeded : std::min(into->succeeded, from.succeeded);
   into->failed = std::max(into->failed, from.failed);
+  into->wrong += from.wrong;
   into->seconds = std::max(into->seconds, from.seconds);
   into->cpu_seconds = std::max(into->cpu_seconds, from.cpu_seconds);
   into->latencies_us.insert(into->latencies_us.end(), from.latencies_us.begin(),
@@ -673,6 +675,7 @@ RankResult RunDecodeRank(const BenchConfig& config, const std::function<void()>&
               &result.latencies_us);
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   result.cpu_seconds = ProcessCpuSeconds() - cpu_start;
+  result.wrong += warm.wrong;  // a wrong byte anywhere fails the row
   if (warm.failed > 0 && result.first_failure.empty()) {
     result.first_failure = "warm-up: " + warm.first_failure;
   }

@@ -129,6 +129,7 @@ struct RankResult {
   std::string error;  // empty when the rank ran to the end
   uint64_t succeeded = 0;
   uint64_t failed = 0;
+  uint64_t wrong = 0;  // of `failed`: requests whose bytes --verify found wrong
   std::string first_failure;
   double seconds = 0;      // decode: first measured request to last completion
   double cpu_seconds = 0;  // decode: CPU time of the whole process (all threads) over `seconds`

@@ -114,7 +114,7 @@ std::string ResultLine(const RankResult& r) {
   const Summary e = Summarize(r.exposed_us);
   std::ostringstream out;
   out << "RESULT error=" << (r.error.empty() ? "none" : "yes") << " succeeded=" << r.succeeded
-      << " failed=" << r.failed << " seconds=" << r.seconds << " cpu=" << r.cpu_seconds
+      << " failed=" << r.failed << " wrong=" << r.wrong << " seconds=" << r.seconds << " cpu=" << r.cpu_seconds
       << " p50=" << s.p50 << " p99=" << s.p99 << " p999=" << s.p999 << " mean=" << s.mean
       << " max=" << s.max << " exposed_n=" << r.exposed_us.size() << " exposed_mean=" << e.mean
       << " exposed_p50=" << e.p50 << " exposed_p99=" << e.p99
@@ -450,7 +450,9 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
             const std::optional<RowFigures>& reference, const std::optional<RowFigures>& push,
             const std::optional<RailsBase>& rails_base, RowFigures* figures) {
   const bool error = d.count("error") && d.at("error") != "none";
-  const bool failed = error || Num(d, "failed") > 0;
+  // --failures_ok: failed requests are reported, not fatal; wrong bytes always are.
+  const bool failed =
+      error || Num(d, "wrong") > 0 || (Num(d, "failed") > 0 && !o.failures_ok);
   const double seconds = Num(d, "seconds");
   const double ok = Num(d, "succeeded");
   const double req_per_s = seconds > 0 ? ok / seconds : 0;
@@ -599,6 +601,12 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
     j.Num("max_us", Num(d, "max"), 0);
     j.Num("succeeded", ok, 0);
     j.Num("failed", Num(d, "failed"), 0);
+    j.Num("wrong_bytes", Num(d, "wrong"), 0);
+    if (Num(d, "failed") > 0 && !error && d.count("why")) {
+      j.Str("first_failure", d.at("why"));
+    } else {
+      j.Null("first_failure");
+    }
     j.Num("prefill_write_batches", Num(p, "batches"), 0);
     j.Num("decode_read_batches", pull ? Num(d, "batches") : 0.0, 0);
     if (c.layer_compute_us > 0) {
