@@ -94,6 +94,7 @@ bool Topology::Setup(std::string* error) {
   InfraOptions io;
   io.netns = o_.netns;
   io.etcd = o_.etcd;
+  io.rails = o_.rails;
   std::vector<std::string> hosts;
   for (const Proc& p : procs_) hosts.push_back(p.name());
   auto infra = ChaosInfra::Create(io, hosts);

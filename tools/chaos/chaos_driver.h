@@ -36,6 +36,7 @@ struct ChaosOptions {
   // Latency faults are skipped here, for this reason (the kernel has no sch_netem); "" : not.
   std::string latency_skipped;
   bool netns = false;  // every process slot on a host (network namespace) of its own
+  int rails = 1;       // with netns: links between each pair of hosts (ucx.rails over them)
   bool etcd = false;   // discovery through 3 etcd members instead of the bootstrap server
   // A request counts as touched by a fault that ended less than this long before it started
   // (the fault's after-effects); 0: DerivedSettle(peer).

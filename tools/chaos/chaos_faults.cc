@@ -13,7 +13,8 @@ constexpr FaultKind kAllKinds[] = {FaultKind::kKill,
                                    FaultKind::kBandwidth,
                                    FaultKind::kLatency,
                                    FaultKind::kBootstrapRestart,
-                                   FaultKind::kEtcdMember};
+                                   FaultKind::kEtcdMember,
+                                   FaultKind::kRail};
 
 // Uniform in [0.5, 1.5] x mean, at least 1 ms.
 int64_t AroundMean(int64_t mean_ms, std::mt19937_64& rng) {
@@ -37,6 +38,7 @@ std::string_view FaultKindName(FaultKind kind) {
     case FaultKind::kLatency: return "latency";
     case FaultKind::kBootstrapRestart: return "bootstrap_restart";
     case FaultKind::kEtcdMember: return "etcd_member";
+    case FaultKind::kRail: return "rail";
   }
   return "unknown";
 }
@@ -45,7 +47,7 @@ bool IsProcessFault(FaultKind k) { return k == FaultKind::kKill || k == FaultKin
 
 bool IsLinkFault(FaultKind k) {
   return k == FaultKind::kPartition || k == FaultKind::kLoss || k == FaultKind::kBandwidth ||
-         k == FaultKind::kLatency;
+         k == FaultKind::kLatency || k == FaultKind::kRail;
 }
 
 bool IsDiscoveryFault(FaultKind k) {
@@ -76,7 +78,7 @@ bool ParseFaultKinds(std::string_view text, bool etcd, std::vector<FaultKind>* k
       if (it == std::end(kAllKinds)) {
         *error = "unknown fault '" + std::string(word) +
                  "' (expected a comma list of process, network, kill, stop, partition, loss, "
-                 "bandwidth, latency, bootstrap_restart, etcd_member, or none)";
+                 "bandwidth, latency, bootstrap_restart, etcd_member, rail, or none)";
         return false;
       }
       if (IsDiscoveryFault(*it) && *it != discovery) {
@@ -101,7 +103,8 @@ bool ParseFaultKinds(std::string_view text, bool etcd, std::vector<FaultKind>* k
   return true;
 }
 
-FaultParams DrawFaultParams(FaultKind kind, const FaultTimes& times, std::mt19937_64& rng) {
+FaultParams DrawFaultParams(FaultKind kind, const FaultTimes& times, std::mt19937_64& rng,
+                            int rails) {
   FaultParams p;
   switch (kind) {
     case FaultKind::kKill: p.duration_ms = Between(50, 500, rng); break;
@@ -122,6 +125,11 @@ FaultParams DrawFaultParams(FaultKind kind, const FaultTimes& times, std::mt1993
       break;
     case FaultKind::kBootstrapRestart:
     case FaultKind::kEtcdMember: p.duration_ms = AroundMean(times.discovery_down_ms, rng); break;
+    case FaultKind::kRail:
+      p.rail = Between(0, std::max(rails, 1) - 1, rng);
+      p.rate_mbit = Between(0, 2, rng) == 0 ? Between(50, 500, rng) : 0;  // 0: partitioned
+      p.duration_ms = AroundMean(p.rate_mbit > 0 ? times.link_ms : times.partition_ms, rng);
+      break;
   }
   return p;
 }
@@ -134,6 +142,14 @@ std::string DescribeFault(FaultKind kind, const FaultParams& p) {
     case FaultKind::kLoss: o << " " << p.loss_percent << "%"; break;
     case FaultKind::kBandwidth: o << " " << p.rate_mbit << " Mbit/s"; break;
     case FaultKind::kLatency: o << " " << p.delay_ms << "+-" << p.jitter_ms << " ms"; break;
+    case FaultKind::kRail:
+      o << " " << p.rail << " ";
+      if (p.rate_mbit > 0) {
+        o << p.rate_mbit << " Mbit/s";
+      } else {
+        o << "partition";
+      }
+      break;
     default: break;
   }
   o << " for " << p.duration_ms << " ms";

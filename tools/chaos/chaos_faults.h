@@ -9,7 +9,10 @@
 //   the kernel's sch_netem, skipped with the reason where it is missing);
 // - discovery, every process at once: bootstrap_restart (the bootstrap server is destroyed and
 //   started again on the same port: it has forgotten every registration), etcd_member (one of
-//   the etcd members is killed, then started again with its data).
+//   the etcd members is killed, then started again with its data);
+// - one rail of a host's links (needs --netns and --rails 2 or more, issue #31): rail, that
+//   rail partitioned (two in three) or capped at 50-500 Mbit/s, the host's other rails left
+//   alone.
 #ifndef PDLIB_TOOLS_CHAOS_CHAOS_FAULTS_H_
 #define PDLIB_TOOLS_CHAOS_CHAOS_FAULTS_H_
 
@@ -31,21 +34,23 @@ enum class FaultKind {
   kLatency,
   kBootstrapRestart,
   kEtcdMember,
+  kRail,
 };
 
 // "kill", "stop", "partition", "loss", "bandwidth", "latency", "bootstrap_restart",
-// "etcd_member".
+// "etcd_member", "rail".
 std::string_view FaultKindName(FaultKind kind);
 
 // What a kind hits.
 bool IsProcessFault(FaultKind kind);    // kill, stop
-bool IsLinkFault(FaultKind kind);       // partition, loss, bandwidth, latency: need --netns
+bool IsLinkFault(FaultKind kind);       // partition, loss, bandwidth, latency, rail: --netns
 bool IsDiscoveryFault(FaultKind kind);  // bootstrap_restart, etcd_member
 
 // The kinds a --faults value names, in the order above without repeats. A comma list of
 //   process   = kill,stop
 //   network   = partition,loss,bandwidth,latency and the discovery's own fault:
 //               bootstrap_restart (bootstrap server) or etcd_member (etcd)
+//   rail      = rail (not part of network: it needs --rails)
 //   a kind's name, or none (nothing: only requests).
 // `etcd` says which discovery runs. On bad input, returns false with `*error` naming the word
 // and what is accepted: an unknown word, none beside another word, bootstrap_restart with etcd,
@@ -68,12 +73,15 @@ struct FaultParams {
   int rate_mbit = 0;        // bandwidth: 50..500
   int delay_ms = 0;         // latency: 1..50
   int jitter_ms = 0;        // latency: 0..delay_ms / 2
+  int rail = 0;             // rail: which one (0 .. rails - 1)
 };
 
-// Draws the parameters of a fault of `kind` from `rng`.
-FaultParams DrawFaultParams(FaultKind kind, const FaultTimes& times, std::mt19937_64& rng);
+// Draws the parameters of a fault of `kind` from `rng`; `rails`: the links between hosts.
+FaultParams DrawFaultParams(FaultKind kind, const FaultTimes& times, std::mt19937_64& rng,
+                            int rails = 1);
 
-// "partition 1830 ms", "loss 7% for 2100 ms", "latency 23+-9 ms for 1500 ms", ...
+// "partition 1830 ms", "loss 7% for 2100 ms", "latency 23+-9 ms for 1500 ms",
+// "rail 1 partition for 900 ms", "rail 0 200 Mbit/s for 2000 ms", ...
 std::string DescribeFault(FaultKind kind, const FaultParams& params);
 
 // When a fault was in effect: from its injection to its end (heal, SIGCONT, the READY of the

@@ -23,7 +23,10 @@ std::string ChaosInfra::Missing(const InfraOptions& options, const std::vector<F
     if (!caps.nft && (asked(FaultKind::kPartition) || asked(FaultKind::kLoss))) {
       return "no nft here (partition and loss faults): " + caps.nft_reason;
     }
-    if (!caps.tbf && asked(FaultKind::kBandwidth)) {
+    if (!caps.nft && asked(FaultKind::kRail)) {
+      return "no nft here (rail faults partition a rail): " + caps.nft_reason;
+    }
+    if (!caps.tbf && (asked(FaultKind::kBandwidth) || asked(FaultKind::kRail))) {
       return "no tc tbf here (bandwidth faults): " + caps.tbf_reason;
     }
   }
@@ -43,7 +46,9 @@ StatusOr<std::unique_ptr<ChaosInfra>> ChaosInfra::Create(const InfraOptions& opt
   std::unique_ptr<ChaosInfra> infra(new ChaosInfra());
   infra->options_ = options;
   if (options.netns) {
-    auto cluster = pdlib_tools::NetnsCluster::Create();
+    pdlib_tools::NetnsClusterOptions no;
+    no.rails = options.rails;
+    auto cluster = pdlib_tools::NetnsCluster::Create(no);
     if (!cluster.ok()) return cluster.status().WithPrefix("network namespaces");
     infra->cluster_ = std::move(*cluster);
     for (const std::string& host : hosts) {
@@ -103,18 +108,24 @@ Status ChaosInfra::StartLinkFault(const std::string& host, FaultKind kind, const
     case FaultKind::kLoss: return cluster_->SetLoss(host, p.loss_percent);
     case FaultKind::kBandwidth: return cluster_->SetBandwidth(host, p.rate_mbit);
     case FaultKind::kLatency: return cluster_->SetLatency(host, p.delay_ms, p.jitter_ms);
+    case FaultKind::kRail:
+      return p.rate_mbit > 0 ? cluster_->SetRailBandwidth(host, p.rail, p.rate_mbit)
+                             : cluster_->PartitionRail(host, p.rail);
     default: break;
   }
   return Status::InvalidArgument(std::string(FaultKindName(kind)) + " is not a link fault");
 }
 
-Status ChaosInfra::EndLinkFault(const std::string& host, FaultKind kind) {
+Status ChaosInfra::EndLinkFault(const std::string& host, FaultKind kind, const FaultParams& p) {
   if (!cluster_) return Status::FailedPrecondition("link faults need --netns");
   switch (kind) {
     case FaultKind::kPartition: return cluster_->Heal(host);
     case FaultKind::kLoss: return cluster_->SetLoss(host, 0);
     case FaultKind::kBandwidth: return cluster_->SetBandwidth(host, 0);
     case FaultKind::kLatency: return cluster_->SetLatency(host, 0, 0);
+    case FaultKind::kRail:
+      return p.rate_mbit > 0 ? cluster_->SetRailBandwidth(host, p.rail, 0)
+                             : cluster_->HealRail(host, p.rail);
     default: break;
   }
   return Status::InvalidArgument(std::string(FaultKindName(kind)) + " is not a link fault");

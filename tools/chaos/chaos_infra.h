@@ -34,6 +34,7 @@ struct InfraOptions {
   bool netns = false;    // hosts as network namespaces
   bool etcd = false;     // discovery through etcd instead of the bootstrap server
   int etcd_members = 3;  // with etcd
+  int rails = 1;         // links between each pair of hosts (netns), eth0 ... eth<rails-1>
 };
 
 class ChaosInfra {
@@ -65,7 +66,7 @@ class ChaosInfra {
 
   // A link fault of `kind` with `params` on `host`, and its end. Needs netns.
   pdlib::Status StartLinkFault(const std::string& host, FaultKind kind, const FaultParams& params);
-  pdlib::Status EndLinkFault(const std::string& host, FaultKind kind);
+  pdlib::Status EndLinkFault(const std::string& host, FaultKind kind, const FaultParams& params);
 
   // The bootstrap server: gone (with every registration it held) and back on the same port.
   // StartBootstrap fails while the old socket's port is not free yet: call it again.

@@ -11,8 +11,8 @@
 //
 //   pdlib-chaos [--requests N] [--topology 1p1d|2p2d|both] [--seed S] [--rate R]
 //       [--faults process,network | kill,stop,partition,loss,bandwidth,latency,
-//                 bootstrap_restart,etcd_member | none]
-//       [--netns] [--discovery bootstrap|etcd] [--fault_interval_ms MS] [--stop_ms MS]
+//                 bootstrap_restart,etcd_member,rail | none]
+//       [--netns] [--rails N] [--discovery bootstrap|etcd] [--fault_interval_ms MS] [--stop_ms MS]
 //       [--partition_ms MS] [--link_fault_ms MS] [--discovery_down_ms MS] [--settle_ms MS]
 //       [--hang_bound_ms MS] [--backend ucx|fake] [--backend_option KEY=VALUE]...
 //       [--prefix_share 0..1] [--state_families mamba,swa,c128_state | none]
@@ -23,11 +23,13 @@
 //         pdlib-chaos --direction pull --requests 1000 --backend-option ucx.tls=shm
 //         pdlib-chaos --netns --requests 1000 --faults network,process
 //         pdlib-chaos --netns --discovery etcd --faults network,process --topology 2p2d
+//         pdlib-chaos --netns --rails 2 --faults network,process,rail --topology 2p2d
 //
 // The driver hosts the bootstrap server (or starts 3 etcd members) and starts this binary again
 // as each prefill and decode process (chaos_peer.h); 2p2d is two prefill DP ranks of one
 // deployment and two decode processes, a request going to one of each (room % 2 picks the
-// prefill). With --netns UCX runs over tcp on each host's eth0. See chaos_driver.h for what is
+// prefill). With --netns UCX runs over tcp on each host's eth0 (with --rails N, striped over
+// eth0 ... eth<N-1>: ucx.rails). See chaos_driver.h for what is
 // counted and chaos_report.h for the figures. Exit status: 0 when hung, bad_bytes,
 // stale_writes, leaked, crashes, unclean exits, restart failures, failed probes, failed
 // untouched requests and fault errors are all 0 (and faults >= --min-faults); 1 otherwise; 2 on
@@ -80,6 +82,10 @@ ABSL_FLAG(std::string, faults, "",
           "single kinds; none: no faults (\"\": process, or --fault_kinds)");
 ABSL_FLAG(std::string, fault_kinds, "",
           "the older name of --faults (kill,stop | kill | stop | none); give one of the two");
+ABSL_FLAG(int32_t, rails, 1,
+          "with --netns: N links (rails) between each pair of hosts, eth0 ... eth<N-1>, each a "
+          "subnet of its own; the ucx backend stripes over them (ucx.rails) and the rail fault "
+          "(--faults rail) partitions or caps one of them (1 to 8)");
 ABSL_FLAG(bool, netns, false,
           "each prefill and decode process on a host (network namespace) of its own, UCX over "
           "tcp on eth0; needs root (exit 5 with the reason where it cannot run); link faults "
@@ -238,6 +244,13 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   c.seed = absl::GetFlag(FLAGS_seed);
   c.rate = double(absl::GetFlag(FLAGS_rate));
   c.netns = absl::GetFlag(FLAGS_netns);
+  c.rails = absl::GetFlag(FLAGS_rails);
+  if (c.rails < 1 || c.rails > 8) return bad("rails", std::to_string(c.rails));
+  if (c.rails > 1 && !c.netns && f->role.empty()) {
+    std::fprintf(stderr, "pdlib-chaos: --rails %d needs --netns (rails are links between hosts)\n",
+                 c.rails);
+    return false;
+  }
   const std::string discovery = absl::GetFlag(FLAGS_discovery);
   if (discovery != "bootstrap" && discovery != "etcd") return bad("discovery", discovery);
   c.etcd = discovery == "etcd";
@@ -262,6 +275,12 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
                    kinds.c_str(), std::string(FaultKindName(k)).c_str());
       return false;
     }
+  }
+  if (f->role.empty() && c.rails < 2 &&
+      std::find(c.faults.begin(), c.faults.end(), FaultKind::kRail) != c.faults.end()) {
+    std::fprintf(stderr, "pdlib-chaos: --faults %s: rail needs --rails 2 or more\n",
+                 kinds.c_str());
+    return false;
   }
   p.backend = absl::GetFlag(FLAGS_backend);
   if (p.backend.empty()) return bad("backend", "");
@@ -387,6 +406,7 @@ int RunDriver(Flags f) {
   InfraOptions io;
   io.netns = c.netns;
   io.etcd = c.etcd;
+  io.rails = c.rails;
   if (const std::string why = ChaosInfra::Missing(io, c.faults); !why.empty()) {
     std::fprintf(stderr, "pdlib-chaos: cannot run here: %s\n", why.c_str());
     return kExitCannotRunHere;
@@ -396,7 +416,15 @@ int RunDriver(Flags f) {
     // Hosts are separate machines to UCX: tcp over their one link, never shm between them.
     if (c.peer.backend == "ucx") {
       c.peer.backend_options["ucx.tls"] = "tcp";
-      c.peer.backend_options["ucx.net_devices"] = "eth0";
+      if (c.rails > 1) {
+        std::string rails;
+        for (int r = 0; r < c.rails; ++r) {
+          rails += (r == 0 ? "" : ",") + pdlib_tools::RailInterface(r);
+        }
+        c.peer.backend_options["ucx.rails"] = rails;
+      } else {
+        c.peer.backend_options["ucx.net_devices"] = "eth0";
+      }
     }
     // What crashed runs left behind (only theirs: names carry the dead pid).
     if (auto removed = pdlib_tools::NetnsCluster::CleanupStale(); !removed.ok()) {
@@ -449,6 +477,7 @@ int RunDriver(Flags f) {
   report.bytes_checked = c.peer.verify;
   report.seed = c.seed;
   report.netns = c.netns;
+  report.rails = c.rails;
   report.discovery = c.etcd ? "etcd" : "bootstrap";
   report.direction = std::string(pdlib::TransferDirectionName(c.peer.direction));
   report.skipped_faults = skipped;

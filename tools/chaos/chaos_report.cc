@@ -113,6 +113,7 @@ std::string RenderJson(const Report& r) {
   j["bytes_checked"] = r.bytes_checked;
   j["seed"] = r.seed;
   j["netns"] = r.netns;
+  j["rails"] = r.rails;
   j["discovery"] = r.discovery;
   j["direction"] = r.direction;
   j["skipped_faults"] = r.skipped_faults;
@@ -127,7 +128,9 @@ std::string RenderSummary(const Report& r) {
   o << "pdlib-chaos: backend " << r.backend << " (" << r.transport << "), seed " << r.seed
     << ", bytes " << (r.bytes_checked ? "checked" : "not checked (backend moves none)")
     << ", discovery " << r.discovery << ", " << r.direction
-    << (r.netns ? ", hosts in network namespaces" : "") << "\n";
+    << (r.netns ? ", hosts in network namespaces" : "")
+    << (r.rails > 1 ? ", " + std::to_string(r.rails) + " rails (ucx.rails)" : std::string())
+    << "\n";
   for (const auto& [name, x] : r.by_topology) {
     o << "  " << name << ": " << x.requests << " requests, " << x.faults << " faults, "
       << x.succeeded << " succeeded, " << x.failed << " failed, " << x.hung << " hung, "

@@ -90,6 +90,7 @@ struct Report {
   bool bytes_checked = false;
   uint64_t seed = 0;
   bool netns = false;                   // each process on a host (network namespace) of its own
+  int rails = 1;                        // with netns: links between each pair of hosts
   std::string discovery = "bootstrap";  // or "etcd"
   std::string direction = "push";       // or "pull" (KVManagerOptions::direction)
   // Fault kinds asked for but not injected here, with the reason (latency: no sch_netem).

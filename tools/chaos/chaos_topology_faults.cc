@@ -99,7 +99,7 @@ void Topology::InjectLinkFault(FaultKind kind, Clock::time_point now) {
     if (!procs_[i].link) targets.push_back(i);
   }
   Proc& p = procs_[targets[rng_() % targets.size()]];
-  const FaultParams params = DrawFaultParams(kind, o_.times, rng_);
+  const FaultParams params = DrawFaultParams(kind, o_.times, rng_, o_.rails);
   if (pdlib::Status s = infra_->StartLinkFault(p.name(), kind, params); !s.ok()) {
     ++t_.fault_errors;
     Problem("could not inject " + DescribeFault(kind, params) + " on host " + p.name() + ": " +
@@ -120,7 +120,7 @@ void Topology::InjectLinkFault(FaultKind kind, Clock::time_point now) {
 void Topology::EndLinkFault(Proc& p, Clock::time_point now) {
   if (!p.link) return;
   const FaultKind kind = p.link->kind;
-  if (pdlib::Status s = infra_->EndLinkFault(p.name(), kind); !s.ok()) {
+  if (pdlib::Status s = infra_->EndLinkFault(p.name(), kind, p.link->params); !s.ok()) {
     ++t_.fault_errors;
     Problem("could not end " + std::string(FaultKindName(kind)) + " on host " + p.name() + ": " +
             s.ToString());
