@@ -284,6 +284,10 @@ TEST_CASE(
   CHECK(Parsed("process,network,kill,partition", true) ==
         "kill,stop,partition,loss,bandwidth,latency,etcd_member");  // repeats once
   CHECK(Parsed("partition,bootstrap_restart", false) == "partition,bootstrap_restart");
+  // rail is not in the network group (it needs --rails): named on its own.
+  CHECK(Parsed("network,process,rail", false) ==
+        "kill,stop,partition,loss,bandwidth,latency,bootstrap_restart,rail");
+  CHECK(Parsed("rail", true) == "rail");
   // Refused, naming what is wrong.
   CHECK(Parsed("partiton", false).find("unknown fault 'partiton'") != std::string::npos);
   CHECK(Parsed("", false).find("unknown fault ''") != std::string::npos);
@@ -300,8 +304,8 @@ TEST_CASE("fault kinds by what they hit") {
     CHECK_FALSE(pdlib_chaos::IsLinkFault(k));
     CHECK_FALSE(pdlib_chaos::IsDiscoveryFault(k));
   }
-  for (FaultKind k :
-       {FaultKind::kPartition, FaultKind::kLoss, FaultKind::kBandwidth, FaultKind::kLatency}) {
+  for (FaultKind k : {FaultKind::kPartition, FaultKind::kLoss, FaultKind::kBandwidth,
+                      FaultKind::kLatency, FaultKind::kRail}) {
     CHECK(pdlib_chaos::IsLinkFault(k));
     CHECK_FALSE(pdlib_chaos::IsProcessFault(k));
     CHECK_FALSE(pdlib_chaos::IsDiscoveryFault(k));
@@ -356,6 +360,31 @@ TEST_CASE("fault parameters stay in their ranges and cover them") {
       REQUIRE(down.duration_ms <= 600);
     }
   }
+  // Rail faults: a rail among the host's, partitioned two times in three, else capped.
+  int partitions = 0, caps = 0;
+  std::set<int> rails;
+  for (int i = 0; i < 3000; ++i) {
+    const auto r = pdlib_chaos::DrawFaultParams(FaultKind::kRail, times, rng, 3);
+    REQUIRE(r.rail >= 0);
+    REQUIRE(r.rail <= 2);
+    rails.insert(r.rail);
+    if (r.rate_mbit == 0) {
+      ++partitions;
+      REQUIRE(r.duration_ms >= 1000);  // partition_ms
+      REQUIRE(r.duration_ms <= 3000);
+    } else {
+      ++caps;
+      REQUIRE(r.rate_mbit >= 50);
+      REQUIRE(r.rate_mbit <= 500);
+      REQUIRE(r.duration_ms >= 1500);  // link_ms
+      REQUIRE(r.duration_ms <= 4500);
+    }
+  }
+  CHECK(rails.size() == 3);
+  CHECK(partitions > 1800);
+  CHECK(partitions < 2200);
+  CHECK(caps > 800);
+  CHECK(pdlib_chaos::DrawFaultParams(FaultKind::kRail, times, rng, 1).rail == 0);
   CHECK(losses.size() == 10);
   CHECK(rates.size() > 400);
   CHECK(delays.size() == 50);
@@ -391,6 +420,12 @@ TEST_CASE("a fault's description names its kind and parameters") {
   CHECK(pdlib_chaos::DescribeFault(FaultKind::kPartition, p) == "partition for 1800 ms");
   p.duration_ms = 120;
   CHECK(pdlib_chaos::DescribeFault(FaultKind::kKill, p) == "kill, restart after 120 ms");
+  p = {};
+  p.duration_ms = 900;
+  p.rail = 1;
+  CHECK(pdlib_chaos::DescribeFault(FaultKind::kRail, p) == "rail 1 partition for 900 ms");
+  p.rate_mbit = 200;
+  CHECK(pdlib_chaos::DescribeFault(FaultKind::kRail, p) == "rail 1 200 Mbit/s for 900 ms");
 }
 
 TEST_CASE("a fault touches the requests alive during it and shortly after it ended") {

@@ -119,6 +119,9 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
     CHECK(with_tls("rc_verbs,sm").count("MM_SEG_SIZE") == 1);
     CHECK(with_tls("all").count("TX_SEG_SIZE") == 1);
     CHECK(with_tls("tcp").count("KEEPALIVE_INTERVAL") == 1);  // not transport-specific
+    // tcp connects without blocking the progress thread (a dead rail's address does not answer).
+    CHECK(with_tls("tcp").at("CONN_NB") == "y");
+    CHECK(with_tls("shm").count("CONN_NB") == 0);
     env["UCX_TLS"] = "tcp";
     auto parsed = ucx::ParseUcxOptions({}, lookup);
     REQUIRE(parsed.ok());
@@ -177,6 +180,15 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
     auto none = ucx::ParseUcxOptions({}, lookup);
     REQUIRE(none.ok());
     CHECK(none->rails.empty());
+    // A dead rail: declared after 3 s of silence, probed every second, by default.
+    CHECK(none->rail_stall_ms == 3000);
+    CHECK(none->rail_retry_ms == 1000);
+    spi::TransportOptions tuned;
+    tuned.options = {{"ucx.rail_stall_ms", "0"}, {"ucx.rail_retry_ms", "250"}};
+    auto t = ucx::ParseUcxOptions(tuned, lookup);
+    REQUIRE(t.ok());
+    CHECK(t->rail_stall_ms == 0);  // never: a rail's stall is the connection's
+    CHECK(t->rail_retry_ms == 250);
 
     for (auto [extra_key, value] : std::vector<std::pair<std::string, std::string>>{
              {"ucx.net_devices", "eth0"},            // two ways to say which devices
@@ -203,6 +215,8 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
                                                           {"ucx.busy_poll_us", "abc"},
                                                           {"ucx.stall_timeout_ms", "99999999999"},
                                                           {"ucx.flush", "sometimes"},
+                                                          {"ucx.rail_retry_ms", "5"},
+                                                          {"ucx.rail_stall_ms", "soon"},
                                                           {"ucx.config.", "x"}}) {
       spi::TransportOptions options;
       options.options[key] = value;
