@@ -311,6 +311,11 @@ Status VerbsTransport::Post(spi::PeerId peer, std::span<const spi::WriteOp> ops,
     const PeerEntry& entry = **found;
     pair_device = entry.pair_device;
     segments.resize(pair_device.size());
+    // Striped by bytes over the pairs (devices, rails), whole ops, kStripeBytes each.
+    std::vector<uint64_t> lengths(ops.size());
+    for (size_t i = 0; i < ops.size(); ++i) lengths[i] = ops[i].length;
+    const std::vector<size_t> stripe = StripeOverPairs(
+        lengths, pair_device.size(), kStripeBytes, next_stripe_.fetch_add(1) % pair_device.size());
     for (size_t i = 0; i < ops.size(); ++i) {
       const spi::WriteOp& op = ops[i];
       auto resolved = peers_.ResolveWrite(peer, entry, local_regions_, i, op, kind);
@@ -318,8 +323,7 @@ Status VerbsTransport::Post(spi::PeerId peer, std::span<const spi::WriteOp> ops,
       const LocalRegion& local = *resolved->first;
       const RemoteRegionEntry& dst = *resolved->second;
       if (op.length == 0) continue;
-      // Layers spread over the pairs (devices) by local region.
-      const size_t k = op.local_region % pair_device.size();
+      const size_t k = stripe[i];
       segments[k].push_back({local.addr + op.local_offset, local.lkeys[pair_device[k]],
                              dst.addr + op.remote_offset, dst.rkeys[k], op.length});
       if (std::find(batch->regions.begin(), batch->regions.end(), local.mrs) ==

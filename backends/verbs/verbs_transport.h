@@ -8,8 +8,10 @@
 // CreateTargetEndpoint and ships their addresses in the endpoint blob; the initiator (prefill)
 // creates one QP per target QP (pair k on its device k mod #devices), connects them at once and
 // returns their addresses in the reply blob, with which CompleteTargetEndpoint connects the
-// target's ends (RC QPs are connected from both ends). Writes from local region r go over pair
-// r mod #pairs: the layers are spread over the devices.
+// target's ends (RC QPs are connected from both ends). Each device is a rail: the writes (reads)
+// of a batch are striped over the pairs by bytes: whole writes, kStripeBytes per pair in turn
+// (StripeOverPairs, verbs_wr.h), each batch starting one pair further: a request's bytes use
+// every device (rail) alike.
 //
 // Data path: PostWrites validates every op, resolves it to addresses and keys, and plans its
 // work requests (verbs_wr.h: SGE lists within max_sge, messages within max_msg_sz) on the
@@ -51,6 +53,7 @@
 #ifndef PDLIB_BACKENDS_VERBS_VERBS_TRANSPORT_H_
 #define PDLIB_BACKENDS_VERBS_VERBS_TRANSPORT_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -195,8 +198,12 @@ class VerbsTransport final : public spi::Transport {
   void Sleep();
   void Shutdown();
 
+  // A batch's bytes go to one pair for this long before the next pair takes over (whole writes).
+  static constexpr uint64_t kStripeBytes = uint64_t{256} << 10;
+
   const VerbsOptions options_;
   const std::vector<std::unique_ptr<Device>> devices_;
+  std::atomic<size_t> next_stripe_{0};  // the pair the next batch starts on
 
   // Shared with API threads.
   Mutex mu_;

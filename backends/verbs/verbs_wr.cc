@@ -7,6 +7,24 @@ namespace pdlib {
 inline namespace v1 {
 namespace verbs {
 
+std::vector<size_t> StripeOverPairs(std::span<const uint64_t> lengths, size_t pairs,
+                                    uint64_t stripe_bytes, size_t first) {
+  std::vector<size_t> out(lengths.size(), kNoPair);
+  if (pairs == 0) return out;
+  size_t pair = first % pairs;
+  uint64_t in_stripe = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    if (lengths[i] == 0) continue;
+    if (in_stripe >= stripe_bytes && stripe_bytes > 0) {  // this stripe is full: the next pair
+      pair = (pair + 1) % pairs;
+      in_stripe = 0;
+    }
+    out[i] = pair;
+    in_stripe += lengths[i];
+  }
+  return out;
+}
+
 StatusOr<WrLimits> EffectiveLimits(uint32_t device_max_sge, uint64_t device_max_message,
                                    uint32_t option_max_sge, uint64_t option_max_message) {
   if (device_max_sge < 1 || device_max_message < 1) {

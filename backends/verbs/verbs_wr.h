@@ -82,6 +82,15 @@ StatusOr<WrLimits> EffectiveLimits(uint32_t device_max_sge, uint64_t device_max_
 // (max_qp_init_rd_atom) and the peer QP's responder resources, whichever is smaller, at least 1.
 uint32_t ReadDepth(uint32_t device_initiator_depth, uint32_t peer_responder_resources);
 
+// Striping over several devices (issue #31): which QP pair each op of a batch goes on. Whole
+// ops (a page is never split between rails), consecutive ops together until a stripe holds
+// `stripe_bytes`, the stripes dealt round-robin over `pairs` starting at pair `first` (the
+// transport moves `first` on per batch, so small batches spread too). Ops of length 0 get
+// kNoPair. `pairs` >= 1.
+inline constexpr size_t kNoPair = SIZE_MAX;
+std::vector<size_t> StripeOverPairs(std::span<const uint64_t> lengths, size_t pairs,
+                                    uint64_t stripe_bytes, size_t first);
+
 // Appends the requests for `writes` (in order; empty ones are skipped) to *plan. Requests already
 // in *plan are never extended, so plans of separate calls stay separate.
 void PlanWrites(std::span<const WriteSegment> writes, const WrLimits& limits, WrPlan* plan);

@@ -74,8 +74,26 @@ for _ in $(seq 50); do
   sleep 0.1
 done
 case "$state" in *ACTIVE*) ;; *) fail "rxe0 port 1 is not ACTIVE (state '$state')" ;; esac
+state0=$state
+# Two more devices, each on a dummy netdev of its own (rails, issue #31): rxe1 on dummy1
+# (192.168.78.1), rxe2 on dummy2 (192.168.79.1). rxe0 stays the first device.
+for i in 1 2; do
+  ip link add dummy$i type dummy || fail "ip link add dummy$i failed"
+  ip addr add 192.168.$((77 + i)).1/24 dev dummy$i
+  ip link set dummy$i up
+  chroot $R /usr/bin/rdma link add rxe$i type rxe netdev dummy$i || fail "rdma link add rxe$i failed"
+done
+for i in 1 2; do
+  state=""
+  for _ in $(seq 50); do
+    state=$(cat /sys/class/infiniband/rxe$i/ports/1/state 2>/dev/null)
+    case "$state" in *ACTIVE*) break ;; esac
+    sleep 0.1
+  done
+  case "$state" in *ACTIVE*) ;; *) fail "rxe$i port 1 is not ACTIVE (state '$state')" ;; esac
+done
 mtu=$(chroot $R /usr/bin/ibv_devinfo -d rxe0 2>/dev/null | sed -n 's/.*active_mtu:[[:space:]]*\([0-9]*\).*/\1/p')
-echo "rxe0 (rdma_rxe, kernel $(uname -r), netdev dummy0 192.168.77.1, port 1 ${state#*: }, active MTU ${mtu:-?})" > $R/ctl/device
+echo "rxe0 (rdma_rxe, kernel $(uname -r), netdev dummy0 192.168.77.1, port 1 ${state0#*: }, active MTU ${mtu:-?}; also rxe1, rxe2)" > $R/ctl/device
 
 echo "rxe-vm-init: ready after $(cut -d' ' -f1 /proc/uptime) s"
 chroot $R /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/usr/sbin HOME=/root TMPDIR=/tmp \

@@ -575,3 +575,31 @@ TEST_CASE("verbs options: bad values are refused with the key and the range") {
   for (int i = 0; i < 17; ++i) many += (i ? ",d" : "d") + std::to_string(i);
   CHECK_FALSE(ParseDeviceList(many).ok());
 }
+
+TEST_CASE("verbs striping: whole ops, a stripe's bytes per pair, round robin from the first") {
+  using pdlib::verbs::kNoPair;
+  using pdlib::verbs::StripeOverPairs;
+  const uint64_t k = 1024;
+  // 8 ops of 100 KiB, stripes of 256 KiB: 3 ops (300 KiB) fill a stripe, then the next pair.
+  const std::vector<uint64_t> eight(8, 100 * k);
+  CHECK(StripeOverPairs(eight, 2, 256 * k, 0) == std::vector<size_t>{0, 0, 0, 1, 1, 1, 0, 0});
+  CHECK(StripeOverPairs(eight, 3, 256 * k, 1) == std::vector<size_t>{1, 1, 1, 2, 2, 2, 0, 0});
+  CHECK(StripeOverPairs(eight, 1, 256 * k, 5) == std::vector<size_t>(8, 0));
+  // Empty ops go nowhere and do not count.
+  CHECK(StripeOverPairs(std::vector<uint64_t>{0, 300 * k, 0, 10, 0}, 2, 256 * k, 0) ==
+        std::vector<size_t>{kNoPair, 0, kNoPair, 1, kNoPair});
+  // An op longer than a stripe stays whole on one pair.
+  CHECK(StripeOverPairs(std::vector<uint64_t>{1 << 20, 1 << 20}, 2, 256 * k, 1) ==
+        std::vector<size_t>{1, 0});
+  // Many pages: every pair gets its share of the bytes, within one stripe of the others.
+  std::vector<uint64_t> pages(1000, 32 * k);
+  for (size_t pairs : {2, 3, 4}) {
+    std::vector<uint64_t> bytes(pairs, 0);
+    const auto to = StripeOverPairs(pages, pairs, 256 * k, 0);
+    for (size_t i = 0; i < pages.size(); ++i) bytes[to[i]] += pages[i];
+    const auto [lo, hi] = std::minmax_element(bytes.begin(), bytes.end());
+    INFO(pairs);
+    CHECK(*hi - *lo <= 256 * k);
+    CHECK(*lo > 0);
+  }
+}
