@@ -110,6 +110,12 @@ ABSL_FLAG(bool, failures_ok, false,
           "failed requests do not fail a row (with --rail-fault: the requests a dead rail takes "
           "down); they are still counted (JSON failed, first_failure), and a wrong byte under "
           "--verify still fails the row (JSON wrong_bytes)");
+ABSL_FLAG(std::string, prefill_nic_names, "",
+          "KVArgs::nic_names of the prefill ranks, a comma list (e.g. rxa0,rxa1): the devices "
+          "(rails) a backend uses where its own option does not name them (verbs.devices); "
+          "with --decode_nic_names, rails whose two ends are different devices "
+          "(test/rxe/rails.sh)");
+ABSL_FLAG(std::string, decode_nic_names, "", "KVArgs::nic_names of the decode ranks");
 ABSL_FLAG(std::string, prefill_host, "127.0.0.1",
           "internal: where a child's prefill rank listens and decode finds it");
 ABSL_FLAG(uint64_t, layer_compute_us, 0,
@@ -377,6 +383,15 @@ bool ParseArgs(int argc, char** argv, Options* o) {
   }
   b.bootstrap_port = uint16_t(bootstrap_port);
   b.prefill_host = absl::GetFlag(FLAGS_prefill_host);
+  for (auto [flag, out] : {std::pair{absl::GetFlag(FLAGS_prefill_nic_names), &b.prefill_nic_names},
+                           std::pair{absl::GetFlag(FLAGS_decode_nic_names), &b.decode_nic_names}}) {
+    for (size_t at = 0; !flag.empty() && at <= flag.size();) {
+      const size_t comma = std::min(flag.find(',', at), flag.size());
+      if (comma == at) return bad("prefill_nic_names/decode_nic_names", flag);
+      out->push_back(flag.substr(at, comma - at));
+      at = comma + 1;
+    }
+  }
   if (b.prefill_host.empty()) return bad("prefill_host", "");
   o->netns = absl::GetFlag(FLAGS_netns);
   o->compare_iperf3 = absl::GetFlag(FLAGS_compare_iperf3);
@@ -470,6 +485,15 @@ std::vector<std::string> ChildArgs(const BenchConfig& c, std::string_view role) 
                                 "--direction",
                                 std::string(pdlib::TransferDirectionName(c.direction))};
   if (c.verify) a.push_back("--verify");
+  for (auto [flag, names] : {std::pair{"--prefill-nic-names", &c.prefill_nic_names},
+                             std::pair{"--decode-nic-names", &c.decode_nic_names}}) {
+    std::string joined;
+    for (const std::string& n : *names) joined += (joined.empty() ? "" : ",") + n;
+    if (!joined.empty()) {
+      a.push_back(flag);
+      a.push_back(joined);
+    }
+  }
   if (c.decode_prefix) {
     char r[32];
     std::snprintf(r, sizeof(r), "%.17g", *c.decode_prefix);  // exact: the same pages held

@@ -98,6 +98,7 @@ struct Rank {
       o.args.kv.item_lens.push_back(c.item_bytes);
     }
     o.args.memory_kind = c.memory;
+    o.args.nic_names = mode == pdlib::Mode::kPrefill ? c.prefill_nic_names : c.decode_nic_names;
     o.args.device_id = c.cuda_device;
     o.args.aux = aux->Describe();
     const int32_t tp = mode == pdlib::Mode::kPrefill ? c.prefill_tp : c.decode_tp;

@@ -48,6 +48,10 @@ struct BenchConfig {
   // Where prefill's control endpoint and bootstrap server listen, and where decode finds them
   // (--netns: the prefill host's address).
   std::string prefill_host = "127.0.0.1";
+  // KVArgs::nic_names of each side's ranks (the devices a backend uses when its own option does
+  // not name them, e.g. verbs.devices): rails whose ends differ per host.
+  std::vector<std::string> prefill_nic_names;
+  std::vector<std::string> decode_nic_names;
   int32_t transfer_workers = 2;
   uint32_t room_log_every = 0;  // KVManagerOptions::room_log_every, both sides
   // Idle passes over the handles that yield the CPU before the driver starts sleeping.

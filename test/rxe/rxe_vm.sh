@@ -143,8 +143,9 @@ fi
 
 # --- The initramfs: busybox, vm_init.sh and the modules, cached per kernel and init script. ------
 # Modules, each after the ones it needs (modules.dep); crc32_generic is not listed as rdma_rxe's
-# dependency but rdma_rxe cannot start without a crc32 implementation.
-WANTED="virtio_pci 9pnet_virtio 9p dummy crc32_generic rdma_rxe ib_uverbs rdma_ucm"
+# dependency but rdma_rxe cannot start without a crc32 implementation. veth and sch_tbf: rails
+# whose rate is capped (test/rxe/rails.sh).
+WANTED="virtio_pci 9pnet_virtio 9p dummy veth sch_tbf crc32_generic rdma_rxe ib_uverbs rdma_ucm"
 key=$(cat "$HERE/vm_init.sh" <(echo "$WANTED") | sha256sum | cut -c1-12)
 INITRAMFS=$cache_dir/initramfs-$KV-$key.cpio.gz
 
