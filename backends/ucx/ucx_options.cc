@@ -4,6 +4,7 @@
 #include <string_view>
 
 #include "backends/common/backend_options.h"
+#include "lib/rails/rails.h"
 
 namespace pdlib {
 inline namespace v1 {
@@ -100,6 +101,44 @@ std::string Join(const std::vector<std::string>& items, char sep) {
 
 std::span<const UcxDefault> UcxDefaults() { return kDefaults; }
 
+StatusOr<std::vector<std::string>> AutoRails(const spi::TransportOptions& options,
+                                             const std::string& tls,
+                                             const std::string& sysfs_root) {
+  // tcp alone (the names UCX_TLS may use for it) rides network interfaces; anything else may
+  // take an RDMA transport, whose devices UCX names NAME:PORT.
+  bool tcp_only = !tls.empty() && tls.front() != '^';
+  for (size_t at = 0; tcp_only && at <= tls.size();) {
+    const size_t comma = std::min(tls.find(',', at), tls.size());
+    const std::string word = tls.substr(at, comma - at);
+    tcp_only = word == "tcp" || word == "self" || word == "sm" || word == "shm" ||
+               word == "posix" || word == "sysv" || word == "cma" || word == "mm";
+    at = comma + 1;
+  }
+  rails::RailQuery query;
+  query.sysfs_root = sysfs_root;
+  query.kind = tcp_only ? rails::NicKind::kNet : rails::NicKind::kRdma;
+  query.memory = options.memory_pci_address.empty()
+                     ? rails::MemoryLocation::Host(options.memory_numa_node)
+                     : rails::MemoryLocation::Pci(options.memory_pci_address);
+  query.explicit_names = options.nic_names;  // nic_names, when given, are the rails
+  auto choice = rails::SelectRails(query);
+  if (!choice.ok()) return choice.status().WithPrefix("ucx: ucx.rails=auto");
+  std::vector<std::string> out;
+  for (const rails::Rail& rail : choice->rails) {
+    if (out.size() == kMaxRails) break;
+    const bool has_port = rail.name.find(':') != std::string::npos;
+    out.push_back(tcp_only || has_port ? rail.name : rail.name + ":1");
+  }
+  if (out.empty()) {
+    return Status::NotFound(
+        "ucx: ucx.rails=auto found no " + std::string(tcp_only ? "network interface" : "RDMA device") +
+        " on PCI under " + sysfs_root +
+        " (virtual interfaces such as veths and Soft-RoCE count only when named): list the rails "
+        "in ucx.rails or nic_names");
+  }
+  return out;
+}
+
 StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
                                      const EnvLookup& getenv_fn) {
   UcxOptions out;
@@ -151,8 +190,17 @@ StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
   parser.Bytes("ucx.am_chunk_bytes", &out.am_chunk_bytes);
   parser.Number("ucx.rail_stall_ms", &out.rail_stall_ms, 0, 24u * 3600 * 1000);
   parser.Number("ucx.rail_retry_ms", &out.rail_retry_ms, 10, 3600u * 1000);
+  bool rails_auto = false;
+  std::string sysfs_root = "/sys";
+  parser.On("ucx.sysfs_root", [&](const std::string&, const std::string& value) {
+    if (value.empty()) return Status::InvalidArgument("ucx: ucx.sysfs_root is empty");
+    sysfs_root = value;
+    return Status::OK();
+  });
   parser.On("ucx.rails", [&](const std::string&, const std::string& value) {
     out.rails.clear();
+    rails_auto = value == "auto";
+    if (rails_auto) return Status::OK();
     size_t start = 0;
     while (start <= value.size()) {
       const size_t comma = std::min(value.find(',', start), value.size());
@@ -175,6 +223,21 @@ StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
     return Status::OK();
   });
   if (Status s = parser.Parse(options.options); !s.ok()) return s;
+  if (rails_auto) {
+    if (out.ucx_config.count("NET_DEVICES")) {
+      return Status::InvalidArgument(
+          "ucx: ucx.rails and ucx.net_devices (or ucx.config.NET_DEVICES) both given: rails set "
+          "each rail's devices; use one of them");
+    }
+    const auto tls = out.ucx_config.find("TLS");
+    const char* env_tls = getenv_fn ? getenv_fn("UCX_TLS") : nullptr;
+    auto rails = AutoRails(options, tls != out.ucx_config.end() ? tls->second
+                                    : env_tls != nullptr        ? env_tls
+                                                                : "",
+                           sysfs_root);
+    if (!rails.ok()) return rails.status();
+    out.rails = std::move(*rails);
+  }
   if (!out.rails.empty()) {
     if (out.ucx_config.count("NET_DEVICES")) {
       return Status::InvalidArgument(

@@ -42,6 +42,11 @@
 //                            different counts, the fewer are used). Not with ucx.net_devices;
 //                            takes precedence over TransportOptions::nic_names. Unset: one rail
 //                            (UCX's own choice among ucx.net_devices). At most kMaxRails.
+//                            "auto": the NICs closest to the KV pool (same PCIe switch, else the
+//                            same NUMA node; lib/rails, read from sysfs): network interfaces when
+//                            ucx.tls is tcp (and shared memory) only, else RDMA devices (port 1);
+//                            nic_names, when given, are the rails. An error when none is found.
+//   ucx.sysfs_root           where ucx.rails=auto reads the topology (default /sys; for tests)
 //   ucx.rail_stall_ms        with ucx.rails: a rail that carries work (bytes in its windows, or
 //                            batches awaiting an ack that sent messages on it) and on which
 //                            nothing completed or arrived for this long (a probe is sent on it
@@ -106,6 +111,12 @@ struct UcxOptions {
 };
 
 inline constexpr size_t kMaxRails = 8;
+
+// ucx.rails=auto (see above): the rails for memory at options.memory_*, with UCX_TLS `tls`, read
+// under `sysfs_root`.
+StatusOr<std::vector<std::string>> AutoRails(const spi::TransportOptions& options,
+                                             const std::string& tls,
+                                             const std::string& sysfs_root);
 
 // The settings of rail `rail`'s context: `options` with UCX_NET_DEVICES = that rail's device.
 UcxOptions RailOptions(const UcxOptions& options, size_t rail);

@@ -5,6 +5,7 @@
 #include <string_view>
 
 #include "backends/common/backend_options.h"
+#include "lib/rails/rails.h"
 
 namespace pdlib {
 inline namespace v1 {
@@ -87,6 +88,11 @@ StatusOr<VerbsOptions> ParseVerbsOptions(const spi::TransportOptions& options) {
   parser.Number("verbs.timeout", &out.timeout, 1, 31, kUnits);
   parser.Number("verbs.retry_cnt", &out.retry_cnt, 0, 7, kUnits);
   parser.Number("verbs.traffic_class", &out.traffic_class, 0, 255, kUnits);
+  parser.On("verbs.sysfs_root", [&](const std::string&, const std::string& value) {
+    if (value.empty()) return Status::InvalidArgument("verbs: verbs.sysfs_root is empty");
+    out.sysfs_root = value;
+    return Status::OK();
+  });
   if (Status s = parser.Parse(options.options); !s.ok()) return s;
   if (!devices_set && !options.nic_names.empty()) {
     std::string joined;
@@ -102,6 +108,31 @@ StatusOr<VerbsOptions> ParseVerbsOptions(const spi::TransportOptions& options) {
                                    ": one QP could then fill the completion queue alone");
   }
   return out;
+}
+
+StatusOr<std::vector<DeviceSpec>> DevicesByTopology(const VerbsOptions& options,
+                                                    const spi::TransportOptions& transport,
+                                                    std::string* why) {
+  rails::RailQuery query;
+  query.sysfs_root = options.sysfs_root;
+  query.kind = rails::NicKind::kRdma;
+  query.memory = transport.memory_pci_address.empty()
+                     ? rails::MemoryLocation::Host(transport.memory_numa_node)
+                     : rails::MemoryLocation::Pci(transport.memory_pci_address);
+  auto choice = rails::SelectRails(query);
+  if (!choice.ok()) return choice.status().WithPrefix("verbs: choosing devices by topology");
+  std::vector<DeviceSpec> devices;
+  std::string chosen;
+  for (const rails::Rail& rail : choice->rails) {
+    devices.push_back(DeviceSpec{rail.name, 0});
+    chosen += (chosen.empty() ? "" : ", ") + rail.name + " (" +
+              std::string(rails::AffinityName(rail.affinity)) + ")";
+  }
+  if (why != nullptr) {
+    *why = devices.empty() ? "no RDMA device on PCI under " + options.sysfs_root
+                           : "closest to the KV pool: " + chosen;
+  }
+  return devices;
 }
 
 }  // namespace verbs

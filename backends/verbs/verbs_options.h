@@ -4,7 +4,10 @@
 // Backend options (all optional):
 //   verbs.devices            comma-separated devices to use, each NAME or NAME:PORT
 //                            ("mlx5_0,mlx5_1", "rxe0:1"); TransportOptions::nic_names is used
-//                            when this is absent; default: the first device with an active port.
+//                            when this is absent; default: the RDMA devices closest to the KV
+//                            pool (same PCIe switch, else same NUMA node; lib/rails, read from
+//                            sysfs), each on its first active port, else (no device is on PCI:
+//                            Soft-RoCE) the first device with an active port.
 //                            Several devices: every region is registered on each, one RC QP per
 //                            peer per device, and the layers (local regions) are spread over them.
 //   verbs.gid_index          GID table index for RoCE; default "auto": the first RoCE v2 entry
@@ -30,6 +33,7 @@
 //                            be noticed (~0.5 s at the defaults). Soft-RoCE (rxe) would retry
 //                            forever at 7, so 7 is used as 6 there
 //   verbs.traffic_class      IP traffic class / DSCP<<2 of RoCE packets (default 0)
+//   verbs.sysfs_root         where the topology is read (default /sys; tests point it at a tree)
 #ifndef PDLIB_BACKENDS_VERBS_VERBS_OPTIONS_H_
 #define PDLIB_BACKENDS_VERBS_VERBS_OPTIONS_H_
 
@@ -65,11 +69,20 @@ struct VerbsOptions {
   uint8_t timeout = 14;
   uint8_t retry_cnt = 7;
   uint8_t traffic_class = 0;
+  std::string sysfs_root = "/sys";
 };
 
 // Parses and checks the "verbs.*" options; keys without that prefix belong to others and are
 // ignored; an unknown "verbs.*" key is an error, so typos do not pass silently.
 StatusOr<VerbsOptions> ParseVerbsOptions(const spi::TransportOptions& options);
+
+// The devices to use when neither verbs.devices nor nic_names names them: the RDMA devices
+// lib/rails ranks closest to the KV pool (options.memory_*), read under options' sysfs_root;
+// empty when none is on PCI (the caller then takes the first device with an active port).
+// `why` gets one line saying what was chosen and how close it is, for the log.
+StatusOr<std::vector<DeviceSpec>> DevicesByTopology(const VerbsOptions& options,
+                                                    const spi::TransportOptions& transport,
+                                                    std::string* why);
 
 // "mlx5_0,mlx5_1:2" -> devices; errors name the bad entry.
 StatusOr<std::vector<DeviceSpec>> ParseDeviceList(const std::string& text);

@@ -26,6 +26,14 @@ StatusOr<std::unique_ptr<VerbsTransport>> VerbsTransport::Create(
     const spi::TransportOptions& options) {
   auto parsed = ParseVerbsOptions(options);
   if (!parsed.ok()) return parsed.status();
+  if (parsed->devices.empty()) {  // neither verbs.devices nor nic_names: by topology
+    std::string why;
+    auto closest = DevicesByTopology(*parsed, options, &why);
+    if (!closest.ok()) return closest.status();
+    parsed->devices = std::move(*closest);
+    PDLIB_LOG(kInfo, "verbs: devices by topology: %s%s", why.c_str(),
+              parsed->devices.empty() ? " (the first device with an active port is used)" : "");
+  }
   auto devices = OpenDevices(*parsed);
   if (!devices.ok()) return devices.status();
   for (const auto& d : *devices) {

@@ -15,6 +15,7 @@
 #include "lib/control/peer_client.h"
 #include "lib/control/peer_server.h"
 #include "lib/core/handles.h"
+#include "lib/core/manager_common.h"
 
 namespace pdlib {
 inline namespace v1 {
@@ -508,8 +509,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
 }  // namespace
 
 StatusOr<std::unique_ptr<KVManager>> CreateGrpcKVManager(const KVManagerOptions& options) {
-  spi::TransportOptions topts{options.args.device_id, options.args.nic_names,
-                              options.backend_options, options.mode, options.direction};
+  const spi::TransportOptions topts = TransportOptionsFor(options);
   auto transport = spi::CreateTransport(options.backend, topts);
   if (!transport.ok()) return transport.status();
   if (options.mode == Mode::kPrefill) {

@@ -13,6 +13,7 @@
 #include "lib/base/mutex.h"
 #include "lib/core/decode_core.h"
 #include "lib/core/handles.h"
+#include "lib/core/manager_common.h"
 #include "lib/core/prefill_core.h"
 
 namespace pdlib {
@@ -320,8 +321,7 @@ class LocalDecodeManager final : public DecodeManagerBase {
 }  // namespace
 
 StatusOr<std::unique_ptr<KVManager>> CreateLocalKVManager(const KVManagerOptions& options) {
-  spi::TransportOptions topts{options.args.device_id, options.args.nic_names,
-                              options.backend_options, options.mode, options.direction};
+  const spi::TransportOptions topts = TransportOptionsFor(options);
   auto transport = spi::CreateTransport(options.backend, topts);
   if (!transport.ok()) return transport.status();
   if (options.mode == Mode::kPrefill) {

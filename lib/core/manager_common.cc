@@ -1,5 +1,8 @@
 #include "lib/core/manager_common.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <string>
 #include <utility>
@@ -33,6 +36,37 @@ Status RegisterFamily(spi::Transport& transport, const BufferFamily& family, Mem
 }
 
 }  // namespace
+
+namespace {
+
+// The NUMA node holding the page at `addr` (get_mempolicy with MPOL_F_NODE | MPOL_F_ADDR, which
+// faults the page in: the pool's memory is about to be registered anyway), or -1.
+int NumaNodeOf(uint64_t addr) {
+#if defined(SYS_get_mempolicy)
+  constexpr unsigned long kMpolFNode = 1, kMpolFAddr = 2;  // numaif.h
+  int node = -1;
+  if (addr != 0 && ::syscall(SYS_get_mempolicy, &node, nullptr, 0UL,
+                             reinterpret_cast<void*>(addr), kMpolFNode | kMpolFAddr) == 0) {
+    return node;
+  }
+#else
+  (void)addr;
+#endif
+  return -1;
+}
+
+}  // namespace
+
+spi::TransportOptions TransportOptionsFor(const KVManagerOptions& options) {
+  spi::TransportOptions t{options.args.device_id, options.args.nic_names, options.backend_options,
+                          options.mode, options.direction};
+  // CUDA pools: the GPU's PCI address is not known here (no CUDA runtime in the core); the
+  // backends then rank NICs without it (nic_names names them exactly).
+  if (options.args.memory_kind == MemoryKind::kHost && !options.args.kv.ptrs.empty()) {
+    t.memory_numa_node = NumaNodeOf(options.args.kv.ptrs.front());
+  }
+  return t;
+}
 
 Status CheckDirectionSupported(const spi::Transport& transport, const KVManagerOptions& options) {
   if (options.direction != TransferDirection::kPull || transport.capabilities().reads) {

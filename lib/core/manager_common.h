@@ -37,6 +37,10 @@ struct RegisteredBuffers {
 // KVManagerOptions::direction kPull with a backend that cannot read: refused with the backend
 // named and what to do, before anything is registered.
 Status CheckDirectionSupported(const spi::Transport& transport, const KVManagerOptions& options);
+// The transport's options for `options`: its args' device and NICs, the backend options, the
+// side, and where the KV pool lives (the NUMA node of the first KV buffer's memory for host
+// pools), which backends use to pick rails by topology (lib/rails).
+spi::TransportOptions TransportOptionsFor(const KVManagerOptions& options);
 StatusOr<RegisteredBuffers> RegisterBuffers(spi::Transport& transport, const KVArgs& args);
 void DeregisterBuffers(spi::Transport& transport, const RegisteredBuffers& buffers);
 

@@ -11,6 +11,7 @@
 
 #include "backends/ucx/ucx_context.h"
 #include "pdlib/spi/transport.h"
+#include "test/support/sysfs_tree.h"
 
 namespace spi = pdlib::spi;
 namespace ucx = pdlib::ucx;
@@ -205,6 +206,51 @@ TEST_CASE("ucx options: shortcuts, pass-through, defaults and the user's environ
       CHECK(refused.status().code() == StatusCode::kInvalidArgument);
       CHECK(std::string(refused.status().message()).find("ucx.rails") != std::string::npos);
     }
+  }
+
+  SECTION("ucx.rails=auto: the NICs closest to the KV pool, from sysfs") {
+    pdlib_test::SysfsTree sys;
+    sys.AddPci("pci0000:00/0000:00:01.0/0000:01:00.0", "0");
+    sys.AddRdma("pci0000:00/0000:00:01.0/0000:01:00.0", "mlx5_0", 1, "ens1f0");
+    sys.AddPci("pci0000:80/0000:80:01.0/0000:81:00.0", "1");
+    sys.AddRdma("pci0000:80/0000:80:01.0/0000:81:00.0", "mlx5_1", 1, "ens2f0");
+    sys.AddPci("pci0000:80/0000:80:02.0/0000:82:00.0", "1");
+    sys.AddNet("pci0000:80/0000:80:02.0/0000:82:00.0", "ens3f0");
+    sys.AddVirtualNet("lo");
+    spi::TransportOptions options;
+    options.memory_numa_node = 1;
+    options.options = {{"ucx.rails", "auto"}, {"ucx.sysfs_root", sys.root()}, {"ucx.tls", "tcp"}};
+    auto tcp = ucx::ParseUcxOptions(options, lookup);
+    REQUIRE(tcp.ok());
+    CHECK(tcp->rails == std::vector<std::string>{"ens2f0", "ens3f0"});  // node 1's interfaces
+    CHECK(tcp->ucx_config.at("NET_DEVICES") == "ens2f0");
+    options.options["ucx.tls"] = "rc_verbs,ud_verbs:aux";  // RDMA: devices, on port 1
+    auto rdma = ucx::ParseUcxOptions(options, lookup);
+    REQUIRE(rdma.ok());
+    CHECK(rdma->rails == std::vector<std::string>{"mlx5_1:1"});
+    options.memory_numa_node = 0;
+    rdma = ucx::ParseUcxOptions(options, lookup);
+    REQUIRE(rdma.ok());
+    CHECK(rdma->rails == std::vector<std::string>{"mlx5_0:1"});
+    // nic_names, when given, are the rails.
+    options.nic_names = {"mlx5_1:1", "mlx5_0:1"};
+    rdma = ucx::ParseUcxOptions(options, lookup);
+    REQUIRE(rdma.ok());
+    CHECK(rdma->rails == std::vector<std::string>{"mlx5_1:1", "mlx5_0:1"});
+    // Nothing on PCI (veths, lo): refused, saying how to name them.
+    pdlib_test::SysfsTree bare;
+    bare.AddVirtualNet("lo");
+    bare.AddVirtualNet("eth0");
+    spi::TransportOptions none;
+    none.options = {{"ucx.rails", "auto"}, {"ucx.sysfs_root", bare.root()}, {"ucx.tls", "tcp"}};
+    auto refused = ucx::ParseUcxOptions(none, lookup);
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.status().code() == StatusCode::kNotFound);
+    CHECK(std::string(refused.status().message()).find("list the rails") != std::string::npos);
+    none.options["ucx.net_devices"] = "eth0";
+    refused = ucx::ParseUcxOptions(none, lookup);
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.status().code() == StatusCode::kInvalidArgument);
   }
 
   SECTION("mistakes are refused with the key in the message") {

@@ -12,6 +12,7 @@
 #include "backends/verbs/verbs_device.h"
 #include "backends/verbs/verbs_options.h"
 #include "backends/verbs/verbs_wire.h"
+#include "test/support/sysfs_tree.h"
 
 using namespace pdlib::verbs;
 using pdlib::Status;
@@ -602,4 +603,46 @@ TEST_CASE("verbs striping: whole ops, a stripe's bytes per pair, round robin fro
     CHECK(*hi - *lo <= 256 * k);
     CHECK(*lo > 0);
   }
+}
+
+// Rails by topology (issue #31): with neither verbs.devices nor nic_names, the RDMA devices
+// closest to the KV pool, read from a sysfs tree (verbs.sysfs_root).
+TEST_CASE("verbs options: devices by topology when none are named") {
+  pdlib_test::SysfsTree sys;
+  sys.AddPci("pci0000:00/0000:00:01.0/0000:01:00.0", "0");
+  sys.AddRdma("pci0000:00/0000:00:01.0/0000:01:00.0", "mlx5_0");
+  sys.AddPci("pci0000:80/0000:80:01.0/0000:81:00.0", "1");
+  sys.AddRdma("pci0000:80/0000:80:01.0/0000:81:00.0", "mlx5_2");
+  sys.AddPci("pci0000:80/0000:80:02.0/0000:82:00.0", "1");
+  sys.AddRdma("pci0000:80/0000:80:02.0/0000:82:00.0", "mlx5_1");
+  sys.AddVirtualRdma("rxe0");
+  pdlib::spi::TransportOptions t;
+  t.options = {{"verbs.sysfs_root", sys.root()}};
+  t.memory_numa_node = 1;  // the pool's memory is on node 1
+  auto parsed = pdlib::verbs::ParseVerbsOptions(t);
+  REQUIRE(parsed.ok());
+  CHECK(parsed->devices.empty());  // nothing named: the transport asks the topology
+  std::string why;
+  auto closest = pdlib::verbs::DevicesByTopology(*parsed, t, &why);
+  REQUIRE(closest.ok());
+  std::vector<std::string> names;
+  for (const auto& d : *closest) names.push_back(d.name);
+  CHECK(names == std::vector<std::string>{"mlx5_1", "mlx5_2"});
+  CHECK(why.find("mlx5_1 (same NUMA node)") != std::string::npos);
+  t.memory_numa_node = 0;
+  closest = pdlib::verbs::DevicesByTopology(*parsed, t, &why);
+  REQUIRE(closest.ok());
+  REQUIRE(closest->size() == 1);
+  CHECK(closest->front().name == "mlx5_0");
+  // Only Soft-RoCE (no device on PCI): nothing, and the transport falls back to the first
+  // active device.
+  pdlib_test::SysfsTree bare;
+  bare.AddVirtualRdma("rxe0");
+  t.options = {{"verbs.sysfs_root", bare.root()}};
+  parsed = pdlib::verbs::ParseVerbsOptions(t);
+  REQUIRE(parsed.ok());
+  closest = pdlib::verbs::DevicesByTopology(*parsed, t, &why);
+  REQUIRE(closest.ok());
+  CHECK(closest->empty());
+  CHECK(why.find("no RDMA device on PCI") != std::string::npos);
 }

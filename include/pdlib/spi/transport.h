@@ -171,6 +171,11 @@ struct TransportOptions {
   // way round (see `direction`). nullopt: both (tests).
   std::optional<Mode> mode;
   TransferDirection direction = TransferDirection::kPush;
+  // Where the KV pool lives, for backends that pick their NICs (rails) by topology when
+  // nic_names is empty (lib/rails): the NUMA node of host memory (-1: unknown), or the PCI address
+  // of the device that holds it ("0000:03:00.0"; empty: host memory or unknown).
+  int32_t memory_numa_node = -1;
+  std::string memory_pci_address{};
 };
 
 using TransportFactory =
