@@ -131,8 +131,9 @@ StatusOr<std::vector<std::string>> AutoRails(const spi::TransportOptions& option
   }
   if (out.empty()) {
     return Status::NotFound(
-        "ucx: ucx.rails=auto found no " + std::string(tcp_only ? "network interface" : "RDMA device") +
-        " on PCI under " + sysfs_root +
+        "ucx: ucx.rails=auto found no " +
+        std::string(tcp_only ? "network interface" : "RDMA device") + " on PCI under " +
+        sysfs_root +
         " (virtual interfaces such as veths and Soft-RoCE count only when named): list the rails "
         "in ucx.rails or nic_names");
   }
@@ -231,9 +232,10 @@ StatusOr<UcxOptions> ParseUcxOptions(const spi::TransportOptions& options,
     }
     const auto tls = out.ucx_config.find("TLS");
     const char* env_tls = getenv_fn ? getenv_fn("UCX_TLS") : nullptr;
-    auto rails = AutoRails(options, tls != out.ucx_config.end() ? tls->second
-                                    : env_tls != nullptr        ? env_tls
-                                                                : "",
+    auto rails = AutoRails(options,
+                           tls != out.ucx_config.end() ? tls->second
+                           : env_tls != nullptr        ? env_tls
+                                                       : "",
                            sysfs_root);
     if (!rails.ok()) return rails.status();
     out.rails = std::move(*rails);

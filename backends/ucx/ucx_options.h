@@ -115,8 +115,7 @@ inline constexpr size_t kMaxRails = 8;
 // ucx.rails=auto (see above): the rails for memory at options.memory_*, with UCX_TLS `tls`, read
 // under `sysfs_root`.
 StatusOr<std::vector<std::string>> AutoRails(const spi::TransportOptions& options,
-                                             const std::string& tls,
-                                             const std::string& sysfs_root);
+                                             const std::string& tls, const std::string& sysfs_root);
 
 // The settings of rail `rail`'s context: `options` with UCX_NET_DEVICES = that rail's device.
 UcxOptions RailOptions(const UcxOptions& options, size_t rail);

@@ -292,16 +292,16 @@ bool UcxTransport::SendReadRequests(PeerState& peer, Batch& batch, uint32_t rail
   // Eager; the reply endpoint carries the bytes back. Header and ranges live in the batch.
   param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
   ucs_status_ptr_t request = ucp_am_send_nbx(
-      peer.lanes[rail]->ep.get(), kAmReadId, &batch.read_headers.back(),
-      sizeof(AmReadBatchHeader), ranges.data(), ranges.size() * sizeof(AmReadRange), &param);
+      peer.lanes[rail]->ep.get(), kAmReadId, &batch.read_headers.back(), sizeof(AmReadBatchHeader),
+      ranges.data(), ranges.size() * sizeof(AmReadRange), &param);
   peer.last_activity = now_;
   if (request == nullptr) return true;
   if (UCS_PTR_IS_ERR(request)) {
     if (RailsMayFail(peer, rail)) {  // its ranges are asked again on another rail
-      LaneDown(peer, rail,
-               std::string("a read request on it failed: ") +
-                   UcsStatusName(UCS_PTR_STATUS(request)),
-               false);
+      LaneDown(
+          peer, rail,
+          std::string("a read request on it failed: ") + UcsStatusName(UCS_PTR_STATUS(request)),
+          false);
       return true;
     }
     Status failed = Status::Unavailable("ucx: read request to peer " + std::to_string(peer.id) +

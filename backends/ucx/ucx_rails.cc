@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -84,6 +85,16 @@ int Ms(std::chrono::steady_clock::duration d) {
   return static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(d).count());
 }
 
+// A rail message's header, when `header` is one with `magic` (else nullopt: not pdlib's).
+template <typename Header>
+std::optional<Header> ReadHeader(const void* header, size_t length, uint32_t magic) {
+  Header h{};
+  if (length != sizeof(h)) return std::nullopt;
+  std::memcpy(&h, header, sizeof(h));
+  if (h.magic != magic) return std::nullopt;
+  return h;
+}
+
 }  // namespace
 
 std::string UcxTransport::RailName(uint32_t rail) const {
@@ -127,9 +138,9 @@ void UcxTransport::LaneDown(PeerState& peer, uint32_t rail, const std::string& w
   lane.down_since = now_;
   lane.down_reason = why;
   rail_service_ = true;
-  const Status failed = Status::Unavailable("ucx: " + RailName(rail) + " to peer " +
-                                            std::to_string(peer.id) + " went down (" + why +
-                                            "), and the request had bytes on it");
+  const Status failed =
+      Status::Unavailable("ucx: " + RailName(rail) + " to peer " + std::to_string(peer.id) +
+                          " went down (" + why + "), and the request had bytes on it");
   std::vector<uint64_t> seqs;
   for (auto& batch : peer.batches) {
     if (batch->reads || !batch->awaiting_ack || (batch->lanes_used & (1u << rail)) == 0) continue;
@@ -362,8 +373,7 @@ void UcxTransport::FailOverReads(PeerState& peer, uint32_t rail) {
   }
   if (again > 0) {
     PDLIB_LOG(kInfo, "ucx: %d read requests on %s to peer %d asked again on %s",
-              static_cast<int>(again), RailName(rail).c_str(), peer.id,
-              RailName(to->rail).c_str());
+              static_cast<int>(again), RailName(rail).c_str(), peer.id, RailName(to->rail).c_str());
   }
 }
 
@@ -374,10 +384,10 @@ ucs_status_t UcxTransport::OnAmAbandon(void* arg, const void* header, size_t hea
   auto* via = static_cast<ConnWorker*>(arg);
   auto* self = via->transport;
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_ERR_UNSUPPORTED;
-  AmRailHeader h{};
-  if (header_length != sizeof(h)) return UCS_OK;  // not pdlib's
-  std::memcpy(&h, header, sizeof(h));
-  if (h.magic != kAmAbandonMagic || h.target != via->target) return UCS_OK;
+  const auto read = ReadHeader<AmRailHeader>(header, header_length, kAmAbandonMagic);
+  if (!read) return UCS_OK;  // not pdlib's
+  AmRailHeader h = *read;
+  if (h.target != via->target) return UCS_OK;
   if (length % sizeof(uint64_t) != 0 || length / sizeof(uint64_t) > kMaxAbandonSeqs) {
     return UCS_OK;  // malformed: no echo, the initiator's grace fails the connection
   }
@@ -409,10 +419,9 @@ ucs_status_t UcxTransport::OnAmAbandoned(void* arg, const void* header, size_t h
                                          const ucp_am_recv_param_t* /*param*/) {
   auto* via = static_cast<ConnWorker*>(arg);
   auto* self = via->transport;
-  AmRailHeader h{};
-  if (header_length != sizeof(h)) return UCS_OK;
-  std::memcpy(&h, header, sizeof(h));
-  if (h.magic != kAmAbandonedMagic) return UCS_OK;
+  const auto read = ReadHeader<AmRailHeader>(header, header_length, kAmAbandonedMagic);
+  if (!read) return UCS_OK;  // not pdlib's
+  AmRailHeader h = *read;
   auto it = self->peer_states_.find(static_cast<spi::PeerId>(h.peer));
   if (it == self->peer_states_.end() || it->second->target != h.target) return UCS_OK;
   PeerState& peer = *it->second;
@@ -437,10 +446,10 @@ ucs_status_t UcxTransport::OnAmProbe(void* arg, const void* header, size_t heade
   auto* self = via->transport;
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_ERR_UNSUPPORTED;
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) return UCS_OK;
-  AmRailHeader h{};
-  if (header_length != sizeof(h)) return UCS_OK;
-  std::memcpy(&h, header, sizeof(h));
-  if (h.magic != kAmProbeMagic || h.target != via->target || h.rail != via->rail) return UCS_OK;
+  const auto read = ReadHeader<AmRailHeader>(header, header_length, kAmProbeMagic);
+  if (!read) return UCS_OK;  // not pdlib's
+  AmRailHeader h = *read;
+  if (h.target != via->target || h.rail != via->rail) return UCS_OK;
   auto it = self->am_targets_.find(h.target);
   if (it == self->am_targets_.end() || it->second.fenced) return UCS_OK;  // not coming back
   h.magic = kAmProbeAckMagic;
@@ -453,10 +462,9 @@ ucs_status_t UcxTransport::OnAmProbeAck(void* arg, const void* header, size_t he
                                         const ucp_am_recv_param_t* /*param*/) {
   auto* via = static_cast<ConnWorker*>(arg);
   auto* self = via->transport;
-  AmRailHeader h{};
-  if (header_length != sizeof(h)) return UCS_OK;
-  std::memcpy(&h, header, sizeof(h));
-  if (h.magic != kAmProbeAckMagic) return UCS_OK;
+  const auto read = ReadHeader<AmRailHeader>(header, header_length, kAmProbeAckMagic);
+  if (!read) return UCS_OK;  // not pdlib's
+  AmRailHeader h = *read;
   Lane* lane = self->LaneOf(via, h.peer);
   if (lane == nullptr || lane->peer->target != h.target || lane->rail != h.rail ||
       lane->probe_sent != h.token) {

@@ -178,18 +178,18 @@ class UcxTransport final : public spi::Transport {
   static constexpr unsigned kAmAckId = 2;
   static constexpr unsigned kAmReadId =
       3;  // AmReadBatchHeader + AmReadRange[], initiator -> target
-  static constexpr unsigned kAmReadReplyId = 4;        // AmReadReply + bytes, target -> initiator
-  static constexpr unsigned kAmCloseId = 5;            // AmCloseHeader, initiator -> target
-  static constexpr unsigned kAmClosedId = 6;           // AmCloseHeader echoed, target -> initiator
+  static constexpr unsigned kAmReadReplyId = 4;  // AmReadReply + bytes, target -> initiator
+  static constexpr unsigned kAmCloseId = 5;      // AmCloseHeader, initiator -> target
+  static constexpr unsigned kAmClosedId = 6;     // AmCloseHeader echoed, target -> initiator
   // ucx.rails (AmRailHeader): a rail gone down, and a rail probed.
-  static constexpr unsigned kAmAbandonId = 7;    // + batch seqs, initiator -> target
-  static constexpr unsigned kAmAbandonedId = 8;  // echoed, target -> initiator
-  static constexpr unsigned kAmProbeId = 9;      // initiator -> target, on the probed rail
-  static constexpr unsigned kAmProbeAckId = 10;  // echoed, target -> initiator, the same rail
+  static constexpr unsigned kAmAbandonId = 7;          // + batch seqs, initiator -> target
+  static constexpr unsigned kAmAbandonedId = 8;        // echoed, target -> initiator
+  static constexpr unsigned kAmProbeId = 9;            // initiator -> target, on the probed rail
+  static constexpr unsigned kAmProbeAckId = 10;        // echoed, target -> initiator, the same rail
   static constexpr uint32_t kAmPutMagic = 0x50414450;  // "PDAP"
   static constexpr uint32_t kAmAckMagic = 0x41414450;  // "PDAA"
-  static constexpr uint32_t kAmCloseMagic = 0x43414450;   // "PDAC"
-  static constexpr uint32_t kAmClosedMagic = 0x45414450;  // "PDAE"
+  static constexpr uint32_t kAmCloseMagic = 0x43414450;      // "PDAC"
+  static constexpr uint32_t kAmClosedMagic = 0x45414450;     // "PDAE"
   static constexpr uint32_t kAmAbandonMagic = 0x42414450;    // "PDAB"
   static constexpr uint32_t kAmAbandonedMagic = 0x46414450;  // "PDAF"
   static constexpr uint32_t kAmProbeMagic = 0x52414450;      // "PDAR"
@@ -310,8 +310,8 @@ class UcxTransport final : public spi::Transport {
     Clock::time_point last_progress;      // a send completed or a message arrived on it
     uint64_t probe_sent = 0;              // the number of the probe out (0: none)
     Clock::time_point probe_deadline;
-    bool down = false;         // out of the stripe until a probe on a fresh endpoint comes back
-    bool reset = false;        // down, and its old worker not yet torn down (ServiceLanes)
+    bool down = false;   // out of the stripe until a probe on a fresh endpoint comes back
+    bool reset = false;  // down, and its old worker not yet torn down (ServiceLanes)
     Clock::time_point down_since;
     Clock::time_point next_probe;
     std::string down_reason;
@@ -418,8 +418,8 @@ class UcxTransport final : public spi::Transport {
   Lane* ControlLane(PeerState& peer);
   static ucs_status_t OnAmAbandon(void* arg, const void* header, size_t header_length, void* data,
                                   size_t length, const ucp_am_recv_param_t* param);
-  static ucs_status_t OnAmAbandoned(void* arg, const void* header, size_t header_length,
-                                    void* data, size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAmAbandoned(void* arg, const void* header, size_t header_length, void* data,
+                                    size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t OnAmProbe(void* arg, const void* header, size_t header_length, void* data,
                                 size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t OnAmProbeAck(void* arg, const void* header, size_t header_length, void* data,
@@ -532,8 +532,8 @@ class UcxTransport final : public spi::Transport {
   };
   std::unordered_map<uint64_t, AmRead> am_reads_;
   uint64_t last_read_cookie_ = 0;
-  uint64_t last_rail_token_ = 0;  // kAmAbandon and kAmProbe numbers
-  bool rail_service_ = false;     // a lane is down or an abandonment is out: ServiceLanes runs
+  uint64_t last_rail_token_ = 0;    // kAmAbandon and kAmProbe numbers
+  bool rail_service_ = false;       // a lane is down or an abandonment is out: ServiceLanes runs
   uint64_t am_reply_failures_ = 0;  // target: replies UCX could not send (logged, dropped)
   // Target: replies UCX has not sent yet. The loop polls while there are any, as it does while
   // batches are outstanding: UCX does not wake an armed worker when a socket drains.

@@ -114,10 +114,10 @@ std::string ResultLine(const RankResult& r) {
   const Summary e = Summarize(r.exposed_us);
   std::ostringstream out;
   out << "RESULT error=" << (r.error.empty() ? "none" : "yes") << " succeeded=" << r.succeeded
-      << " failed=" << r.failed << " wrong=" << r.wrong << " seconds=" << r.seconds << " cpu=" << r.cpu_seconds
-      << " p50=" << s.p50 << " p99=" << s.p99 << " p999=" << s.p999 << " mean=" << s.mean
-      << " max=" << s.max << " exposed_n=" << r.exposed_us.size() << " exposed_mean=" << e.mean
-      << " exposed_p50=" << e.p50 << " exposed_p99=" << e.p99
+      << " failed=" << r.failed << " wrong=" << r.wrong << " seconds=" << r.seconds
+      << " cpu=" << r.cpu_seconds << " p50=" << s.p50 << " p99=" << s.p99 << " p999=" << s.p999
+      << " mean=" << s.mean << " max=" << s.max << " exposed_n=" << r.exposed_us.size()
+      << " exposed_mean=" << e.mean << " exposed_p50=" << e.p50 << " exposed_p99=" << e.p99
       << " bytes=" << r.metrics.bytes_transferred << " batches=" << r.metrics.write_batches
       << " pool=" << (r.pool_allocator.empty() ? "none" : r.pool_allocator)
       << " why=" << (r.error.empty() ? r.first_failure : r.error);
@@ -451,8 +451,7 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
             const std::optional<RailsBase>& rails_base, RowFigures* figures) {
   const bool error = d.count("error") && d.at("error") != "none";
   // --failures_ok: failed requests are reported, not fatal; wrong bytes always are.
-  const bool failed =
-      error || Num(d, "wrong") > 0 || (Num(d, "failed") > 0 && !o.failures_ok);
+  const bool failed = error || Num(d, "wrong") > 0 || (Num(d, "failed") > 0 && !o.failures_ok);
   const double seconds = Num(d, "seconds");
   const double ok = Num(d, "succeeded");
   const double req_per_s = seconds > 0 ? ok / seconds : 0;

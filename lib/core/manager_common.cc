@@ -45,8 +45,8 @@ int NumaNodeOf(uint64_t addr) {
 #if defined(SYS_get_mempolicy)
   constexpr unsigned long kMpolFNode = 1, kMpolFAddr = 2;  // numaif.h
   int node = -1;
-  if (addr != 0 && ::syscall(SYS_get_mempolicy, &node, nullptr, 0UL,
-                             reinterpret_cast<void*>(addr), kMpolFNode | kMpolFAddr) == 0) {
+  if (addr != 0 && ::syscall(SYS_get_mempolicy, &node, nullptr, 0UL, reinterpret_cast<void*>(addr),
+                             kMpolFNode | kMpolFAddr) == 0) {
     return node;
   }
 #else

@@ -217,10 +217,10 @@ constexpr int kCannotRunHere = 5;
 // heal, and the probes at the end. Skipped, with the reason, where netns cannot run.
 void CheckNetworkFaults(const std::vector<std::string>& extra, const char* requests,
                         const char* faults = "network,process") {
-  std::vector<std::string> args = {"--netns",     "--topology", "2p2d",   "--requests",
-                                   requests,      "--faults",   faults,   "--seed",
-                                   "1",           "--fault-interval-ms", "400",
-                                   "--min-faults", "3"};
+  std::vector<std::string> args = {
+      "--netns",  "--topology",   "2p2d",   "--requests", requests,
+      "--faults", faults,         "--seed", "1",          "--fault-interval-ms",
+      "400",      "--min-faults", "3"};
   args.insert(args.end(), extra.begin(), extra.end());
   args.insert(args.end(), kTimeouts.begin(), kTimeouts.end());
   const RunResult r = RunChaos(args);

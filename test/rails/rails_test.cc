@@ -18,7 +18,6 @@
 namespace {
 
 namespace fs = std::filesystem;
-using pdlib_test::SysfsTree;
 using pdlib::StatusCode;
 using pdlib::rails::Affinity;
 using pdlib::rails::MemoryLocation;
@@ -27,7 +26,7 @@ using pdlib::rails::Rail;
 using pdlib::rails::RailChoice;
 using pdlib::rails::RailQuery;
 using pdlib::rails::SelectRails;
-
+using pdlib_test::SysfsTree;
 
 pdlib::StatusOr<RailChoice> Query(const SysfsTree& tree, MemoryLocation memory, NicKind kind,
                                   std::vector<std::string> names) {

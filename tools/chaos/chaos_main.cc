@@ -278,8 +278,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   }
   if (f->role.empty() && c.rails < 2 &&
       std::find(c.faults.begin(), c.faults.end(), FaultKind::kRail) != c.faults.end()) {
-    std::fprintf(stderr, "pdlib-chaos: --faults %s: rail needs --rails 2 or more\n",
-                 kinds.c_str());
+    std::fprintf(stderr, "pdlib-chaos: --faults %s: rail needs --rails 2 or more\n", kinds.c_str());
     return false;
   }
   p.backend = absl::GetFlag(FLAGS_backend);
