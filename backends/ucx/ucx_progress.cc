@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "backends/ucx/ucx_send.h"
 #include "backends/ucx/ucx_transport.h"
 #include "lib/base/log_internal.h"
 
@@ -30,26 +31,6 @@ constexpr auto kFlushGrace = std::chrono::seconds(2);
 // kFlushGrace). A live target answers within milliseconds; a frozen one never does, and the wait
 // holds up whoever disconnects (the prefill core, under its transport lock), so it is short.
 constexpr auto kCutGrace = std::chrono::milliseconds(500);
-
-// Sends a header-only eager active message. The header is copied to the heap, owned by the send
-// until UCX completes it. False when the send failed at once (the peer is gone or failed).
-template <typename Header>
-bool SendHeaderOnly(ucp_ep_h ep, unsigned id, const Header& header, uint32_t flags) {
-  auto* owned = new Header(header);
-  ucp_request_param_t param{};
-  param.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = flags;
-  param.cb.send = [](void* request, ucs_status_t, void* user_data) {
-    delete static_cast<Header*>(user_data);
-    ucp_request_free(request);
-  };
-  param.user_data = owned;
-  ucs_status_ptr_t request = ucp_am_send_nbx(ep, id, owned, sizeof(Header), nullptr, 0, &param);
-  if (UCS_PTR_IS_PTR(request)) return true;
-  delete owned;
-  return UCS_PTR_STATUS(request) == UCS_OK;
-}
 constexpr auto kCloseGrace = std::chrono::seconds(5);
 constexpr int kSleepTimeoutMs = 100;  // wake up anyway for UCX's timers (keepalive) and stalls
 // While writes are outstanding: poll (yielding) this long after the last progress, then sleep in

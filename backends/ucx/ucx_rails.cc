@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "backends/ucx/ucx_send.h"
 #include "backends/ucx/ucx_transport.h"
 #include "lib/base/log_internal.h"
 
@@ -41,33 +42,6 @@ namespace {
 constexpr auto kAbandonGrace = std::chrono::seconds(2);
 // Seqs per kAmAbandon message.
 constexpr size_t kMaxAbandonSeqs = 4096;
-
-// Sends a header and an owned payload as one eager active message (both live until UCX is done
-// with them). False when the send failed at once.
-template <typename Header>
-bool SendOwned(ucp_ep_h ep, unsigned id, const Header& header, std::vector<uint64_t> payload,
-               uint32_t flags) {
-  struct Message {
-    Header header;
-    std::vector<uint64_t> payload;
-  };
-  auto* owned = new Message{header, std::move(payload)};
-  ucp_request_param_t param{};
-  param.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = flags;
-  param.cb.send = [](void* request, ucs_status_t, void* user_data) {
-    delete static_cast<Message*>(user_data);
-    ucp_request_free(request);
-  };
-  param.user_data = owned;
-  ucs_status_ptr_t request =
-      ucp_am_send_nbx(ep, id, &owned->header, sizeof(Header), owned->payload.data(),
-                      owned->payload.size() * sizeof(uint64_t), &param);
-  if (UCS_PTR_IS_PTR(request)) return true;
-  delete owned;
-  return UCS_PTR_STATUS(request) == UCS_OK;
-}
 
 // Closes `ep` by force without waiting: a tcp endpoint still connecting to a partitioned
 // address completes its close only once the link is back (UcpEp's destructor would spin on
