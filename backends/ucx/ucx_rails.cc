@@ -155,6 +155,8 @@ void UcxTransport::CheckRailStalls(Clock::time_point now) {
         lane.last_progress = now;
         continue;
       }
+      // A probe on a live rail unanswered past its deadline no longer holds the next one back.
+      if (lane.probe_sent != 0 && now >= lane.probe_deadline) lane.probe_sent = 0;
       const auto quiet = now - lane.last_progress;
       if (quiet > limit) {
         LaneDown(*peer, lane.rail,
@@ -224,7 +226,7 @@ bool UcxTransport::ServiceLanes(Clock::time_point now) {
     for (auto& lane : peer.lanes) {
       if (lane->reset) {
         FailOverReads(peer, lane->rail);
-        ResetLane(peer, *lane);
+        ResetLane(*lane);
         worked = true;
       } else if (lane->down) {
         ProbeLane(peer, *lane);
@@ -237,7 +239,7 @@ bool UcxTransport::ServiceLanes(Clock::time_point now) {
   return worked;
 }
 
-void UcxTransport::ResetLane(PeerState& peer, Lane& lane) {
+void UcxTransport::ResetLane(Lane& lane) {
   lane.reset = false;
   lane.probe_sent = 0;
   CloseNow(lane.ep);
@@ -246,7 +248,6 @@ void UcxTransport::ResetLane(PeerState& peer, Lane& lane) {
   lane.window = toolkit::InflightWindow(options_.max_inflight_bytes);
   lane.read_window = toolkit::InflightWindow(options_.max_inflight_read_bytes);
   lane.next_probe = now_ + std::chrono::milliseconds(options_.rail_retry_ms);
-  (void)peer;
 }
 
 void UcxTransport::ProbeLane(PeerState& peer, Lane& lane) {

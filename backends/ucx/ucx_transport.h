@@ -408,7 +408,7 @@ class UcxTransport final : public spi::Transport {
   bool RailsMayFail(const PeerState& peer, uint32_t rail) const;
   // Per-rail stalls (ucx.rail_stall_ms): probes quiet rails, downs silent ones.
   void CheckRailStalls(Clock::time_point now);
-  void ResetLane(PeerState& peer, Lane& lane);
+  void ResetLane(Lane& lane);
   void ProbeLane(PeerState& peer, Lane& lane);
   void FailOverReads(PeerState& peer, uint32_t rail);
   bool SendProbe(PeerState& peer, Lane& lane);
