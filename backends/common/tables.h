@@ -108,6 +108,11 @@ class PeerTable {
     if (!entry->failure.ok()) return entry->failure;
     return entry;
   }
+  // Transport::PeerStatus: NotFound when gone, its failure when failed, else OK.
+  Status Health(spi::PeerId id) {
+    auto found = ForWrites(id);
+    return found.ok() ? Status::OK() : found.status();
+  }
   // The peer a region may be imported for: NotFound when gone, its failure when failed.
   StatusOr<Entry*> ForImport(spi::PeerId id) {
     Entry* entry = Find(id);

@@ -278,6 +278,23 @@ Status CudaIpcTransport::PostWrites(spi::PeerId peer, std::span<const spi::Write
   return Post(peer, ops, std::move(done), toolkit::OpKind::kWrite);
 }
 
+Status CudaIpcTransport::PeerStatus(spi::PeerId peer) {
+  std::shared_ptr<const ProcessWatch> watch;
+  {
+    MutexLock lock(&mu_);
+    auto found = peers_.ForWrites(peer);
+    if (!found.ok()) return found.status();
+    watch = (*found)->watch;
+  }
+  if (watch == nullptr) return Status::OK();
+  Status alive = watch->Check();  // outside mu_: it may read /proc
+  if (!alive.ok()) {
+    MutexLock lock(&mu_);
+    peers_.MarkFailed(peer, alive);
+  }
+  return alive;
+}
+
 Status CudaIpcTransport::PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
                                    spi::ReadCallback done) {
   return Post(peer, ops, std::move(done), toolkit::OpKind::kRead);
@@ -290,26 +307,11 @@ Status CudaIpcTransport::Post(spi::PeerId peer, std::span<const spi::WriteOp> op
   batch->peer_id = peer;
   batch->done = std::move(done);
   batch->ops.reserve(ops.size());
-  ProcessId target;
-  std::shared_ptr<const ProcessWatch> watch;
-  {
-    MutexLock lock(&mu_);
-    auto found = peers_.ForWrites(peer);
-    if (!found.ok()) return found.status();
-    target = (*found)->target;
-    watch = (*found)->watch;
-  }
-  if (watch != nullptr) {
-    if (Status alive = watch->Check(); !alive.ok()) {
-      MutexLock lock(&mu_);
-      peers_.MarkFailed(peer, alive);
-      return alive;
-    }
-  }
-  batch->target_pid = target.pid;
+  if (Status s = PeerStatus(peer); !s.ok()) return s;
   MutexLock lock(&mu_);
   auto found = peers_.ForWrites(peer);  // again: a Disconnect may have come in between
   if (!found.ok()) return found.status();
+  batch->target_pid = (*found)->target.pid;
   for (size_t i = 0; i < ops.size(); ++i) {
     const spi::WriteOp& op = ops[i];
     auto resolved = peers_.ResolveWrite(peer, **found, local_regions_, i, op, kind);

@@ -87,6 +87,8 @@ class CudaIpcTransport final : public spi::Transport {
   // Copies from the target's memory into ours (see "Reads" in the file comment).
   Status PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
                    spi::ReadCallback done) override;
+  // Also asks the target process's watch (a dead target fails the peer).
+  Status PeerStatus(spi::PeerId peer) override;
   void Disconnect(spi::PeerId peer) override;
 
  private:

@@ -169,6 +169,11 @@ class FakeTransport final : public spi::Transport {
     return Post(peer, ops, std::move(done), toolkit::OpKind::kRead);
   }
 
+  Status PeerStatus(spi::PeerId peer) override {
+    std::lock_guard lock(mu_);
+    return peers_.Health(peer);
+  }
+
   void Disconnect(spi::PeerId peer) override {
     std::lock_guard lock(mu_);
     peers_.Erase(peer);

@@ -148,6 +148,10 @@ class UcxTransport final : public spi::Transport {
   // pdlib read requests on the "am" path, else ucp_get_nbx per chunk ("Reads" above).
   Status PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
                    spi::ReadCallback done) override;
+  Status PeerStatus(spi::PeerId peer) override {
+    MutexLock lock(&mu_);
+    return peers_.Health(peer);
+  }
   void Disconnect(spi::PeerId peer) override;
   // Progresses the worker until it finds nothing more to do (three idle rounds) or 50 ms pass:
   // emulated puts already in this worker's FIFOs and sockets are applied before it returns.

@@ -33,6 +33,7 @@ class StreamWriter final : public DecodeLink {
   void SendStatus(const TransferStatusMsg& msg) override;
   void SendDrained(const RoomsDrainedMsg& msg) override;
   void SendReadReady(const ReadReadyMsg& msg) override;
+  void Close(const Status& reason) override;
   void Enqueue(PrefillToDecode msg);
   // Puts the RegisterAck first on the stream and opens it: until then what the core sends (it
   // may send as soon as OnRegister installed this link) waits, so the ack is always first.
@@ -223,6 +224,11 @@ void StreamWriter::SendReadReady(const ReadReadyMsg& msg) {
   PrefillToDecode out;
   ToProto(msg, out.mutable_read_ready());
   Enqueue(std::move(out));
+}
+
+void StreamWriter::Close(const Status& reason) {
+  // The decode side hears the message as the stream's end ("connection lost: ...").
+  RequestFinish(grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(reason.message())));
 }
 
 void StreamWriter::EnqueueAck(PrefillToDecode ack) {

@@ -175,6 +175,10 @@ class DecodeLink {
   virtual void SendStatus(const TransferStatusMsg& msg) = 0;
   virtual void SendDrained(const RoomsDrainedMsg& msg) = 0;
   virtual void SendReadReady(const ReadReadyMsg& msg) { (void)msg; }
+  // Ends this connection from the prefill side, telling decode `reason`: decode drops it (as if
+  // the stream broke) and registers again for its next request. Used when the session's transport
+  // connection failed while the stream is up. OnDecodeGone still follows for it.
+  virtual void Close(const Status& reason) = 0;
 };
 
 // What the control plane delivers to the prefill side (PrefillCore implements it). Called on the

@@ -545,10 +545,19 @@ void DecodeCore::OnPrefillGone(const std::string& key, const Status& reason) {
       for (const auto& p : room->prefills) bound |= p.key == key;
     }
     if (bound) {
-      // The room's other prefill ranks (TP, PP) are told, so that they stop and drain.
-      FailRoom(room,
-               reason.WithPrefix(absl::StrFormat("room %d: prefill %s", room->state->room(), key)),
-               true);
+      // The room's other prefill ranks (TP, PP) are told, so that they stop and drain; this one
+      // hears on its next connection.
+      const bool live = !IsTerminal(room->state->Poll());
+      Status why =
+          reason.WithPrefix(absl::StrFormat("room %d: prefill %s", room->state->room(), key));
+      FailRoom(room, why, true);
+      if (live) {
+        constexpr size_t kMaxOwedAborts = 1 << 12;
+        MutexLock lock(&mu_);
+        auto& owed = owed_aborts_[key];
+        if (owed.size() >= kMaxOwedAborts) owed.erase(owed.begin());
+        owed.emplace_back(room->state->room(), why.ToString());
+      }
     }
   }
   if (conn) {
@@ -594,7 +603,10 @@ void DecodeCore::CheckTimeouts() {
     if (Status s = CheckRoomDeadline(*room->state, options_, now); !s.ok()) FailRoom(room, s, true);
   }
   WarnLongQuarantines(now);
-  if (pull()) SendHeartbeats(now);
+  if (pull()) {
+    SendHeartbeats(now);
+    DropFailedSources();
+  }
 }
 
 std::vector<uint64_t> DecodeCore::TakeReusableRooms() { return released_.Take(); }

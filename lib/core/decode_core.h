@@ -153,6 +153,9 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   // still holds them.
   void ReleaseReadHold(const std::shared_ptr<Room>& room);
   void SendHeartbeats(absl::Time now);
+  // Pull: connections whose transport peer failed (Transport::PeerStatus) while the control
+  // stream is up are dropped as if the prefill rank were gone; the next request connects again.
+  void DropFailedSources();
   const KVManagerOptions options_;
   const uint64_t session_;
   planner::SideLayout layout_;
@@ -174,6 +177,11 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   uint64_t next_gen_ ABSL_GUARDED_BY(mu_) = 1;
   // Failed rooms whose pages are not reusable yet (handles may be gone), by Room address.
   absl::flat_hash_map<const Room*, std::shared_ptr<Room>> quarantine_ ABSL_GUARDED_BY(mu_);
+  // Rooms that failed because their connection to a prefill rank ended (OnPrefillGone): that rank
+  // may still wait for their TransferInfo, which the closed stream may have lost. Sent as Aborts
+  // on the next connection to that rank (ResendAborts), then forgotten. Bounded per rank.
+  absl::flat_hash_map<std::string, std::vector<std::pair<uint64_t, std::string>>> owed_aborts_
+      ABSL_GUARDED_BY(mu_);
   ReleasedRooms released_{"decode"};
   RoomLogSampler room_log_{options_.room_log_every};
   uint64_t max_hold_ms_ ABSL_GUARDED_BY(mu_) = 0;

@@ -276,6 +276,41 @@ void DecodeCore::ReleaseReadHold(const std::shared_ptr<Room>& room) {
   if (room->released) released_.Add(room->state->room());
 }
 
+void DecodeCore::DropFailedSources() {
+  struct Source {
+    std::string key;
+    uint64_t gen;
+    spi::PeerId peer;
+  };
+  std::vector<Source> sources;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [key, conn] : connections_) {
+      if (conn.source) sources.push_back({key, conn.gen, conn.source->peer});
+    }
+  }
+  if (sources.empty()) return;
+  std::vector<std::pair<Source, Status>> failed;
+  {
+    MutexLock transport_lock(&transport_mu_);
+    if (!transport_) return;
+    for (Source& s : sources) {
+      if (Status st = transport_->PeerStatus(s.peer); !st.ok()) failed.emplace_back(s, st);
+    }
+  }
+  for (auto& [source, why] : failed) {
+    {
+      MutexLock lock(&mu_);
+      auto it = connections_.find(source.key);
+      if (it == connections_.end() || it->second.gen != source.gen) continue;  // replaced
+    }
+    OnPrefillGone(source.key, Status::Unavailable(absl::StrFormat(
+                                  "the transport connection to prefill %s failed (%s); the next "
+                                  "request connects again",
+                                  source.key, why.ToString())));
+  }
+}
+
 void DecodeCore::SendHeartbeats(absl::Time now) {
   std::vector<std::pair<std::string, std::shared_ptr<PrefillLink>>> due;
   {

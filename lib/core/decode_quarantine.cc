@@ -106,12 +106,22 @@ void DecodeCore::ResendAborts(const std::string& key, uint64_t instance) {
   // is harmless: a room it never saw, or that is over, is reported drained at once.
   std::vector<std::shared_ptr<Room>> rooms;
   std::shared_ptr<PrefillLink> link;
+  std::vector<std::pair<uint64_t, std::string>> owed;
   {
     MutexLock lock(&mu_);
     auto it = connections_.find(key);
     if (it == connections_.end()) return;
     link = it->second.link;
     for (auto& [ptr, room] : quarantine_) rooms.push_back(room);
+    if (auto o = owed_aborts_.find(key); o != owed_aborts_.end()) {
+      owed = std::move(o->second);
+      owed_aborts_.erase(o);
+    }
+  }
+  // Rooms that failed when the last connection ended, whatever instance answers now: one that
+  // never saw them reports them drained.
+  for (const auto& [room, why] : owed) {
+    link->SendAbort(room, session_, "failed on decode when its connection ended: " + why);
   }
   for (auto& room : rooms) {
     bool waiting = false;

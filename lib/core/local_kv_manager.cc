@@ -185,6 +185,9 @@ class LocalDecodeLink final : public DecodeLink {
   void SendReadReady(const ReadReadyMsg& msg) override {
     if (auto d = decode_.lock()) d->OnReadReady(key_, msg);
   }
+  void Close(const Status& reason) override {
+    if (auto d = decode_.lock()) d->OnPrefillGone(key_, reason);
+  }
 
  private:
   std::weak_ptr<DecodeCore> decode_;

@@ -256,6 +256,7 @@ void PrefillCore::CheckTimeouts() {
     if (Status s = CheckRoomDeadline(*room->state, options_, now); !s.ok()) FailRoom(room, s);
   }
   DrainPeers(now);
+  ReplaceFailedPeers();
 }
 
 KVManagerMetrics PrefillCore::metrics() const {

@@ -112,6 +112,9 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   void SendStatusToDecode(const std::shared_ptr<Room>& room, const Status& status);
   void CheckTimeouts();
   void DrainPeers(absl::Time now);
+  // Push: decode sessions whose transport connection failed (Transport::PeerStatus) while their
+  // control stream is up are closed and retired, so that decode connects again.
+  void ReplaceFailedPeers();
   // A decode connection ended (or was replaced): fails its rooms and drops its transport peer,
   // at once when nothing is in flight to it, else once that is over (DrainingPeer).
   void RetirePeer(const std::shared_ptr<Peer>& peer, const Status& reason);

@@ -12,6 +12,9 @@
 
 namespace pdlib {
 inline namespace v1 {
+namespace {
+constexpr size_t kMaxEarlyAborts = 1 << 16;
+}  // namespace
 
 void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
   constexpr size_t kMaxEarlyRooms = 1 << 16;
@@ -68,8 +71,16 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
         msg.room, kMaxEarlyRooms, kMaxEarlyBytes)));
   }
   if (!peer) {
-    PDLIB_LOG(kWarning, "prefill: room %d: TransferInfo from unknown session %d", msg.room,
-              msg.session);
+    // Its session's connection was closed here while the TransferInfo was on its way (replaced:
+    // ReplaceFailedPeers, or gone). Decode fails the room when it hears of the close; this side
+    // fails it now (or its sender at creation) instead of after bootstrap_timeout.
+    Status why = Status::Unavailable(absl::StrFormat(
+        "room %d: its TransferInfo came from decode session %d, whose connection is closed",
+        msg.room, msg.session));
+    PDLIB_LOG(kWarning, "prefill: %s", why.ToString());
+    if (room) return FailRoom(room, why);
+    MutexLock lock(&mu_);
+    if (early_aborts_.size() < kMaxEarlyAborts) early_aborts_[msg.room] = {absl::Now(), why};
     return;
   }
   // Validate before use (SPEC R3.2): every index against the decode side's registered sizes.
@@ -210,7 +221,6 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
 }
 
 void PrefillCore::OnAbort(uint64_t room_id, uint64_t session, const std::string& reason) {
-  constexpr size_t kMaxEarlyAborts = 1 << 16;
   Status why = Status::Aborted(absl::StrFormat("room %d aborted by decode: %s", room_id, reason));
   std::shared_ptr<Room> room;
   {

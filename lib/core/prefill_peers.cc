@@ -287,6 +287,41 @@ void PrefillCore::SendDrained(uint64_t session, std::vector<uint64_t> rooms) {
 
 // Drops the transport peers of ended decode connections once their rooms' writes are resolved,
 // or at their deadline, failing the rooms still waiting.
+// A failed transport peer never recovers, and decode, whose control stream is still up, would go
+// on sending this session's TransferInfos: every later request would fail with the old reason.
+// The stream is closed instead; decode drops the connection and registers again (a fresh endpoint,
+// a fresh transport peer) for its next request.
+void PrefillCore::ReplaceFailedPeers() {
+  if (pull()) return;  // decode is the initiator: it notices its own failed peer
+  std::vector<std::shared_ptr<Peer>> peers;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return;
+    peers.reserve(peers_.size());
+    for (auto& [session, peer] : peers_) peers.push_back(peer);
+  }
+  std::vector<std::pair<std::shared_ptr<Peer>, Status>> failed;
+  {
+    MutexLock transport_lock(&transport_mu_);
+    if (!transport_) return;
+    for (auto& peer : peers) {
+      if (Status s = transport_->PeerStatus(peer->peer); !s.ok()) failed.emplace_back(peer, s);
+    }
+  }
+  for (auto& [peer, why] : failed) {
+    Status reason = Status::Unavailable(absl::StrFormat(
+        "prefill tp %d pp %d: the transport connection to decode session %d failed (%s); its "
+        "control stream is closed so that the next request connects again",
+        options_.args.parallel.tp_rank, options_.args.parallel.pp_rank, peer->session,
+        why.ToString()));
+    PDLIB_LOG(kWarning, "%s", reason.message());
+    // Closed first: a decode that registers again at once retires this peer itself (OnRegister),
+    // and the OnDecodeGone below then finds a newer connection and does nothing.
+    peer->link->Close(reason);
+    OnDecodeGone(peer->session, peer->link.get(), reason);
+  }
+}
+
 void PrefillCore::DrainPeers(absl::Time now) {
   std::vector<DrainingPeer> pending, done;
   {

@@ -47,7 +47,7 @@ inline namespace v1 {
 namespace spi {
 
 // Bumped whenever a declaration in this file changes incompatibly.
-inline constexpr uint32_t kTransportSpiVersion = 3;
+inline constexpr uint32_t kTransportSpiVersion = 4;
 
 using Blob = std::vector<uint8_t>;
 using LocalRegionId = uint32_t;
@@ -158,6 +158,15 @@ class PDLIB_EXPORT Transport {
     (void)ops;
     (void)done;
     return Status::Unimplemented(std::string(name()) + ": this transport cannot read");
+  }
+  // OK while batches can still be posted to `peer`; once its connection failed (a dead QP, a
+  // failed endpoint, a target process gone), the reason, which PostWrites/PostReads would refuse
+  // with too. A failed peer never recovers: the core disconnects it and connects again (with a
+  // fresh endpoint from the target) even when the control stream to that side is still up.
+  // kNotFound for a peer that is not connected. Default: OK (a backend whose peers never fail).
+  virtual Status PeerStatus(PeerId peer) {
+    (void)peer;
+    return Status::OK();
   }
   // Outstanding batches to `peer` complete with kCancelled; its remote regions are dropped.
   virtual void Disconnect(PeerId peer) = 0;
