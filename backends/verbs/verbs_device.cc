@@ -239,6 +239,19 @@ StatusOr<std::vector<std::unique_ptr<Device>>> OpenDevices(const VerbsOptions& o
   return devices;
 }
 
+Status PortActive(const Device& device) {
+  ibv_port_attr attr{};
+  if (int rc = ibv_query_port(device.context.get(), device.port, &attr); rc != 0) {
+    return Status::Unavailable("verbs: ibv_query_port(" + device.label() +
+                               ") failed: " + ErrnoText(rc));
+  }
+  if (attr.state != IBV_PORT_ACTIVE) {
+    return Status::Unavailable("verbs: port " + device.label() + " is " +
+                               PortStateName(attr.state) + ", not ACTIVE");
+  }
+  return Status::OK();
+}
+
 StatusOr<QpPtr> CreateRcQp(Device& device) {
   ibv_qp_init_attr init{};
   init.send_cq = device.cq.get();

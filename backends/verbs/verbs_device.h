@@ -63,6 +63,9 @@ StatusOr<std::vector<std::unique_ptr<Device>>> OpenDevices(const VerbsOptions& o
 // Names of the RDMA devices present, for messages ("none" when there are none).
 std::string ListDeviceNames();
 
+// OK when `device`'s port is ACTIVE now (asked at every connection: a rail whose link went down
+// since the transport opened it gets no QP), else why not.
+Status PortActive(const Device& device);
 // An RC QP on `device` (send queue of device.sq_depth), moved to INIT with remote write and
 // read access.
 StatusOr<QpPtr> CreateRcQp(Device& device);

@@ -88,6 +88,8 @@ StatusOr<VerbsOptions> ParseVerbsOptions(const spi::TransportOptions& options) {
   parser.Number("verbs.timeout", &out.timeout, 1, 31, kUnits);
   parser.Number("verbs.retry_cnt", &out.retry_cnt, 0, 7, kUnits);
   parser.Number("verbs.traffic_class", &out.traffic_class, 0, 255, kUnits);
+  parser.Number("verbs.rail_stall_ms", &out.rail_stall_ms, 0, 3600000, kUnits);
+  parser.Number("verbs.rail_retry_ms", &out.rail_retry_ms, 0, 3600000, kUnits);
   parser.On("verbs.sysfs_root", [&](const std::string&, const std::string& value) {
     if (value.empty()) return Status::InvalidArgument("verbs: verbs.sysfs_root is empty");
     out.sysfs_root = value;

@@ -33,6 +33,10 @@
 //                            be noticed (~0.5 s at the defaults). Soft-RoCE (rxe) would retry
 //                            forever at 7, so 7 is used as 6 there
 //   verbs.traffic_class      IP traffic class / DSCP<<2 of RoCE packets (default 0)
+//   verbs.rail_stall_ms      a QP with requests outstanding and no completion for this long
+//                            fails as a dead rail (default 3000; 0: never)
+//   verbs.rail_retry_ms      a rail (device) whose QP failed while others lived is left out of
+//                            new connections for this long (default 1000), then tried again
 //   verbs.sysfs_root         where the topology is read (default /sys; tests point it at a tree)
 #ifndef PDLIB_BACKENDS_VERBS_VERBS_OPTIONS_H_
 #define PDLIB_BACKENDS_VERBS_VERBS_OPTIONS_H_
@@ -69,6 +73,8 @@ struct VerbsOptions {
   uint8_t timeout = 14;
   uint8_t retry_cnt = 7;
   uint8_t traffic_class = 0;
+  uint32_t rail_stall_ms = 3000;
+  uint32_t rail_retry_ms = 1000;
   std::string sysfs_root = "/sys";
 };
 

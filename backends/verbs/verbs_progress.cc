@@ -1,11 +1,13 @@
 // The verbs transport's progress thread: the only thread that posts to the initiator QPs and
 // polls the CQs. It accepts batches, posts their work requests in chains within each send queue
-// and CQ, turns completions into batch completions, fails a peer on an error completion, drains
-// and destroys failed QPs, and sleeps on the completion channels (and the wake fd) when idle.
+// and CQ, turns completions into batch completions, fails a rail (its last live one: the peer) on
+// an error completion or a stall, drains and destroys failed QPs, and sleeps on the completion
+// channels (and the wake fd) when idle.
 #include <sys/epoll.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "backends/verbs/verbs_transport.h"
 #include "lib/base/log_internal.h"
@@ -43,6 +45,7 @@ void VerbsTransport::ProgressLoop() {
     }
     if (now_ >= next_async_check_) {
       HandleAsyncEvents();
+      CheckStalledPairs();
       next_async_check_ = now_ + kAsyncCheckPeriod;
     }
     if (idle.ShouldSleep(now_, worked)) Sleep();
@@ -170,13 +173,16 @@ bool VerbsTransport::PostPair(PeerState& peer, PairState& pair) {
     device_outstanding += total;
     ibv_send_wr* bad = nullptr;
     if (int rc = ibv_post_send(pair.qp.get(), wr_scratch_.data(), &bad); rc != 0) {
-      FailPeer(peer, Status::Unavailable("verbs: ibv_post_send of " + std::to_string(total) +
-                                         " requests on QP " + std::to_string(pair.qp->qp_num) +
-                                         " (" + device.label() + ") to peer " +
-                                         std::to_string(peer.id) + " failed: " + ErrnoText(rc)));
+      // Nothing of the chain was taken (batch_ends may hold it: FailPair releases those).
+      FailPair(peer, pair,
+               Status::Unavailable("verbs: ibv_post_send of " + std::to_string(total) +
+                                   " requests on QP " + std::to_string(pair.qp->qp_num) + " (" +
+                                   device.label() + ") to peer " + std::to_string(peer.id) +
+                                   " failed: " + ErrnoText(rc)));
       return true;
     }
     posted_any = true;
+    if (pair.budget.outstanding() == total) pair.last_progress = now_;  // it was idle
     for (const Take& take : takes) {
       take.batch->next_wr[pair_index] += take.count;
     }
@@ -218,6 +224,7 @@ void VerbsTransport::HandleCompletion(const ibv_wc& wc) {
   PairState& pair = *peer.pairs[owner->second.second];
   // RC completes a QP's requests in order: this one retires every earlier one too.
   device_outstanding_[pair.device] -= pair.budget.Retire(seq);
+  pair.last_progress = now_;
   if (wc.status == IBV_WC_SUCCESS) {
     while (!pair.batch_ends.empty() && pair.batch_ends.front().first <= seq) {
       Batch* batch = pair.batch_ends.front().second;
@@ -226,14 +233,87 @@ void VerbsTransport::HandleCompletion(const ibv_wc& wc) {
     }
     return;
   }
-  if (!peer.failure.ok()) return;  // the flush of a QP already failed
+  if (pair.dead) return ReleaseDeadPair(peer, pair);  // a flush of a rail that failed alone
+  if (!peer.failure.ok()) return;                     // the flush of a failed peer's QP
   const Device& device = *devices_[pair.device];
-  FailPeer(peer,
+  FailPair(peer, pair,
            Status::Unavailable("verbs: RDMA request to peer " + std::to_string(peer.id) + " over " +
                                device.label() + " (QP " + std::to_string(wc.qp_num) +
                                ") failed: work completion status " + std::to_string(wc.status) +
                                " '" + ibv_wc_status_str(wc.status) + "' (vendor error " +
                                std::to_string(wc.vendor_err) + ")"));
+}
+
+// One rail of a connection failed. With a live rail left, only the batches with requests on it
+// fail (their other rails' parts still complete first); new batches are striped over the rest.
+// Its QP is moved to the error state (nothing more of it executes here) and stays until the peer
+// goes; late flush completions of it are ignored. The last live rail fails the peer.
+void VerbsTransport::FailPair(PeerState& peer, PairState& pair, const Status& status) {
+  if (!peer.failure.ok() || pair.dead) return;
+  size_t live = 0;
+  for (const auto& p : peer.pairs) live += p->qp && !p->dead ? 1 : 0;
+  if (live <= 1) return FailPeer(peer, status);
+  pair.dead = true;
+  ErrorQp(pair);
+  const Device& device = *devices_[pair.device];
+  {
+    MutexLock lock(&mu_);
+    if (PeerEntry* entry = peers_.Find(peer.id)) std::erase(entry->live_pairs, pair.index);
+    rail_retry_at_[pair.device] = now_ + std::chrono::milliseconds(options_.rail_retry_ms);
+  }
+  // The batches with a part on this pair: queued (not all of it posted) or posted and awaiting
+  // their last completion here. A batch is in one of the two lists at most.
+  std::vector<Batch*> hit;
+  for (Batch* batch : pair.to_post) hit.push_back(batch);
+  for (const auto& [seq, batch] : pair.batch_ends) hit.push_back(batch);
+  pair.to_post.clear();
+  pair.batch_ends.clear();
+  PDLIB_LOG(kWarning,
+            "verbs: rail %s of peer %d failed; %d batches with requests on it fail, the "
+            "connection goes on over %d rails: %s",
+            device.label(), peer.id, static_cast<int>(hit.size()), static_cast<int>(live - 1),
+            status.ToString());
+  // Their parts here end once the QP flushed what it had outstanding (nothing of it can still
+  // execute then), or kDrainGrace later: ReleaseDeadPair.
+  pair.dead_since = now_;
+  for (Batch* batch : hit) {
+    batch->Fail(status);
+    pair.dead_batches.push_back(batch);
+  }
+  ReleaseDeadPair(peer, pair);
+}
+
+void VerbsTransport::ReleaseDeadPair(PeerState& peer, PairState& pair) {
+  if (pair.dead_batches.empty()) return;
+  if (pair.budget.outstanding() > 0 && now_ - pair.dead_since < kDrainGrace) return;
+  for (Batch* batch : std::exchange(pair.dead_batches, {})) ReleaseRef(*batch, peer);
+}
+
+// A QP with requests outstanding and no completion for verbs.rail_stall_ms: the RC retry budget
+// (verbs.timeout, verbs.retry_cnt) should have failed it long before, but a QP can stall without
+// failing (Soft-RoCE whose link went down and came back: its requests neither complete nor fail).
+// It fails like a dead rail (FailPair), so that no batch waits on it for ever.
+void VerbsTransport::CheckStalledPairs() {
+  if (options_.rail_stall_ms == 0) return;
+  const auto limit = std::chrono::milliseconds(options_.rail_stall_ms);
+  for (auto& [id, peer] : peer_states_) {
+    if (!peer->failure.ok()) continue;
+    for (auto& pair : peer->pairs) {
+      if (pair->dead) ReleaseDeadPair(*peer, *pair);  // past kDrainGrace without its flushes
+      if (!pair->qp || pair->dead || pair->budget.outstanding() == 0) continue;
+      if (now_ - pair->last_progress < limit) continue;
+      const auto quiet =
+          std::chrono::duration_cast<std::chrono::milliseconds>(now_ - pair->last_progress);
+      FailPair(
+          *peer, *pair,
+          Status::Unavailable("verbs: rail " + devices_[pair->device]->label() + " (QP " +
+                              std::to_string(pair->qp->qp_num) + ") to peer " + std::to_string(id) +
+                              " stalled: " + std::to_string(pair->budget.outstanding()) +
+                              " requests outstanding and nothing completed for " +
+                              std::to_string(quiet.count()) + " ms (verbs.rail_stall_ms)"));
+      if (!peer->failure.ok()) break;  // that was its last rail
+    }
+  }
 }
 
 void VerbsTransport::ReleaseRef(Batch& batch, PeerState& peer) {
@@ -268,6 +348,7 @@ void VerbsTransport::FailPeer(PeerState& peer, const Status& status) {
     ErrorQp(*pair);
     pair->to_post.clear();
     pair->batch_ends.clear();
+    pair->dead_batches.clear();  // completed below with the rest
   }
   for (auto& batch : peer.batches.TakeAll()) {
     batch->Fail(status);
@@ -325,10 +406,11 @@ void VerbsTransport::HandleAsyncEvents() {
             for (auto& pair : peer->pairs) {
               if (pair->qp && pair->qp.get() == event.element.qp) {
                 found = true;
-                FailPeer(*peer, Status::Unavailable(
-                                    "verbs: QP " + std::to_string(event.element.qp->qp_num) +
-                                    " to peer " + std::to_string(id) + " on " + device->label() +
-                                    " failed: asynchronous event '" + what + "'"));
+                FailPair(*peer, *pair,
+                         Status::Unavailable(
+                             "verbs: QP " + std::to_string(event.element.qp->qp_num) + " to peer " +
+                             std::to_string(id) + " on " + device->label() +
+                             " failed: asynchronous event '" + what + "'"));
               }
             }
           }

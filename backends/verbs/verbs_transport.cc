@@ -19,6 +19,7 @@ namespace verbs {
 VerbsTransport::VerbsTransport(VerbsOptions options, std::vector<std::unique_ptr<Device>> devices)
     : options_(std::move(options)),
       devices_(std::move(devices)),
+      rail_retry_at_(devices_.size()),
       psn_rng_(std::random_device{}()),
       device_outstanding_(devices_.size(), 0) {}
 
@@ -152,13 +153,27 @@ Status VerbsTransport::DeregisterMemory(spi::LocalRegionId region) {
 StatusOr<spi::TargetEndpoint> VerbsTransport::CreateTargetEndpoint() {
   TargetEntry entry;
   std::vector<QpAddress> addresses;
+  std::string down;  // rails left out: their ports are not ACTIVE now
   for (const auto& device : devices_) {
+    if (Status active = PortActive(*device); !active.ok()) {
+      down += (down.empty() ? "" : "; ") + std::string(active.message());
+      addresses.push_back(QpAddress::Absent());
+      entry.qps.emplace_back();
+      entry.psns.push_back(0);
+      continue;
+    }
     auto qp = CreateRcQp(*device);
     if (!qp.ok()) return qp.status();
     const uint32_t psn = RandomPsn();
     addresses.push_back(LocalAddress(*device, **qp, psn));
     entry.qps.push_back(std::move(*qp));
     entry.psns.push_back(psn);
+  }
+  if (down.size() > 0) {
+    if (std::none_of(entry.qps.begin(), entry.qps.end(), [](const QpPtr& qp) { return !!qp; })) {
+      return Status::Unavailable("verbs: no rail to take a connection on: " + down);
+    }
+    PDLIB_LOG(kWarning, "verbs: a target endpoint without some rails: %s", down);
   }
   MutexLock lock(&targets_mu_);
   const spi::TargetId id = targets_.Add(std::move(entry));
@@ -182,6 +197,8 @@ Status VerbsTransport::CompleteTargetEndpoint(spi::TargetId target, const spi::B
                                    " of target endpoint " + std::to_string(target));
   }
   for (size_t i = 0; i < entry.qps.size(); ++i) {
+    // A rail either side left out; the initiator leaves out the ones this side did.
+    if (!entry.qps[i] || (*remote)[i].absent()) continue;
     Status s = ConnectRcQp(entry.qps[i].get(), *devices_[i], (*remote)[i], entry.psns[i], options_);
     if (!s.ok()) return s.WithPrefix("target endpoint " + std::to_string(target));
   }
@@ -209,6 +226,7 @@ Status VerbsTransport::FenceTarget(spi::TargetId target) {
   // Every QP, even after one fails: each one in the error state is one less path for writes.
   Status first_error;
   for (size_t i = 0; i < entry.qps.size(); ++i) {
+    if (!entry.qps[i]) continue;  // a rail without a QP in this connection
     ibv_qp_attr attr{};
     attr.qp_state = IBV_QPS_ERR;
     if (int rc = ibv_modify_qp(entry.qps[i].get(), &attr, IBV_QP_STATE); rc != 0) {
@@ -233,9 +251,50 @@ StatusOr<spi::Connection> VerbsTransport::Connect(const spi::Blob& target_endpoi
   auto state = std::make_unique<PeerState>();
   PeerEntry entry;
   std::vector<QpAddress> reply;
+  // Which pairs get a QP: both ports ACTIVE, and not a rail that failed within
+  // verbs.rail_retry_ms (unless every usable rail did: then those are tried again at once).
+  std::vector<Status> usable(remote->size());
+  for (size_t k = 0; k < remote->size(); ++k) {
+    usable[k] = (*remote)[k].absent()
+                    ? Status::Unavailable("the peer's rail " + std::to_string(k) + " is down")
+                    : PortActive(*devices_[k % devices_.size()]);
+  }
+  {
+    const auto now = Clock::now();
+    std::vector<Status> rested = usable;
+    MutexLock lock(&mu_);
+    for (size_t k = 0; k < rested.size(); ++k) {
+      const size_t d = k % devices_.size();
+      if (rested[k].ok() && now < rail_retry_at_[d]) {
+        rested[k] = Status::Unavailable(
+            "rail " + devices_[d]->label() + " failed " +
+            std::to_string(
+                std::chrono::duration_cast<std::chrono::milliseconds>(
+                    now - (rail_retry_at_[d] - std::chrono::milliseconds(options_.rail_retry_ms)))
+                    .count()) +
+            " ms ago (verbs.rail_retry_ms " + std::to_string(options_.rail_retry_ms) + ")");
+      }
+    }
+    if (std::any_of(rested.begin(), rested.end(), [](const Status& st) { return st.ok(); })) {
+      usable = std::move(rested);
+    }
+  }
+  std::string down;  // rails left out
   for (size_t k = 0; k < remote->size(); ++k) {
     const size_t d = k % devices_.size();
     Device& device = *devices_[d];
+    entry.pair_device.push_back(d);
+    if (const Status& active = usable[k]; !active.ok()) {
+      // A pair without a QP keeps the indices (the peer's rkeys are by its rail): nothing is
+      // striped onto it.
+      down += (down.empty() ? "" : "; ") + std::string(active.message());
+      reply.push_back(QpAddress::Absent());
+      auto pair = std::make_unique<PairState>();
+      pair->index = k;
+      pair->device = d;
+      state->pairs.push_back(std::move(pair));
+      continue;
+    }
     auto qp = CreateRcQp(device);
     if (!qp.ok()) return qp.status();
     const uint32_t psn = RandomPsn();
@@ -250,7 +309,14 @@ StatusOr<spi::Connection> VerbsTransport::Connect(const spi::Blob& target_endpoi
     pair->budget = SendQueueBudget(device.sq_depth, options_.signal_every,
                                    ReadDepth(device.initiator_depth, (*remote)[k].rd_atomic));
     state->pairs.push_back(std::move(pair));
-    entry.pair_device.push_back(d);
+    entry.live_pairs.push_back(k);
+  }
+  if (entry.live_pairs.empty()) {
+    return Status::Unavailable("verbs: no rail to connect over: " + down);
+  }
+  if (!down.empty()) {
+    PDLIB_LOG(kWarning, "verbs: connecting over %d of %d rails: %s",
+              static_cast<int>(entry.live_pairs.size()), static_cast<int>(remote->size()), down);
   }
   spi::PeerId id = 0;
   {
@@ -319,11 +385,12 @@ Status VerbsTransport::Post(spi::PeerId peer, std::span<const spi::WriteOp> ops,
     const PeerEntry& entry = **found;
     pair_device = entry.pair_device;
     segments.resize(pair_device.size());
-    // Striped by bytes over the pairs (devices, rails), whole ops, kStripeBytes each.
+    // Striped by bytes over the pairs with a QP (devices, rails), whole ops, kStripeBytes each.
     std::vector<uint64_t> lengths(ops.size());
     for (size_t i = 0; i < ops.size(); ++i) lengths[i] = ops[i].length;
-    const std::vector<size_t> stripe = StripeOverPairs(
-        lengths, pair_device.size(), kStripeBytes, next_stripe_.fetch_add(1) % pair_device.size());
+    const size_t live = entry.live_pairs.size();
+    const std::vector<size_t> stripe =
+        StripeOverPairs(lengths, live, kStripeBytes, next_stripe_.fetch_add(1) % live);
     for (size_t i = 0; i < ops.size(); ++i) {
       const spi::WriteOp& op = ops[i];
       auto resolved = peers_.ResolveWrite(peer, entry, local_regions_, i, op, kind);
@@ -331,7 +398,7 @@ Status VerbsTransport::Post(spi::PeerId peer, std::span<const spi::WriteOp> ops,
       const LocalRegion& local = *resolved->first;
       const RemoteRegionEntry& dst = *resolved->second;
       if (op.length == 0) continue;
-      const size_t k = stripe[i];
+      const size_t k = entry.live_pairs[stripe[i]];
       segments[k].push_back({local.addr + op.local_offset, local.lkeys[pair_device[k]],
                              dst.addr + op.remote_offset, dst.rkeys[k], op.length});
       if (std::find(batch->regions.begin(), batch->regions.end(), local.mrs) ==

@@ -104,6 +104,10 @@ class VerbsTransport final : public spi::Transport {
   // RDMA READ, planned and paced like writes, within each QP's read depth (verbs_wr.h).
   Status PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
                    spi::ReadCallback done) override;
+  Status PeerStatus(spi::PeerId peer) override {
+    MutexLock lock(&mu_);
+    return peers_.Health(peer);
+  }
   void Disconnect(spi::PeerId peer) override;
 
   // "rxe0:1" per device in use, for logs and tests.
@@ -134,12 +138,13 @@ class VerbsTransport final : public spi::Transport {
   // A connection, as PostWrites validates it.
   struct PeerEntry {
     std::vector<size_t> pair_device;  // local device of each pair
+    std::vector<size_t> live_pairs;   // the pairs with a QP (a rail down at Connect has none)
     std::vector<RemoteRegionEntry> regions;
     Status failure;  // non-OK once a QP failed: new batches are refused with it
   };
   // The target's half of one connection.
   struct TargetEntry {
-    std::vector<QpPtr> qps;  // one per device, in device order
+    std::vector<QpPtr> qps;  // one per device, in device order (null: its port was down)
     std::vector<uint32_t> psns;
     bool connected = false;
     bool fenced = false;  // every QP is in the error state (FenceTarget)
@@ -164,6 +169,10 @@ class VerbsTransport final : public spi::Transport {
     std::deque<Batch*> to_post;                          // batches with requests left to post here
     std::deque<std::pair<uint64_t, Batch*>> batch_ends;  // (seq of a batch's last request, batch)
     bool errored = false;  // moved to the error state: drained, then destroyed
+    bool dead = false;     // this rail failed alone (FailPair): nothing more is posted on it
+    Clock::time_point last_progress;  // last completion, or the post that made it busy
+    Clock::time_point dead_since;
+    std::vector<Batch*> dead_batches;  // failed with this rail: their parts here end on its flush
   };
   struct PeerState {
     spi::PeerId id = 0;
@@ -191,6 +200,9 @@ class VerbsTransport final : public spi::Transport {
   void HandleCompletion(const ibv_wc& wc);
   void ReleaseRef(Batch& batch, PeerState& peer);
   void FailPeer(PeerState& peer, const Status& status);
+  void FailPair(PeerState& peer, PairState& pair, const Status& status);
+  void CheckStalledPairs();
+  void ReleaseDeadPair(PeerState& peer, PairState& pair);
   void ErrorQp(PairState& pair);
   bool ReapPeers(Clock::time_point now);
   void HandleAsyncEvents();
@@ -208,6 +220,8 @@ class VerbsTransport final : public spi::Transport {
   // Shared with API threads.
   Mutex mu_;
   toolkit::LocalRegions<LocalRegion> local_regions_ ABSL_GUARDED_BY(mu_){"verbs"};
+  // By device: until when new connections leave that rail out (FailPair, verbs.rail_retry_ms).
+  std::vector<Clock::time_point> rail_retry_at_ ABSL_GUARDED_BY(mu_);
   toolkit::PeerTable<PeerEntry> peers_ ABSL_GUARDED_BY(mu_){"verbs"};
   std::mt19937 psn_rng_ ABSL_GUARDED_BY(mu_);
 

@@ -1,5 +1,6 @@
 #include "backends/verbs/verbs_wire.h"
 
+#include <algorithm>
 #include <string>
 
 #include "backends/verbs/verbs_options.h"
@@ -107,10 +108,15 @@ StatusOr<std::vector<QpAddress>> DecodeQpAddresses(const spi::Blob& blob, uint32
     qp.rd_atomic = p[13];
     std::copy(p + 16, p + 32, qp.gid.begin());
     const std::string where = "verbs: " + std::string(what) + " blob entry " + std::to_string(i);
+    if (std::all_of(p, p + kQpEntry, [](uint8_t b) { return b == 0; })) {
+      qp = QpAddress::Absent();  // a rail without a QP
+      continue;
+    }
     // QP numbers 0 and 1 are the management QPs; numbers and PSNs are 24-bit on the wire.
     if (qp.qp_num < 2 || qp.qp_num > 0xffffff) {
       return Status::InvalidArgument(where + ": qp_num " + std::to_string(qp.qp_num) +
-                                     " out of range [2, 16777215]");
+                                     " out of range [2, 16777215] (an entry of zero bytes marks a "
+                                     "rail without a QP)");
     }
     if (qp.psn > 0xffffff) {
       return Status::InvalidArgument(where + ": psn " + std::to_string(qp.psn) +

@@ -28,8 +28,9 @@ namespace verbs {
 inline constexpr uint32_t kEndpointMagic = 0x45564450;  // "PDVE"
 inline constexpr uint32_t kReplyMagic = 0x52564450;     // "PDVR"
 inline constexpr uint32_t kKeyMagic = 0x4b564450;       // "PDVK"
-// Version 2: QP entries carry rd_atomic (RDMA reads, issue #29).
-inline constexpr uint16_t kWireVersion = 2;
+// Version 2: QP entries carry rd_atomic (RDMA reads, issue #29). Version 3: an entry of all zero
+// bytes is a device (rail) without a QP, its port not ACTIVE when the connection was made.
+inline constexpr uint16_t kWireVersion = 3;
 
 // How the peer reaches one RC QP.
 struct QpAddress {
@@ -44,6 +45,13 @@ struct QpAddress {
   uint8_t rd_atomic = 1;
   std::array<uint8_t, 16> gid{};
   friend bool operator==(const QpAddress&, const QpAddress&) = default;
+  // The entry of a rail that has no QP in this connection (encoded as zero bytes).
+  static QpAddress Absent() {
+    QpAddress none;
+    none.rd_atomic = 0;
+    return none;
+  }
+  bool absent() const { return qp_num == 0; }
 };
 
 spi::Blob EncodeQpAddresses(uint32_t magic, const std::vector<QpAddress>& qps);

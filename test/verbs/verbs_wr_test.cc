@@ -409,6 +409,17 @@ TEST_CASE("verbs wire: QP addresses round-trip") {
   REQUIRE(decoded->size() == 2);
   CHECK((*decoded)[0] == a);
   CHECK((*decoded)[1] == b);
+  // A rail without a QP (its port was down) is an entry of zero bytes, between live ones.
+  const auto with_absent = EncodeQpAddresses(kEndpointMagic, {a, QpAddress::Absent(), b});
+  CHECK(std::all_of(with_absent.begin() + 8 + 32, with_absent.begin() + 8 + 64,
+                    [](uint8_t byte) { return byte == 0; }));
+  auto three = DecodeQpAddresses(with_absent, kEndpointMagic, "endpoint");
+  REQUIRE(three.ok());
+  REQUIRE(three->size() == 3);
+  CHECK((*three)[0] == a);
+  CHECK((*three)[1].absent());
+  CHECK_FALSE((*three)[0].absent());
+  CHECK((*three)[2] == b);
   // A reply is not an endpoint, and the other way round.
   auto wrong = DecodeQpAddresses(blob, kReplyMagic, "reply");
   REQUIRE_FALSE(wrong.ok());
@@ -489,6 +500,8 @@ TEST_CASE("verbs options: defaults and every option") {
   CHECK(d->signal_every == 32);
   CHECK(d->timeout == 14);
   CHECK(d->retry_cnt == 7);
+  CHECK(d->rail_stall_ms == 3000);
+  CHECK(d->rail_retry_ms == 1000);
 
   o.options = {{"verbs.devices", "mlx5_0, mlx5_1:2"},
                {"verbs.gid_index", "3"},
@@ -502,6 +515,8 @@ TEST_CASE("verbs options: defaults and every option") {
                {"verbs.timeout", "10"},
                {"verbs.retry_cnt", "3"},
                {"verbs.traffic_class", "106"},
+               {"verbs.rail_stall_ms", "0"},
+               {"verbs.rail_retry_ms", "250"},
                {"ucx.tls", "shm"}};  // other backends' options are not ours to judge
   auto v = ParseVerbsOptions(o);
   REQUIRE(v.ok());
@@ -521,6 +536,8 @@ TEST_CASE("verbs options: defaults and every option") {
   CHECK(v->timeout == 10);
   CHECK(v->retry_cnt == 3);
   CHECK(v->traffic_class == 106);
+  CHECK(v->rail_stall_ms == 0);
+  CHECK(v->rail_retry_ms == 250);
 }
 
 TEST_CASE("verbs options: retry_cnt 7 becomes 6 on Soft-RoCE only (rxe retries forever at 7)") {
