@@ -238,9 +238,8 @@ Outcome Request(Rank& p, Rank& d, uint16_t port, uint64_t room, uint8_t stamp,
   auto s = p.manager->CreateSender(room);
   auto r = d.manager->CreateReceiver({"127.0.0.1", port}, room);
   REQUIRE((s.ok() && r.ok()));
-  REQUIRE(WaitFor([&] {
-    return (*r)->Poll() == KVPoll::kWaitingForInput || (*r)->Poll() == KVPoll::kFailed;
-  }));
+  REQUIRE(WaitFor(
+      [&] { return (*r)->Poll() == KVPoll::kWaitingForInput || (*r)->Poll() == KVPoll::kFailed; }));
   Outcome out;
   if ((*r)->Poll() == KVPoll::kWaitingForInput) {
     pdlib::ReceiveRequest req;
@@ -257,9 +256,8 @@ Outcome Request(Rank& p, Rank& d, uint16_t port, uint64_t room, uint8_t stamp,
       (void)(*s)->Send(src, true);
     }
   }
-  REQUIRE(WaitFor([&] {
-    return pdlib::IsTerminal((*s)->Poll()) && pdlib::IsTerminal((*r)->Poll());
-  }));
+  REQUIRE(
+      WaitFor([&] { return pdlib::IsTerminal((*s)->Poll()) && pdlib::IsTerminal((*r)->Poll()); }));
   out.prefill = (*s)->Poll();
   out.decode = (*r)->Poll();
   out.decode_reason = (*r)->FailureReason();
@@ -281,8 +279,8 @@ Outcome Request(Rank& p, Rank& d, uint16_t port, uint64_t room, uint8_t stamp,
 TEST_CASE("peer failure: a failed transport connection is replaced and the next request works") {
   g_plane = GENERATE(pdlib::ControlPlane::kInProcess, pdlib::ControlPlane::kGrpc);
   const TransferDirection direction = GENERATE(TransferDirection::kPush, TransferDirection::kPull);
-  INFO("control plane " << (g_plane == pdlib::ControlPlane::kGrpc ? "grpc" : "in-process")
-                        << ", " << (direction == TransferDirection::kPush ? "push" : "pull"));
+  INFO("control plane " << (g_plane == pdlib::ControlPlane::kGrpc ? "grpc" : "in-process") << ", "
+                        << (direction == TransferDirection::kPush ? "push" : "pull"));
   const uint16_t port = NextPort();
   Rank p, d;
   Start(p, pdlib::Mode::kPrefill, port, direction);

@@ -269,18 +269,35 @@ StatusOr<QpPtr> CreateRcQp(Device& device) {
                                      std::to_string(device.limits.max_sge) +
                                      " SGEs) failed: " + ErrnoText(errno));
   }
+  if (Status s = MoveToInit(qp.get(), device); !s.ok()) return s;
+  return qp;
+}
+
+Status MoveToInit(ibv_qp* qp, const Device& device) {
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_INIT;
   attr.pkey_index = 0;
   attr.port_num = device.port;
   attr.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
-  if (int rc = ibv_modify_qp(qp.get(), &attr,
+  if (int rc = ibv_modify_qp(qp, &attr,
                              IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
       rc != 0) {
     return Status::Internal("verbs: moving a QP on " + device.label() +
                             " to INIT failed: " + ErrnoText(rc));
   }
-  return qp;
+  return Status::OK();
+}
+
+Status ResetRcQp(ibv_qp* qp, const Device& device, const QpAddress& remote, uint32_t local_psn,
+                 const VerbsOptions& options) {
+  ibv_qp_attr attr{};
+  attr.qp_state = IBV_QPS_RESET;
+  if (int rc = ibv_modify_qp(qp, &attr, IBV_QP_STATE); rc != 0) {
+    return Status::Internal("verbs: resetting QP " + std::to_string(qp->qp_num) + " on " +
+                            device.label() + " failed: " + ErrnoText(rc));
+  }
+  if (Status s = MoveToInit(qp, device); !s.ok()) return s;
+  return ConnectRcQp(qp, device, remote, local_psn, options);
 }
 
 QpAddress LocalAddress(const Device& device, const ibv_qp& qp, uint32_t psn) {

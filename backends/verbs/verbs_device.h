@@ -79,6 +79,12 @@ uint8_t RcRetryCount(const Device& device, const VerbsOptions& options);
 // Errors name the step.
 Status ConnectRcQp(ibv_qp* qp, const Device& device, const QpAddress& remote, uint32_t local_psn,
                    const VerbsOptions& options);
+// RESET -> INIT on `device`, as CreateRcQp leaves a new QP.
+Status MoveToInit(ibv_qp* qp, const Device& device);
+// Any state -> RESET (outstanding requests are dropped) -> INIT -> RTR -> RTS again, towards the
+// same `remote` from the same `local_psn`: a standby QP whose probe failed (see VerbsTransport).
+Status ResetRcQp(ibv_qp* qp, const Device& device, const QpAddress& remote, uint32_t local_psn,
+                 const VerbsOptions& options);
 
 // Registers `region` on `device` for local access and remote writes and reads. Host memory uses
 // ibv_reg_mr; CUDA memory uses ibv_reg_dmabuf_mr when pdlib is built with CUDA, else (or when

@@ -35,8 +35,9 @@
 //   verbs.traffic_class      IP traffic class / DSCP<<2 of RoCE packets (default 0)
 //   verbs.rail_stall_ms      a QP with requests outstanding and no completion for this long
 //                            fails as a dead rail (default 3000; 0: never)
-//   verbs.rail_retry_ms      a rail (device) whose QP failed while others lived is left out of
-//                            new connections for this long (default 1000), then tried again
+//   verbs.rail_retry_ms      a rail (device) whose QP failed while others lived is probed
+//                            through its standby QP this often (default 1000) and rejoins when a
+//                            probe is answered; new connections leave it out for this long
 //   verbs.sysfs_root         where the topology is read (default /sys; tests point it at a tree)
 #ifndef PDLIB_BACKENDS_VERBS_VERBS_OPTIONS_H_
 #define PDLIB_BACKENDS_VERBS_VERBS_OPTIONS_H_

@@ -46,6 +46,7 @@ void VerbsTransport::ProgressLoop() {
     if (now_ >= next_async_check_) {
       HandleAsyncEvents();
       CheckStalledPairs();
+      CheckRejoins();
       next_async_check_ = now_ + kAsyncCheckPeriod;
     }
     if (idle.ShouldSleep(now_, worked)) Sleep();
@@ -222,6 +223,7 @@ void VerbsTransport::HandleCompletion(const ibv_wc& wc) {
   if (peer_it == peer_states_.end()) return;
   PeerState& peer = *peer_it->second;
   PairState& pair = *peer.pairs[owner->second.second];
+  if (pair.probe_uid != 0 && uid == pair.probe_uid) return OnProbeCompletion(peer, pair, wc, seq);
   // RC completes a QP's requests in order: this one retires every earlier one too.
   device_outstanding_[pair.device] -= pair.budget.Retire(seq);
   pair.last_progress = now_;
@@ -276,11 +278,128 @@ void VerbsTransport::FailPair(PeerState& peer, PairState& pair, const Status& st
   // Their parts here end once the QP flushed what it had outstanding (nothing of it can still
   // execute then), or kDrainGrace later: ReleaseDeadPair.
   pair.dead_since = now_;
+  pair.probe_at = now_ + std::chrono::milliseconds(options_.rail_retry_ms);
   for (Batch* batch : hit) {
     batch->Fail(status);
     pair.dead_batches.push_back(batch);
   }
   ReleaseDeadPair(peer, pair);
+}
+
+void VerbsTransport::CheckRejoins() {
+  const auto retry = std::chrono::milliseconds(options_.rail_retry_ms);
+  const auto stall = std::chrono::milliseconds(std::max<uint32_t>(options_.rail_stall_ms, 1000));
+  for (auto& [id, peer] : peer_states_) {
+    if (!peer->failure.ok()) continue;
+    for (auto& owned : peer->pairs) {
+      PairState& pair = *owned;
+      if (!pair.dead || !pair.standby) continue;
+      const Device& device = *devices_[pair.device];
+      if (pair.probing) {
+        // Unanswered: stop it (its flush, or nothing, comes back as a stale generation) and
+        // reset the standby before the next one.
+        if (now_ - pair.probe_sent < stall) continue;
+        pair.probing = false;
+        pair.probe_reset = true;
+        --device_outstanding_[pair.device];
+        pair.probe_at = now_ + retry;
+        PDLIB_LOG(kInfo, "verbs: probe of rail %s to peer %d unanswered after %d ms",
+                  device.label(), id, static_cast<int>(stall.count()));
+        continue;
+      }
+      if (now_ < pair.probe_at) continue;
+      pair.probe_at = now_ + retry;
+      // The failed QP's requests flush first (its batches are released then).
+      if (!pair.dead_batches.empty()) continue;
+      if (!PortActive(device).ok()) continue;
+      std::optional<std::pair<uint64_t, uint32_t>> target;  // a remote address and its rkey
+      {
+        MutexLock lock(&mu_);
+        if (PeerEntry* entry = peers_.Find(id)) {
+          for (const RemoteRegionEntry& r : entry->regions) {
+            if (r.length > 0 && pair.index < r.rkeys.size()) {
+              target.emplace(r.addr, r.rkeys[pair.index]);
+              break;
+            }
+          }
+        }
+      }
+      if (!target) continue;  // nothing imported yet to read a byte of
+      if (pair.probe_reset) {
+        if (Status s = ResetRcQp(pair.standby.get(), device, pair.standby_remote, pair.standby_psn,
+                                 options_);
+            !s.ok()) {
+          PDLIB_LOG(kWarning, "verbs: rail %s to peer %d cannot rejoin: %s", device.label(), id,
+                    s.ToString());
+          pair.standby.reset();
+          continue;
+        }
+        pair.probe_reset = false;
+      }
+      // One byte of the peer's memory read into our landing word: nothing changes there, and a
+      // READ the peer already served is served again (the same PSN after a reset).
+      ibv_sge sge{reinterpret_cast<uint64_t>(&probe_landing_[pair.device]), 1,
+                  probe_mrs_[pair.device]->lkey};
+      ibv_send_wr wr{};
+      wr.wr_id = WrId(pair.probe_uid, ++pair.probe_gen & kSeqMask);
+      wr.sg_list = &sge;
+      wr.num_sge = 1;
+      wr.opcode = IBV_WR_RDMA_READ;
+      wr.send_flags = IBV_SEND_SIGNALED;
+      wr.wr.rdma.remote_addr = target->first;
+      wr.wr.rdma.rkey = target->second;
+      ibv_send_wr* bad = nullptr;
+      if (int rc = ibv_post_send(pair.standby.get(), &wr, &bad); rc != 0) {
+        pair.probe_reset = true;
+        continue;
+      }
+      pair.probing = true;
+      pair.probe_sent = now_;
+      ++device_outstanding_[pair.device];
+    }
+  }
+}
+
+void VerbsTransport::OnProbeCompletion(PeerState& peer, PairState& pair, const ibv_wc& wc,
+                                       uint64_t seq) {
+  if (!pair.probing || seq != (pair.probe_gen & kSeqMask)) return;  // stale: already written off
+  pair.probing = false;
+  --device_outstanding_[pair.device];
+  if (!peer.failure.ok() || !pair.dead) return;
+  if (wc.status == IBV_WC_SUCCESS) return Rejoin(peer, pair);
+  pair.probe_reset = true;  // the standby is in the error state now
+  PDLIB_LOG(kInfo, "verbs: probe of rail %s to peer %d failed ('%s'); again in %d ms",
+            devices_[pair.device]->label(), peer.id, ibv_wc_status_str(wc.status),
+            static_cast<int>(options_.rail_retry_ms));
+}
+
+void VerbsTransport::Rejoin(PeerState& peer, PairState& pair) {
+  const Device& device = *devices_[pair.device];
+  // The failed QP goes: whatever it still had outstanding is written off, its uid forgotten (a
+  // late completion of it finds nothing).
+  device_outstanding_[pair.device] -= pair.budget.outstanding();
+  pair_owner_.erase(pair.uid);
+  pair_owner_.erase(pair.probe_uid);
+  pair.qp = std::move(pair.standby);
+  pair.uid = next_pair_uid_++;
+  pair.probe_uid = 0;
+  pair_owner_[pair.uid] = {peer.id, pair.index};
+  pair.budget = SendQueueBudget(device.sq_depth, options_.signal_every,
+                                ReadDepth(device.initiator_depth, pair.standby_remote.rd_atomic));
+  pair.errored = false;
+  pair.dead = false;
+  pair.last_progress = now_;
+  const auto down_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(now_ - pair.dead_since).count();
+  {
+    MutexLock lock(&mu_);
+    if (PeerEntry* entry = peers_.Find(peer.id)) entry->live_pairs.push_back(pair.index);
+    rail_retry_at_[pair.device] = Clock::time_point{};
+  }
+  PDLIB_LOG(kWarning,
+            "verbs: rail %s of peer %d is back after %d ms (its standby QP %d answered); it "
+            "rejoins the stripe (a second failure of it stays out of this connection)",
+            device.label(), peer.id, static_cast<int>(down_ms), pair.qp->qp_num);
 }
 
 void VerbsTransport::ReleaseDeadPair(PeerState& peer, PairState& pair) {
@@ -349,6 +468,11 @@ void VerbsTransport::FailPeer(PeerState& peer, const Status& status) {
     pair->to_post.clear();
     pair->batch_ends.clear();
     pair->dead_batches.clear();  // completed below with the rest
+    if (pair->probing) {
+      pair->probing = false;
+      --device_outstanding_[pair->device];
+    }
+    pair->standby.reset();  // never used: nothing of it can land
   }
   for (auto& batch : peer.batches.TakeAll()) {
     batch->Fail(status);
@@ -379,6 +503,7 @@ bool VerbsTransport::ReapPeers(Clock::time_point now) {
       }
       device_outstanding_[pair->device] -= pair->budget.outstanding();
       pair_owner_.erase(pair->uid);
+      if (pair->probe_uid != 0) pair_owner_.erase(pair->probe_uid);
       pair->qp.reset();
       changed = true;
     }

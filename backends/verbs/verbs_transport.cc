@@ -59,6 +59,16 @@ StatusOr<std::unique_ptr<VerbsTransport>> VerbsTransport::Create(
 }
 
 Status VerbsTransport::Init() {
+  probe_landing_.assign(devices_.size(), 0);
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    MrPtr mr(ibv_reg_mr(devices_[i]->pd.get(), &probe_landing_[i], sizeof(uint64_t),
+                        IBV_ACCESS_LOCAL_WRITE));
+    if (!mr) {
+      return Status::Internal("verbs: registering the probe buffer on " + devices_[i]->label() +
+                              " failed: " + ErrnoText(errno));
+    }
+    probe_mrs_.push_back(std::move(mr));
+  }
   std::vector<int> fds;
   for (const auto& d : devices_) {
     fds.push_back(d->channel->fd);
@@ -151,23 +161,27 @@ Status VerbsTransport::DeregisterMemory(spi::LocalRegionId region) {
 }
 
 StatusOr<spi::TargetEndpoint> VerbsTransport::CreateTargetEndpoint() {
+  // Two QPs per rail: entry d is the rail's primary, n + d its standby (a rail that fails
+  // rejoins on it, see FailPair). A rail whose port is not ACTIVE now has neither.
+  const size_t n = devices_.size();
   TargetEntry entry;
-  std::vector<QpAddress> addresses;
-  std::string down;  // rails left out: their ports are not ACTIVE now
-  for (const auto& device : devices_) {
-    if (Status active = PortActive(*device); !active.ok()) {
+  std::vector<QpAddress> addresses(2 * n, QpAddress::Absent());
+  entry.qps.resize(2 * n);
+  entry.psns.assign(2 * n, 0);
+  std::string down;  // rails left out
+  for (size_t d = 0; d < n; ++d) {
+    Device& device = *devices_[d];
+    if (Status active = PortActive(device); !active.ok()) {
       down += (down.empty() ? "" : "; ") + std::string(active.message());
-      addresses.push_back(QpAddress::Absent());
-      entry.qps.emplace_back();
-      entry.psns.push_back(0);
       continue;
     }
-    auto qp = CreateRcQp(*device);
-    if (!qp.ok()) return qp.status();
-    const uint32_t psn = RandomPsn();
-    addresses.push_back(LocalAddress(*device, **qp, psn));
-    entry.qps.push_back(std::move(*qp));
-    entry.psns.push_back(psn);
+    for (size_t i : {d, n + d}) {
+      auto qp = CreateRcQp(device);
+      if (!qp.ok()) return qp.status();
+      entry.psns[i] = RandomPsn();
+      addresses[i] = LocalAddress(device, **qp, entry.psns[i]);
+      entry.qps[i] = std::move(*qp);
+    }
   }
   if (down.size() > 0) {
     if (std::none_of(entry.qps.begin(), entry.qps.end(), [](const QpPtr& qp) { return !!qp; })) {
@@ -199,7 +213,8 @@ Status VerbsTransport::CompleteTargetEndpoint(spi::TargetId target, const spi::B
   for (size_t i = 0; i < entry.qps.size(); ++i) {
     // A rail either side left out; the initiator leaves out the ones this side did.
     if (!entry.qps[i] || (*remote)[i].absent()) continue;
-    Status s = ConnectRcQp(entry.qps[i].get(), *devices_[i], (*remote)[i], entry.psns[i], options_);
+    Status s = ConnectRcQp(entry.qps[i].get(), *devices_[i % devices_.size()], (*remote)[i],
+                           entry.psns[i], options_);
     if (!s.ok()) return s.WithPrefix("target endpoint " + std::to_string(target));
   }
   entry.connected = true;
@@ -231,10 +246,10 @@ Status VerbsTransport::FenceTarget(spi::TargetId target) {
     attr.qp_state = IBV_QPS_ERR;
     if (int rc = ibv_modify_qp(entry.qps[i].get(), &attr, IBV_QP_STATE); rc != 0) {
       if (first_error.ok()) {
-        first_error =
-            Status::Internal("verbs: fencing target endpoint " + std::to_string(target) +
-                             ": moving QP " + std::to_string(entry.qps[i]->qp_num) + " on " +
-                             devices_[i]->label() + " to the error state failed: " + ErrnoText(rc));
+        first_error = Status::Internal("verbs: fencing target endpoint " + std::to_string(target) +
+                                       ": moving QP " + std::to_string(entry.qps[i]->qp_num) +
+                                       " on " + devices_[i % devices_.size()]->label() +
+                                       " to the error state failed: " + ErrnoText(rc));
       }
     }
   }
@@ -248,14 +263,21 @@ Status VerbsTransport::FenceTarget(spi::TargetId target) {
 StatusOr<spi::Connection> VerbsTransport::Connect(const spi::Blob& target_endpoint) {
   auto remote = DecodeQpAddresses(target_endpoint, kEndpointMagic, "endpoint");
   if (!remote.ok()) return remote.status();
+  // Entry k < m is the target's rail k primary QP, m + k its standby (CreateTargetEndpoint);
+  // the reply has the same shape.
+  if (remote->size() % 2 != 0) {
+    return Status::InvalidArgument("verbs: endpoint blob has " + std::to_string(remote->size()) +
+                                   " QPs: a primary and a standby per rail expected");
+  }
+  const size_t m = remote->size() / 2;
   auto state = std::make_unique<PeerState>();
   PeerEntry entry;
-  std::vector<QpAddress> reply;
-  // Which pairs get a QP: both ports ACTIVE, and not a rail that failed within
+  std::vector<QpAddress> reply(2 * m, QpAddress::Absent());
+  // Which pairs get QPs: both ports ACTIVE, and not a rail that failed within
   // verbs.rail_retry_ms (unless every usable rail did: then those are tried again at once).
-  std::vector<Status> usable(remote->size());
-  for (size_t k = 0; k < remote->size(); ++k) {
-    usable[k] = (*remote)[k].absent()
+  std::vector<Status> usable(m);
+  for (size_t k = 0; k < m; ++k) {
+    usable[k] = (*remote)[k].absent() || (*remote)[m + k].absent()
                     ? Status::Unavailable("the peer's rail " + std::to_string(k) + " is down")
                     : PortActive(*devices_[k % devices_.size()]);
   }
@@ -280,32 +302,36 @@ StatusOr<spi::Connection> VerbsTransport::Connect(const spi::Blob& target_endpoi
     }
   }
   std::string down;  // rails left out
-  for (size_t k = 0; k < remote->size(); ++k) {
+  for (size_t k = 0; k < m; ++k) {
     const size_t d = k % devices_.size();
     Device& device = *devices_[d];
     entry.pair_device.push_back(d);
-    if (const Status& active = usable[k]; !active.ok()) {
-      // A pair without a QP keeps the indices (the peer's rkeys are by its rail): nothing is
-      // striped onto it.
-      down += (down.empty() ? "" : "; ") + std::string(active.message());
-      reply.push_back(QpAddress::Absent());
-      auto pair = std::make_unique<PairState>();
-      pair->index = k;
-      pair->device = d;
-      state->pairs.push_back(std::move(pair));
-      continue;
-    }
-    auto qp = CreateRcQp(device);
-    if (!qp.ok()) return qp.status();
-    const uint32_t psn = RandomPsn();
-    if (Status s = ConnectRcQp(qp->get(), device, (*remote)[k], psn, options_); !s.ok()) {
-      return s.WithPrefix("connecting to the peer's QP " + std::to_string(k));
-    }
-    reply.push_back(LocalAddress(device, **qp, psn));
     auto pair = std::make_unique<PairState>();
     pair->index = k;
     pair->device = d;
-    pair->qp = std::move(*qp);
+    if (const Status& active = usable[k]; !active.ok()) {
+      // A pair without QPs keeps the indices (the peer's rkeys are by its rail): nothing is
+      // striped onto it.
+      down += (down.empty() ? "" : "; ") + std::string(active.message());
+      state->pairs.push_back(std::move(pair));
+      continue;
+    }
+    for (size_t i : {k, m + k}) {
+      auto qp = CreateRcQp(device);
+      if (!qp.ok()) return qp.status();
+      const uint32_t psn = RandomPsn();
+      if (Status st = ConnectRcQp(qp->get(), device, (*remote)[i], psn, options_); !st.ok()) {
+        return st.WithPrefix("connecting to the peer's QP " + std::to_string(i));
+      }
+      reply[i] = LocalAddress(device, **qp, psn);
+      if (i == k) {
+        pair->qp = std::move(*qp);
+      } else {
+        pair->standby = std::move(*qp);
+        pair->standby_psn = psn;
+        pair->standby_remote = (*remote)[i];
+      }
+    }
     pair->budget = SendQueueBudget(device.sq_depth, options_.signal_every,
                                    ReadDepth(device.initiator_depth, (*remote)[k].rd_atomic));
     state->pairs.push_back(std::move(pair));
@@ -316,7 +342,7 @@ StatusOr<spi::Connection> VerbsTransport::Connect(const spi::Blob& target_endpoi
   }
   if (!down.empty()) {
     PDLIB_LOG(kWarning, "verbs: connecting over %d of %d rails: %s",
-              static_cast<int>(entry.live_pairs.size()), static_cast<int>(remote->size()), down);
+              static_cast<int>(entry.live_pairs.size()), static_cast<int>(m), down);
   }
   spi::PeerId id = 0;
   {
@@ -327,11 +353,14 @@ StatusOr<spi::Connection> VerbsTransport::Connect(const spi::Blob& target_endpoi
     // batch posted to it.
     auto shared = std::shared_ptr<PeerState>(std::move(state));
     const bool queued = progress_.Post([this, shared] {
-      for (auto& pair : shared->pairs) {
-        pair->uid = next_pair_uid_++;
-      }
       for (size_t k = 0; k < shared->pairs.size(); ++k) {
-        pair_owner_[shared->pairs[k]->uid] = {shared->id, k};
+        PairState& pair = *shared->pairs[k];
+        pair.uid = next_pair_uid_++;
+        pair_owner_[pair.uid] = {shared->id, k};
+        if (pair.standby) {
+          pair.probe_uid = next_pair_uid_++;
+          pair_owner_[pair.probe_uid] = {shared->id, k};
+        }
       }
       const spi::PeerId peer_id = shared->id;
       auto owned = std::make_unique<PeerState>(std::move(*shared));

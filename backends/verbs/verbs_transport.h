@@ -171,6 +171,19 @@ class VerbsTransport final : public spi::Transport {
     bool errored = false;  // moved to the error state: drained, then destroyed
     bool dead = false;     // this rail failed alone (FailPair): nothing more is posted on it
     Clock::time_point last_progress;  // last completion, or the post that made it busy
+    // The rail's standby QP, connected with the primary and idle until the rail fails: then it
+    // is probed (a 1-byte RDMA READ) every verbs.rail_retry_ms while the local port is ACTIVE,
+    // and an answered probe makes it the pair's QP (the rail rejoins). A failed probe resets it
+    // towards the same peer QP from the same PSN, so the peer sees at most a repeated READ.
+    QpPtr standby;
+    QpAddress standby_remote;
+    uint32_t standby_psn = 0;
+    uint32_t probe_uid = 0;      // the standby's wr_id uid; the seq bits carry probe_gen
+    uint64_t probe_gen = 0;      // completions of older probes are stale
+    bool probing = false;        // a probe is posted and not completed
+    bool probe_reset = false;    // the standby must be reset before the next probe
+    Clock::time_point probe_at;  // the next probe, while dead with a standby
+    Clock::time_point probe_sent;
     Clock::time_point dead_since;
     std::vector<Batch*> dead_batches;  // failed with this rail: their parts here end on its flush
   };
@@ -202,6 +215,11 @@ class VerbsTransport final : public spi::Transport {
   void FailPeer(PeerState& peer, const Status& status);
   void FailPair(PeerState& peer, PairState& pair, const Status& status);
   void CheckStalledPairs();
+  // Dead pairs with a standby: probe it when due, give up on an unanswered probe.
+  void CheckRejoins();
+  void OnProbeCompletion(PeerState& peer, PairState& pair, const ibv_wc& wc, uint64_t seq);
+  // The standby answered: it becomes the pair's QP and the rail rejoins the stripe.
+  void Rejoin(PeerState& peer, PairState& pair);
   void ReleaseDeadPair(PeerState& peer, PairState& pair);
   void ErrorQp(PairState& pair);
   bool ReapPeers(Clock::time_point now);
@@ -239,6 +257,9 @@ class VerbsTransport final : public spi::Transport {
   uint32_t next_pair_uid_ = 1;
   uint64_t last_seq_ = 0;
   std::vector<uint64_t> device_outstanding_;  // requests posted and not retired, by device
+  // By device: where a probe READ lands (8 bytes, never read), registered for local writes.
+  std::vector<uint64_t> probe_landing_;
+  std::vector<MrPtr> probe_mrs_;
   // Callbacks and Disconnect waiters, run at the loop's safe point.
   toolkit::Completions<Batch> completions_;
   Clock::time_point now_;

@@ -41,3 +41,12 @@ decode_nics=$(seq -s, -f 'rxb%g' 0 "$cut")
   --requests 400 --warmup 2 --concurrency 1 --pool-bytes 16m --progress-every 0 --verify \
   --failures_ok --json "${@:3}"
 wait
+# Soft-RoCE's own counters of every rail (retransmissions, sequence errors).
+for dev in $(seq -f "rxa%g" 0 "$cut") $(seq -f "rxb%g" 0 "$cut"); do
+  counters=/sys/class/infiniband/$dev/ports/1/hw_counters
+  [ -d "$counters" ] || continue
+  echo "rail_fault.sh: $dev:" $(for f in "$counters"/*; do
+    v=$(cat "$f" 2>/dev/null || echo ?)
+    [ "$v" = 0 ] || printf '%s=%s ' "$(basename "$f")" "$v"
+  done) >&2
+done
