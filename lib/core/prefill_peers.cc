@@ -285,8 +285,6 @@ void PrefillCore::SendDrained(uint64_t session, std::vector<uint64_t> rooms) {
                      std::move(rooms)});
 }
 
-// Drops the transport peers of ended decode connections once their rooms' writes are resolved,
-// or at their deadline, failing the rooms still waiting.
 // A failed transport peer never recovers, and decode, whose control stream is still up, would go
 // on sending this session's TransferInfos: every later request would fail with the old reason.
 // The stream is closed instead; decode drops the connection and registers again (a fresh endpoint,
@@ -322,6 +320,8 @@ void PrefillCore::ReplaceFailedPeers() {
   }
 }
 
+// Drops the transport peers of ended decode connections once their rooms' writes are resolved,
+// or at their deadline, failing the rooms still waiting.
 void PrefillCore::DrainPeers(absl::Time now) {
   std::vector<DrainingPeer> pending, done;
   {
