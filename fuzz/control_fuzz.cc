@@ -129,9 +129,13 @@ class CountingLink final : public DecodeLink {
   void SendDrained(const RoomsDrainedMsg& msg) override {
     drained_.fetch_add(msg.rooms.size(), std::memory_order_relaxed);
   }
+  void Close(const Status& reason) override {
+    (void)reason;
+    closed_.fetch_add(1, std::memory_order_relaxed);
+  }
 
  private:
-  std::atomic<uint64_t> ok_{0}, failed_{0}, drained_{0};
+  std::atomic<uint64_t> ok_{0}, failed_{0}, drained_{0}, closed_{0};
 };
 
 // One decode rank of the deployment, as the stream it opens to prefill.

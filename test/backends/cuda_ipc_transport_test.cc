@@ -711,16 +711,25 @@ TEST_CASE("cuda_ipc [gpu] across processes: writes through an opened IPC handle"
   }
   close(to_child[0]);
   close(from_child[1]);
-  FILE* out = fdopen(from_child[0], "r");
-  // Lines starting "BLOB " are the child's; Catch2's own output is skipped.
+  // Lines starting "BLOB " are the child's; Catch2's own output is skipped. The child's stdout is
+  // one buffer (Catch's "Filters:" line and the blobs arrive in one read), so lines are split here
+  // from what was read, and poll() waits only when no whole line is left.
+  std::string pending;
   auto next_blob = [&]() -> std::string {
-    char buf[8192];
     while (true) {
+      const size_t eol = pending.find('\n');
+      if (eol != std::string::npos) {
+        const std::string line = pending.substr(0, eol);
+        pending.erase(0, eol + 1);
+        if (line.rfind("BLOB ", 0) == 0) return line.substr(5);
+        continue;
+      }
       pollfd p{from_child[0], POLLIN, 0};
       if (poll(&p, 1, 60000) <= 0) return "TIMEOUT";
-      if (std::fgets(buf, sizeof(buf), out) == nullptr) return "EOF";
-      std::string line(buf);
-      if (line.rfind("BLOB ", 0) == 0) return line.substr(5, line.find_last_not_of("\n") - 4);
+      char buf[8192];
+      const ssize_t n = read(from_child[0], buf, sizeof(buf));
+      if (n <= 0) return "EOF";
+      pending.append(buf, static_cast<size_t>(n));
     }
   };
   std::string ep_line = next_blob();
@@ -757,7 +766,7 @@ TEST_CASE("cuda_ipc [gpu] across processes: writes through an opened IPC handle"
   initiator->Disconnect(conn->peer);  // closes the IPC mapping
   int status = 0;
   waitpid(pid, &status, 0);
-  fclose(out);
+  close(from_child[0]);
   close(to_child[1]);
   initiator.reset();
   cudaFree(src_dev);
