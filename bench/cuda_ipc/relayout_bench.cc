@@ -70,6 +70,7 @@ struct Pool {
       BENCH_CUDA(cudaMemset(p, i + 1, bytes));
       buffers.push_back(p);
     }
+    BENCH_CUDA(cudaDeviceSynchronize());  // the kernels run on a non-blocking stream
   }
   ~Pool() {
     for (void* p : buffers) (void)cudaFree(p);
@@ -85,6 +86,7 @@ struct Pool {
   }
   void Clear() const {
     for (void* p : buffers) BENCH_CUDA(cudaMemset(p, 0, buffer_bytes));
+    BENCH_CUDA(cudaDeviceSynchronize());
   }
 };
 
@@ -206,6 +208,7 @@ int Main() {
   BENCH_CUDA(cudaMalloc(&flat_src, request_bytes));
   BENCH_CUDA(cudaMalloc(&flat_dst, request_bytes));
   BENCH_CUDA(cudaMemset(flat_src, 7, request_bytes));
+  BENCH_CUDA(cudaDeviceSynchronize());
   double memcpy_runs = 0;
   double memcpy_flat = 0;
   for (Case& c : cases) {

@@ -46,7 +46,9 @@ CudaBuffer::~CudaBuffer() {
 
 std::string CudaCopyToDevice(int device, void* dst, const void* src, uint64_t bytes) {
   if (std::string e = SetDevice(device); !e.empty()) return e;
-  const cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
+  // Synchronised: the transports copy on non-blocking streams, which do not wait for this one.
+  cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
   return e == cudaSuccess ? "" : Error("cudaMemcpy host to device", e);
 }
 

@@ -555,6 +555,8 @@ void* DeviceCopyOf(const std::vector<uint8_t>& host, uint64_t pad = 0) {
   REQUIRE(cudaMemset(p, 0, host.size() + pad) == cudaSuccess);
   REQUIRE(cudaMemcpy(static_cast<uint8_t*>(p) + pad, host.data(), host.size(),
                      cudaMemcpyHostToDevice) == cudaSuccess);
+  // The transport copies on a non-blocking stream, which does not wait for these.
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   return p;
 }
 

@@ -50,6 +50,10 @@ void CheckBatches(bool aligned, uint64_t seed) {
   const std::vector<uint8_t> fill = RandomBytes(rng, kSize);
   DeviceBuffer dsrc(kSize), ddst(kSize);
   REQUIRE(cudaMemcpy(dsrc.ptr, src.data(), kSize, cudaMemcpyHostToDevice) == cudaSuccess);
+  // The copier's stream is non-blocking: it does not wait for the legacy stream's copies, and a
+  // copy from pageable memory may return before its bytes landed (seen on an H200: round 27 read a
+  // byte of `fill` that landed after the kernel). Every setup copy is synchronised first.
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   cudaStream_t stream = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
   for (int round = 0; round < 40; ++round) {
@@ -65,6 +69,7 @@ void CheckBatches(bool aligned, uint64_t seed) {
     ExecuteOnCpu(descs);
     // The same batch on the GPU; `descs` is overwritten at once to show Enqueue kept its copy.
     REQUIRE(cudaMemcpy(ddst.ptr, fill.data(), kSize, cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CoalesceCopies(Rebase(copies, dsrc.addr(), ddst.addr()), &descs);
     REQUIRE(copier->Enqueue(descs, stream).ok());
     std::fill(descs.begin(), descs.end(), CopyDesc{});
@@ -96,6 +101,7 @@ TEST_CASE("gather copy: many batches in flight on two streams reuse the ring saf
   DeviceBuffer dsrc(src.size()), ddst(src.size());
   REQUIRE(cudaMemcpy(dsrc.ptr, src.data(), src.size(), cudaMemcpyHostToDevice) == cudaSuccess);
   REQUIRE(cudaMemset(ddst.ptr, 0, src.size()) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);  // the streams below are non-blocking
   cudaStream_t streams[2] = {nullptr, nullptr};
   for (auto& s : streams)
     REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
