@@ -133,7 +133,11 @@ bin() { echo "$build_dir/$1"; }
   exit 1
 }
 
-note "gpu-check: $(date -u +%FT%TZ) on $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); logs in $out"
+# The commit the executables were built from: a bundle's (scripts/gpu-bundle.sh) records it, and the
+# checkout it runs in may be another commit.
+commit="$(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+[ -f "$build_dir/.gpu-lib/COMMIT" ] && commit="$(cut -c1-7 "$build_dir/.gpu-lib/COMMIT") (bundle)"
+note "gpu-check: $(date -u +%FT%TZ) on $(hostname), commit $commit; logs in $out"
 
 # --- 1. what the machine has ---
 if ! run_step cuda_info 30 bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $(bin bench/kernels/pdlib_cuda_info)"; then
