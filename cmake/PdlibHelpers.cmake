@@ -24,6 +24,12 @@ endfunction()
 # pdlib_add_test(NAME name SOURCES ... [LIBS ...] [LABELS ...]): a Catch2 test binary whose
 # test cases are registered with CTest one by one. The ctest names start with the binary name,
 # so `ctest -R <name>` selects a whole file.
+#
+# Cases tagged [long] run in the release build only: under a sanitizer they are not registered
+# (CI runs every test three times on two cores and must stay under an hour; the same code paths
+# run under the sanitizers through shorter cases), and one skipped test "<name>: [long] cases"
+# names them. Tag a case [long] when it takes over ~20 s under TSan and a shorter case covers
+# its code (docs/DEVELOPERS.md, "CI time").
 function(pdlib_add_test)
   cmake_parse_arguments(ARG "" "NAME;TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
   if(NOT ARG_TIMEOUT)
@@ -38,7 +44,31 @@ function(pdlib_add_test)
   if(PDLIB_SANITIZE MATCHES "thread")
     set(test_env ENVIRONMENT "UCX_MEM_EVENTS=n")
   endif()
+  set(test_spec "")
+  if(PDLIB_SANITIZE)
+    # "~[.]" too: a spec made of exclusions alone would also list the hidden cases.
+    set(test_spec TEST_SPEC "~[long]~[.]")
+    set(has_long FALSE)
+    foreach(source IN LISTS ARG_SOURCES)
+      get_filename_component(path "${source}" ABSOLUTE)
+      if(EXISTS "${path}")
+        file(READ "${path}" text)
+        string(FIND "${text}" "[long]" at)
+        if(at GREATER -1)
+          set(has_long TRUE)
+        endif()
+      endif()
+    endforeach()
+    if(has_long)
+      add_test(NAME "${ARG_NAME}: [long] cases" COMMAND sh -c
+        "echo 'SKIP: these cases run in the release build only (CI time under ${PDLIB_SANITIZE}):'; \"$1\" --list-test-names-only '[long]'; exit 77"
+        sh $<TARGET_FILE:${ARG_NAME}>)
+      set_tests_properties("${ARG_NAME}: [long] cases" PROPERTIES SKIP_RETURN_CODE 77
+        LABELS "${ARG_LABELS}")
+    endif()
+  endif()
   catch_discover_tests(${ARG_NAME}
+    ${test_spec}
     TEST_PREFIX "${ARG_NAME}: "
     PROPERTIES TIMEOUT ${ARG_TIMEOUT} ${test_env} LABELS "${ARG_LABELS}")
 endfunction()

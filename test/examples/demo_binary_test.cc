@@ -56,7 +56,8 @@ TEST_CASE("pd-demo: --device cuda without a usable GPU exits 1 with the reason, 
 // Issue #27: pd-demo --turns runs multi-turn conversations with decode prefix reuse off, then
 // on, and says how many KV bytes each moved; every output of every turn equals the colocated
 // run's. A model with per-request state refuses prefix reuse before starting anything.
-TEST_CASE("pd-demo: --turns 3 compares decode prefix reuse off and on, outputs identical") {
+TEST_CASE("pd-demo: --turns 3 compares decode prefix reuse off and on, outputs identical",
+          "[long]") {
   // Four deployments' worth of requests: minutes under TSan, seconds in release.
   const Exited e = RunDemo({"--turns", "3", "--requests", "2", "--max-new-tokens", "4", "--quiet"},
                            std::chrono::seconds(300));
@@ -77,7 +78,8 @@ TEST_CASE("pd-demo: --turns 3 compares decode prefix reuse off and on, outputs i
 // decode prefix reuse off then on (decode reads only the pages after its prefix: fewer bytes),
 // every output identical; --direction both runs push then pull and compares them; a bad value
 // and two "both"s are refused before anything starts.
-TEST_CASE("pd-demo: --direction pull --turns 3, prefix reuse off and on, outputs identical") {
+TEST_CASE("pd-demo: --direction pull --turns 3, prefix reuse off and on, outputs identical",
+          "[long]") {
   const Exited e = RunDemo({"--direction", "pull", "--turns", "3", "--requests", "2",
                             "--max-new-tokens", "4", "--quiet"},
                            std::chrono::seconds(300));

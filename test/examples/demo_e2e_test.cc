@@ -193,7 +193,7 @@ TEST_CASE("demo e2e: 1P1D, outputs identical to the colocated run and the refere
   }
 }
 
-TEST_CASE("demo e2e: 2P2D, both prefill and both decode hosts serve, outputs identical") {
+TEST_CASE("demo e2e: 2P2D, both prefill and both decode hosts serve, outputs identical", "[long]") {
   DeploymentOptions o = Options("2p2d");
   o.prefills = {PrefillSpec{}, PrefillSpec{}};
   o.decodes = 2;
@@ -216,7 +216,7 @@ TEST_CASE("demo e2e: 2P2D, both prefill and both decode hosts serve, outputs ide
 
 // Issue #18: every process a host of its own (network namespaces on a bridge, UCX over TCP on
 // eth0 only) and discovery through one etcd member instead of bootstrap servers.
-TEST_CASE("demo e2e: 2P2D in network namespaces over etcd, outputs identical") {
+TEST_CASE("demo e2e: 2P2D in network namespaces over etcd, outputs identical", "[long]") {
   const auto& caps = pdlib_tools::NetnsCluster::Probe();
   if (!caps.netns) {
     WARN("SKIP: network namespaces: " << caps.netns_reason);
@@ -260,7 +260,8 @@ TEST_CASE("demo e2e: 2P2D in network namespaces over etcd, outputs identical") {
 }
 
 // Streaming is on in every other case; the same outputs without it (Send after the forward).
-TEST_CASE("demo e2e: layer-wise streaming off (pd-prefill --layerwise=false), outputs identical") {
+TEST_CASE("demo e2e: layer-wise streaming off (pd-prefill --layerwise=false), outputs identical",
+          "[long]") {
   DeploymentOptions o = Options("nolayerwise");
   o.layerwise = false;
   o.prefills = {PrefillSpec{2, 1}};
@@ -309,7 +310,8 @@ void RunTurns(const char* name, const DeploymentOptions& base, int prompt_seed, 
   CHECK(later_bytes[1] * 2 < later_bytes[0]);
 }
 
-TEST_CASE("demo e2e: multi-turn, decode prefix reuse (TP 2 -> TP 1): identical, fewer KV bytes") {
+TEST_CASE("demo e2e: multi-turn, decode prefix reuse (TP 2 -> TP 1): identical, fewer KV bytes",
+          "[long]") {
   DeploymentOptions o = Options("turns");
   o.prefills = {PrefillSpec{2, 1}};
   RunTurns("turns", o, 17, 37);
@@ -319,7 +321,7 @@ TEST_CASE("demo e2e: multi-turn, decode prefix reuse (TP 2 -> TP 1): identical, 
 // pull); prefill publishes each chunk without waiting for decode. Prefill TP 2 -> decode TP 1
 // (each decode rank reads its heads from both prefill ranks), then the hybrid model's mamba
 // state and the aux slot, read too.
-TEST_CASE("demo e2e: pull, prefill TP 2 -> decode TP 1 and the hybrid model, outputs identical") {
+TEST_CASE("demo e2e: pull, prefill TP 2 -> decode TP 1 and the hybrid model, outputs identical", "[long]") {
   DeploymentOptions o = Options("pull-tp2");
   o.direction = "pull";
   o.prefills = {PrefillSpec{2, 1}};
@@ -334,25 +336,26 @@ TEST_CASE("demo e2e: pull, prefill TP 2 -> decode TP 1 and the hybrid model, out
 // decode reads only the pages after its prefix, so the later turns move fewer bytes than
 // without the cache (the negative control of the prefix: equal bytes would mean decode read
 // the whole prompt), with the reference's outputs either way.
-TEST_CASE("demo e2e: pull, multi-turn with decode prefix reuse: identical, fewer KV bytes") {
+TEST_CASE("demo e2e: pull, multi-turn with decode prefix reuse: identical, fewer KV bytes",
+          "[long]") {
   DeploymentOptions o = Options("pull-turns");
   o.direction = "pull";
   RunTurns("pull-turns", o, 23, 41);
 }
 
-TEST_CASE("demo e2e: prefill TP 2 -> decode TP 1, outputs identical") {
+TEST_CASE("demo e2e: prefill TP 2 -> decode TP 1, outputs identical", "[long]") {
   DeploymentOptions o = Options("tp2");
   o.prefills = {PrefillSpec{2, 1}};
   RunTopology("tp2", o, 6);
 }
 
-TEST_CASE("demo e2e: prefill PP 2 -> decode PP 1, outputs identical") {
+TEST_CASE("demo e2e: prefill PP 2 -> decode PP 1, outputs identical", "[long]") {
   DeploymentOptions o = Options("pp2");
   o.prefills = {PrefillSpec{1, 2}};
   RunTopology("pp2", o, 6);
 }
 
-TEST_CASE("demo e2e: hybrid model with mamba state, outputs identical") {
+TEST_CASE("demo e2e: hybrid model with mamba state, outputs identical", "[long]") {
   DeploymentOptions o = Options("hybrid");
   o.model = "small-hybrid";
   RunTopology("hybrid", o, 6);
@@ -360,27 +363,28 @@ TEST_CASE("demo e2e: hybrid model with mamba state, outputs identical") {
 
 // Every layout of issue #16: decode sharded by TP and PP, MLA and the sliding-window model across
 // TP, each through the router, processes apart.
-TEST_CASE("demo e2e: prefill TP 1 -> decode TP 2, outputs identical") {
+TEST_CASE("demo e2e: prefill TP 1 -> decode TP 2, outputs identical", "[long]") {
   DeploymentOptions o = Options("tp1-dtp2");
   o.decode_tp = 2;
   RunTopology("tp1-dtp2", o, 6);
 }
 
-TEST_CASE("demo e2e: prefill TP 2 -> decode TP 4, outputs identical") {
+TEST_CASE("demo e2e: prefill TP 2 -> decode TP 4, outputs identical", "[long]") {
   DeploymentOptions o = Options("tp2-dtp4");
   o.prefills = {PrefillSpec{2, 1}};
   o.decode_tp = 4;
   RunTopology("tp2-dtp4", o, 6);
 }
 
-TEST_CASE("demo e2e: prefill TP 4 -> decode TP 2, outputs identical") {
+TEST_CASE("demo e2e: prefill TP 4 -> decode TP 2, outputs identical", "[long]") {
   DeploymentOptions o = Options("tp4-dtp2");
   o.prefills = {PrefillSpec{4, 1}};
   o.decode_tp = 2;
   RunTopology("tp4-dtp2", o, 6);
 }
 
-TEST_CASE("demo e2e: prefill TP 2 x PP 2 -> decode TP 2 (PP 1 and PP 2), outputs identical") {
+TEST_CASE("demo e2e: prefill TP 2 x PP 2 -> decode TP 2 (PP 1 and PP 2), outputs identical",
+          "[long]") {
   DeploymentOptions o = Options("tp2pp2-dtp2");
   o.prefills = {PrefillSpec{2, 2}};
   o.decode_tp = 2;
@@ -392,7 +396,8 @@ TEST_CASE("demo e2e: prefill TP 2 x PP 2 -> decode TP 2 (PP 1 and PP 2), outputs
   RunTopology("tp2pp2-dtp2pp2", same, 6);
 }
 
-TEST_CASE("demo e2e: MLA, prefill TP 2 -> decode TP 1 and TP 1 -> TP 2, outputs identical") {
+TEST_CASE("demo e2e: MLA, prefill TP 2 -> decode TP 1 and TP 1 -> TP 2, outputs identical",
+          "[long]") {
   DeploymentOptions o = Options("mla-tp2");
   o.model = "small-mla";
   o.prefills = {PrefillSpec{2, 1}};
@@ -403,7 +408,8 @@ TEST_CASE("demo e2e: MLA, prefill TP 2 -> decode TP 1 and TP 1 -> TP 2, outputs 
   RunTopology("mla-dtp2", d, 6);
 }
 
-TEST_CASE("demo e2e: sliding-window hybrid, 1P1D and prefill TP 2 -> decode TP 1, identical") {
+TEST_CASE("demo e2e: sliding-window hybrid, 1P1D and prefill TP 2 -> decode TP 1, identical",
+          "[long]") {
   DeploymentOptions o = Options("swa");
   o.model = "small-swa";
   RunTopology("swa", o, 6);
@@ -413,7 +419,8 @@ TEST_CASE("demo e2e: sliding-window hybrid, 1P1D and prefill TP 2 -> decode TP 1
   RunTopology("swa-tp2", t, 6);
 }
 
-TEST_CASE("demo e2e: NSA-style indexer, 1P1D and prefill TP 2 -> decode TP 1, identical") {
+TEST_CASE("demo e2e: NSA-style indexer, 1P1D and prefill TP 2 -> decode TP 1, identical",
+          "[long]") {
   DeploymentOptions o = Options("nsa");
   o.model = "small-nsa";
   RunTopology("nsa", o, 6);
@@ -423,7 +430,8 @@ TEST_CASE("demo e2e: NSA-style indexer, 1P1D and prefill TP 2 -> decode TP 1, id
   RunTopology("nsa-tp2", t, 6);
 }
 
-TEST_CASE("demo e2e: negative controls, a decode rank's corrupted KV changes the outputs") {
+TEST_CASE("demo e2e: negative controls, a decode rank's corrupted KV changes the outputs",
+          "[long]") {
   DeploymentOptions gqa = Options("fault-gqa");
   gqa.decode_tp = 2;
   RunNegativeControl("fault-gqa-dtp2", gqa, 6);

@@ -266,7 +266,7 @@ TEST_CASE("hosts engine: hybrid model with mamba state (1P1D and prefill TP 2 x 
   RunDisaggregated("small-hybrid", 2, 2);
 }
 
-TEST_CASE("hosts engine: sharded decode: TP 1 -> 2, TP 4 -> 2, PP 2 -> PP 2") {
+TEST_CASE("hosts engine: sharded decode: TP 1 -> 2, TP 4 -> 2, PP 2 -> PP 2", "[long]") {
   RunDisaggregated(Layout{.model = "small", .decode_tp = 2});
   RunDisaggregated(Layout{.model = "small", .prefill_tp = 4, .decode_tp = 2});
   RunDisaggregated(Layout{.model = "small", .prefill_pp = 2, .decode_pp = 2});
@@ -308,7 +308,7 @@ TEST_CASE("hosts engine: NSA-style indexer (1P1D, prefill TP 2 -> decode TP 1, T
 
 // The negative control: the same runs with decode rank tp 0 pp 0 corrupting what it received
 // must give other tokens, so the comparisons above cannot pass vacuously.
-TEST_CASE("hosts engine: the test faults change the tokens, every family") {
+TEST_CASE("hosts engine: the test faults change the tokens, every family", "[long]") {
   for (const Layout& l : {Layout{.model = "small", .test_fault = "swap-heads"},
                           Layout{.model = "small", .decode_tp = 2, .test_fault = "swap-heads"},
                           Layout{.model = "small-mla", .prefill_tp = 2, .test_fault = "swap-heads"},
@@ -321,7 +321,7 @@ TEST_CASE("hosts engine: the test faults change the tokens, every family") {
   }
 }
 
-TEST_CASE("hosts engine: colocated host equals the reference without a transfer") {
+TEST_CASE("hosts engine: colocated host equals the reference without a transfer", "[long]") {
   struct Case {
     const char* model;
     int32_t tp, pp;

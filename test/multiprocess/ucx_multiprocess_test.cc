@@ -382,11 +382,11 @@ TEST_CASE(
   RunLayouts(TcpLo(), FixedLayouts(), kRooms);
 }
 
-TEST_CASE("ucx 1P1D over shm, random layouts from seeds: every byte arrives") {
+TEST_CASE("ucx 1P1D over shm, random layouts from seeds: every byte arrives", "[long]") {
   RunRandomLayouts(Shm(), 16 << 20, 12);
 }
 
-TEST_CASE("ucx 1P1D over tcp on lo, random layouts from seeds: every byte arrives") {
+TEST_CASE("ucx 1P1D over tcp on lo, random layouts from seeds: every byte arrives", "[long]") {
   RunRandomLayouts(TcpLo(), 16 << 20, 12);
 }
 

@@ -249,7 +249,7 @@ void RunPrefix(const std::string& name, uint64_t layerwise_seed = 0) {
 TEST_CASE("planner e2e prefix tp 2P1D NHD: only the pages after decode's prefix move") {
   RunPrefix("tp_2p1d_nhd");
 }
-TEST_CASE("planner e2e prefix tp 1P2D NHD and 4P2D GQA") {
+TEST_CASE("planner e2e prefix tp 1P2D NHD and 4P2D GQA", "[long]") {
   RunPrefix("tp_1p2d_nhd");
   RunPrefix("tp_4p2d_gqa");
 }
@@ -272,10 +272,11 @@ TEST_CASE("planner e2e prefix negative control: a sender that ignores the prefix
 TEST_CASE("planner e2e layerwise tp 2P1D HND: layers announced one step at a time land intact") {
   RunLayerwise("tp_2p1d_hnd");
 }
-TEST_CASE("planner e2e layerwise pipeline PP2: each stage announces its own layers") {
+TEST_CASE("planner e2e layerwise pipeline PP2: each stage announces its own layers", "[long]") {
   RunLayerwise("pipeline_pp2");
 }
-TEST_CASE("planner e2e layerwise tp MLA 4P2D: latent layers stream, dummies still finish") {
+TEST_CASE("planner e2e layerwise tp MLA 4P2D: latent layers stream, dummies still finish",
+          "[long]") {
   RunLayerwise("mla_4p2d");
 }
 TEST_CASE("planner e2e layerwise state mamba 2P1D: state follows the last layer") {
@@ -371,7 +372,7 @@ TEST_CASE("planner e2e pull tp 2P1D HND and NHD: decode reads two prefill ranks'
   RunPull("tp_2p1d_hnd");
   RunPull("tp_2p1d_nhd");
 }
-TEST_CASE("planner e2e pull tp 1P2D NHD and 4P2D GQA") {
+TEST_CASE("planner e2e pull tp 1P2D NHD and 4P2D GQA", "[long]") {
   RunPull("tp_1p2d_nhd");
   RunPull("tp_4p2d_gqa");
 }
