@@ -56,7 +56,7 @@ void UcxTransport::ProgressLoop() {
     worked |= PostReady();
     worked |= ProgressWorkers();
     worked |= ReapPeers(now_);
-    worked |= ReapClosedTargets(false);
+    worked |= ReapClosedTargets(now_, false);
     ReapRetired();
     if (!completions_.empty()) {
       worked = true;
@@ -984,9 +984,8 @@ bool UcxTransport::ProgressWorkers() {
   return worked;
 }
 
-bool UcxTransport::ReapClosedTargets(bool all) {
+bool UcxTransport::ReapClosedTargets(Clock::time_point now, bool all) {
   if (closed_targets_.empty()) return false;
-  const auto now = Clock::now();
   bool reaped = false;
   for (auto it = closed_targets_.begin(); it != closed_targets_.end();) {
     if (!all && now < it->first) {
@@ -1033,7 +1032,7 @@ void UcxTransport::Shutdown() {
     RunCompletions();
     if (!progressed) sched_yield();
   }
-  ReapClosedTargets(true);
+  ReapClosedTargets(Clock::now(), true);
   RunCompletions();
   retired_.clear();
 }

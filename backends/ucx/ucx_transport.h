@@ -480,7 +480,7 @@ class UcxTransport final : public spi::Transport {
   // ucp_worker_progress on every worker; whether any made progress.
   bool ProgressWorkers();
   // Destroys the workers of closed targets whose linger is over (all of them with `all`).
-  bool ReapClosedTargets(bool all);
+  bool ReapClosedTargets(Clock::time_point now, bool all);
   // The lane a batch's "am" op at its cursor goes on (ucx.rails), moving the batch to the rail
   // with the most room every kRailStripeBytes; false when a pending read request message could
   // not be sent first.

@@ -1,5 +1,6 @@
 #include "lib/core/manager_common.h"
 
+#include <dlfcn.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -57,13 +58,39 @@ int NumaNodeOf(uint64_t addr) {
 
 }  // namespace
 
+std::string PciAddressOfCudaMemory(uint64_t addr) {
+  if (addr == 0) return "";
+  // RTLD_NOLOAD: only a driver the process already loaded (the engine's), never a new one.
+  void* driver = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+  if (driver == nullptr) return "";
+  // The driver API's C signatures (cuda.h), with its enums and handles as the ints they are.
+  using PointerGetAttribute = int (*)(void* data, int attribute, unsigned long long ptr);
+  using DeviceGetPciBusId = int (*)(char* bus_id, int len, int device);
+  constexpr int kPointerAttributeDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+  auto get_attribute =
+      reinterpret_cast<PointerGetAttribute>(::dlsym(driver, "cuPointerGetAttribute"));
+  auto get_bus_id = reinterpret_cast<DeviceGetPciBusId>(::dlsym(driver, "cuDeviceGetPCIBusId"));
+  std::string address;
+  int ordinal = -1;
+  if (get_attribute != nullptr && get_bus_id != nullptr &&
+      get_attribute(&ordinal, kPointerAttributeDeviceOrdinal, addr) == 0 && ordinal >= 0) {
+    char bus_id[64] = {};
+    if (get_bus_id(bus_id, sizeof(bus_id) - 1, ordinal) == 0) address = bus_id;
+  }
+  ::dlclose(driver);
+  return address;
+}
+
 spi::TransportOptions TransportOptionsFor(const KVManagerOptions& options) {
   spi::TransportOptions t{options.args.device_id, options.args.nic_names, options.backend_options,
                           options.mode, options.direction};
-  // CUDA pools: the GPU's PCI address is not known here (no CUDA runtime in the core); the
-  // backends then rank NICs without it (nic_names names them exactly).
-  if (options.args.memory_kind == MemoryKind::kHost && !options.args.kv.ptrs.empty()) {
+  if (options.args.kv.ptrs.empty()) return t;
+  if (options.args.memory_kind == MemoryKind::kHost) {
     t.memory_numa_node = NumaNodeOf(options.args.kv.ptrs.front());
+  } else if (options.args.memory_kind == MemoryKind::kCuda) {
+    // "" where the CUDA driver is not loaded or cannot say: the backends then rank NICs without
+    // the GPU's place (nic_names names them exactly).
+    t.memory_pci_address = PciAddressOfCudaMemory(options.args.kv.ptrs.front());
   }
   return t;
 }

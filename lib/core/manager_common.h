@@ -39,8 +39,14 @@ struct RegisteredBuffers {
 Status CheckDirectionSupported(const spi::Transport& transport, const KVManagerOptions& options);
 // The transport's options for `options`: its args' device and NICs, the backend options, the
 // side, and where the KV pool lives (the NUMA node of the first KV buffer's memory for host
-// pools), which backends use to pick rails by topology (lib/rails).
+// pools, the PCI address of its GPU for CUDA pools), which backends use to pick rails by topology
+// (lib/rails).
 spi::TransportOptions TransportOptionsFor(const KVManagerOptions& options);
+// The PCI address of the GPU that holds `addr` ("0000:3B:00.0", as the CUDA driver writes it),
+// asked of the CUDA driver the process has already loaded (libcuda.so.1 opened with RTLD_NOLOAD:
+// pdlib neither links nor loads CUDA for this); "" when no driver is loaded, or it does not know
+// the pointer (not CUDA memory, cuInit not called).
+std::string PciAddressOfCudaMemory(uint64_t addr);
 StatusOr<RegisteredBuffers> RegisterBuffers(spi::Transport& transport, const KVArgs& args);
 void DeregisterBuffers(spi::Transport& transport, const RegisteredBuffers& buffers);
 

@@ -11,7 +11,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +27,7 @@
 #include "backends/cuda_ipc/cuda_ipc_cuda.h"
 #include "backends/cuda_ipc/cuda_ipc_options.h"
 #include "backends/cuda_ipc/cuda_ipc_wire.h"
+#include "lib/core/manager_common.h"
 #include "pdlib/spi/transport.h"
 #include "test/support/write_completions.h"
 
@@ -772,4 +775,36 @@ TEST_CASE("cuda_ipc [gpu] across processes: writes through an opened IPC handle"
   close(to_child[1]);
   initiator.reset();
   cudaFree(src_dev);
+}
+
+// Rails by topology for GPU pools (lib/rails): the core asks the CUDA driver this process loaded
+// which GPU holds the KV pool, and passes its PCI address to the backends.
+TEST_CASE("cuda_ipc [gpu] the core locates a GPU pool's PCI address through the loaded driver") {
+  if (const std::string why = WhyNoGpu(); !why.empty()) {
+    WARN("SKIP cuda_ipc GPU case: no usable CUDA device (" << why << ")");
+    return;
+  }
+  int device = -1;
+  REQUIRE(cudaGetDevice(&device) == cudaSuccess);
+  char want[64] = {};
+  REQUIRE(cudaDeviceGetPCIBusId(want, sizeof(want) - 1, device) == cudaSuccess);
+  void* pool = nullptr;
+  REQUIRE(cudaMalloc(&pool, 1 << 20) == cudaSuccess);
+  pdlib::KVManagerOptions options;
+  options.args.kv.ptrs = {reinterpret_cast<uint64_t>(pool) + 4096};
+  options.args.kv.lens = {4096};
+  options.args.kv.item_lens = {4096};
+  options.args.memory_kind = pdlib::MemoryKind::kCuda;
+  const std::string got = pdlib::TransportOptionsFor(options).memory_pci_address;
+  INFO("cudaDeviceGetPCIBusId: " << want << ", the core: " << got);
+  auto lower = [](std::string s) {
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+    return s;
+  };
+  CHECK(!got.empty());
+  CHECK(lower(got) == lower(want));
+  // Host memory is no GPU's.
+  std::vector<uint8_t> host(4096);
+  CHECK(pdlib::PciAddressOfCudaMemory(reinterpret_cast<uint64_t>(host.data())).empty());
+  cudaFree(pool);
 }

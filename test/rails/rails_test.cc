@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "lib/core/manager_common.h"
 #include "test/support/sysfs_tree.h"
 
 namespace {
@@ -355,4 +356,23 @@ TEST_CASE("rails: RankRails is pure and does not depend on the order of its inpu
   const RailChoice host = pdlib::rails::RankRails({{}, 1}, nics);
   CHECK(Names(host.rails) == Strings{"a"});
   CHECK(pdlib::rails::RankRails(gpu, {}).rails.empty());
+}
+
+// The core tells the backends where the KV pool lives. A CUDA pool's GPU is asked of the CUDA
+// driver only if the process has loaded it (this one has not: a CUDA pool here has no place, and
+// the host's NUMA node is not asked for it); cuda_ipc_transport_test checks a real GPU's address.
+TEST_CASE("rails: the core passes a CUDA pool's GPU only when the CUDA driver is loaded") {
+  std::vector<uint8_t> pool(1 << 16, 1);
+  pdlib::KVManagerOptions options;
+  options.args.kv.ptrs = {reinterpret_cast<uint64_t>(pool.data())};
+  options.args.kv.lens = {pool.size()};
+  options.args.kv.item_lens = {4096};
+  options.args.memory_kind = pdlib::MemoryKind::kCuda;
+  const pdlib::spi::TransportOptions cuda = pdlib::TransportOptionsFor(options);
+  CHECK(cuda.memory_pci_address.empty());
+  CHECK(cuda.memory_numa_node == -1);
+  CHECK(pdlib::PciAddressOfCudaMemory(reinterpret_cast<uint64_t>(pool.data())).empty());
+  CHECK(pdlib::PciAddressOfCudaMemory(0).empty());
+  options.args.memory_kind = pdlib::MemoryKind::kHost;
+  CHECK(pdlib::TransportOptionsFor(options).memory_pci_address.empty());
 }
