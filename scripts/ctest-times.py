@@ -9,6 +9,7 @@ import argparse
 import collections
 import os
 import re
+import signal
 import sys
 
 
@@ -40,6 +41,7 @@ def from_ctest_output(path):
 
 
 def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` is a normal use
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", help="a build folder, or a file with ctest's output")
     parser.add_argument("-n", type=int, default=30, help="tests to list")
