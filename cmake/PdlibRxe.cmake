@@ -64,7 +64,7 @@ function(pdlib_add_vm_test)
   math(EXPR ctest_timeout "${ARG_TIMEOUT} + 30")  # the script reports its own timeout first
   # COST: ctest starts costlier tests first. Without it a fresh build folder (CI's) runs the VM
   # tests, which hold one lock, one after another at the end with the other core idle; started
-  # first, their chain overlaps the rest of the suite (about 2 minutes of CI's release stage).
+  # first, their chain overlaps the rest of the suite.
   set_tests_properties(${ARG_NAME} PROPERTIES
     SKIP_RETURN_CODE ${PDLIB_RXE_VM_SKIP_CODE}
     TIMEOUT ${ctest_timeout}
