@@ -54,7 +54,8 @@ def main():
     else:
         rows = from_ctest_output(args.source)
     if not rows:
-        sys.exit(f"ctest-times: no test times in {args.source}")
+        sys.exit(f"ctest-times: no test times in {args.source} (was its last ctest run a "
+                 "listing, ctest -N? it overwrites LastTest.log)")
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
     print(f"{len(rows)} tests, {total:.0f} s together")
