@@ -106,6 +106,10 @@ ABSL_FLAG(std::string, rail_fault, "",
           "every row with more than R rails; such a row samples decode's received bytes every "
           "100 ms and prints the throughput before, during and after the fault and how long after "
           "the heal it took to get back to 90% of before (JSON fault_*)");
+ABSL_FLAG(double, stall_timeout, 30,
+          "the parent gives up on a configuration when no request ended (succeeded or failed) for "
+          "S seconds, naming the oldest request in flight and its state; a slow machine that "
+          "still completes requests is never cut off (the old fixed limit of 60 s a run was)");
 ABSL_FLAG(bool, failures_ok, false,
           "failed requests do not fail a row (with --rail-fault: the requests a dead rail takes "
           "down); they are still counted (JSON failed, first_failure), and a wrong byte under "
@@ -263,6 +267,8 @@ bool ParseArgs(int argc, char** argv, Options* o) {
   o->in_process = absl::GetFlag(FLAGS_in_process);
   o->compare_perftest = absl::GetFlag(FLAGS_compare_perftest);
   o->failures_ok = absl::GetFlag(FLAGS_failures_ok);
+  o->stall_timeout_s = absl::GetFlag(FLAGS_stall_timeout);
+  if (!(o->stall_timeout_s > 0)) return bad("stall_timeout", std::to_string(o->stall_timeout_s));
   b.verify = absl::GetFlag(FLAGS_verify);
   b.backend = absl::GetFlag(FLAGS_backend);
   for (const std::string& kv : absl::GetFlag(FLAGS_backend_option).values) {

@@ -48,6 +48,8 @@ struct Options {
   // --failures_ok: failed requests do not fail a row (a fault's expected casualties); wrong
   // bytes under --verify still do.
   bool failures_ok = false;
+  // --stall_timeout: a two-process run gives up once no request ended for this long.
+  double stall_timeout_s = 30;
   std::string role;  // hidden: "prefill" or "decode" in the child processes
 };
 

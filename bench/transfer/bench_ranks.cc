@@ -16,6 +16,7 @@
 #include <mutex>
 #include <optional>
 #include <span>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -25,6 +26,14 @@ namespace pdlib_bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// CurrentDecodeProgress's figures, written by the decode drivers.
+std::atomic<uint64_t> g_decode_ended{0};
+std::mutex g_oldest_mu;
+// Guarded by g_oldest_mu: the oldest request in flight ("request 3 (room 7) in Transferring"),
+// empty when none is, and when it started.
+std::string g_oldest;
+Clock::time_point g_oldest_start;
 
 // What a driver loop does when a pass over its handles changed nothing: yield a few times (the
 // next event is usually microseconds away), then sleep, each sleep twice as long as the one
@@ -374,13 +383,35 @@ void DriveDecode(const BenchConfig& c, Rank& rank, const PageRing& pages, uint64
   const pdlib::BootstrapAddress bootstrap{c.prefill_host, c.bootstrap_port};
   const auto started = Clock::now();
   auto next_progress = started + std::chrono::duration<double>(c.progress_every_s);
+  auto next_snapshot = started;
   uint64_t next = begin;
   while (next < end || !active.empty()) {
     bool progressed = false;
+    if (const auto now = Clock::now(); now >= next_snapshot) {
+      // For CurrentDecodeProgress: the oldest request in flight, four times a second.
+      next_snapshot = now + std::chrono::milliseconds(250);
+      std::string oldest;
+      Clock::time_point oldest_start;
+      if (auto it =
+              std::min_element(active.begin(), active.end(),
+                               [](const auto& a, const auto& b) { return a.start < b.start; });
+          it != active.end()) {
+        char line[128];
+        std::snprintf(line, sizeof line, "request %" PRIu64 " (room %" PRIu64 ") in %s", it->index,
+                      c.FirstRoom() + it->index,
+                      std::string(pdlib::KVPollName(it->handle->Poll())).c_str());
+        oldest = line;
+        oldest_start = it->start;
+      }
+      std::lock_guard<std::mutex> lock(g_oldest_mu);
+      g_oldest = std::move(oldest);
+      g_oldest_start = oldest_start;
+    }
     while (active.size() < c.concurrency && next < end) {
       const auto start = Clock::now();
       auto receiver = rank.manager->CreateReceiver(bootstrap, c.FirstRoom() + next);
       if (!receiver.ok()) {
+        g_decode_ended.fetch_add(1, std::memory_order_relaxed);
         if (result->failed++ == 0) result->first_failure = receiver.status().ToString();
         ++next;
         continue;
@@ -392,6 +423,7 @@ void DriveDecode(const BenchConfig& c, Rank& rank, const PageRing& pages, uint64
       auto& f = active[i];
       const pdlib::KVPoll st = f.handle->Poll();
       if (pdlib::IsTerminal(st)) {
+        g_decode_ended.fetch_add(1, std::memory_order_relaxed);
         const auto now = Clock::now();
         if (c.progress_every_s > 0 && now >= next_progress) {
           next_progress = now + std::chrono::duration<double>(c.progress_every_s);
@@ -478,6 +510,19 @@ std::string WaitForPrefill(const BenchConfig& c, Rank& rank) {
 }
 
 }  // namespace
+
+DecodeProgress CurrentDecodeProgress() {
+  DecodeProgress p;
+  p.ended = g_decode_ended.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(g_oldest_mu);
+  if (!g_oldest.empty()) {
+    char age[48];
+    std::snprintf(age, sizeof age, " for %.1f s",
+                  std::chrono::duration<double>(Clock::now() - g_oldest_start).count());
+    p.oldest = g_oldest + age;
+  }
+  return p;
+}
 
 uint64_t BenchConfig::PoolPages() const {
   if (pool_pages != 0) return std::max(pool_pages, pages);

@@ -166,6 +166,16 @@ RankResult RunPrefillRanks(const BenchConfig& config, bool start_bootstrap,
                            const std::function<void(const RankResult&)>& before_teardown);
 RankResult RunDecodeRanks(const BenchConfig& config, const std::function<void()>& on_ready);
 
+// How far this process's decode drivers have come, for the parent's stall clock
+// (--stall-timeout): the requests that ended (succeeded or failed, warm-up included, every TP
+// rank together) and the oldest request in flight with its state and age ("request 12 (room
+// 1099511627788) in Transferring for 3.2 s"; empty when none is). Safe from any thread.
+struct DecodeProgress {
+  uint64_t ended = 0;
+  std::string oldest;
+};
+DecodeProgress CurrentDecodeProgress();
+
 }  // namespace pdlib_bench
 
 #endif  // PDLIB_BENCH_TRANSFER_BENCH_RANKS_H_

@@ -20,7 +20,9 @@
 // asked, with the ranks gone. Neither rank coordinates with the other per request: both derive
 // room ids and pages from the seed and the request index (bench_layout.h). Before the warm-up,
 // decode probes until a receiver connects (prefill's registration with its bootstrap server may
-// complete just after its READY).
+// complete just after its READY). A run is bounded by its progress, not its length: decode says
+// every second how many requests ended, and the parent gives up on a configuration only when none
+// did for --stall_timeout, naming the oldest request in flight and its state.
 //
 // The drivers poll their handles in a tight loop and, after --idle-spins passes without
 // progress, sleep between passes (from --idle-sleep-us, doubling up to --idle-sleep-max-us), so
@@ -141,6 +143,8 @@ std::map<std::string, std::string> ParseResult(const std::string& line) {
 }
 
 void Emit(const std::string& line) {
+  static std::mutex mu;  // decode's PROGRESS reporter writes from a thread of its own
+  std::lock_guard<std::mutex> lock(mu);
   std::fwrite(line.data(), 1, line.size(), stdout);
   std::fputc('\n', stdout);
   std::fflush(stdout);
@@ -163,7 +167,25 @@ int RunChild(const Options& o) {
     // A rank that failed before serving never reached before_teardown.
     if (!r.error.empty()) Emit(ResultLine(r));
   } else {
+    // "PROGRESS <requests ended> <the oldest in flight>" every second, for the parent's stall
+    // clock (AwaitDecodeResult).
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::thread reporter([&] {
+      std::unique_lock<std::mutex> lock(mu);
+      while (!cv.wait_for(lock, std::chrono::seconds(1), [&] { return done; })) {
+        const DecodeProgress p = CurrentDecodeProgress();
+        Emit("PROGRESS " + std::to_string(p.ended) + " " + p.oldest);
+      }
+    });
     r = RunDecodeRanks(c, [] { Emit("READY"); });
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      done = true;
+    }
+    cv.notify_one();
+    reporter.join();
     Emit(ResultLine(r));
   }
   return r.error.empty() ? 0 : 1;
@@ -240,13 +262,59 @@ void SummarizeFault(const std::vector<std::pair<double, uint64_t>>& samples,
 // Runs one configuration in two child processes; returns the decode side's result fields (with
 // "error" set on failure) and the prefill side's in `prefill`. With `fault` (--rail-fault), the
 // rail is partitioned and healed meanwhile and c->fault gets the figures.
+// Decode's RESULT line. Its PROGRESS lines (RunChild) say how many requests ended; nullopt once
+// none ended for `stall` (READY counts as progress) or its output closed, with *why saying which
+// and, for a stall, which request waited longest and in what state.
+std::optional<std::string> AwaitDecodeResult(ChildProcess& d, std::chrono::duration<double> stall,
+                                             std::string* why) {
+  const auto window = std::chrono::duration_cast<Clock::duration>(stall);
+  auto deadline = Clock::now() + window;
+  uint64_t ended = 0;
+  bool ready = false;
+  std::string oldest;
+  while (true) {
+    auto line = d.ReadLine(deadline);
+    if (!line) break;
+    if (line->starts_with("RESULT ")) return line;
+    if (line->starts_with("READY")) {
+      ready = true;
+      deadline = Clock::now() + window;
+    } else if (line->starts_with("PROGRESS ")) {
+      std::istringstream in(line->substr(9));
+      uint64_t n = 0;
+      in >> n;
+      std::getline(in >> std::ws, oldest);
+      if (n > ended) {
+        ended = n;
+        deadline = Clock::now() + window;
+      }
+    }
+  }
+  if (Clock::now() < deadline) {
+    *why = "the decode process exited without a result (" + std::to_string(ended) +
+           " requests had ended)";
+  } else {
+    char text[96];
+    std::snprintf(text, sizeof text, "no request ended for %.0f s (--stall_timeout); ",
+                  stall.count());
+    *why =
+        text + (ready ? std::to_string(ended) + " requests ended before; the oldest in flight: " +
+                            (oldest.empty() ? "none" : oldest)
+                      : std::string("decode never became ready"));
+  }
+  return std::nullopt;
+}
+
 std::map<std::string, std::string> RunTwoProcesses(BenchConfig* config,
                                                    std::map<std::string, std::string>* prefill,
-                                                   const Options::RailFault* fault) {
+                                                   const Options::RailFault* fault,
+                                                   double stall_timeout_s) {
   BenchConfig& c = *config;
-  // Generous bounds; a healthy run needs a fraction of them.
+  // Starting is bounded; the run itself by its progress (AwaitDecodeResult, --stall_timeout), not
+  // by its length: a slow or loaded machine (Soft-RoCE under emulation) takes longer, a hang
+  // makes no progress.
   const auto start_deadline = Clock::now() + std::chrono::seconds(30);
-  const auto run_deadline = Clock::now() + std::chrono::seconds(60 + (c.requests + c.warmup) / 200);
+  const std::chrono::duration<double> stall(stall_timeout_s);
   for (int attempt = 0; attempt < 3; ++attempt) {
     c.bootstrap_port = UnusedLocalPort();
     auto prefill_child = StartChild(c, "prefill");
@@ -281,13 +349,21 @@ std::map<std::string, std::string> RunTwoProcesses(BenchConfig* config,
         c.fault->error = "decode never became ready";
       }
     }
-    auto dres = d.Expect("RESULT ", run_deadline);
+    std::string stalled;
+    auto dres = AwaitDecodeResult(d, stall, &stalled);
     if (faulting.joinable()) {
       stop = true;
       faulting.join();
       SummarizeFault(samples, &*c.fault);
     }
-    auto pres = p.Expect("RESULT ", dres ? run_deadline : Clock::now());
+    if (!dres) {
+      // Stalled (or decode died): nothing more is coming from either rank.
+      d.KillAndReap(std::chrono::seconds(5));
+      p.KillAndReap(std::chrono::seconds(5));
+      return {{"error", "yes"}, {"why", "no result from the decode process: " + stalled}};
+    }
+    // Prefill reports once its last request ended, which is before decode's did.
+    auto pres = p.Expect("RESULT ", Clock::now() + std::chrono::seconds(30));
     p.Send("QUIT");
     // The figures are in; a process that then fails to exit cleanly is still worth a word.
     const int dcode = d.Wait(Clock::now() + std::chrono::seconds(10));
@@ -299,7 +375,6 @@ std::map<std::string, std::string> RunTwoProcesses(BenchConfig* config,
                    dcode, pcode);
     }
     if (pres) *prefill = ParseResult(*pres);
-    if (!dres) return {{"error", "yes"}, {"why", "no result from the decode process in time"}};
     return ParseResult(*dres);
   }
   return {{"error", "yes"}, {"why", "prefill process failed to start three times"}};
@@ -905,8 +980,9 @@ int main(int argc, char** argv) {
                                                               c.rails > o.rail_fault.rail
                                                           ? &o.rail_fault
                                                           : nullptr;
-                    auto decode = o.in_process ? RunInProcess(c, &prefill)
-                                               : RunTwoProcesses(&c, &prefill, fault);
+                    auto decode = o.in_process
+                                      ? RunInProcess(c, &prefill)
+                                      : RunTwoProcesses(&c, &prefill, fault, o.stall_timeout_s);
                     if (g_cluster != nullptr) {
                       const std::vector<uint64_t> rx_after = DecodeRailRxBytes();
                       if (!rx_before.empty() && rx_after.size() == rx_before.size()) {

@@ -38,7 +38,7 @@ decode_nics=$(seq -s, -f 'rxb%g' 0 "$cut")
 ) &
 "$bench" --backend verbs --prefill-nic-names "$prefill_nics" --decode-nic-names "$decode_nics" \
   --layers 4 --item-bytes 16384 --pages 8 --layout scattered \
-  --requests 400 --warmup 2 --concurrency 1 --pool-bytes 16m --progress-every 0 --verify \
+  --requests 400 --warmup 2 --concurrency 1 --pool-bytes 16m --progress-every 5 --verify \
   --failures_ok --json "${@:3}"
 wait
 # Soft-RoCE's own counters of every rail (retransmissions, sequence errors).
