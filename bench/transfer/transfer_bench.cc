@@ -259,18 +259,16 @@ void SummarizeFault(const std::vector<std::pair<double, uint64_t>>& samples,
   }
 }
 
-// Runs one configuration in two child processes; returns the decode side's result fields (with
-// "error" set on failure) and the prefill side's in `prefill`. With `fault` (--rail-fault), the
-// rail is partitioned and healed meanwhile and c->fault gets the figures.
-// Decode's RESULT line. Its PROGRESS lines (RunChild) say how many requests ended; nullopt once
-// none ended for `stall` (READY counts as progress) or its output closed, with *why saying which
-// and, for a stall, which request waited longest and in what state.
+// Decode's RESULT line. Until its READY (unless `ready`: already read) it has until `ready_by`;
+// then its PROGRESS lines (RunChild) say how many requests ended. Nullopt once none ended for
+// `stall` or its output closed, with *why saying which and, for a stall, which request waited
+// longest and in what state.
 std::optional<std::string> AwaitDecodeResult(ChildProcess& d, std::chrono::duration<double> stall,
+                                             bool ready, Clock::time_point ready_by,
                                              std::string* why) {
   const auto window = std::chrono::duration_cast<Clock::duration>(stall);
-  auto deadline = Clock::now() + window;
+  auto deadline = ready ? Clock::now() + window : std::max(ready_by, Clock::now() + window);
   uint64_t ended = 0;
-  bool ready = false;
   std::string oldest;
   while (true) {
     auto line = d.ReadLine(deadline);
@@ -293,18 +291,21 @@ std::optional<std::string> AwaitDecodeResult(ChildProcess& d, std::chrono::durat
   if (Clock::now() < deadline) {
     *why = "the decode process exited without a result (" + std::to_string(ended) +
            " requests had ended)";
+  } else if (!ready) {
+    *why = "the decode process never became ready (it could not reach prefill)";
   } else {
     char text[96];
     std::snprintf(text, sizeof text, "no request ended for %.0f s (--stall_timeout); ",
                   stall.count());
-    *why =
-        text + (ready ? std::to_string(ended) + " requests ended before; the oldest in flight: " +
-                            (oldest.empty() ? "none" : oldest)
-                      : std::string("decode never became ready"));
+    *why = text + std::to_string(ended) +
+           " requests ended before; the oldest in flight: " + (oldest.empty() ? "none" : oldest);
   }
   return std::nullopt;
 }
 
+// Runs one configuration in two child processes; returns the decode side's result fields (with
+// "error" set on failure) and the prefill side's in `prefill`. With `fault` (--rail-fault), the
+// rail is partitioned and healed meanwhile and c->fault gets the figures.
 std::map<std::string, std::string> RunTwoProcesses(BenchConfig* config,
                                                    std::map<std::string, std::string>* prefill,
                                                    const Options::RailFault* fault,
@@ -350,7 +351,7 @@ std::map<std::string, std::string> RunTwoProcesses(BenchConfig* config,
       }
     }
     std::string stalled;
-    auto dres = AwaitDecodeResult(d, stall, &stalled);
+    auto dres = AwaitDecodeResult(d, stall, fault != nullptr, start_deadline, &stalled);
     if (faulting.joinable()) {
       stop = true;
       faulting.join();
