@@ -109,7 +109,7 @@ ABSL_FLAG(std::string, rail_fault, "",
 ABSL_FLAG(double, stall_timeout, 30,
           "the parent gives up on a configuration when no request ended (succeeded or failed) for "
           "S seconds, naming the oldest request in flight and its state; a slow machine that "
-          "still completes requests is never cut off (the old fixed limit of 60 s a run was)");
+          "still completes requests is never cut off");
 ABSL_FLAG(bool, failures_ok, false,
           "failed requests do not fail a row (with --rail-fault: the requests a dead rail takes "
           "down); they are still counted (JSON failed, first_failure), and a wrong byte under "

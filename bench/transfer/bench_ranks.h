@@ -167,7 +167,7 @@ RankResult RunPrefillRanks(const BenchConfig& config, bool start_bootstrap,
 RankResult RunDecodeRanks(const BenchConfig& config, const std::function<void()>& on_ready);
 
 // How far this process's decode drivers have come, for the parent's stall clock
-// (--stall-timeout): the requests that ended (succeeded or failed, warm-up included, every TP
+// (--stall_timeout): the requests that ended (succeeded or failed, warm-up included, every TP
 // rank together) and the oldest request in flight with its state and age ("request 12 (room
 // 1099511627788) in Transferring for 3.2 s"; empty when none is). Safe from any thread.
 struct DecodeProgress {
