@@ -2,8 +2,9 @@
 
 Each engine is python/tests/vllm_engine.py: vLLM's scheduler and worker call sequence around
 PdlibConnector (built through a stand-in of vLLM's KVConnectorFactory, python/tests/vllm_standin,
-since vLLM itself is not installed here), with torch CPU KV caches in the FlashAttention HND
-layout. The router does what NIXL's toy proxy does: it sends prefill each request with
+since vLLM itself is not installed here), with torch CPU KV caches in the layout vLLM allocates
+since 2026-07-11 (--kv-layout packed: K and V packed in each row, HND) or the older
+(2, num_blocks, ...) one. The router does what NIXL's toy proxy does: it sends prefill each request with
 do_remote_decode and max_tokens=1, copies the kv_transfer_params of the answer into the decode
 request, and keeps --concurrency requests in flight. It prints, per request, the blocks and
 bytes decode pulled and the time of each leg, then the throughput; with --cxx-bench it also runs
@@ -13,7 +14,7 @@ request, requests, concurrency) and prints connector / C++.
     PYTHONPATH=<build>/python python3 examples/python/vllm_pair.py \
         [--requests 64] [--concurrency 4] [--layers 32] [--heads 8] [--head-dim 128] \
         [--block-size 16] [--blocks 16] [--tls shm|tcp] [--layout scattered|contiguous] \
-        [--prefill-tp 1] [--decode-tp 1] \
+        [--prefill-tp 1] [--decode-tp 1] [--kv-layout packed|kv_first] \
         [--cxx-bench build/release/bench/transfer/pdlib-transfer-bench] [--repeat 1] [--quiet]
 """
 
@@ -71,7 +72,7 @@ class Engine:
 
 def engine_cfg(a: argparse.Namespace, tp: int, salt: int, tls: Dict[str, str],
                num_blocks: int) -> Dict[str, Any]:
-    return {"layout": "flash_attn", "tp": tp, "salt": salt, "remote_salt": 1,
+    return {"layout": a.kv_layout, "tp": tp, "salt": salt, "remote_salt": 1,
             "block_size": a.block_size, "heads": a.heads, "head_dim": a.head_dim,
             "layers": a.layers, "num_blocks": num_blocks, "model": False,
             "pool_mode": "prefill" if salt == 1 else "decode",
@@ -163,8 +164,15 @@ def run(a: argparse.Namespace, tls: Dict[str, str]) -> Optional[Dict[str, Any]]:
 
 
 def run_cxx(binary: str, a: argparse.Namespace, tls: Dict[str, str]) -> Optional[float]:
-    cmd = [binary, "--backend", "ucx", "--layers", str(a.layers), "--item-bytes",
-           str(a.block_size * a.heads * a.head_dim * 2), "--pages", str(a.blocks), "--layout",
+    # The same KV shape: pdlib-transfer-bench registers a K and a V buffer per layer; vLLM's
+    # packed layout (K and V in each row, since 2026-07) is one buffer per layer of twice the
+    # block bytes, i.e. half as many "layers" of twice the item.
+    item = a.block_size * a.heads * a.head_dim * 2
+    layers = a.layers
+    if a.kv_layout == "packed":
+        layers, item = a.layers // 2, 2 * item
+    cmd = [binary, "--backend", "ucx", "--layers", str(layers), "--item-bytes",
+           str(item), "--pages", str(a.blocks), "--layout",
            a.layout, "--pool-pages", str(2 * a.concurrency * a.blocks + 2), "--requests",
            str(a.requests), "--warmup", str(a.warmup), "--concurrency", str(a.concurrency),
            "--json", "--direction", "pull"]
@@ -198,6 +206,9 @@ def main() -> int:
     ap.add_argument("--layout", choices=["scattered", "contiguous"], default="scattered",
                     help="a request's blocks: scattered over the pool (as after churn, and as "
                          "pdlib-transfer-bench's default) or consecutive")
+    ap.add_argument("--kv-layout", choices=["packed", "kv_first"], default="packed",
+                    help="vLLM's KV cache layout: packed K/V (since 2026-07-11) or the older "
+                         "(2, num_blocks, ...) one")
     ap.add_argument("--cxx-bench", default=None)
     ap.add_argument("--repeat", type=int, default=1, help="runs of each side, best kept")
     ap.add_argument("--quiet", action="store_true", help="no per-request lines")
@@ -220,7 +231,7 @@ def main() -> int:
                               "block_bytes": a.layers * 2 * a.heads * a.head_dim * 2 *
                               a.block_size, "blocks_per_request": a.blocks,
                               "requests": a.requests, "concurrency": a.concurrency,
-                              "layout": a.layout}
+                              "layout": a.layout, "kv_layout": a.kv_layout}
     line = f"pdlib.vllm connector, ucx {a.tls} ({result['timed']}): {best_py:.2f} GB/s"
     if best_cxx:
         result["cxx_pull_gbytes_per_s"] = best_cxx

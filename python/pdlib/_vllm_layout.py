@@ -28,7 +28,7 @@ of a block next to each other in one backing buffer (a layer's view then starts 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["TensorInfo", "Geometry", "LayerLayout", "KVLayoutDescription", "describe_layer",
            "describe_layers", "describe_state_pages", "expand_blocks", "LayoutError"]
@@ -52,7 +52,7 @@ class TensorInfo:
     dtype: str = ""
 
     @classmethod
-    def of(cls, name: str, tensor) -> "TensorInfo":  # a torch.Tensor
+    def of(cls, name: str, tensor: Any) -> "TensorInfo":  # a torch.Tensor
         return cls(name, int(tensor.data_ptr()), tuple(int(d) for d in tensor.shape),
                    tuple(int(s) for s in tensor.stride()), int(tensor.element_size()),
                    str(tensor.dtype).replace("torch.", ""))
@@ -185,7 +185,7 @@ def describe_layer(t: TensorInfo, g: Geometry) -> LayerLayout:
             raise LayoutError(f"pdlib.vllm: {where}: blocks overlap (block stride {sb} < a "
                               f"block's {page} elements)")
         item = sb * es if blocks > 1 else page * es
-        regions = ((t.ptr, blocks * item, item),)
+        regions: Tuple[Tuple[int, int, int], ...] = ((t.ptr, blocks * item, item),)
     else:
         skv = t.strides[kv_dim]
         if blocks == 1:

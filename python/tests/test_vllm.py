@@ -28,7 +28,7 @@ from conftest import HERE, UCX_SHM, free_port, needs_ucx
 STANDIN = os.path.join(HERE, "vllm_standin")
 ENGINE = os.path.join(HERE, "vllm_engine.py")
 PREFILL_SALT, DECODE_SALT = 1, 2
-BLOCK, HEADS, DIM, LAYERS = 4, 4, 8, 2
+BLOCK, HEADS, DIM, LAYERS = 16, 4, 8, 2  # FlashAttention wants block sizes of 16k
 
 pytestmark = needs_ucx
 
@@ -109,7 +109,7 @@ def engine_cfg(layout: str, tp: int, salt: int, port: int, lease: float = 30.0,
     extra.update(over.pop("extra", {}))
     cfg = {"layout": layout, "tp": tp, "salt": salt, "remote_salt": PREFILL_SALT,
            "block_size": BLOCK, "heads": HEADS, "head_dim": DIM, "layers": LAYERS,
-           "num_blocks": 96, "extra": extra}
+           "num_blocks": 48, "extra": extra}
     cfg.update(over)
     return cfg
 
@@ -137,7 +137,9 @@ class Pair:
         assert done["status"] == "FINISHED_LENGTH_CAPPED"
         params = done["kv_transfer_params"]
         assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-        assert len(params["remote_block_ids"]) == -(-len(prompt) // BLOCK)
+        blocks = self.prefill.cfg.get("block_size", BLOCK)
+        computed = len(prompt) - (1 if "mamba" in self.prefill.cfg.get("groups", []) else 0)
+        assert len(params["remote_block_ids"]) == -(-computed // blocks)
         return params
 
     def decode_request(self, req_id: str, prompt: List[int], params: Optional[Dict[str, Any]],
@@ -154,17 +156,18 @@ def prompt_of(n: int, seed: int) -> List[int]:
     return [(seed * 131 + i * 17) % 5000 + 1 for i in range(n)]
 
 
-def loaded_bytes(prompt_len: int, tp_heads: int = HEADS, kv: int = 2) -> int:
+def loaded_bytes(prompt_len: int, tp_heads: int = HEADS, kv: int = 2, es: int = 2) -> int:
     """Bytes decode checks for a whole prompt (over all its ranks): tokens x layers x K/V x
-    heads x dim x fp16."""
-    return prompt_len * LAYERS * kv * tp_heads * DIM * 2
+    heads x dim x element size."""
+    return prompt_len * LAYERS * kv * tp_heads * DIM * es
 
 
 @pytest.fixture(scope="module")
 def shared() -> Iterator[Pair]:
-    """FlashAttention TP 1 -> 1, 30 s lease: the tests that need nothing else share it (each
-    uses its own request ids and prompts, and counts bytes as differences)."""
-    pair = Pair("flash_attn", 1, 1)
+    """The packed layout (FlashAttention at 6adad087, HND as pdlib asks), TP 1 -> 1, 30 s lease:
+    the tests that need nothing else share it (each uses its own request ids and prompts, and
+    counts bytes as differences)."""
+    pair = Pair("packed", 1, 1)
     yield pair
     pair.close()
 
@@ -192,54 +195,73 @@ def transfer(pair: Pair, req_id: str, prompt: List[int]) -> Dict[str, Any]:
     return got
 
 
-CASES = [  # layout, prefill TP, decode TP, heads checked on decode, K/V buffers
-    ("flash_attn", 1, 1, HEADS, 2),
-    ("flash_attn", 2, 1, HEADS, 2),
-    ("flash_attn", 1, 2, HEADS, 2),
-    ("flashinfer", 1, 1, HEADS, 2),
-    ("mla", 1, 1, 1, 1),
-    ("mla", 2, 1, 1, 1),
+# Every layout vLLM allocated since 2026-01 (vllm_engine.py kv_shape_and_order): the packed
+# K/V of FlashAttention/FlashInfer/Triton since 2026-07-11 in HND (what pdlib asks for) and NHD
+# (VLLM_KV_CACHE_LAYOUT=NHD or another connector's wish), FlashAttention's (2, num_blocks, ...)
+# until 2026-05-26, its (num_blocks, 2, ...) until 2026-07-11 (and FlashInfer's before), MLA,
+# an FP8 cache, and kernel blocks of 16 under --block-size 32.
+CASES = [  # id, layout, prefill TP, decode TP, heads checked on decode, K/V, over
+    ("packed-hnd-tp1to1", "packed", 1, 1, HEADS, 2, {}),
+    ("packed-hnd-tp2to1", "packed", 2, 1, HEADS, 2, {}),
+    ("packed-hnd-tp1to2", "packed", 1, 2, HEADS, 2, {}),
+    ("packed-nhd-tp1to1", "packed", 1, 1, HEADS, 2, {"nhd": True}),
+    ("packed-nhd-tp2to1", "packed", 2, 1, HEADS, 2, {"nhd": True}),
+    ("kv_first-hnd-tp2to1", "kv_first", 2, 1, HEADS, 2, {}),
+    ("kv_first-nhd-tp1to1", "kv_first", 1, 1, HEADS, 2, {"nhd": True}),
+    ("blocks_first-tp1to1", "blocks_first", 1, 1, HEADS, 2, {}),
+    ("mla-tp1to1", "mla", 1, 1, 1, 1, {}),
+    ("mla-tp2to1", "mla", 2, 1, 1, 1, {}),
+    ("packed-fp8-tp1to1", "packed", 1, 1, HEADS, 2, {"fp8": True}),
+    ("packed-kernel16-tp2to1", "packed", 2, 1, HEADS, 2,
+     {"block_size": 2 * BLOCK, "kernel_block_size": BLOCK}),
 ]
 
 
-@pytest.mark.parametrize("layout, ptp, dtp, heads, kv", CASES,
-                         ids=[f"{c[0]}-tp{c[1]}to{c[2]}" for c in CASES])
-def test_every_byte_reaches_decode(pairs, shared, layout, ptp, dtp, heads, kv):
-    pair = shared if (layout, ptp, dtp) == ("flash_attn", 1, 1) else pairs(layout, ptp, dtp)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_every_byte_reaches_decode(pairs, shared, case):
+    name, layout, ptp, dtp, heads, kv, over = case
+    pair = shared if name == "packed-hnd-tp1to1" else \
+        pairs(layout, ptp, dtp, decode_over=dict(over), prefill_over=dict(over))
+    bs = over.get("block_size", BLOCK)
+    es = 1 if over.get("fp8") else 2
     moved, before = 0, pair.decode.stats()["decode_bytes"]
-    for i, n in enumerate([1, 4, 9, 23]):
-        prompt = prompt_of(n, 100 + 10 * CASES.index((layout, ptp, dtp, heads, kv)) + i)
-        got = transfer(pair, f"req-{layout}-{i}", prompt)
+    for i, n in enumerate([1, 16, 37, 90]):
+        prompt = prompt_of(n, 100 + 10 * CASES.index(case) + i)
+        got = transfer(pair, f"req-{name}-{i}", prompt)
         assert got["hit_tokens"] == 0 and got["invalid"] == []
         assert got["bytes_wrong"] == 0
         # MLA: every decode rank holds the whole latent (replicated), so it is checked per rank.
-        assert got["bytes_checked"] == loaded_bytes(n, heads, kv) * (dtp if layout == "mla"
-                                                                      else 1)
-        moved += len(got["blocks"]) * BLOCK * LAYERS * kv * heads * DIM * 2 * \
+        assert got["bytes_checked"] == loaded_bytes(n, heads, kv, es) * (
+            dtp if layout == "mla" else 1)
+        moved += len(got["blocks"]) * bs * LAYERS * kv * heads * DIM * es * \
             (dtp if layout == "mla" else 1)
     # Decode's pdlib counted exactly the blocks it read, all ranks together.
     assert pair.decode.stats()["decode_bytes"] - before == moved
+    # Nothing outside the requests' blocks was written, on either side.
+    assert pair.decode.stats()["untouched_bad"] == 0
+    assert pair.prefill.stats()["untouched_bad"] == 0
 
 
 def test_decode_prefix_hit_reads_only_the_tail(shared):
     pair = shared
-    shared = prompt_of(12, 7)  # three whole blocks
+    shared = prompt_of(3 * BLOCK, 7)  # three whole blocks
     # Decode computes a first request itself; its three blocks enter its prefix cache.
     pair.decode_request("warm", shared, None, max_tokens=1)
     assert pair.decode.event("finished", "warm")["status"] == "FINISHED_LENGTH_CAPPED"
     before = pair.decode.stats()["decode_bytes"]
-    # A longer prompt with the same start: decode holds 12 tokens, reads the other 3 blocks.
-    prompt = shared + prompt_of(10, 8)
+    # A longer prompt with the same start: decode holds 48 tokens, reads the other 3 blocks.
+    prompt = shared + prompt_of(40, 8)
     got = transfer(pair, "tail", prompt)
-    assert got["hit_tokens"] == 12
-    assert got["bytes_wrong"] == 0 and got["bytes_checked"] == loaded_bytes(22 - 12)
+    assert got["hit_tokens"] == 3 * BLOCK
+    assert got["bytes_wrong"] == 0 and got["bytes_checked"] == loaded_bytes(40)
     # The prefix blocks still hold decode's own values: nothing was written into them.
-    assert got["prefix_bytes_checked"] == loaded_bytes(12) and got["prefix_bytes_wrong"] == 0
+    assert got["prefix_bytes_checked"] == loaded_bytes(3 * BLOCK)
+    assert got["prefix_bytes_wrong"] == 0
     block_bytes = BLOCK * LAYERS * 2 * HEADS * DIM * 2
     assert pair.decode.stats()["decode_bytes"] - before == 3 * block_bytes
     # All but the last token held: only the last block is read.
     got = transfer(pair, "last", shared + [77])
-    assert got["hit_tokens"] == 12 and got["bytes_wrong"] == 0
+    assert got["hit_tokens"] == 3 * BLOCK and got["bytes_wrong"] == 0
     assert got["bytes_checked"] == loaded_bytes(1)
     assert pair.decode.stats()["decode_bytes"] - before == 4 * block_bytes
 
@@ -261,7 +283,7 @@ def test_abort_before_decode_scheduled_frees_prefill_at_once(shared):
 
 
 def test_abort_while_loading_keeps_decode_blocks_until_pdlib_frees_them(pairs):
-    pair = pairs("flash_attn", 1, 1, lease=1.0)
+    pair = pairs("packed", 1, 1, lease=1.0)
     prompt = prompt_of(9, 6)
     params = pair.prefill_request("stuck", prompt)
     pair.prefill.proc.send_signal(signal.SIGSTOP)  # prefill (and its bootstrap server) frozen
@@ -281,8 +303,8 @@ def test_abort_while_loading_keeps_decode_blocks_until_pdlib_frees_them(pairs):
 
 
 def test_killed_prefill_reports_load_errors_and_decode_recomputes(pairs):
-    pair = pairs("flash_attn", 1, 1)
-    prompt = prompt_of(10, 5)
+    pair = pairs("packed", 1, 1)
+    prompt = prompt_of(40, 5)
     params = pair.prefill_request("orphan", prompt)
     pair.prefill.kill()
     pair.decode_request("orphan", prompt, params)
@@ -295,7 +317,7 @@ def test_killed_prefill_reports_load_errors_and_decode_recomputes(pairs):
 
 
 def test_lease_expiry_frees_prefill_and_a_late_decode_recomputes(pairs):
-    pair = pairs("flash_attn", 1, 1, lease=1.0)
+    pair = pairs("packed", 1, 1, lease=1.0)
     prompt = prompt_of(7, 9)
     params = pair.prefill_request("late", prompt)
     started = time.monotonic()
@@ -307,9 +329,10 @@ def test_lease_expiry_frees_prefill_and_a_late_decode_recomputes(pairs):
     assert pair.decode.event("finished", "late")["output_len"] == 2
 
 
-def test_flashinfer_unequal_tp_fails_the_load_with_pdlibs_reason(pairs):
-    # FlashInfer blocks hold K then V of every head: they move whole, between equal TP only.
-    pair = pairs("flashinfer", 2, 1)
+def test_blocks_first_unequal_tp_fails_the_load_with_pdlibs_reason(pairs):
+    # (num_blocks, 2, ...) blocks hold K then V of every head: they move whole, between equal
+    # TP only; pdlib refuses the pairing and every block is a load error.
+    pair = pairs("blocks_first", 2, 1)
     prompt = prompt_of(6, 2)
     params = pair.prefill_request("fi", prompt)
     pair.decode_request("fi", prompt, params)
@@ -319,7 +342,7 @@ def test_flashinfer_unequal_tp_fails_the_load_with_pdlibs_reason(pairs):
 
 
 def test_producer_and_consumer_roles(pairs):
-    pair = pairs("flash_attn", 1, 1, prefill_over={"kv_role": "kv_producer"},
+    pair = pairs("packed", 1, 1, prefill_over={"kv_role": "kv_producer"},
                  decode_over={"kv_role": "kv_consumer"})
     prompt = prompt_of(11, 12)
     got = transfer(pair, "roles", prompt)
@@ -337,7 +360,7 @@ def test_producer_and_consumer_roles(pairs):
 
 def test_incompatible_model_fails_the_load_and_decode_recomputes(pairs):
     # pdlib's registration compares the fingerprint (head size here): prefill refuses decode.
-    pair = pairs("flash_attn", 1, 1, decode_over={"head_dim": 2 * DIM})
+    pair = pairs("packed", 1, 1, decode_over={"head_dim": 2 * DIM})
     prompt = prompt_of(6, 55)
     params = pair.prefill_request("fp", prompt)
     pair.decode_request("fp", prompt, params)
@@ -351,7 +374,7 @@ def test_block_size_mismatch_is_computed_locally(shared):
     pair = shared
     prompt = prompt_of(8, 44)
     params = pair.prefill_request("bs", prompt)
-    params["pdlib_block_size"] = 16  # a prefill with another --block-size
+    params["pdlib_block_size"] = 2 * BLOCK  # a prefill with another --block-size
     pair.decode_request("bs", prompt, params)
     done = pair.decode.event("finished", "bs")
     assert done["output_len"] == 2
@@ -394,44 +417,11 @@ def test_required_layout(connector_module):
 
     cls = connector_module.PdlibConnector
     assert cls.get_required_kvcache_layout(VllmConfig(model_config=ModelConfig())) == "HND"
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+    assert supports_hma(cls)  # vLLM keeps its hybrid allocator on
     assert cls.get_required_kvcache_layout(
         VllmConfig(model_config=ModelConfig(use_mla=True))) is None
     assert cls.get_required_kvcache_layout(VllmConfig()) is None
-
-
-def test_describe_kv_caches_layouts(connector_module):
-    import torch
-
-    describe = connector_module.describe_kv_caches
-    nb, bs, h, d = 6, 4, 2, 8
-    hnd = torch.zeros(2, nb, h, bs, d, dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
-    other = torch.zeros(2, nb, h, bs, d, dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
-    # Two layers on one tensor are one layer's buffers; K of every layer, then V.
-    r = describe({"a": hnd, "b": hnd, "c": other}, nb, bs, False)
-    page = bs * h * d * 2
-    assert (r.layout, r.num_layers, r.kv_heads, r.head_dim, r.hnd, r.kv_dtype) == \
-        ("flash_attn", 2, h, d, True, "bf16")
-    assert r.buffers == [(hnd.data_ptr(), nb * page, page), (other.data_ptr(), nb * page, page),
-                         (hnd.data_ptr() + nb * page, nb * page, page),
-                         (other.data_ptr() + nb * page, nb * page, page)]
-    nhd = torch.zeros(2, nb, bs, h, d, dtype=torch.float16)
-    assert describe({"a": nhd}, nb, bs, False).hnd is False
-    fi = torch.zeros(nb, 2, h, bs, d, dtype=torch.float16).permute(0, 1, 3, 2, 4)
-    r = describe({"a": fi}, nb, bs, False)
-    assert r.layout == "flashinfer" and r.buffers == [(fi.data_ptr(), nb * 2 * page, 2 * page)]
-    mla = torch.zeros(nb, bs, 576, dtype=torch.float16)
-    r = describe({"a": mla}, nb, bs, True)
-    assert r.layout == "mla" and r.buffers == [(mla.data_ptr(), nb * bs * 576 * 2, bs * 576 * 2)]
-    with pytest.raises(ValueError, match="neither FlashAttention"):
-        describe({"a": torch.zeros(2, nb + 1, bs, h, d)}, nb, bs, False)
-    with pytest.raises(ValueError, match="kernel block size"):
-        describe({"a": torch.zeros(2, nb, bs * 2, h, d)}, nb, bs, False)
-    with pytest.raises(ValueError, match="cannot be told apart"):
-        describe({"a": torch.zeros(2, 2, bs, h, d)}, 2, bs, False)
-    with pytest.raises(ValueError, match="MLA"):
-        describe({"a": torch.zeros(nb, bs, 4, 4)}, nb, bs, True)
-    with pytest.raises(ValueError, match="mixed attention backends"):
-        describe({"a": hnd, "b": nhd.to(torch.bfloat16)}, nb, bs, False)
 
 
 def test_remote_params_are_validated(connector_module):
@@ -453,3 +443,145 @@ def test_remote_params_are_validated(connector_module):
         parse(dict(good, pdlib_block_size=32), 16).block_size_error
     with pytest.raises(ValueError, match="lack 'pdlib_room'"):
         parse({k: v for k, v in good.items() if k != "pdlib_room"}, 16)
+
+
+# -- hybrid models (SupportsHMA), async scheduling, failures before init ----------------------
+
+HYBRID = {"groups": ["full", "swa", "mamba"], "window": 2 * BLOCK,
+          "enable_prefix_caching": False}
+
+
+def hybrid_bytes(n: int, tp_heads: int = HEADS) -> int:
+    """What decode checks of a hybrid load of an n-token prompt: prefill computed n - 1 tokens
+    (decode recomputes the last from the state it reads); full attention every token, sliding
+    window the window's tokens, Mamba the whole state page (padded to the attention page)."""
+    tokens = n - 1
+    full = loaded_bytes(tokens, tp_heads)
+    window = loaded_bytes(min(tokens, HYBRID["window"]), tp_heads)
+    page = 2 * BLOCK * tp_heads * DIM * 2
+    return full + window + LAYERS * page
+
+
+def test_hybrid_three_groups_every_byte(pairs):
+    # Full attention + sliding window + Mamba (the seeds' model kind): one block table per
+    # group; the window's tail and the running state travel as pdlib state families.
+    pair = pairs("packed", 1, 1, decode_over=dict(HYBRID), prefill_over=dict(HYBRID))
+    for i, n in enumerate([2, 20, 90]):
+        prompt = prompt_of(n, 300 + i)
+        got = transfer(pair, f"hy-{i}", prompt)
+        assert got["invalid"] == [] and got["bytes_wrong"] == 0
+        assert got["bytes_checked"] == hybrid_bytes(n), got
+        assert got["end"] == n - 1  # the state is h(n - 1): decode computes token n itself
+    assert pair.decode.stats()["untouched_bad"] == 0
+
+
+def test_hybrid_unequal_tp_reports_every_block_of_every_group(pairs):
+    # Mamba state moves by rank (its pages pack conv and SSM state of a rank's heads): TP 2 -> 1
+    # is refused at registration, and the load reports every block it would have written in
+    # every group. vLLM 6adad087 cannot take load errors of a multi-group request yet: its
+    # _update_requests_with_invalid_blocks unpacks one group ("TODO (davidb): add support for
+    # hybrid memory allocator") and raises, which the replay reproduces.
+    pair = pairs("packed", 2, 1, decode_over=dict(HYBRID), prefill_over=dict(HYBRID))
+    prompt = prompt_of(90, 77)
+    params = pair.prefill_request("hy-tp", prompt)
+    pair.decode_request("hy-tp", prompt, params)
+    errors = pair.decode.wait(lambda e: e["event"] == "load_errors", 30)
+    full = -(-89 // BLOCK)
+    assert len(errors["blocks"]) == full + 3 + 1  # full group, window tail, running state
+    crash = pair.decode.wait(lambda e: e["event"] == "error", 10)
+    assert "too many values to unpack" in crash["error"]
+
+
+def test_hybrid_sliding_window_prefix_hit_is_computed_locally(pairs):
+    swa = {"groups": ["full", "swa"], "window": 2 * BLOCK}
+    pair = pairs("packed", 1, 1, decode_over=dict(swa), prefill_over=dict(swa))
+    shared = prompt_of(3 * BLOCK, 41)
+    pair.decode_request("warm", shared, None, max_tokens=1)
+    assert pair.decode.event("finished", "warm")["status"] == "FINISHED_LENGTH_CAPPED"
+    prompt = shared + prompt_of(20, 42)
+    params = pair.prefill_request("swa-hit", prompt)
+    pair.decode_request("swa-hit", prompt, params)
+    assert pair.decode.event("finished", "swa-hit")["output_len"] == 2
+    pair.decode.no_event("received", "swa-hit", 0.3)
+    pair.prefill.event("freed", "swa-hit", timeout=10)  # released at once (30 s lease)
+    # Without a hit the same model loads: window and full attention byte for byte.
+    got = transfer(pair, "swa-miss", prompt_of(50, 43))
+    assert got["bytes_wrong"] == 0 and got["invalid"] == []
+    assert got["bytes_checked"] == loaded_bytes(50) + loaded_bytes(2 * BLOCK)
+
+
+def test_async_scheduling_one_step_ahead(pairs):
+    over = {"async_scheduling": True}
+    pair = pairs("packed", 2, 1, decode_over=dict(over), prefill_over=dict(over))
+    prompts = {f"as-{i}": prompt_of(n, 500 + i) for i, n in enumerate([5, 33, 64, 17])}
+    params = {r: pair.prefill_request(r, p) for r, p in prompts.items()}
+    for r, p in prompts.items():  # all in flight at once
+        pair.decode_request(r, p, params[r])
+    for r, p in prompts.items():
+        got = pair.decode.event("received", r)
+        assert got["bytes_wrong"] == 0 and got["bytes_checked"] == loaded_bytes(len(p))
+        assert pair.decode.event("finished", r)["output_len"] == 2
+        pair.prefill.event("freed", r)
+    # Finished while its load is in flight (aborted right after it was scheduled).
+    prompt = prompt_of(40, 599)
+    p = pair.prefill_request("as-abort", prompt)
+    pair.decode.send({"op": "add", "id": "as-abort", "prompt": prompt, "max_tokens": 2,
+                      "kv_transfer_params": p}, {"op": "abort", "id": "as-abort"})
+    assert pair.decode.event("finished", "as-abort")["status"] == "FINISHED_ABORTED"
+    pair.prefill.event("freed", "as-abort", timeout=20)
+    assert pair.decode.stats()["untouched_bad"] == 0
+
+
+class _FailedReceiver:
+    """pdlib's receiver for a room that failed before init(): init raises, poll reads Failed,
+    and pdlib holds no pages for it (invalid_pages() is empty)."""
+
+    def __init__(self) -> None:
+        self.aborted = ""
+
+    def init(self, *args: Any, **kw: Any) -> None:
+        import pdlib
+        raise pdlib.Error("FAILED_PRECONDITION: room 7: prefill refused the pairing",
+                          int(pdlib.StatusCode.FailedPrecondition))
+
+    def abort(self, reason: str) -> None:
+        self.aborted = reason
+
+    def poll(self) -> Any:
+        import pdlib
+        return pdlib.KVPoll.Failed
+
+    def pages_reusable(self) -> bool:
+        return True
+
+    def invalid_pages(self) -> List[int]:
+        return []
+
+    def failure_reason(self) -> str:
+        return "FAILED_PRECONDITION: prefill refused the pairing"
+
+    def close(self) -> None:
+        pass
+
+
+def test_failure_before_init_reports_every_block(connector_module):
+    # The bug of issue 40: a room that failed before init() was kept as a normal load and
+    # reported with invalid_pages() == [], so vLLM kept blocks nobody wrote.
+    m = connector_module
+    w = m._Worker.__new__(m._Worker)
+    w.description = None
+    w.block_size = BLOCK
+    w._recving, w._releasing, w._sending, w._failed_senders = {}, [], {}, []
+    w._send_failed_now, w._invalid = set(), set()
+    import threading as _t
+    w._lock = _t.Lock()
+
+    class _Decode:
+        def create_receiver(self, bootstrap: str, room: int) -> _FailedReceiver:
+            return _FailedReceiver()
+
+    w.decode = _Decode()
+    w._start_read("r1", m._RecvReq(7, "127.0.0.1:1", [5, 9, 11], 4, state_ids=[[20], [21]]))
+    done_sending, done_recving = w.get_finished(set())
+    assert done_recving == {"r1"}
+    assert w.get_block_ids_with_load_errors() == {5, 9, 11, 20, 21}

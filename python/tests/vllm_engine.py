@@ -1,28 +1,41 @@
 """One vLLM engine (EngineCore: a scheduler and its TP workers) around pdlib.vllm, replayed for
 test_vllm: run as a process, driven by JSON lines on stdin, answering JSON lines on stdout.
 
-The call sequence is upstream vllm-project/vllm's, read at these commits:
-  * start-up (v1/engine/core.py): the workers are built and register their KV caches
-    (GPUModelRunner.initialize_kv_cache -> register_kv_caches), then the scheduler and its
-    connector; set_xfer_handshake_metadata when workers export metadata. The KV layout is the
-    one get_required_kvcache_layout() asks for, read before allocation.
-  * Scheduler (v1/core/sched/scheduler.py @00024d314514): schedule()'s WAITING loop
+The call sequence is upstream vLLM's, read at jsboige/vllm 6adad087 (upstream main of
+2026-08-14; python/README.md lists each file's last change):
+  * start-up (v1/engine/core.py, v1/worker/gpu_model_runner.py initialize_kv_cache): the KV
+    cache config (one group per kind of layer; with several groups every KVCacheTensor is
+    shared by one layer of each group, pages of one size), the workers allocate one raw int8
+    buffer per KVCacheTensor and view each layer in its attention backend's shape and stride
+    order (_reshape_kv_cache_tensors, gpu/attn_utils.py _reshape_attention_kv_cache: the
+    layout get_kv_cache_layout() returns, i.e. the connector's get_required_kvcache_layout();
+    Mamba layers a (num_blocks, 1, 1, page) view), then register_kv_caches; then the
+    scheduler and its connector; set_xfer_handshake_metadata when workers export metadata.
+  * Scheduler (v1/core/sched/scheduler.py): schedule()'s WAITING loop
     (_update_waiting_for_remote_kv, local prefix hit, get_num_new_matched_tokens,
     allocate_slots with delay_cache_blocks, update_state_after_alloc(request,
-    get_blocks(request_id), num_external_tokens), WAITING_FOR_REMOTE_KVS), the SchedulerOutput
-    with finished_req_ids, build_connector_meta, _update_after_schedule; update_from_output
+    get_blocks(request_id), num_external_tokens) for every admitted request (so twice for a
+    remote load: at allocation and when it is scheduled after the load), num_computed_tokens
+    set at once, WAITING_FOR_REMOTE_KVS), the SchedulerOutput with finished_req_ids,
+    build_connector_meta, _update_after_schedule; update_from_output
     (_handle_invalid_blocks with the recompute policy, stop checks, _free_request ->
-    _connector_finished -> request_finished, _update_from_kv_xfer_finished); finish_requests
-    for aborts (a WAITING_FOR_REMOTE_KVS request's blocks wait for finished_recving).
-  * Workers (v1/worker/kv_connector_model_runner_mixin.py @23ec7c7fab7a): per step
+    _connector_finished: remove_skipped_blocks, then request_finished_all_groups for a
+    SupportsHMA connector, else request_finished; _update_from_kv_xfer_finished);
+    finish_requests for aborts (a WAITING_FOR_REMOTE_KVS request's blocks wait for
+    finished_recving). Async scheduling (AsyncScheduler, EngineCore.step_with_batch_queue):
+    the next step is scheduled before the last one's output is processed, a running request
+    counting its output placeholders.
+  * Workers (v1/worker/kv_connector_model_runner_mixin.py _get_kv_connector_output): per step
     bind_connector_metadata, start_load_kv, the forward (wait_for_layer_load / save_kv_layer
     per layer), wait_for_save, get_finished(finished_req_ids),
     get_block_ids_with_load_errors, get_kv_connector_stats, clear_connector_metadata; the
     executor's KVOutputAggregator reports an id once every worker has.
 Simplifications, none of which the connector can see: one process (the workers are called in
 turn, each with its own TP rank's tensors), no preemption, a prefix cache that never evicts,
-and a "model" whose forward writes a deterministic KV value per (salt, token, position, layer,
-K/V, head, element) into the blocks, so decode can check every byte it loaded.
+one block pool for every group (as BlockPool), and a "model" whose forward writes a
+deterministic KV value per (salt, token, position, layer, K/V, head, element) into the blocks
+and a running state per (salt, tokens so far, layer, rank) into a Mamba group's block, so
+decode can check every byte it loaded.
 """
 
 from __future__ import annotations
@@ -52,7 +65,11 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA  # noqa: E402
+from vllm.v1.attention.backends.utils import _standin_set_layout  # noqa: E402
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
+                                        KVCacheGroupSpec, KVCacheTensor, MambaSpec,
+                                        MLAAttentionSpec, SlidingWindowSpec)
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
@@ -66,16 +83,65 @@ def kv_values(salt: int, token: int, pos: int, layer: int, kv: int, heads: np.nd
     return (v % 251).astype(np.float16)
 
 
+def state_values(salt: int, tokens: List[int], layer: int, rank: int, nbytes: int
+                 ) -> np.ndarray:
+    """The Mamba state the test model holds after `tokens`: bytes that depend on every token
+    (a running state), the layer and the TP rank's share."""
+    h = (salt * 131 + len(tokens) * 17 + layer * 29 + rank * 7 + sum(
+        (i + 1) * t for i, t in enumerate(tokens))) % 65521
+    return ((np.arange(nbytes) * 7 + h) % 253).astype(np.uint8)
+
+
+# Attention backends' KV cache shapes and stride orders (logical shape, stride order for NHD,
+# for HND), as vLLM had them since 2026-01 (jsboige/vllm history of
+# vllm/v1/attention/backends/flash_attn.py and flashinfer.py):
+#   packed       FlashAttention / FlashInfer / Triton from 51878e5b6 (2026-07-11) on: the
+#                stand-in's FlashAttentionBackend (6adad087)
+#   kv_first     FlashAttention up to 7e33081ce (2026-05-26), read at 130d6c9514 (2026-01-15):
+#                (2, num_blocks, block_size, heads, head_size), NHD (0,1,2,3,4), HND (0,1,3,2,4)
+#   blocks_first FlashAttention 7e33081ce..51878e5b6 and FlashInfer before 51878e5b6:
+#                (num_blocks, 2, block_size, heads, head_size), NHD (0,1,2,3,4), HND (0,1,3,2,4)
+#   mla          (num_blocks, block_size, latent), no stride order
+def kv_shape_and_order(layout: str, nb: int, bs: int, h: int, d: int
+                       ) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+    hnd = get_kv_cache_layout() == "HND"
+    if layout == "packed":
+        return (FlashAttentionBackend.get_kv_cache_shape(nb, bs, h, d),
+                FlashAttentionBackend.get_kv_cache_stride_order())
+    if layout == "kv_first":
+        return (2, nb, bs, h, d), ((0, 1, 3, 2, 4) if hnd else (0, 1, 2, 3, 4))
+    if layout == "blocks_first":
+        return (nb, 2, bs, h, d), ((0, 1, 3, 2, 4) if hnd else (0, 1, 2, 3, 4))
+    return (nb, bs, d), (0, 1, 2)
+
+
+def reshape_attention(raw: torch.Tensor, shape: Tuple[int, ...], order: Tuple[int, ...],
+                      dtype: torch.dtype) -> torch.Tensor:
+    """gpu/attn_utils.py _reshape_attention_kv_cache @6adad087 (no padding, no packing): the
+    raw bytes viewed in stride order, permuted back to the logical shape."""
+    permuted = tuple(shape[i] for i in order)
+    inv = [order.index(i) for i in range(len(order))]
+    return raw.view(dtype).view(permuted).permute(*inv)
+
+
 class Worker:
-    """One TP rank: its connector (role WORKER) and its KV cache tensors."""
+    """One TP rank: its connector (role WORKER) and its KV cache tensors, allocated and
+    registered the way GPUModelRunner.initialize_kv_cache does it (one raw int8 buffer per
+    KVCacheTensor, shared by the layers it names, each layer's view in its backend's stride
+    order; Mamba layers a (num_blocks, 1, 1, page) view of the same buffer)."""
 
     def __init__(self, engine: "Engine", rank: int) -> None:
         c = engine.cfg
         _standin_set_tp(rank, c["tp"])
         self.rank = rank
         self.layout = c["layout"]
-        self.layers = c["layers"]
         self.block_size = c["block_size"]
+        self.kernel = c.get("kernel_block_size", self.block_size)
+        self.k = self.block_size // self.kernel
+        self.groups = engine.kv_cache_config.kv_cache_groups
         if self.layout == "mla":
             self.heads = np.zeros(1, dtype=np.int64)
         else:
@@ -85,86 +151,147 @@ class Worker:
             self.heads = np.arange(first, first + local)
         self.connector = KVConnectorFactory.create_connector(
             engine.vllm_config, KVConnectorRole.WORKER, engine.kv_cache_config)
-        self.caches: Dict[str, torch.Tensor] = {}
-        nb, bs, h, d = c["num_blocks"], self.block_size, len(self.heads), c["head_dim"]
-        hnd = engine.required_layout == "HND"
-        per_layer = (nb * bs * d if self.layout == "mla" else 2 * nb * bs * h * d)
+        cfg = engine.kv_cache_config
+        nb = cfg.num_blocks
         self.pool = None
+        total = sum(t.size for t in cfg.kv_cache_tensors)
         if c.get("pool_mode"):
             # Benchmark: the cache in one UCX-allocated pool, as pdlib-transfer-bench's default
             # --pool-alloc (UCX shm then copies into it directly; malloc'd memory needs a
             # syscall per read). vLLM's own cache is GPU memory.
             import pdlib
             mode = pdlib.Mode.Prefill if c["pool_mode"] == "prefill" else pdlib.Mode.Decode
-            self.pool = pdlib.allocate_kv_pool("ucx", per_layer * self.layers * 2,
-                                               pdlib.MemoryKind.Host,
+            self.pool = pdlib.allocate_kv_pool("ucx", total, pdlib.MemoryKind.Host,
                                                c["extra"]["backend_options"], mode)
-            flat = torch.frombuffer(self.pool.view(), dtype=torch.float16)
-
-        def zeros(shape: Tuple[int, ...], layer: int) -> torch.Tensor:
-            if self.pool is None:
-                return torch.zeros(shape, dtype=torch.float16)
-            return flat[layer * per_layer:(layer + 1) * per_layer].view(shape)
-
-        for layer in range(self.layers):
-            name = f"model.layers.{layer}.self_attn.attn"
-            # As the attention backends build them: the logical shape, physically permuted by
-            # the stride order of the layout (HND swaps block_size and heads).
-            if self.layout == "flash_attn":
-                raw = zeros((2, nb, h, bs, d) if hnd else (2, nb, bs, h, d), layer)
-                t = raw.permute(0, 1, 3, 2, 4) if hnd else raw
-            elif self.layout == "flashinfer":
-                raw = zeros((nb, 2, h, bs, d) if hnd else (nb, 2, bs, h, d), layer)
-                t = raw.permute(0, 1, 3, 2, 4) if hnd else raw
-            else:
-                t = zeros((nb, bs, d), layer)
-            self.caches[name] = t
+            flat = torch.frombuffer(self.pool.view(), dtype=torch.int8)
+        else:
+            flat = torch.zeros(total, dtype=torch.int8)
+        # _allocate_kv_cache_tensors: one raw buffer per KVCacheTensor, every layer it names.
+        raw: Dict[str, torch.Tensor] = {}
+        at = 0
+        for t in cfg.kv_cache_tensors:
+            for name in t.shared_by:
+                raw[name] = flat[at:at + t.size]
+            at += t.size
+        # _reshape_kv_cache_tensors, group by group.
+        self.caches: Dict[str, torch.Tensor] = {}
+        self.kind: Dict[str, str] = {}
+        self.layer_index: Dict[str, int] = {}
+        for g in self.groups:
+            spec = g.kv_cache_spec
+            for i, name in enumerate(g.layer_names):
+                self.layer_index[name] = i
+                if isinstance(spec, MambaSpec):
+                    page = spec.page_size_bytes
+                    self.caches[name] = raw[name][:nb * page].view(nb, 1, 1, page)
+                    self.kind[name] = "mamba"
+                    continue
+                shape, order = kv_shape_and_order(self.layout, nb * self.k, self.kernel,
+                                                  spec.num_kv_heads, spec.head_size)
+                self.caches[name] = reshape_attention(raw[name], shape, order, spec.dtype)
+                self.kind[name] = "swa" if isinstance(spec, SlidingWindowSpec) else "full"
         self.model = c.get("model", True)
         if not self.model:  # benchmark: no model, the blocks hold random bytes
             for t in self.caches.values():
-                t.uniform_(-1, 1)
+                if t.dtype == torch.float16:
+                    t.uniform_(-1, 1)
         self.connector.register_kv_caches(self.caches)
 
     def _slot(self, name: str, kv: int, block: int, offset: int) -> torch.Tensor:
+        """[heads, head_size] (MLA: [latent]) of one token of one vLLM block."""
         t = self.caches[name]
-        if self.layout == "flash_attn":
-            return t[kv, block, offset]
-        if self.layout == "flashinfer":
-            return t[block, kv, offset]
-        return t[block, offset]
+        kb, off = block * self.k + offset // self.kernel, offset % self.kernel
+        if self.layout == "packed":
+            d = t.shape[-1] // 2
+            return t[kb, :, off, kv * d:(kv + 1) * d]
+        if self.layout == "kv_first":
+            return t[kv, kb, off]
+        if self.layout == "blocks_first":
+            return t[kb, kv, off]
+        return t[kb, off]
 
-    def write(self, salt: int, tokens: List[int], blocks: List[int], start: int, n: int) -> None:
+    def _dim(self, name: str) -> int:
+        t = self.caches[name]
+        return t.shape[-1] // 2 if self.layout == "packed" else t.shape[-1]
+
+    def write(self, salt: int, tokens: List[int], tables: List[List[int]], start: int,
+              n: int) -> None:
+        """The forward of tokens [start, start + n): KV of every attention layer into the
+        blocks of its group's table, the running state into the Mamba group's block."""
         if not self.model:
             return
         for name in self.caches:
             self.connector.wait_for_layer_load(name)
-            layer = list(self.caches).index(name)
-            for pos in range(start, start + n):
-                block, offset = blocks[pos // self.block_size], pos % self.block_size
-                for kv in ((0,) if self.layout == "mla" else (0, 1)):
-                    vals = kv_values(salt, tokens[pos], pos, layer, kv, self.heads,
-                                     self.caches[name].shape[-1])
-                    self._slot(name, kv, block, offset).copy_(
-                        torch.from_numpy(vals[0] if self.layout == "mla" else vals))
+            group = self._group_of(name)
+            blocks = tables[group]
+            layer = self.layer_index[name]
+            if self.kind[name] == "mamba":
+                if blocks:
+                    page = self.caches[name][blocks[-1]].view(-1).view(torch.uint8)
+                    page.copy_(torch.from_numpy(state_values(
+                        salt, tokens[:start + n], layer, self.rank, page.numel())))
+            else:
+                for pos in range(start, start + n):
+                    block, offset = blocks[pos // self.block_size], pos % self.block_size
+                    for kv in ((0,) if self.layout == "mla" else (0, 1)):
+                        vals = kv_values(salt, tokens[pos], pos, layer + 100 * group, kv,
+                                         self.heads, self._dim(name))
+                        self._slot(name, kv, block, offset).copy_(
+                            torch.from_numpy(vals[0] if self.layout == "mla" else vals))
             self.connector.save_kv_layer(name, self.caches[name], None)
 
-    def check(self, salt: int, tokens: List[int], blocks: List[int], start: int, end: int,
-              skip_blocks: Set[int]) -> Tuple[int, int]:
-        """(bytes checked, bytes wrong) of tokens [start, end) against salt's values."""
+    def _group_of(self, name: str) -> int:
+        for i, g in enumerate(self.groups):
+            if name in g.layer_names:
+                return i
+        raise KeyError(name)
+
+    def check(self, salt: int, tokens: List[int], tables: List[List[int]], start: int,
+              end: int, skip_blocks: Set[int], window: Optional[int] = None
+              ) -> Tuple[int, int]:
+        """(bytes checked, bytes wrong) of tokens [start, end) against salt's values: every
+        full-attention layer; sliding-window layers for the tokens of the window that ends at
+        `end` (window tokens); Mamba layers' state after tokens[:end]."""
         checked = wrong = 0
-        for layer, name in enumerate(self.caches):
-            for pos in range(start, end):
+        for name in self.caches:
+            group = self._group_of(name)
+            blocks = tables[group]
+            layer = self.layer_index[name]
+            if self.kind[name] == "mamba":
+                if blocks and start < end and blocks[-1] not in skip_blocks:
+                    have = self.caches[name][blocks[-1]].view(-1).view(torch.uint8).numpy()
+                    want = state_values(salt, tokens[:end], layer, self.rank, have.size)
+                    checked += have.nbytes
+                    wrong += int((have != want).sum())
+                continue
+            first = start
+            if self.kind[name] == "swa" and window is not None:
+                first = max(start, end - window)
+            for pos in range(first, end):
                 block, offset = blocks[pos // self.block_size], pos % self.block_size
-                if block in skip_blocks:
+                if block in skip_blocks or block == 0:
                     continue
                 for kv in ((0,) if self.layout == "mla" else (0, 1)):
-                    want = kv_values(salt, tokens[pos], pos, layer, kv, self.heads,
-                                     self.caches[name].shape[-1])
+                    want = kv_values(salt, tokens[pos], pos, layer + 100 * group, kv,
+                                     self.heads, self._dim(name))
                     have = self._slot(name, kv, block, offset).numpy()
                     want = want[0] if self.layout == "mla" else want
                     checked += have.nbytes
                     wrong += int((have != want).sum()) * 2
         return checked, wrong
+
+    def untouched(self, outside: Set[int]) -> int:
+        """Bytes of the blocks in `outside` that are not zero (nothing may write them)."""
+        bad = 0
+        for name, t in self.caches.items():
+            for b in outside:
+                if self.kind[name] == "mamba":
+                    bad += int((t[b] != 0).sum())
+                else:
+                    for j in range(self.k):
+                        bad += int((t.select(0 if self.layout != "kv_first" else 1,
+                                             b * self.k + j) != 0).sum())
+        return bad
 
 
 class Engine:
@@ -173,6 +300,9 @@ class Engine:
         self.salt = cfg["salt"]
         self.enable_prefix_caching = cfg.get("enable_prefix_caching", True)
         self.block_size = cfg["block_size"]
+        self.async_scheduling = cfg.get("async_scheduling", False)
+        kinds = cfg.get("groups", ["full"])
+        self.window = cfg.get("window", 2 * cfg["block_size"])
         self.vllm_config = VllmConfig(
             model_config=ModelConfig(model="pdlib-test-model", total_num_kv_heads=cfg["heads"],
                                      head_size=cfg["head_dim"],
@@ -185,28 +315,28 @@ class Engine:
                 kv_role=cfg.get("kv_role", "kv_both"),
                 kv_connector_extra_config=cfg["extra"],
                 kv_load_failure_policy="recompute"))
-        names = [f"model.layers.{i}.self_attn.attn" for i in range(cfg["layers"])]
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=cfg["num_blocks"],
-            kv_cache_tensors=[KVCacheTensor(size=0, shared_by=[n]) for n in names],
-            kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=None)])
-        # get_kv_connector_cache_layout(): the connector class's wish, before allocation.
+        # get_kv_connector_cache_layout(): the connector class's wish, before allocation
+        # (VLLM_KV_CACHE_LAYOUT, when set, wins).
         import importlib
         cls = getattr(importlib.import_module("pdlib.vllm"), "PdlibConnector")
-        self.required_layout = cls.get_required_kvcache_layout(self.vllm_config) \
-            if not cfg.get("nhd") else "NHD"
+        wish = cls.get_required_kvcache_layout(self.vllm_config)
+        _standin_set_layout("NHD" if cfg.get("nhd") else wish)
+        self.required_layout = "NHD" if cfg.get("nhd") else (wish or "NHD")
+        self.kv_cache_config = self._kv_cache_config(cfg, kinds)
         self.workers = [Worker(self, r) for r in range(cfg["tp"])]
         self.connector = KVConnectorFactory.create_connector(
             self.vllm_config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
         metadata = {w.rank: w.connector.get_handshake_metadata() for w in self.workers}
         if any(m is not None for m in metadata.values()):
             self.connector.set_xfer_handshake_metadata(metadata)
-        # Scheduler state (block 0 is vLLM's null block, never handed out).
+        # Scheduler state (block 0 is vLLM's null block, never handed out; one pool for every
+        # group, as BlockPool is).
         self.free_blocks: List[int] = list(range(1, cfg["num_blocks"]))
         if cfg.get("scatter_blocks"):  # a pool after churn: a request's blocks far apart
             random.Random(self.salt).shuffle(self.free_blocks)
+        self.null = KVCacheBlock(0, is_null=True)
         self.cached: Dict[Tuple[int, ...], KVCacheBlock] = {}
-        self.req_blocks: Dict[str, List[KVCacheBlock]] = {}
+        self.req_blocks: Dict[str, List[List[KVCacheBlock]]] = {}
         self.requests: Dict[str, Request] = {}
         self.waiting: List[Request] = []
         self.running: List[Request] = []
@@ -216,17 +346,73 @@ class Engine:
         self.hit_tokens: Dict[str, int] = {}
         self.report_counts: Dict[Tuple[str, str], int] = {}
         self.events: List[Dict[str, Any]] = []
+        self.in_flight: List[Tuple[SchedulerOutput, KVConnectorOutput, Set[str]]] = []
+        self.ever_allocated: Set[int] = {0}
 
-    # -- the block pool (KVCacheManager) ----------------------------------------------------
+    def _kv_cache_config(self, cfg: Dict[str, Any], kinds: List[str]) -> KVCacheConfig:
+        """What vLLM's get_kv_cache_configs builds: one group per kind of layer, each group
+        `layers` layers; with several groups every KVCacheTensor is shared by one layer of each
+        group and every page has the attention page's size (Mamba's padded up to it)."""
+        tp, bs = cfg["tp"], cfg["block_size"]
+        mla = cfg["layout"] == "mla"
+        heads = 1 if mla else max(1, cfg["heads"] // tp)
+        dtype = torch.uint8 if cfg.get("fp8") else torch.float16
+        if mla:
+            attn = MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=cfg["head_dim"],
+                                    dtype=dtype)
+        else:
+            attn = FullAttentionSpec(block_size=bs, num_kv_heads=heads,
+                                     head_size=cfg["head_dim"], dtype=dtype)
+        page = attn.page_size_bytes
+        specs: List[Any] = []
+        for kind in kinds:
+            if kind == "full":
+                specs.append(attn)
+            elif kind == "swa":
+                specs.append(SlidingWindowSpec(block_size=bs, num_kv_heads=heads,
+                                               head_size=cfg["head_dim"], dtype=dtype,
+                                               sliding_window=self.window))
+            else:  # conv and SSM state of this rank's heads, padded to the attention page
+                specs.append(MambaSpec(block_size=cfg.get("max_model_len", 4096),
+                                       shapes=((3, 8 * heads), (heads, 4, 8)),
+                                       dtypes=(torch.float16, torch.float16),
+                                       page_size_padded=page))
+        names = [[f"model.layers.{g * cfg['layers'] + i}.attn" for i in range(cfg["layers"])]
+                 for g in range(len(kinds))]
+        nb = cfg["num_blocks"]
+        tensors = [KVCacheTensor(size=nb * page, shared_by=[names[g][i] for g in
+                                                            range(len(kinds))])
+                   for i in range(cfg["layers"])]
+        return KVCacheConfig(num_blocks=nb, kv_cache_tensors=tensors,
+                             kv_cache_groups=[KVCacheGroupSpec(layer_names=names[g],
+                                                               kv_cache_spec=specs[g])
+                                              for g in range(len(kinds))])
+
+    # -- the block pool (KVCacheManager, one table per group) -------------------------------
+
+    def _group_kind(self, g: int) -> str:
+        spec = self.kv_cache_config.kv_cache_groups[g].kv_cache_spec
+        return "mamba" if isinstance(spec, MambaSpec) else \
+            "swa" if isinstance(spec, SlidingWindowSpec) else "full"
 
     def _allocate(self, req: Request, num_tokens: int, hit: List[KVCacheBlock]) -> bool:
-        blocks = self.req_blocks.setdefault(req.request_id, list(hit))
-        need = -(-num_tokens // self.block_size) - len(blocks)
-        if need > len(self.free_blocks):
+        groups = len(self.kv_cache_config.kv_cache_groups)
+        tables = self.req_blocks.setdefault(
+            req.request_id, [list(hit) if g == 0 else [] for g in range(groups)])
+        need = []
+        for g in range(groups):
+            want = 1 if self._group_kind(g) == "mamba" else -(-num_tokens // self.block_size)
+            need.append(max(0, want - len(tables[g])))
+        if sum(need) > len(self.free_blocks):
             return False
-        for _ in range(max(0, need)):
-            blocks.append(KVCacheBlock(self.free_blocks.pop(0)))
+        for g, n in enumerate(need):
+            for _ in range(n):
+                tables[g].append(KVCacheBlock(self.free_blocks.pop(0)))
+                self.ever_allocated.add(tables[g][-1].block_id)
         return True
+
+    def tables(self, req_id: str) -> List[List[int]]:
+        return [[b.block_id for b in t] for t in self.req_blocks[req_id]]
 
     def _lookup(self, req: Request) -> Tuple[List[KVCacheBlock], int]:
         if not self.enable_prefix_caching:
@@ -243,16 +429,30 @@ class Engine:
     def _cache_blocks(self, req: Request, num_tokens: int) -> None:
         if not self.enable_prefix_caching:
             return
-        for i, block in enumerate(self.req_blocks[req.request_id][:num_tokens // self.block_size]):
+        for i, block in enumerate(self.req_blocks[req.request_id][0][
+                :num_tokens // self.block_size]):
             key = tuple(req._all_token_ids[:(i + 1) * self.block_size])
             if block.block_hash is None and key not in self.cached:
                 block.block_hash = key
                 self.cached[key] = block
 
+    def _remove_skipped_blocks(self, req: Request) -> None:
+        """SlidingWindowManager.remove_skipped_blocks: blocks wholly before the window of the
+        next token are freed and replaced by the null block."""
+        skipped = max(0, req.num_computed_tokens - self.window + 1)
+        for g, table in enumerate(self.req_blocks.get(req.request_id, [])):
+            if self._group_kind(g) != "swa":
+                continue
+            for i in range(min(len(table), skipped // self.block_size)):
+                if not table[i].is_null:
+                    self.free_blocks.append(table[i].block_id)
+                    table[i] = self.null
+
     def _free(self, req: Request) -> None:
-        for block in self.req_blocks.pop(req.request_id, []):
-            if block.block_hash is None:
-                self.free_blocks.append(block.block_id)
+        for table in self.req_blocks.pop(req.request_id, []):
+            for block in table:
+                if block.block_hash is None and not block.is_null:
+                    self.free_blocks.append(block.block_id)
 
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
@@ -263,11 +463,19 @@ class Engine:
         self.waiting.append(req)
         self.requests[req.request_id] = req
 
-    def schedule(self) -> Tuple[SchedulerOutput, Dict[str, Tuple[int, int]]]:
+    def schedule(self) -> Tuple[SchedulerOutput, Dict[str, Tuple[int, int]], Set[str]]:
+        """One schedule(): the output, each scheduled request's token range and the requests
+        that sample a token this step (the replay's own bookkeeping, kept off the output)."""
         scheduled: Dict[str, int] = {}
         for req in self.running:
-            n = req.num_tokens - req.num_computed_tokens
-            if self._allocate(req, req.num_computed_tokens + n, []):
+            # With async scheduling a request runs again before its last token is known: its
+            # placeholders count as tokens (AsyncScheduler._update_after_schedule), except
+            # when the step in flight already reaches max_tokens.
+            if req.num_output_placeholders > 0 and req.num_computed_tokens + 2 - \
+                    req.num_output_placeholders >= req.num_prompt_tokens + req.max_tokens:
+                continue
+            n = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+            if n > 0 and self._allocate(req, req.num_computed_tokens + n, []):
                 scheduled[req.request_id] = n
         skipped: List[Request] = []
         while self.waiting:
@@ -294,15 +502,15 @@ class Engine:
                 break
             self.hit_tokens[req.request_id] = local
             self.connector.update_state_after_alloc(
-                req, KVCacheBlocks((self.req_blocks[req.request_id],)), ext)
+                req, KVCacheBlocks(tuple(self.req_blocks[req.request_id])), ext)
             self.waiting.pop(0)
+            req.num_computed_tokens = num_computed
             if load_async:
                 skipped.append(req)
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 continue
             self.running.append(req)
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_computed
             scheduled[req.request_id] = num_new
         self.waiting = skipped + self.waiting
         out = SchedulerOutput(num_scheduled_tokens=scheduled,
@@ -310,12 +518,17 @@ class Engine:
                               finished_req_ids=self.finished_req_ids)
         out.kv_connector_metadata = self.connector.build_connector_meta(out)
         ranges = {}
+        samples: Set[str] = set()
         for req_id, n in scheduled.items():  # _update_after_schedule
             req = self.requests[req_id]
             ranges[req_id] = (req.num_computed_tokens, n)
             req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+                samples.add(req_id)
+                if self.async_scheduling:
+                    req.num_output_placeholders += 1
         self.finished_req_ids = set()
-        return out, ranges
+        return out, ranges, samples
 
     def _update_waiting_for_remote_kv(self, req: Request) -> bool:
         if req.request_id not in self.finished_recving_kv_req_ids:
@@ -327,11 +540,9 @@ class Engine:
                 self._free(req)
             self.failed_recving_kv_req_ids.remove(req.request_id)
         else:
-            n = min(len(self.req_blocks[req.request_id]) * self.block_size, req.num_tokens)
-            if n == req.num_tokens:
-                n -= 1
-            self._cache_blocks(req, n)
-            req.num_computed_tokens = n
+            self._cache_blocks(req, req.num_computed_tokens)
+            if req.num_computed_tokens == req.num_tokens:
+                req.num_computed_tokens = req.num_tokens - 1
         self.finished_recving_kv_req_ids.remove(req.request_id)
         return True
 
@@ -351,10 +562,20 @@ class Engine:
         req.status = status
         self._free_request(req, delay)
 
+    def _connector_finished(self, req: Request) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """Scheduler._connector_finished @6adad087: out-of-window blocks freed first, then one
+        block list per group to a SupportsHMA connector, else the single group's list."""
+        self._remove_skipped_blocks(req)
+        block_ids = tuple(self.tables(req.request_id)) if req.request_id in self.req_blocks \
+            else tuple([] for _ in self.kv_cache_config.kv_cache_groups)
+        if not isinstance(self.connector, SupportsHMA):
+            assert len(self.kv_cache_config.kv_cache_groups) == 1
+            return self.connector.request_finished(req, block_ids[0])
+        return self.connector.request_finished_all_groups(req, block_ids)
+
     def _free_request(self, req: Request, delay_free_blocks: bool = False
                       ) -> Optional[Dict[str, Any]]:
-        blocks = [b.block_id for b in self.req_blocks.get(req.request_id, [])]
-        delay, params = self.connector.request_finished(req, blocks)
+        delay, params = self._connector_finished(req)
         self.finished_req_ids.add(req.request_id)
         if not (delay or delay_free_blocks):
             self._free_blocks(req)
@@ -368,18 +589,23 @@ class Engine:
         self._free(req)
         del self.requests[req.request_id]
 
-    def update_from_output(self, out: SchedulerOutput, kvo: KVConnectorOutput) -> None:
+    def update_from_output(self, out: SchedulerOutput, kvo: KVConnectorOutput,
+                           samples: Set[str]) -> None:
         if kvo.invalid_block_ids:
+            self.events.append({"event": "load_errors", "blocks": sorted(kvo.invalid_block_ids)})
             self._handle_invalid_blocks(kvo.invalid_block_ids)
         for req_id in out.num_scheduled_tokens:
             req = self.requests.get(req_id)
-            if req is None or req.is_finished() or req.num_computed_tokens < req.num_tokens:
+            if req is None or req.is_finished() or req_id not in samples:
                 continue
-            self._cache_blocks(req, req.num_computed_tokens)
+            if self.async_scheduling:
+                req.num_output_placeholders -= 1
+            self._cache_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
             req.append_output_token_ids(1000 + req.num_output_tokens)
             if req.num_output_tokens >= req.max_tokens:
                 req.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 self.running.remove(req)
+                req.num_output_placeholders = 0
                 self._free_request(req)
         self.connector.update_connector_output(kvo)
         for req_id in kvo.finished_recving or ():
@@ -398,16 +624,17 @@ class Engine:
             self.events.append({"event": "freed", "id": req_id, "side": "prefill"})
 
     def _handle_invalid_blocks(self, invalid: Set[int]) -> None:
-        # Recompute policy, async loads (the only kind this connector makes).
+        # _update_requests_with_invalid_blocks @6adad087, recompute policy, async loads (the
+        # only kind this connector makes): the request is cut at its first invalid block.
         for req in self.waiting:
             if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
-            blocks = [b.block_id for b in self.req_blocks[req.request_id]]
-            computed = req.num_computed_tokens \
-                if req.request_id in self.failed_recving_kv_req_ids \
-                else len(blocks) * self.block_size
+            # Upstream's own line (with its "TODO: add support for hybrid memory allocator"):
+            # it raises for a request of more than one KV cache group.
+            (req_block_ids,) = self.tables(req.request_id)
+            computed = req.num_computed_tokens
             n = -(-computed // self.block_size)
-            for idx, block in enumerate(blocks[:n]):
+            for idx, block in enumerate(req_block_ids[:n]):
                 if block in invalid:
                     req.num_computed_tokens = idx * self.block_size
                     self.failed_recving_kv_req_ids.add(req.request_id)
@@ -416,22 +643,30 @@ class Engine:
     def _received(self, req: Request, invalid: Set[int]) -> Dict[str, Any]:
         """Checks what decode loaded, as soon as vLLM learns it arrived: tokens after the local
         prefix hit hold prefill's values (except blocks reported invalid), the hit's tokens
-        still hold this engine's own."""
-        blocks = [b.block_id for b in self.req_blocks[req.request_id]]
+        still hold this engine's own, and no block outside the request's was written."""
+        tables = self.tables(req.request_id)
         hit = self.hit_tokens[req.request_id]
         tokens = req._all_token_ids
+        end = hit + req.num_external_computed_tokens  # what the load was to bring
         checked = wrong = kept_checked = kept_wrong = 0
         for w in (self.workers if self.cfg.get("model", True) else []):
-            c, bad = w.check(self.cfg["remote_salt"], tokens, blocks, hit, req.num_prompt_tokens,
-                             set(invalid))
+            c, bad = w.check(self.cfg["remote_salt"], tokens, tables, hit, end, set(invalid),
+                             self.window)
             checked, wrong = checked + c, wrong + bad
-            c, bad = w.check(self.salt, tokens, blocks, 0, hit, set())
+            c, bad = w.check(self.salt, tokens, tables, 0, hit, set())
             kept_checked, kept_wrong = kept_checked + c, kept_wrong + bad
+        mine = {b for t in tables for b in t}
         return {"event": "received", "id": req.request_id, "t": time.monotonic(),
-                "blocks": blocks, "hit_tokens": hit,
-                "invalid": sorted(b for b in invalid if b in blocks), "bytes_checked": checked,
+                "blocks": tables[0], "tables": tables, "hit_tokens": hit, "end": end,
+                "invalid": sorted(b for b in invalid if b in mine), "bytes_checked": checked,
                 "bytes_wrong": wrong, "prefix_bytes_checked": kept_checked,
                 "prefix_bytes_wrong": kept_wrong}
+
+    def untouched(self) -> int:
+        """Non-zero bytes in blocks no request was ever given (the model writes only a
+        request's own blocks, and every block starts zeroed): what a stray write would leave."""
+        outside = set(range(self.cfg["num_blocks"])) - self.ever_allocated
+        return sum(w.untouched(outside) for w in self.workers)
 
     # -- Executor -----------------------------------------------------------------------
 
@@ -445,8 +680,8 @@ class Engine:
             c.start_load_kv(None)
             for req_id, (start, n) in ranges.items():
                 req = self.requests[req_id]
-                w.write(self.salt, req._all_token_ids,
-                        [b.block_id for b in self.req_blocks[req_id]], start, n)
+                w.write(self.salt, req._all_token_ids, self.tables(req_id), start,
+                        min(n, req.num_tokens - start))
             c.wait_for_save()
             o = KVConnectorOutput()
             o.finished_sending, o.finished_recving = c.get_finished(out.finished_req_ids)
@@ -471,11 +706,18 @@ class Engine:
         return merged
 
     def step(self) -> bool:
-        """One engine-core step; True when it did anything (scheduled or finished work)."""
-        out, ranges = self.schedule()
+        """One engine-core step; True when it did anything (scheduled or finished work).
+        Async scheduling (EngineCore.step_with_batch_queue, batch queue of 2): the next step is
+        scheduled before the previous one's output is processed."""
+        out, ranges, samples = self.schedule()
         kvo = self.execute(out, ranges)
-        self.update_from_output(out, kvo)
-        return bool(ranges or kvo.finished_sending or kvo.finished_recving)
+        self.in_flight.append((out, kvo, samples))
+        done = []
+        while self.in_flight and (not self.async_scheduling or len(self.in_flight) >= 2
+                                  or not ranges):
+            done.append(self.in_flight.pop(0))
+            self.update_from_output(*done[-1])
+        return bool(ranges or any(k.finished_sending or k.finished_recving for _, k, _ in done))
 
     def shutdown(self) -> None:
         self.connector.shutdown()
@@ -546,11 +788,14 @@ def main() -> None:
                         "bytes_transferred", 0) for w in engine.workers)
                     engine.events.append({"event": "stats",
                                           "free_blocks": engine.num_free_blocks(),
+                                          "untouched_bad": engine.untouched(),
                                           "requests": sorted(engine.requests),
                                           "decode_bytes": decode})
         try:
             progressed = engine.step()
         except Exception:
+            for event in engine.events:  # what the step did before it failed
+                print(json.dumps(event), flush=True)
             print(json.dumps({"event": "error", "error": traceback.format_exc()}), flush=True)
             return
         for event in engine.events:

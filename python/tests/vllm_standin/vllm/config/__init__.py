@@ -31,6 +31,7 @@ class CacheConfig:
     block_size: int = 16
     cache_dtype: str = "auto"
     num_gpu_blocks: Optional[int] = None
+    mamba_cache_mode: str = "none"
 
 
 @dataclasses.dataclass

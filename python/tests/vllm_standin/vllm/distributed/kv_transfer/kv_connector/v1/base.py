@@ -1,5 +1,6 @@
-"""KVConnectorBase_V1 as upstream base.py @003df2961dd8 defines it: the constructor, the
-concrete metadata plumbing, the abstract methods and the defaults of the optional ones."""
+"""KVConnectorBase_V1 and SupportsHMA as upstream base.py defines them at jsboige/vllm 6adad087
+(upstream main of 2026-08-14; the file last changed in d6941300f, 2026-08-09): the constructor,
+the concrete metadata plumbing, the abstract methods and the defaults of the optional ones."""
 
 from __future__ import annotations
 
@@ -21,7 +22,33 @@ class KVConnectorMetadata(ABC):  # noqa: B024
     pass
 
 
+class SupportsHMA(ABC):
+    """The connector supports the hybrid memory allocator (one block list per group)."""
+
+    @abstractmethod
+    def request_finished_all_groups(self, request: Any, block_ids: tuple) -> tuple:
+        raise NotImplementedError
+
+
+def supports_hma(connector: Any) -> bool:
+    if isinstance(connector, type):
+        return issubclass(connector, SupportsHMA)
+    return isinstance(connector, SupportsHMA)
+
+
 class KVConnectorBase_V1(ABC):
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return False
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        return False
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return self._kv_transfer_config.is_kv_producer
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         self._connector_metadata: Optional[KVConnectorMetadata] = None
@@ -89,8 +116,17 @@ class KVConnectorBase_V1(ABC):
     def get_kv_connector_stats(self) -> Any:
         return None
 
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        return None
+
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
         return None
+
+    def build_connector_worker_meta(self) -> Any:
+        return None
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        return
 
     # Scheduler side
     @abstractmethod
@@ -106,6 +142,9 @@ class KVConnectorBase_V1(ABC):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         pass
 
+    def on_new_request(self, request: Any) -> None:
+        return
+
     def update_connector_output(self, connector_output: Any) -> None:
         return
 
@@ -114,6 +153,9 @@ class KVConnectorBase_V1(ABC):
 
     def take_events(self) -> tuple:
         return ()
+
+    def has_pending_push_work(self) -> bool:
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
@@ -126,4 +168,13 @@ class KVConnectorBase_V1(ABC):
         return None
 
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        return None
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict) -> None:
+        if any(pp_rank != 0 for pp_rank, _ in metadata):
+            raise ValueError(f"{type(self).__name__} received pp_rank > 0 handshake metadata "
+                             "but does not support PP-disaggregated KV transfer.")
+        self.set_xfer_handshake_metadata({tp: m for (_, tp), m in metadata.items()})
+
+    def reset_cache(self) -> Optional[bool]:
         return None
