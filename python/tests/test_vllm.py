@@ -585,3 +585,40 @@ def test_failure_before_init_reports_every_block(connector_module):
     done_sending, done_recving = w.get_finished(set())
     assert done_recving == {"r1"}
     assert w.get_block_ids_with_load_errors() == {5, 9, 11, 20, 21}
+
+
+def test_request_finished_single_group_and_prompt_clip(connector_module):
+    # vLLM without the hybrid allocator calls request_finished(request, block_ids); a prefill
+    # that generated past its prompt hands over only the prompt's blocks (decode reads those).
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    cfg = VllmConfig(model_config=ModelConfig(total_num_kv_heads=HEADS, head_size=DIM),
+                     cache_config=CacheConfig(block_size=BLOCK),
+                     kv_transfer_config=KVTransferConfig(
+                         kv_connector="PdlibConnector", kv_connector_module_path="pdlib.vllm",
+                         kv_role="kv_producer",
+                         kv_connector_extra_config={"backend": "fake",
+                                                    "bootstrap_host": "127.0.0.1",
+                                                    "bootstrap_port": free_port()}))
+    c = connector_module.PdlibConnector(cfg, KVConnectorRole.SCHEDULER, None)
+    try:
+        req = Request("p1", list(range(1, 2 * BLOCK + 2)), SamplingParams(
+            max_tokens=4, extra_args={"kv_transfer_params": {"do_remote_decode": True}}), None)
+        req.status = RequestStatus.FINISHED_REPETITION  # ends a prompt like a stop
+        req.num_computed_tokens = req.num_prompt_tokens + 3
+        delay, params = c.request_finished(req, [7, 8, 9, 10])
+        assert delay is True
+        assert params["remote_block_ids"] == [7, 8, 9]  # 33 prompt tokens: 3 blocks
+        assert params["remote_num_tokens"] == 2 * BLOCK + 1
+        assert "pdlib_group_blocks" not in params
+        meta = c.build_connector_meta(None)
+        assert meta.to_send["p1"].block_ids == [7, 8, 9] and meta.to_send["p1"].state_ids == []
+        req2 = Request("p2", [1, 2], SamplingParams(
+            max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}), None)
+        req2.status = RequestStatus.FINISHED_ABORTED
+        assert c.request_finished(req2, [3]) == (False, None)
+    finally:
+        c.shutdown()
