@@ -428,7 +428,8 @@ TEST_CASE("a room prefill never creates times out on decode and leaves nothing o
   // Long enough that the TransferInfo is seen waiting on prefill even under TSan, short enough
   // for a quick test; decode's Abort (not prefill's own expiry) clears it.
   Deployment dep([](auto& p, auto& d) {
-    d.transfer_timeout = 1500ms;
+    d.waiting_timeout = 1500ms;  // decode's Transferring before prefill starts: waiting
+    d.transfer_timeout = 100ms;  // not this: no byte has moved
     p.bootstrap_timeout = 10000ms;
   });
   auto r = dep.decode->CreateReceiver(dep.addr(), 77);
@@ -440,6 +441,9 @@ TEST_CASE("a room prefill never creates times out on decode and leaves nothing o
   // ...until decode gives up (and tells prefill), or prefill's own bound passes.
   REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }));
   CHECK((*r)->FailureReason().code() == StatusCode::kDeadlineExceeded);
+  CHECK((*r)->FailureReason().ToString() ==
+        "DEADLINE_EXCEEDED: room 77: timed out after 1500 ms in state Transferring waiting for "
+        "the transfer to start (waiting_timeout)");
   CHECK(WaitFor([&] { return dep.prefill->metrics().bootstrap_queue_size == 0; }));
   CHECK(dep.prefill->metrics().live_rooms == 0);
 }

@@ -10,8 +10,11 @@
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <set>
+#include <span>
+#include <string>
 #include <thread>
 
 #include "pdlib/pdlib.h"
@@ -139,7 +142,10 @@ struct Deployment {
   uint16_t bootstrap;
   std::unique_ptr<pdlib::KVManager> prefill, decode;
 
-  Deployment() {
+  // `tune` adjusts both managers' options (the room clocks' tests).
+  std::function<void(pdlib::KVManagerOptions&)> tune;
+
+  explicit Deployment(std::function<void(pdlib::KVManagerOptions&)> t = {}) : tune(std::move(t)) {
     RegisterHeld();
     Held().Release();
     bootstrap = g_plane == pdlib::ControlPlane::kGrpc ? FreePort() : g_next_local++;
@@ -162,6 +168,7 @@ struct Deployment {
     o.args.aux = aux->Describe();
     o.args.page_size = 16;
     o.args.fingerprint = {1, 8, 128, 2, 1, "page-reuse"};
+    if (tune) tune(o);
     auto m = pdlib::KVManager::Create(o);
     REQUIRE(m.ok());
     return std::move(*m);
@@ -361,4 +368,82 @@ TEST_CASE("page reuse: a prefill manager that is gone ends the quarantine") {
   auto dm = dep.decode->metrics();
   CHECK(dm.quarantined_rooms == 0);
   CHECK(dm.quarantine_released_gone == 1);
+}
+
+// The room clocks (kv_args.h): waiting for the transfer to start is not a transfer, and a
+// transfer's deadline is about progress, not the room's age.
+
+TEST_CASE("room clocks: a stuck transfer fails by its progress deadline") {
+  FOR_EACH_CONTROL_PLANE();
+  Deployment dep([](pdlib::KVManagerOptions& o) {
+    o.transfer_timeout = 300ms;
+    o.waiting_timeout = 20000ms;
+  });
+  InFlight r = StartHeld(dep, 601);  // its KV batch is held: no progress after the Send
+  REQUIRE(WaitFor([&] { return r.sender->Poll() == KVPoll::kFailed; }));
+  CHECK(r.sender->FailureReason().ToString() ==
+        "DEADLINE_EXCEEDED: room 601: no transfer progress for 300 ms in state Transferring "
+        "(transfer_timeout)");
+  // Decode (push: it sees no bytes move, so its own clock is the 20 s wait) hears it at once.
+  REQUIRE(WaitFor([&] { return r.receiver->Poll() == KVPoll::kFailed; }, 3000ms));
+  CHECK(std::string(r.receiver->FailureReason().message()).find("no transfer progress") !=
+        std::string::npos);
+  Held().Release();
+}
+
+TEST_CASE("room clocks: a transfer that keeps progressing outlives transfer_timeout") {
+  FOR_EACH_CONTROL_PLANE();
+  Deployment dep([](pdlib::KVManagerOptions& o) {
+    o.transfer_timeout = 300ms;
+    o.waiting_timeout = 20000ms;
+  });
+  auto s = dep.prefill->CreateSender(602);
+  auto d = dep.decode->CreateReceiver(dep.addr(), 602);
+  REQUIRE((s.ok() && d.ok()));
+  const std::vector<int32_t> pages = {1, 2, 3, 4, 5, 6};
+  REQUIRE(WaitFor([&] { return (*d)->Poll() == KVPoll::kWaitingForInput; }));
+  REQUIRE((*d)->Init(pages, 1).ok());
+  REQUIRE(WaitFor([&] { return (*s)->Poll() == KVPoll::kWaitingForInput; }));
+  REQUIRE((*s)->Init(pages.size(), 1).ok());
+  const auto started = std::chrono::steady_clock::now();
+  // One page a chunk, one every 150 ms, each batch completing before the next: 0.9 s in all,
+  // three times transfer_timeout, never 300 ms without progress.
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const size_t before = Held().size();
+    REQUIRE((*s)->Send(std::span(pages).subspan(i, 1), i + 1 == pages.size()).ok());
+    REQUIRE(WaitFor([&] { return Held().size() > before; }));
+    std::this_thread::sleep_for(150ms);
+    Held().Release();
+  }
+  REQUIRE(WaitFor([&] {
+    Held().Release();  // the aux batch
+    return (*s)->Poll() == KVPoll::kSuccess && (*d)->Poll() == KVPoll::kSuccess;
+  }));
+  CHECK(std::chrono::steady_clock::now() - started > 800ms);
+}
+
+TEST_CASE("room clocks: a long wait for prefill to start is not a transfer") {
+  FOR_EACH_CONTROL_PLANE();
+  Deployment dep([](pdlib::KVManagerOptions& o) {
+    o.transfer_timeout = 200ms;
+    o.waiting_timeout = 20000ms;
+  });
+  auto s = dep.prefill->CreateSender(603);
+  auto d = dep.decode->CreateReceiver(dep.addr(), 603);
+  REQUIRE((s.ok() && d.ok()));
+  const std::vector<int32_t> pages = {7, 8};
+  REQUIRE(WaitFor([&] { return (*d)->Poll() == KVPoll::kWaitingForInput; }));
+  REQUIRE((*d)->Init(pages, 1).ok());
+  REQUIRE(WaitFor([&] { return (*d)->Poll() == KVPoll::kTransferring; }));
+  // A busy prefill: decode's TransferInfo is out, prefill starts this request 1 s later (five
+  // times transfer_timeout). Neither side may fail meanwhile.
+  std::this_thread::sleep_for(1000ms);
+  CHECK((*d)->Poll() == KVPoll::kTransferring);
+  CHECK((*s)->Poll() == KVPoll::kWaitingForInput);
+  REQUIRE((*s)->Init(pages.size(), 1).ok());
+  REQUIRE((*s)->Send(pages, true).ok());
+  REQUIRE(WaitFor([&] {
+    Held().Release();
+    return (*s)->Poll() == KVPoll::kSuccess && (*d)->Poll() == KVPoll::kSuccess;
+  }));
 }

@@ -209,8 +209,21 @@ struct KVManagerOptions {
   // Decode: bootstrap queries and connection set-up to a prefill rank give up after this long.
   std::chrono::milliseconds connect_timeout{5000};
 
-  // A request that stays in Bootstrapping / WaitingForInput / Transferring longer than this
-  // fails with kDeadlineExceeded and a reason naming the state (SPEC R7.1).
+  // A room's clocks (SPEC R7.1); each failure is kDeadlineExceeded with a reason naming the clock
+  // and the state. They follow what is happening, not the room's age:
+  //   bootstrap_timeout  Bootstrapping for longer than this (the two sides never paired).
+  //   waiting_timeout    WaitingForInput for longer than this (prefill: the engine has not sent;
+  //                      decode: not Init()ed), or Transferring with no byte moved yet for longer
+  //                      than this after entering it (decode's TransferInfo is out, prefill has
+  //                      not started: a busy prefill is waiting, not transferring).
+  //   transfer_timeout   Transferring with no progress for longer than this once the transfer
+  //                      started: progress is a chunk handed over or a write batch done on
+  //                      prefill, reads posted or a read batch done on decode in pull. A long
+  //                      transfer that keeps moving never times out.
+  // Decode in push sees no bytes move (prefill writes them), so its room waits by
+  // waiting_timeout until prefill reports Success or a failure; prefill's transfer_timeout and
+  // liveness_timeout (a dead or silent peer) bound the transfer itself. A pull room on prefill
+  // lives by pull_lease instead.
   std::chrono::milliseconds bootstrap_timeout{30000};
   std::chrono::milliseconds waiting_timeout{300000};
   std::chrono::milliseconds transfer_timeout{60000};

@@ -178,6 +178,7 @@ void DecodeCore::OnReadReady(const std::string& key, const ReadReadyMsg& msg) {
   }
   auto self = shared_from_this();
   const uint64_t dst_end = dst_begin + count;
+  room->state->NoteProgress();  // prefill published and reads go out: the transfer started
   Status posted;
   {
     MutexLock lock(&transport_mu_);
@@ -210,6 +211,7 @@ void DecodeCore::OnReadBatchDone(const std::shared_ptr<Room>& room, size_t sourc
     }
   }
   if (status.ok() && bytes > 0) {
+    room->state->NoteProgress();
     counters_.Add(counters_.bytes, bytes);
     counters_.Add(counters_.batches);
   }

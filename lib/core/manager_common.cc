@@ -271,21 +271,38 @@ void MetricCounters::FillInto(KVManagerMetrics* m, const RoomTable& rooms) const
 }
 
 Status CheckRoomDeadline(const RoomState& room, const KVManagerOptions& options, absl::Time now) {
-  KVPoll state = room.Poll();
-  std::chrono::milliseconds limit;
+  const KVPoll state = room.Poll();
   switch (state) {
-    case KVPoll::kBootstrapping: limit = options.bootstrap_timeout; break;
-    case KVPoll::kWaitingForInput: limit = options.waiting_timeout; break;
-    case KVPoll::kTransferring: limit = options.transfer_timeout; break;
+    case KVPoll::kBootstrapping:
+    case KVPoll::kWaitingForInput: {
+      const bool boot = state == KVPoll::kBootstrapping;
+      const auto limit = boot ? options.bootstrap_timeout : options.waiting_timeout;
+      if (now - room.state_since() <= absl::FromChrono(limit)) return Status::OK();
+      return Status::DeadlineExceeded(absl::StrFormat(
+          "room %d: timed out after %d ms in state %s (%s)", room.room(), limit.count(),
+          KVPollName(state), boot ? "bootstrap_timeout" : "waiting_timeout"));
+    }
+    case KVPoll::kTransferring:
+      if (!room.transfer_started()) {
+        // Decode's TransferInfo is out and no byte has moved: the other side has not started
+        // (a busy prefill), which is waiting, not a transfer.
+        if (now - room.state_since() <= absl::FromChrono(options.waiting_timeout)) {
+          return Status::OK();
+        }
+        return Status::DeadlineExceeded(absl::StrFormat(
+            "room %d: timed out after %d ms in state Transferring waiting for the transfer to "
+            "start (waiting_timeout)",
+            room.room(), options.waiting_timeout.count()));
+      }
+      if (now - room.last_progress() <= absl::FromChrono(options.transfer_timeout)) {
+        return Status::OK();
+      }
+      return Status::DeadlineExceeded(
+          absl::StrFormat("room %d: no transfer progress for %d ms in state Transferring "
+                          "(transfer_timeout)",
+                          room.room(), options.transfer_timeout.count()));
     default: return Status::OK();
   }
-  if (now - room.state_since() <= absl::FromChrono(limit)) return Status::OK();
-  return Status::DeadlineExceeded(
-      absl::StrFormat("room %d: timed out after %d ms in state %s (%s)", room.room(), limit.count(),
-                      KVPollName(state),
-                      state == KVPoll::kBootstrapping     ? "bootstrap_timeout"
-                      : state == KVPoll::kWaitingForInput ? "waiting_timeout"
-                                                          : "transfer_timeout"));
 }
 
 PeriodicThread::PeriodicThread(absl::Duration period, std::function<void()> tick) {

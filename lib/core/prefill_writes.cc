@@ -160,6 +160,9 @@ Status PrefillCore::SendLayers(uint64_t room_id, std::span<const int32_t> pages,
       ++room->outstanding;
     }
   }
+  // A chunk handed over is progress: the engine is working on this request (its next chunk may
+  // come a while later; a write batch completing also counts, see OnBatchDone).
+  room->state->NoteProgress();
   room->state->Advance(KVPoll::kTransferring);
   if (pull()) {
     PublishPending(room);
@@ -273,6 +276,7 @@ void PrefillCore::OnBatchDone(const std::shared_ptr<Room>& room, uint64_t bytes,
   if (!s.ok()) {
     FailRoom(room, s);
   } else if (bytes > 0) {
+    room->state->NoteProgress();
     counters_.Add(counters_.bytes, bytes);
     counters_.Add(counters_.pages, pages);
     counters_.Add(counters_.batches);

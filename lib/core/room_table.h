@@ -65,6 +65,16 @@ class RoomState {
     return absl::FromUnixNanos(state_since_ns_.load(std::memory_order_relaxed));
   }
 
+  // The progress clock of a transfer (CheckRoomDeadline): the side that moves the bytes notes
+  // each step that shows the transfer alive (prefill: a chunk handed over, a write batch done;
+  // decode in pull: reads posted, a read batch done). Until the first note the room is waiting
+  // for the transfer to start, which is not a transfer.
+  void NoteProgress() { progress_ns_.store(NowNanos(), std::memory_order_relaxed); }
+  bool transfer_started() const { return progress_ns_.load(std::memory_order_relaxed) != 0; }
+  absl::Time last_progress() const {
+    return absl::FromUnixNanos(progress_ns_.load(std::memory_order_relaxed));
+  }
+
  private:
   const uint64_t room_;
   const int64_t created_ns_;
@@ -72,8 +82,11 @@ class RoomState {
   std::atomic<KVPoll> failed_from_{KVPoll::kFailed};
   std::atomic<bool> reusable_{false};
   std::atomic<bool> logged_{false};
+  static int64_t NowNanos() { return absl::ToUnixNanos(absl::Now()); }
+
   // Relaxed: only read by the timeout scanner, which tolerates a slightly stale value.
   std::atomic<int64_t> state_since_ns_;
+  std::atomic<int64_t> progress_ns_{0};
   // Fail() writes the reason and the state under this lock, so FailureReason() (which takes it)
   // never sees Failed without its reason.
   mutable Mutex reason_mu_;

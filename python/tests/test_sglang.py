@@ -366,6 +366,26 @@ def test_waiting_timeout(pair, monkeypatch):
 
 
 @needs_ucx
+def test_busy_prefill_starts_long_after_decode_metadata(pair, monkeypatch):
+    """A busy prefill starts a request long after decode's send_metadata. SGLang waits
+    SGLANG_DISAGGREGATION_WAITING_TIMEOUT from send_metadata (CommonKVReceiver.
+    _check_waiting_timeout); pdlib's own transfer timeout (1 s here: a progress clock, for a
+    transfer that started and stopped moving) must not fire first."""
+    import threading
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "30")
+    monkeypatch.setenv("PDLIB_SGLANG_TRANSFER_TIMEOUT", "1")
+    model = Model(layers=2, kv_heads=4)
+    reqs = specs(3, model, seed=21)
+    reqs[0].hold = threading.Event()
+    p = pair(model, prefill_tp=2, decode_tp=2)
+    started = time.monotonic()
+    threading.Timer(4.0, reqs[0].hold.set).start()  # four times pdlib's transfer timeout
+    p.run(reqs, timeout=60)
+    all_ok(p, reqs)
+    assert time.monotonic() - started > 3.5
+
+
+@needs_ucx
 @pytest.mark.parametrize("dsa_dim,mask_tokens", [(0, 0), (16, 0), (0, 32), (16, 32)],
                          ids=["10-buffers", "11-dsa-topk", "13-sampling-mask", "14-both"])
 def test_metadata_buffer_variants_keep_the_room_check(pair, dsa_dim, mask_tokens):
