@@ -544,9 +544,7 @@ def build(args: Any, mode: str, server_args: Any, is_mla_backend: bool
     if room_env is not None:
         a.aux_room_buffer = int(room_env)
     elif aux_ptrs:
-        # SGLang's MetadataBuffers.get_buf_infos() always puts bootstrap_room last (10 buffers;
-        # 11 with DSA top-k indices; 13 or 14 with the sampling-mask buffers).
-        a.aux_room_buffer = len(aux_ptrs) - 1
+        a.aux_room_buffer = aux_room_buffer(aux_ptrs)
     a.state_families = families
     a.page_size = page_size
     a.kv_head_num = heads_here if kv_pages != "whole" else 0
@@ -592,6 +590,70 @@ def build(args: Any, mode: str, server_args: Any, is_mla_backend: bool
         state_item_bytes=[sum(f.buffers.item_lens) for f in families], notes=notes,
         why_whole=why)
     return o, layout
+
+
+def _address(value: Any) -> Optional[int]:
+    """The address of a torch tensor or a numpy array; None for anything else."""
+    if hasattr(value, "data_ptr") and callable(value.data_ptr):
+        try:
+            return int(value.data_ptr())
+        except (TypeError, RuntimeError):
+            return None
+    data = getattr(getattr(value, "ctypes", None), "data", None)
+    return int(data) if isinstance(data, int) else None
+
+
+def metadata_buffer_names(aux_ptrs: Sequence[int]) -> Dict[int, str]:
+    """SGLang's aux buffers by what they are: address -> the MetadataBuffers attribute it is
+    (output_ids, ..., bootstrap_room, a KV checksum row, whatever SGLang adds next). SGLang
+    builds aux_data_ptrs from MetadataBuffers.get_buf_infos() and keeps the object in its
+    scheduler, not in KVArgs, so it is looked up among the live objects (once, at manager
+    creation) by its class name and its buffers' addresses. {} when there is none."""
+    import gc
+
+    want = set(int(p) for p in aux_ptrs)
+    for obj in gc.get_objects():
+        if type(obj).__name__ != "MetadataBuffers":
+            continue
+        try:
+            attrs = vars(obj)
+        except TypeError:
+            continue
+        names = {}
+        for name, value in attrs.items():
+            addr = _address(value)
+            if addr is not None and addr in want:
+                names[addr] = name
+        if names and set(names) == want:
+            return names
+    return {}
+
+
+# get_buf_infos()'s buffer counts when bootstrap_room was last and nothing else was added
+# (utils.py @e877773f: 10; 11 with DSA top-k indices; 13 or 14 with the sampling-mask buffers).
+_KNOWN_AUX_COUNTS = (10, 11, 13, 14)
+
+
+def aux_room_buffer(aux_ptrs: Sequence[int]) -> int:
+    """Which aux buffer holds bootstrap_room (pdlib checks it after every transfer): found by
+    name through the MetadataBuffers object, so any variant works (a KV checksum row before or
+    after it); without the object, the last buffer of a layout known to end with it; else no
+    check (-1), logged, rather than a check of the wrong row."""
+    names = metadata_buffer_names(aux_ptrs)
+    if names:
+        for i, p in enumerate(aux_ptrs):
+            if names.get(int(p)) == "bootstrap_room":
+                return i
+        logger.warning("pdlib.sglang: MetadataBuffers has no bootstrap_room among its "
+                       "transferred buffers (%s): the room check is off",
+                       [names.get(int(p), "?") for p in aux_ptrs])
+        return -1
+    if len(aux_ptrs) in _KNOWN_AUX_COUNTS:
+        return len(aux_ptrs) - 1
+    logger.warning("pdlib.sglang: %d aux buffers and no MetadataBuffers object to name them: "
+                   "the bootstrap_room check is off (set PDLIB_SGLANG_AUX_ROOM_BUFFER to its "
+                   "index to turn it on)", len(aux_ptrs))
+    return -1
 
 
 def state_lists(values: Any, families: Sequence[str]) -> Optional[List[Optional[List[int]]]]:

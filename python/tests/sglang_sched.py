@@ -93,6 +93,7 @@ class Model:
     aux_slots: int = 32
     aux_dsa_dim: int = 0
     aux_sampling_tokens: int = 0
+    aux_kv_checksum: str = ""  # "", "before" or "after" bootstrap_room
     seed: int = 7
 
     def config(self) -> Dict[str, Any]:
@@ -157,6 +158,17 @@ def server_args(**kw: Any) -> SimpleNamespace:
     base.update(kw)
     return SimpleNamespace(**base)
 
+
+
+def kv_checksum(buffers: List[np.ndarray], pages: List[int]) -> int:
+    """The replay's stand-in of SGLang's KV checksum of a request's pages on one rank: any
+    function of every byte will do; never 0 (SGLang skips 0 as unwritten)."""
+    h = 1469598103934665603
+    for buf in buffers:
+        for page in pages:
+            h = (h * 1099511628211 + int(buf[page].view(np.uint8).astype(np.uint64).sum())) \
+                % (1 << 63)
+    return h or 1
 
 # ------------------------------------------------------------------------------------ requests
 @dataclasses.dataclass
@@ -247,7 +259,8 @@ class Pools:
                                 for _ in range(count)]
         self.meta = MetadataBuffers(model.aux_slots, hidden_size=8,
                                     max_sampling_mask_tokens=model.aux_sampling_tokens,
-                                    output_dsa_topk_indices_dim=model.aux_dsa_dim)
+                                    output_dsa_topk_indices_dim=model.aux_dsa_dim,
+                                    kv_checksum_position=model.aux_kv_checksum)
         self.shadow_kv = [b.copy() for b in self.kv]
         self.shadow_state = {k: [b.copy() for b in v] for k, v in self.state.items()}
         self.busy_pages: Dict[int, int] = {}  # handed-over page -> room (decode)
@@ -685,6 +698,8 @@ class PrefillScheduler:
         state_indices: Optional[List[Any]] = None
         if last_chunk:
             self.pools.meta.set_buf(req)
+            if m.aux_kv_checksum:  # SGLang's KV checksum of what this rank sends
+                self.pools.meta.set_kv_checksum(req, kv_checksum(self.pools.kv, req.pages))
             payloads = {
                 StateType.MAMBA: lambda: [np.array(req.state["mamba"], np.int64)],
                 StateType.SWA: lambda: np.array([req.state["swa"][p]
@@ -1086,6 +1101,12 @@ class DecodeScheduler:
             prepare_abort(decode_req.req, "Metadata corruption detected - bootstrap_room mismatch")
             decode_req.kv_receiver.clear()
             return
+        if self.model.aux_kv_checksum:  # SGLang's own check of what arrived
+            sent = self.pools.meta.get_kv_checksum(idx)
+            if sent != kv_checksum(self.pools.kv, decode_req.req.pages):
+                prepare_abort(decode_req.req, f"KV checksum mismatch (prefill sent {sent})")
+                decode_req.kv_receiver.clear()
+                return
         decode_req.req.output_ids.append(int(output_id[0]))
         decode_req.kv_receiver.clear()
 

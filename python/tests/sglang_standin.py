@@ -113,11 +113,15 @@ class ReqToMetadataIdxAllocator:
 
 class MetadataBuffers:
     """utils.py MetadataBuffers: 10 buffers; +1 with output_dsa_topk_indices_dim > 0; +3 with
-    max_sampling_mask_tokens > 0; bootstrap_room (8 uint64 per slot) always last."""
+    max_sampling_mask_tokens > 0; bootstrap_room (8 uint64 per slot) last at @e877773f.
+    SGLang's KV checksum (--disaggregation-enable-kv-checksum, after 2026-08: set_kv_checksum /
+    get_kv_checksum, which prefill.py @423bf210 and decode.py @b7e89b39 call) adds a row
+    whose place among the buffers no dated revision fixes: `kv_checksum_position` ("before" or
+    "after" bootstrap_room) is the test's choice, so pdlib must find bootstrap_room by name."""
 
     def __init__(self, size: int, hidden_size: int, hidden_states_dtype: Any = np.float32,
                  max_top_logprobs_num: int = 128, max_sampling_mask_tokens: int = 0,
-                 output_dsa_topk_indices_dim: int = 0):
+                 output_dsa_topk_indices_dim: int = 0, kv_checksum_position: str = ""):
         self.enable_sampling_mask = max_sampling_mask_tokens > 0
         self.output_ids = np.zeros((size, 16), np.int32)
         self.cached_tokens = np.zeros((size, 16), np.int32)
@@ -139,6 +143,16 @@ class MetadataBuffers:
         self.output_dsa_topk_indices = (np.full((size, output_dsa_topk_indices_dim), -1, np.int32)
                                         if output_dsa_topk_indices_dim > 0 else None)
         self.bootstrap_room = np.zeros((size, 8), np.uint64)
+        self.kv_checksum_position = kv_checksum_position
+        self.kv_checksum = np.zeros((size, 8), np.uint64) if kv_checksum_position else None
+
+    def set_kv_checksum(self, req: Any, value: int) -> None:
+        assert self.kv_checksum is not None
+        self.kv_checksum[req.metadata_buffer_index][0] = value
+
+    def get_kv_checksum(self, idx: int) -> int:
+        assert self.kv_checksum is not None
+        return int(self.kv_checksum[idx][0])
 
     def buffers(self) -> List[np.ndarray]:
         bufs = [self.output_ids, self.cached_tokens, self.output_token_logprobs_val,
@@ -150,7 +164,11 @@ class MetadataBuffers:
         bufs += [self.output_topk_p, self.output_topk_index, self.output_hidden_states]
         if self.output_dsa_topk_indices is not None:
             bufs.append(self.output_dsa_topk_indices)
+        if self.kv_checksum_position == "before":
+            bufs.append(self.kv_checksum)
         bufs.append(self.bootstrap_room)
+        if self.kv_checksum_position == "after":
+            bufs.append(self.kv_checksum)
         return bufs
 
     def get_buf_infos(self):

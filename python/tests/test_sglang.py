@@ -386,6 +386,43 @@ def test_busy_prefill_starts_long_after_decode_metadata(pair, monkeypatch):
 
 
 @needs_ucx
+@pytest.mark.parametrize("position", ["before", "after"])
+def test_kv_checksum_row_in_either_place_keeps_both_checks(pair, position):
+    """SGLang's KV checksum row (set_kv_checksum / get_kv_checksum) before or after
+    bootstrap_room: pdlib finds bootstrap_room by what it is (not by position), keeps its room
+    check on it, and carries the checksum row like any other, so SGLang's own check works."""
+    model = Model(layers=2, kv_heads=2, aux_kv_checksum=position)
+    reqs = specs(4, model, seed=13)
+    p = pair(model)
+    sched = p.decode.scheds[0]
+    ptrs = sched.kv_args.aux_data_ptrs
+    meta = sched.pools.meta
+    assert len(ptrs) == 11
+    room_at = sched.kv_manager.options.args.aux_room_buffer
+    assert ptrs[room_at] == meta.bootstrap_room.ctypes.data
+    assert room_at == (10 if position == "before" else 9)
+    p.run(reqs)
+    all_ok(p, reqs)
+    pmeta = p.prefills[0].scheds[0].pools.meta
+    # Another request's bootstrap_room: pdlib's room check fails it, naming the field.
+    real = pmeta.set_buf
+    pmeta.set_buf = lambda req: (real(req), pmeta.bootstrap_room.__setitem__(
+        (req.metadata_buffer_index, 0), req.bootstrap_room ^ 2))
+    bad = specs(1, model, seed=14)
+    d = p.run(bad)
+    pmeta.set_buf = real
+    state, reason = d[bad[0].room]
+    assert state == FAILED and "DATA_LOSS" in reason and "bootstrap_room" in reason, reason
+    # A wrong checksum: pdlib carries the row as it is and SGLang's own comparison catches it.
+    real_ck = pmeta.set_kv_checksum
+    pmeta.set_kv_checksum = lambda req, value: real_ck(req, value ^ 4)
+    bad = specs(1, model, seed=15)
+    d = p.run(bad)
+    pmeta.set_kv_checksum = real_ck
+    assert "KV checksum mismatch" in str(d[bad[0].room]), d[bad[0].room]
+
+
+@needs_ucx
 @pytest.mark.parametrize("dsa_dim,mask_tokens", [(0, 0), (16, 0), (0, 32), (16, 32)],
                          ids=["10-buffers", "11-dsa-topk", "13-sampling-mask", "14-both"])
 def test_metadata_buffer_variants_keep_the_room_check(pair, dsa_dim, mask_tokens):
