@@ -203,6 +203,56 @@ TEST_CASE("2P1D: two prefill DP ranks feed one decode, routed by room % dp_size"
   CHECK((*d)->metrics().connections == 2);
 }
 
+TEST_CASE("a room prefill refuses on another DP rank fails decode at once, with the reason") {
+  // The room-failure relay (gRPC: through the bootstrap server). Room 3 belongs to DP rank 1
+  // (3 % 2), where decode binds it; the engine put it on DP rank 0, which refuses it before any
+  // decode came. Decode must learn that at once, not at its waiting_timeout.
+  g_plane = pdlib::ControlPlane::kGrpc;
+  Pools p0pools, p1pools, dpools;
+  uint16_t bootstrap = NextBootstrapPort();
+  auto o0 = Options(pdlib::Mode::kPrefill, bootstrap, p0pools);
+  auto o1 = Options(pdlib::Mode::kPrefill, bootstrap, p1pools);
+  o0.args.parallel.dp_size = o1.args.parallel.dp_size = 2;
+  o1.args.parallel.dp_rank = 1;
+  o1.start_bootstrap_server = false;
+  auto p0 = pdlib::KVManager::Create(o0);
+  REQUIRE(p0.ok());
+  auto p1 = pdlib::KVManager::Create(o1);
+  REQUIRE(p1.ok());
+  auto od = Options(pdlib::Mode::kDecode, bootstrap, dpools);
+  od.waiting_timeout = 60000ms;
+  od.bootstrap_timeout = 60000ms;
+  auto d = pdlib::KVManager::Create(od);
+  REQUIRE(d.ok());
+  auto wrong = (*p0)->CreateSender(3);
+  REQUIRE(wrong.ok());
+  (*wrong)->Abort("reached prefill DP rank 0, but decode looks for it on DP rank 1");
+  auto r = (*d)->CreateReceiver({"127.0.0.1", bootstrap}, 3);
+  REQUIRE(r.ok());
+  const auto started = std::chrono::steady_clock::now();
+  REQUIRE(WaitFor([&] { return (*r)->Poll() != KVPoll::kBootstrapping; }));
+  std::vector<int32_t> pages = {1};
+  (void)(*r)->Init(pages, std::nullopt);  // bound to DP rank 1, which never gets a sender
+  REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }, 3000ms));
+  CHECK(std::chrono::steady_clock::now() - started < 2000ms);
+  const std::string reason = (*r)->FailureReason().ToString();
+  CHECK(reason.find("prefill failed it before decode was bound") != std::string::npos);
+  CHECK(reason.find("decode looks for it on DP rank 1") != std::string::npos);
+  // DP rank 1 was told: it drops the TransferInfo it held, and decode's pages are free again.
+  CHECK(WaitFor([&] { return (*r)->PagesReusable(); }));
+  CHECK(WaitFor([&] { return (*p1)->metrics().bootstrap_queue_size == 0; }));
+  // A room refused nowhere is not touched.
+  auto ok_s = (*p1)->CreateSender(5);
+  auto ok_r = (*d)->CreateReceiver({"127.0.0.1", bootstrap}, 5);
+  REQUIRE((ok_s.ok() && ok_r.ok()));
+  REQUIRE(WaitFor([&] { return (*ok_r)->Poll() == KVPoll::kWaitingForInput; }));
+  REQUIRE((*ok_r)->Init(pages, std::nullopt).ok());
+  REQUIRE(WaitFor([&] { return (*ok_s)->Poll() == KVPoll::kWaitingForInput; }));
+  REQUIRE((*ok_s)->Init(1, std::nullopt).ok());
+  REQUIRE((*ok_s)->Send(pages, true).ok());
+  CHECK(WaitFor([&] { return (*ok_r)->Poll() == KVPoll::kSuccess; }));
+}
+
 TEST_CASE("1P2D: one prefill rank serves two decode managers") {
   FOR_EACH_CONTROL_PLANE();
   Pools ppools, d0pools, d1pools;

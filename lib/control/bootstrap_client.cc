@@ -257,6 +257,40 @@ StatusOr<RankAddress> BootstrapClient::GetRankAddress(const RankId& id) {
   return address;
 }
 
+Status BootstrapClient::ReportRoomFailures(const std::vector<RoomFailure>& failures) {
+  pb::ReportRoomFailuresRequest request;
+  for (const RoomFailure& f : failures) {
+    auto* out = request.add_failures();
+    out->set_room(f.room);
+    out->set_reason(f.reason.substr(0, kMaxRoomFailureReason));
+  }
+  pb::ReportRoomFailuresResponse response;
+  return rep_->Attempt("ReportRoomFailures", rep_->options.rpc_timeout,
+                       [&](grpc::ClientContext* context) {
+                         return rep_->stub->ReportRoomFailures(context, request, &response);
+                       });
+}
+
+StatusOr<std::vector<RoomFailure>> BootstrapClient::GetRoomFailures(
+    const std::vector<uint64_t>& rooms) {
+  pb::GetRoomFailuresRequest request;
+  for (uint64_t room : rooms) request.add_rooms(room);
+  pb::GetRoomFailuresResponse response;
+  Status s = rep_->Attempt("GetRoomFailures", rep_->options.rpc_timeout,
+                           [&](grpc::ClientContext* context) {
+                             return rep_->stub->GetRoomFailures(context, request, &response);
+                           });
+  if (!s.ok()) return s;
+  std::vector<RoomFailure> out;
+  const absl::flat_hash_set<uint64_t> asked(rooms.begin(), rooms.end());
+  for (const auto& f : response.failures()) {
+    // Validated: only rooms this caller asked for, reasons bounded.
+    if (!asked.contains(f.room())) continue;
+    out.push_back({f.room(), f.reason().substr(0, kMaxRoomFailureReason)});
+  }
+  return out;
+}
+
 Status BootstrapClient::CheckHealth(std::string_view service) {
   health_pb::HealthCheckRequest request;
   request.set_service(std::string(service));

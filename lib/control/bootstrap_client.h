@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 #include <string_view>
 
 #include "lib/control/bootstrap_types.h"
@@ -68,6 +69,10 @@ class BootstrapClient {
 
   // INVALID_ARGUMENT when out of range of the registered sizes, NOT_FOUND when not registered.
   StatusOr<RankAddress> GetRankAddress(const RankId& id);
+
+  // The room-failure relay (bootstrap_table.h): prefill reports, decode asks.
+  Status ReportRoomFailures(const std::vector<RoomFailure>& failures);
+  StatusOr<std::vector<RoomFailure>> GetRoomFailures(const std::vector<uint64_t>& rooms);
 
   // OK when the server's grpc.health.v1 service reports SERVING for `service` ("" is the whole
   // server); UNAVAILABLE naming the reported status otherwise.

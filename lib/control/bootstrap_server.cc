@@ -3,8 +3,10 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <algorithm>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
@@ -76,6 +78,40 @@ class BootstrapService final : public pb::Bootstrap::CallbackService {
       StatusOr<RankAddress> address = table_->GetRankAddress(FromProto(*request));
       if (!address.ok()) return address.status();
       ToProto(*address, response);
+      return Status::OK();
+    });
+  }
+
+  grpc::ServerUnaryReactor* ReportRoomFailures(grpc::CallbackServerContext* ctx,
+                                               const pb::ReportRoomFailuresRequest* request,
+                                               pb::ReportRoomFailuresResponse* /*response*/) override {
+    return Answer(ctx, [&]() -> Status {
+      std::vector<RoomFailure> failures;
+      failures.reserve(std::min<size_t>(request->failures_size(), kMaxRoomFailuresPerCall + 1));
+      for (const auto& f : request->failures()) {
+        failures.push_back({f.room(), f.reason()});
+        if (failures.size() > kMaxRoomFailuresPerCall) break;  // refused below
+      }
+      return table_->ReportRoomFailures(failures, absl::Now());
+    });
+  }
+
+  grpc::ServerUnaryReactor* GetRoomFailures(grpc::CallbackServerContext* ctx,
+                                            const pb::GetRoomFailuresRequest* request,
+                                            pb::GetRoomFailuresResponse* response) override {
+    return Answer(ctx, [&]() -> Status {
+      if (static_cast<size_t>(request->rooms_size()) > kMaxRoomFailuresPerCall) {
+        return Status::InvalidArgument(absl::StrFormat(
+            "%d rooms in one lookup (at most %d)", request->rooms_size(), kMaxRoomFailuresPerCall));
+      }
+      std::vector<uint64_t> rooms(request->rooms().begin(), request->rooms().end());
+      auto failed = table_->RoomFailures(rooms, absl::Now());
+      if (!failed.ok()) return failed.status();
+      for (const RoomFailure& f : *failed) {
+        auto* out = response->add_failures();
+        out->set_room(f.room);
+        out->set_reason(f.reason);
+      }
       return Status::OK();
     });
   }

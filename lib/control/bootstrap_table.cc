@@ -236,6 +236,55 @@ int32_t BootstrapTable::ranks_registered() const {
   return static_cast<int32_t>(ranks_.size());
 }
 
+Status BootstrapTable::ReportRoomFailures(const std::vector<RoomFailure>& failures,
+                                          absl::Time now) {
+  if (failures.size() > kMaxRoomFailuresPerCall) {
+    return Status::InvalidArgument(absl::StrFormat("%d room failures in one report (at most %d)",
+                                                   failures.size(), kMaxRoomFailuresPerCall));
+  }
+  for (const RoomFailure& f : failures) {
+    if (f.room == 0) return Status::InvalidArgument("room failure for room 0");
+  }
+  MutexLock lock(&failures_mu_);
+  ExpireRoomFailures(now);
+  const absl::Time expires = now + absl::Seconds(kRoomFailureTtlSeconds);
+  for (const RoomFailure& f : failures) {
+    if (failed_rooms_.contains(f.room)) continue;
+    while (failed_rooms_.size() >= kMaxRoomFailuresKept && !failed_order_.empty()) {
+      failed_rooms_.erase(failed_order_.front().second);
+      failed_order_.pop_front();
+    }
+    failed_rooms_[f.room] = {f.reason.substr(0, kMaxRoomFailureReason), expires};
+    failed_order_.emplace_back(expires, f.room);
+  }
+  return Status::OK();
+}
+
+StatusOr<std::vector<RoomFailure>> BootstrapTable::RoomFailures(const std::vector<uint64_t>& rooms,
+                                                                absl::Time now) const {
+  if (rooms.size() > kMaxRoomFailuresPerCall) {
+    return Status::InvalidArgument(absl::StrFormat("%d rooms in one lookup (at most %d)",
+                                                   rooms.size(), kMaxRoomFailuresPerCall));
+  }
+  std::vector<RoomFailure> out;
+  MutexLock lock(&failures_mu_);
+  for (uint64_t room : rooms) {
+    auto it = failed_rooms_.find(room);
+    if (it != failed_rooms_.end() && it->second.expires > now) {
+      out.push_back({room, it->second.reason});
+    }
+  }
+  return out;
+}
+
+void BootstrapTable::ExpireRoomFailures(absl::Time now) {
+  while (!failed_order_.empty() && failed_order_.front().first <= now) {
+    auto it = failed_rooms_.find(failed_order_.front().second);
+    if (it != failed_rooms_.end() && it->second.expires <= now) failed_rooms_.erase(it);
+    failed_order_.pop_front();
+  }
+}
+
 }  // namespace control
 }  // namespace v1
 }  // namespace pdlib

@@ -15,11 +15,15 @@
 #define PDLIB_LIB_CONTROL_BOOTSTRAP_TABLE_H_
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/time/time.h"
 #include "lib/base/mutex.h"
 #include "lib/control/bootstrap_types.h"
 #include "pdlib/status.h"
@@ -57,6 +61,16 @@ class BootstrapTable {
 
   int32_t ranks_registered() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The room-failure relay. Report: INVALID_ARGUMENT for more than kMaxRoomFailuresPerCall
+  // rooms or a room 0 (nothing stored then); reasons are cut to kMaxRoomFailureReason bytes.
+  // Kept kRoomFailureTtlSeconds, at most kMaxRoomFailuresKept (the oldest go first); a room
+  // reported again keeps its first reason. Lookup: the failed ones among `rooms` (at most
+  // kMaxRoomFailuresPerCall, else INVALID_ARGUMENT).
+  Status ReportRoomFailures(const std::vector<RoomFailure>& failures, absl::Time now)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  StatusOr<std::vector<RoomFailure>> RoomFailures(const std::vector<uint64_t>& rooms,
+                                                  absl::Time now) const ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   // The layout every rank of the deployment must agree on, and who set it (for messages).
   struct Layout {
@@ -81,6 +95,15 @@ class BootstrapTable {
   std::optional<Layout> layout_ ABSL_GUARDED_BY(mu_);  // set while any rank is registered
   absl::flat_hash_map<RankId, Entry> ranks_ ABSL_GUARDED_BY(mu_);
   uint64_t next_registration_id_ ABSL_GUARDED_BY(mu_) = 1;
+
+  struct FailedRoom {
+    std::string reason;
+    absl::Time expires;
+  };
+  void ExpireRoomFailures(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(failures_mu_);
+  mutable Mutex failures_mu_;
+  absl::flat_hash_map<uint64_t, FailedRoom> failed_rooms_ ABSL_GUARDED_BY(failures_mu_);
+  std::deque<std::pair<absl::Time, uint64_t>> failed_order_ ABSL_GUARDED_BY(failures_mu_);
 };
 
 }  // namespace control

@@ -66,6 +66,19 @@ struct RankAddress {
   uint64_t registration_id = 0;  // changes when the rank re-registers (e.g. restarted)
 };
 
+// A room a prefill rank failed before any decode rank was bound to it (a refused pairing, an
+// engine abort): decode ranks bound elsewhere learn it from the deployment's directory.
+struct RoomFailure {
+  uint64_t room = 0;
+  std::string reason;
+};
+// Bounds of the room-failure relay: rooms per call, bytes of a reason, entries kept, and how
+// long one is kept.
+inline constexpr size_t kMaxRoomFailuresPerCall = 4096;
+inline constexpr size_t kMaxRoomFailureReason = 1024;
+inline constexpr size_t kMaxRoomFailuresKept = 65536;
+inline constexpr int64_t kRoomFailureTtlSeconds = 600;
+
 // Equal when every numeric field matches and the model names match or either is empty
 // (names are free-form and optional; see pdlib::ModelFingerprint).
 bool FingerprintsMatch(const ModelFingerprint& a, const ModelFingerprint& b);

@@ -117,6 +117,9 @@ class BootstrapDirectory final : public DeploymentDirectory {
   StatusOr<RankAddress> GetRankAddress(const RankId& id) override {
     return client_->Run([&](BootstrapClient& c) { return c.GetRankAddress(id); });
   }
+  StatusOr<std::vector<RoomFailure>> GetRoomFailures(const std::vector<uint64_t>& rooms) override {
+    return client_->Run([&](BootstrapClient& c) { return c.GetRoomFailures(rooms); });
+  }
   void Cancel() override { client_->Cancel(); }
 
  private:
@@ -308,11 +311,37 @@ class BootstrapDiscovery final : public DiscoveryBackend {
         std::make_unique<BootstrapDirectory>(std::move(client)));
   }
 
+  Status ReportRoomFailures(const std::vector<RoomFailure>& failures) override {
+    FreshBootstrapClient* client = nullptr;
+    {
+      MutexLock lock(&mu_);
+      if (!reporter_) {
+        BootstrapClientOptions bco;
+        bco.rpc_timeout = options_.connect_timeout;
+        bco.security = Security(options_);
+        reporter_ = std::make_unique<FreshBootstrapClient>(options_.bootstrap_host,
+                                                           options_.bootstrap_port, bco);
+      }
+      client = reporter_.get();  // lives until this backend is destroyed
+    }
+    return client
+        ->Run([&](BootstrapClient& c) -> StatusOr<bool> {
+          if (Status s = c.ReportRoomFailures(failures); !s.ok()) return s;
+          return true;
+        })
+        .status();
+  }
+
   Status Watch(std::function<void(const std::string&)>) override { return Status::OK(); }
-  void Cancel() override {}
+  void Cancel() override {
+    MutexLock lock(&mu_);
+    if (reporter_) reporter_->Cancel();
+  }
 
  private:
   const KVManagerOptions options_;
+  Mutex mu_;
+  std::unique_ptr<FreshBootstrapClient> reporter_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -39,6 +39,13 @@ class DeploymentDirectory {
   virtual StatusOr<ParallelInfo> GetParallelInfo() = 0;
   // INVALID_ARGUMENT out of range of the registered sizes, NOT_FOUND when not registered.
   virtual StatusOr<RankAddress> GetRankAddress(const RankId& id) = 0;
+  // The rooms among `rooms` a prefill rank of the deployment failed before any decode rank was
+  // bound to them, with the reasons (the room-failure relay). The bootstrap server keeps them;
+  // etcd does not yet (none are ever found there).
+  virtual StatusOr<std::vector<RoomFailure>> GetRoomFailures(const std::vector<uint64_t>& rooms) {
+    (void)rooms;
+    return std::vector<RoomFailure>{};
+  }
   virtual void Cancel() = 0;
 };
 
@@ -69,6 +76,14 @@ class DiscoveryBackend {
   // deployment's) is an error at once.
   virtual StatusOr<std::unique_ptr<RankPublisher>> Publish(
       const RankRegistration& registration) = 0;
+
+  // Prefill: tells the deployment's directory of rooms this rank failed before any decode rank
+  // was bound to them, so that a decode rank waiting on another rank for one learns it at once.
+  // Bootstrap server: one attempt (the caller batches and drops on error); etcd: not yet, OK.
+  virtual Status ReportRoomFailures(const std::vector<RoomFailure>& failures) {
+    (void)failures;
+    return Status::OK();
+  }
 
   // Decode: the directory of the deployment at `deployment` ("host:port").
   virtual StatusOr<std::unique_ptr<DeploymentDirectory>> Open(std::string_view host,

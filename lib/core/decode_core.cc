@@ -199,6 +199,14 @@ KVPoll DecodeCore::RoomPoll(uint64_t room) const {
   return r ? r->state->Poll() : KVPoll::kFailed;
 }
 
+bool DecodeCore::RoomAwaitingPrefill(uint64_t room, absl::Duration min_age) const {
+  auto r = FindRoom(room);
+  if (!r || absl::Now() - r->state->created() < min_age) return false;
+  const KVPoll s = r->state->Poll();
+  return s == KVPoll::kBootstrapping || s == KVPoll::kWaitingForInput ||
+         (s == KVPoll::kTransferring && !r->state->transfer_started());
+}
+
 StatusOr<std::shared_ptr<RoomState>> DecodeCore::CreateRoom(uint64_t room_id) {
   auto state = rooms_.Insert(room_id);
   if (!state.ok()) return state.status();
@@ -314,8 +322,8 @@ void DecodeCore::SendTransferInfo(const std::shared_ptr<Room>& room) {
   }
 }
 
-void DecodeCore::FailRoomWith(uint64_t room_id, Status reason) {
-  if (auto room = FindRoom(room_id)) FailRoom(room, std::move(reason), false);
+void DecodeCore::FailRoomWith(uint64_t room_id, Status reason, bool tell_prefill) {
+  if (auto room = FindRoom(room_id)) FailRoom(room, std::move(reason), tell_prefill);
 }
 
 Status DecodeCore::InitRoom(uint64_t room_id, const ReceiveRequest& request) {

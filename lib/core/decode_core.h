@@ -59,13 +59,19 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   Status CheckStageCoverage(const std::vector<BoundPrefill>& prefills) const;
   // kFailed for a room that is not live.
   KVPoll RoomPoll(uint64_t room) const;
+  // Whether `room` is live, at least `min_age` old and still waiting for prefill:
+  // Bootstrapping, WaitingForInput, or Transferring with no byte moved (what a refusal relayed
+  // by the directory may end).
+  bool RoomAwaitingPrefill(uint64_t room, absl::Duration min_age) const;
 
   // Engine side (KVReceiver).
   StatusOr<std::shared_ptr<RoomState>> CreateRoom(uint64_t room);
   // Binds `room` to the prefill ranks `prefills` (already connected) and moves it to
   // WaitingForInput.
   void BindRoom(uint64_t room, std::vector<BoundPrefill> prefills);
-  void FailRoomWith(uint64_t room, Status reason);
+  // Fails `room` with `reason`; tell_prefill: also tell the prefill ranks it is bound to (as an
+  // abort), which drain it and so free its pages.
+  void FailRoomWith(uint64_t room, Status reason, bool tell_prefill = false);
   Status InitRoom(uint64_t room, const ReceiveRequest& request);
   void AbortRoom(uint64_t room, std::string_view reason);
   void ReleaseRoom(uint64_t room, const RoomState* state);

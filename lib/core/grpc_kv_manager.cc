@@ -80,11 +80,20 @@ class GrpcPrefillManager final : public PrefillManagerBase {
       return publisher.status().WithPrefix("registering with " + m->discovery_->Describe());
     }
     m->publisher_ = std::move(*publisher);
+    m->relay_ = std::thread([mgr = m.get()] { mgr->RelayLoop(); });
     PDLIB_LOG(kInfo, "prefill manager listening on %s (backend %s)", m->endpoint_, o.backend);
     return std::unique_ptr<KVManager>(std::move(m));
   }
 
   ~GrpcPrefillManager() override {
+    if (relay_.joinable()) {
+      {
+        MutexLock lock(&relay_mu_);
+        relay_stop_ = true;
+      }
+      relay_cv_.SignalAll();
+      relay_.join();
+    }
     // Withdraw this rank's address first so decode stops choosing it.
     publisher_.reset();
     if (discovery_) discovery_->Cancel();
@@ -105,6 +114,33 @@ class GrpcPrefillManager final : public PrefillManagerBase {
   std::unique_ptr<control::RankPublisher> publisher_;
   std::string endpoint_;
   std::string bootstrap_endpoint_;  // "host:port" of bootstrap_server_, "" without one
+
+  // The room-failure relay: every 200 ms, rooms this rank failed before any decode rank was
+  // bound to them go to the deployment's directory (best effort: dropped on an error).
+  void RelayLoop() {
+    while (true) {
+      {
+        MutexLock lock(&relay_mu_);
+        if (!relay_stop_) relay_cv_.WaitFor(&relay_mu_, std::chrono::milliseconds(200));
+        if (relay_stop_) return;
+      }
+      std::vector<PrefillCore::UnboundFailure> taken = core_->TakeUnboundFailures();
+      for (size_t at = 0; at < taken.size(); at += control::kMaxRoomFailuresPerCall) {
+        std::vector<control::RoomFailure> batch;
+        for (size_t i = at; i < taken.size() && i < at + control::kMaxRoomFailuresPerCall; ++i) {
+          batch.push_back({taken[i].room, std::move(taken[i].reason)});
+        }
+        if (Status s = discovery_->ReportRoomFailures(batch); !s.ok()) {
+          PDLIB_LOG(kDebug, "prefill: relaying %d room failures to %s: %s", batch.size(),
+                    discovery_->Describe(), s.ToString());
+        }
+      }
+    }
+  }
+  Mutex relay_mu_;
+  CondVar relay_cv_;
+  bool relay_stop_ ABSL_GUARDED_BY(relay_mu_) = false;
+  std::thread relay_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -197,6 +233,10 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     if (!state.ok()) return state.status();
     auto handle = std::make_unique<CoreReceiver>(core_, *state);
     Pending p{room, bootstrap, dp, AddrKey(bootstrap)};
+    {
+      MutexLock lock(&mu_);
+      relay_rooms_[room] = p.addr;  // for refusals relayed by the deployment's directory
+    }
     // Fast path: the prefill ranks are known and connected; no thread hop.
     if (auto prefills = CachedConnected(p); !prefills.empty()) {
       core_->BindRoom(room, std::move(prefills));
@@ -363,6 +403,57 @@ class GrpcDecodeManager final : public DecodeManagerBase {
 
   KVPoll RoomPoll(uint64_t room) const { return core_->RoomPoll(room); }
 
+  // The room-failure relay: rooms still waiting for prefill (at least 300 ms old) are looked up
+  // in their deployment's directory; one a prefill rank failed before decode was bound to it (a
+  // refused pairing on another DP group) fails here at once with prefill's reason.
+  void CheckRelayedFailures() {
+    std::vector<std::pair<uint64_t, std::string>> rooms;
+    {
+      MutexLock lock(&mu_);
+      rooms.assign(relay_rooms_.begin(), relay_rooms_.end());
+    }
+    absl::flat_hash_map<std::string, std::vector<uint64_t>> by_deployment;
+    std::vector<uint64_t> done;
+    for (const auto& [room, addr] : rooms) {
+      if (IsTerminal(core_->RoomPoll(room))) {
+        done.push_back(room);
+      } else if (core_->RoomAwaitingPrefill(room, absl::Milliseconds(300))) {
+        auto& list = by_deployment[addr];
+        if (list.size() < control::kMaxRoomFailuresPerCall) list.push_back(room);
+      }
+    }
+    if (!done.empty()) {
+      MutexLock lock(&mu_);
+      for (uint64_t room : done) relay_rooms_.erase(room);
+    }
+    for (const auto& [addr, list] : by_deployment) {
+      control::DeploymentDirectory* directory = nullptr;
+      {
+        MutexLock lock(&mu_);
+        if (stopping_) return;
+        if (auto it = directories_.find(addr); it != directories_.end()) {
+          directory = it->second.get();  // lives until the manager is destroyed
+        }
+      }
+      if (directory == nullptr) continue;
+      auto failed = directory->GetRoomFailures(list);
+      if (!failed.ok()) {
+        PDLIB_LOG(kDebug, "decode: asking %s for refused rooms: %s", addr,
+                  failed.status().ToString());
+        continue;
+      }
+      for (const control::RoomFailure& f : *failed) {
+        // The ranks this room is bound to hold its TransferInfo for a sender that will not
+        // come: told, they drop it and report the room drained (its pages become reusable).
+        core_->FailRoomWith(f.room,
+                            Status::FailedPrecondition(absl::StrFormat(
+                                "room %d: prefill failed it before decode was bound (via %s): %s",
+                                f.room, addr, f.reason)),
+                            true);
+      }
+    }
+  }
+
   control::PeerClientOptions PeerOptions(const std::string& host, uint16_t port) const {
     control::PeerClientOptions pco;
     pco.host = host;
@@ -398,6 +489,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
         probe_cv_.WaitFor(&mu_, kPeriod);
         if (stopping_) return;
       }
+      CheckRelayedFailures();
       for (const std::string& key : core_->KeysAwaitingPrefill()) {
         std::optional<control::PeerClientOptions> pco;
         {
@@ -498,6 +590,9 @@ class GrpcDecodeManager final : public DecodeManagerBase {
   // Changes the discovery's watch reported (any deployment): a lookup that overlapped one is
   // used once and not cached.
   uint64_t discovery_generation_ ABSL_GUARDED_BY(mu_) = 0;
+  // Rooms of this manager and their deployment ("host:port"), for CheckRelayedFailures; a
+  // room leaves once terminal.
+  absl::flat_hash_map<uint64_t, std::string> relay_rooms_ ABSL_GUARDED_BY(mu_);
   // Every prefill rank ever resolved, by key (bounded by the deployment's ranks).
   absl::flat_hash_map<std::string, control::PeerClientOptions> addresses_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> workers_;  // kBootstrapWorkers BootstrapLoop()s

@@ -181,10 +181,25 @@ void PrefillCore::SendStatusToDecode(const std::shared_ptr<Room>& room, const St
     room->status_sent = true;
     peers = room->peers;
   }
+  if (peers.empty() && !status.ok()) {
+    // No decode rank is bound: one bound to another rank (another DP group) would wait for
+    // its own timeout. The manager relays the reason through the deployment's directory.
+    MutexLock lock(&unbound_mu_);
+    if (unbound_failures_.size() >= 4096) unbound_failures_.pop_front();
+    unbound_failures_.push_back({room->state->room(), status.ToString()});
+  }
   for (const auto& peer : peers) {
     peer->link->SendStatus({room->state->room(), options_.args.parallel.tp_rank,
                             options_.args.parallel.pp_rank, status});
   }
+}
+
+std::vector<PrefillCore::UnboundFailure> PrefillCore::TakeUnboundFailures() {
+  MutexLock lock(&unbound_mu_);
+  std::vector<UnboundFailure> out(std::make_move_iterator(unbound_failures_.begin()),
+                                  std::make_move_iterator(unbound_failures_.end()));
+  unbound_failures_.clear();
+  return out;
 }
 
 void PrefillCore::AbortRoom(uint64_t room_id, std::string_view reason) {

@@ -73,6 +73,14 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   // Rooms whose sender was destroyed in state Failed, once their source pages are reusable
   // (each once; see ReleasedRooms).
   std::vector<uint64_t> TakeReusableRooms();
+  // Rooms that failed while no decode rank was bound to them (a refused pairing, an engine
+  // abort before decode came), with their reasons, each once: the manager relays them through
+  // the deployment's directory, so that a decode rank bound elsewhere learns them at once.
+  struct UnboundFailure {
+    uint64_t room;
+    std::string reason;
+  };
+  std::vector<UnboundFailure> TakeUnboundFailures();
   // TransferInfos held for senders not created yet (for tests and leak checks).
   size_t early_info_count() const;
   size_t early_info_bytes() const;
@@ -172,6 +180,9 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   };
   using EarlyInfoMap = absl::flat_hash_map<uint64_t, EarlyInfos>;
   EarlyInfoMap early_infos_ ABSL_GUARDED_BY(mu_);
+  // Its own lock: FailRoom may run under others.
+  mutable Mutex unbound_mu_;
+  std::deque<UnboundFailure> unbound_failures_ ABSL_GUARDED_BY(unbound_mu_);  // at most 4096
   size_t early_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // over every entry of early_infos_
   // What one held TransferInfo costs in memory, roughly.
   static size_t EarlyInfoBytes(const TransferInfoMsg& msg);

@@ -180,6 +180,7 @@ class Spec:
     decode_prefix_pages: int = 0  # decode's radix cache holds the first N pages
     prefill_cached_pages: int = 0  # prefill's radix cache: sent early, before the forward
     router_dp_rank: Optional[int] = None  # req.disagg_prefill_dp_rank
+    misroute_dp_rank: Optional[int] = None  # sent to this prefill DP rank, no router rank
     prefill_abort: Optional[str] = None  # "bootstrap" | "chunk"
     decode_abort: Optional[str] = None  # "prealloc" | "transfer"
     hold: Optional[threading.Event] = None  # prefill forwards the request once it is set

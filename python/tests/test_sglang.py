@@ -93,6 +93,7 @@ class Pair:
     def route(self, spec: Spec) -> PrefillInstance:
         """SGLang's DP controller with follow_bootstrap_room, or the router's rank."""
         dp = spec.router_dp_rank if spec.router_dp_rank is not None \
+            else spec.misroute_dp_rank if spec.misroute_dp_rank is not None \
             else spec.room % self.prefill_dp
         return self.prefills[dp]
 
@@ -264,6 +265,27 @@ def test_prefill_dp2(pair):
     p.run(reqs)
     all_ok(p, reqs)
     assert all(p.prefills[d].results for d in range(2))
+
+
+@needs_ucx
+def test_refused_pairing_reaches_decode_at_once(pair, monkeypatch):
+    """A request that reached prefill DP rank 0 while decode looks for it on DP rank 1 (no
+    router rank, room % 2 == 1): prefill refuses it at once, and decode, bound to DP rank 1,
+    fails within a second with prefill's reason (relayed by the bootstrap server), not by a
+    timeout."""
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "60")
+    model = Model(layers=2, kv_heads=4)
+    reqs = specs(3, model, seed=23)
+    reqs[0].misroute_dp_rank = (reqs[0].room + 1) % 2
+    p = pair(model, prefill_dp=2)
+    started = time.monotonic()
+    d = p.run(reqs, timeout=30, prefill_too=False)
+    state, reason = d[reqs[0].room]
+    assert state == FAILED and "but decode looks for it on DP rank" in reason, reason
+    assert "DEADLINE_EXCEEDED" not in reason
+    assert time.monotonic() - started < 10
+    for s in reqs[1:]:
+        assert d[s.room][0] == SUCCESS
 
 
 @needs_ucx

@@ -292,5 +292,42 @@ TEST_CASE("fingerprint comparison and description") {
   CHECK_THAT(FingerprintString(b), Catch::Contains("page_layout 'hnd'"));
 }
 
+TEST_CASE("room failures: kept, looked up, bounded, expired") {
+  BootstrapTable t;
+  const absl::Time now = absl::FromUnixSeconds(1000000);
+  REQUIRE(t.ReportRoomFailures({{7, "refused: wrong DP rank"}, {9, std::string(5000, 'x')}}, now)
+              .ok());
+  auto got = t.RoomFailures({7, 8, 9}, now + absl::Seconds(1));
+  REQUIRE(got.ok());
+  REQUIRE(got->size() == 2);
+  CHECK((*got)[0].room == 7);
+  CHECK((*got)[0].reason == "refused: wrong DP rank");
+  CHECK((*got)[1].reason.size() == kMaxRoomFailureReason);  // cut, not refused
+  // A second report of a room keeps the first reason.
+  REQUIRE(t.ReportRoomFailures({{7, "another"}}, now).ok());
+  CHECK((*t.RoomFailures({7}, now))[0].reason == "refused: wrong DP rank");
+  // Bad input is refused whole, nothing stored.
+  CHECK(t.ReportRoomFailures({{0, "room 0"}}, now).code() == StatusCode::kInvalidArgument);
+  std::vector<RoomFailure> many(kMaxRoomFailuresPerCall + 1, RoomFailure{11, "x"});
+  CHECK(t.ReportRoomFailures(many, now).code() == StatusCode::kInvalidArgument);
+  CHECK(t.RoomFailures({11}, now)->empty());
+  CHECK(t.RoomFailures(std::vector<uint64_t>(kMaxRoomFailuresPerCall + 1, 1), now)
+            .status()
+            .code() == StatusCode::kInvalidArgument);
+  // Expired after the TTL (and dropped at the next report).
+  const absl::Time later = now + absl::Seconds(kRoomFailureTtlSeconds + 1);
+  CHECK(t.RoomFailures({7, 9}, later)->empty());
+  REQUIRE(t.ReportRoomFailures({{12, "new"}}, later).ok());
+  CHECK(t.RoomFailures({12}, later)->size() == 1);
+  // At most kMaxRoomFailuresKept: the oldest go first.
+  for (uint64_t base = 100; base < 100 + kMaxRoomFailuresKept; base += kMaxRoomFailuresPerCall) {
+    std::vector<RoomFailure> batch;
+    for (uint64_t r = base; r < base + kMaxRoomFailuresPerCall; ++r) batch.push_back({r, "b"});
+    REQUIRE(t.ReportRoomFailures(batch, later).ok());
+  }
+  CHECK(t.RoomFailures({12}, later)->empty());
+  CHECK(t.RoomFailures({100 + kMaxRoomFailuresKept - 1}, later)->size() == 1);
+}
+
 }  // namespace
 }  // namespace pdlib::control
