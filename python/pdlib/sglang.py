@@ -303,10 +303,18 @@ class KVManager:
                                  "supported by pdlib.sglang")
 
     # ---- SGLang's deferred decode KV release (decode.py DecodeTransferQueue._defer_release)
-    def register_deferred_abort_room(self, room: int) -> int:
+    def register_deferred_abort_room(self, room: int, *_: Any, **__: Any) -> int:
+        """main @3c69a4c7 (2026-08-22): (room). Newer undated revisions add a generation or a
+        token and the expected ranks, positional or keyword: taken and ignored, since pdlib's
+        page-reuse rule (is_abort_release_safe) needs neither. Returns a generation (truthy, for
+        the revisions that check the result)."""
         self._generation += 1
         self._deferred[int(room)] = self._generation
         return self._generation
+
+    def note_abort_ack(self, room: int, *_: Any, **__: Any) -> bool:
+        """Newer revisions' ack bookkeeping: pdlib counts the drains itself."""
+        return True
 
     def is_abort_release_safe(self, room: int, required_acks: int = 0, *_: Any) -> bool:
         """True once pdlib says no write for the room can land in its pages any more."""
