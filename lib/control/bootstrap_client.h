@@ -16,8 +16,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <vector>
 #include <string_view>
+#include <vector>
 
 #include "lib/control/bootstrap_types.h"
 #include "lib/control/security.h"

@@ -82,9 +82,9 @@ class BootstrapService final : public pb::Bootstrap::CallbackService {
     });
   }
 
-  grpc::ServerUnaryReactor* ReportRoomFailures(grpc::CallbackServerContext* ctx,
-                                               const pb::ReportRoomFailuresRequest* request,
-                                               pb::ReportRoomFailuresResponse* /*response*/) override {
+  grpc::ServerUnaryReactor* ReportRoomFailures(
+      grpc::CallbackServerContext* ctx, const pb::ReportRoomFailuresRequest* request,
+      pb::ReportRoomFailuresResponse* /*response*/) override {
     return Answer(ctx, [&]() -> Status {
       std::vector<RoomFailure> failures;
       failures.reserve(std::min<size_t>(request->failures_size(), kMaxRoomFailuresPerCall + 1));

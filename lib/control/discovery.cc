@@ -315,6 +315,7 @@ class BootstrapDiscovery final : public DiscoveryBackend {
     FreshBootstrapClient* client = nullptr;
     {
       MutexLock lock(&mu_);
+      if (reports_cancelled_) return Status::Cancelled("room-failure reports cancelled");
       if (!reporter_) {
         BootstrapClientOptions bco;
         bco.rpc_timeout = options_.connect_timeout;
@@ -333,8 +334,10 @@ class BootstrapDiscovery final : public DiscoveryBackend {
   }
 
   Status Watch(std::function<void(const std::string&)>) override { return Status::OK(); }
-  void Cancel() override {
+  void Cancel() override { CancelReports(); }
+  void CancelReports() override {
     MutexLock lock(&mu_);
+    reports_cancelled_ = true;
     if (reporter_) reporter_->Cancel();
   }
 
@@ -342,6 +345,7 @@ class BootstrapDiscovery final : public DiscoveryBackend {
   const KVManagerOptions options_;
   Mutex mu_;
   std::unique_ptr<FreshBootstrapClient> reporter_ ABSL_GUARDED_BY(mu_);
+  bool reports_cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace

@@ -84,6 +84,8 @@ class DiscoveryBackend {
     (void)failures;
     return Status::OK();
   }
+  // Makes running and later ReportRoomFailures calls return CANCELLED (and nothing else).
+  virtual void CancelReports() {}
 
   // Decode: the directory of the deployment at `deployment` ("host:port").
   virtual StatusOr<std::unique_ptr<DeploymentDirectory>> Open(std::string_view host,

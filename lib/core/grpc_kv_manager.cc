@@ -92,6 +92,7 @@ class GrpcPrefillManager final : public PrefillManagerBase {
         relay_stop_ = true;
       }
       relay_cv_.SignalAll();
+      discovery_->CancelReports();  // a report waiting on a dead bootstrap server ends now
       relay_.join();
     }
     // Withdraw this rank's address first so decode stops choosing it.
@@ -177,6 +178,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
       m->workers_.emplace_back([mgr = m.get()] { mgr->BootstrapLoop(); });
     }
     m->prober_ = std::thread([mgr = m.get()] { mgr->ProbeLoop(); });
+    m->relay_ = std::thread([mgr = m.get()] { mgr->RelayLoop(); });
     return std::unique_ptr<KVManager>(std::move(m));
   }
 
@@ -191,6 +193,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
     probe_cv_.SignalAll();
     for (std::thread& t : workers_) t.join();
     if (prober_.joinable()) prober_.join();
+    if (relay_.joinable()) relay_.join();
     core_->Shutdown();
   }
 
@@ -403,6 +406,20 @@ class GrpcDecodeManager final : public DecodeManagerBase {
 
   KVPoll RoomPoll(uint64_t room) const { return core_->RoomPoll(room); }
 
+  // Every 250 ms, on a thread of its own (a lookup may wait out connect_timeout while a
+  // bootstrap server is down; the quarantine prober must not).
+  void RelayLoop() {
+    while (true) {
+      {
+        MutexLock lock(&mu_);
+        if (stopping_) return;
+        probe_cv_.WaitFor(&mu_, std::chrono::milliseconds(250));
+        if (stopping_) return;
+      }
+      CheckRelayedFailures();
+    }
+  }
+
   // The room-failure relay: rooms still waiting for prefill (at least 300 ms old) are looked up
   // in their deployment's directory; one a prefill rank failed before decode was bound to it (a
   // refused pairing on another DP group) fails here at once with prefill's reason.
@@ -489,7 +506,6 @@ class GrpcDecodeManager final : public DecodeManagerBase {
         probe_cv_.WaitFor(&mu_, kPeriod);
         if (stopping_) return;
       }
-      CheckRelayedFailures();
       for (const std::string& key : core_->KeysAwaitingPrefill()) {
         std::optional<control::PeerClientOptions> pco;
         {
@@ -599,6 +615,7 @@ class GrpcDecodeManager final : public DecodeManagerBase {
   // Bootstrap addresses a worker is resolving now (guarded by mu_).
   absl::flat_hash_set<std::string> resolving_ ABSL_GUARDED_BY(mu_);
   std::thread prober_;
+  std::thread relay_;  // RelayLoop()
 };
 
 }  // namespace

@@ -295,8 +295,8 @@ TEST_CASE("fingerprint comparison and description") {
 TEST_CASE("room failures: kept, looked up, bounded, expired") {
   BootstrapTable t;
   const absl::Time now = absl::FromUnixSeconds(1000000);
-  REQUIRE(t.ReportRoomFailures({{7, "refused: wrong DP rank"}, {9, std::string(5000, 'x')}}, now)
-              .ok());
+  REQUIRE(
+      t.ReportRoomFailures({{7, "refused: wrong DP rank"}, {9, std::string(5000, 'x')}}, now).ok());
   auto got = t.RoomFailures({7, 8, 9}, now + absl::Seconds(1));
   REQUIRE(got.ok());
   REQUIRE(got->size() == 2);
@@ -311,9 +311,9 @@ TEST_CASE("room failures: kept, looked up, bounded, expired") {
   std::vector<RoomFailure> many(kMaxRoomFailuresPerCall + 1, RoomFailure{11, "x"});
   CHECK(t.ReportRoomFailures(many, now).code() == StatusCode::kInvalidArgument);
   CHECK(t.RoomFailures({11}, now)->empty());
-  CHECK(t.RoomFailures(std::vector<uint64_t>(kMaxRoomFailuresPerCall + 1, 1), now)
-            .status()
-            .code() == StatusCode::kInvalidArgument);
+  CHECK(
+      t.RoomFailures(std::vector<uint64_t>(kMaxRoomFailuresPerCall + 1, 1), now).status().code() ==
+      StatusCode::kInvalidArgument);
   // Expired after the TTL (and dropped at the next report).
   const absl::Time later = now + absl::Seconds(kRoomFailureTtlSeconds + 1);
   CHECK(t.RoomFailures({7, 9}, later)->empty());
