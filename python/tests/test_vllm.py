@@ -622,3 +622,39 @@ def test_request_finished_single_group_and_prompt_clip(connector_module):
         assert c.request_finished(req2, [3]) == (False, None)
     finally:
         c.shutdown()
+
+
+def test_get_transfer_results_of_newer_vllm(connector_module, monkeypatch):
+    # base.py @7ba3df63 (after 2026-08-14) adds KVConnectorTransferResults and the worker call
+    # get_transfer_results(finished_req_ids): the sets of get_finished, failed loads (also in
+    # finished_recving) in failed_recving. The stand-in is 6adad087's, so the class is added
+    # here as that revision defines it.
+    import dataclasses as dc
+
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    @dc.dataclass
+    class KVConnectorTransferResults:
+        finished_sending: set = dc.field(default_factory=set)
+        finished_recving: set = dc.field(default_factory=set)
+        failed_recving: set = dc.field(default_factory=set)
+
+    monkeypatch.setattr(base, "KVConnectorTransferResults", KVConnectorTransferResults,
+                        raising=False)
+    cfg = VllmConfig(model_config=ModelConfig(total_num_kv_heads=HEADS, head_size=DIM),
+                     cache_config=CacheConfig(block_size=BLOCK),
+                     kv_transfer_config=KVTransferConfig(
+                         kv_connector="PdlibConnector", kv_connector_module_path="pdlib.vllm",
+                         kv_role="kv_consumer", kv_connector_extra_config={"backend": "fake"}))
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    c = connector_module.PdlibConnector(cfg, KVConnectorRole.WORKER,
+                                        KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                                                      kv_cache_groups=[]))
+    c._worker._fail_now("r-failed", [3, 4])  # a load that could not start
+    results = c.get_transfer_results(set())
+    assert isinstance(results, KVConnectorTransferResults)
+    assert results.finished_recving == {"r-failed"} and results.failed_recving == {"r-failed"}
+    assert c.get_block_ids_with_load_errors() == {3, 4}
+    assert c.get_transfer_results(set()).finished_recving == set()
