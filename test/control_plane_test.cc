@@ -180,25 +180,38 @@ bool RunRequests(const std::vector<pdlib::KVManager*>& prefill,
       10000ms);
 }
 
+// Two prefill DP ranks on one bootstrap server, which DP rank 0 hosts.
+struct TwoDpRanks {
+  Pools p0pools, p1pools;
+  std::unique_ptr<pdlib::KVManager> p0, p1;
+  explicit TwoDpRanks(uint16_t bootstrap) {
+    auto o0 = Options(pdlib::Mode::kPrefill, bootstrap, p0pools);
+    auto o1 = Options(pdlib::Mode::kPrefill, bootstrap, p1pools);
+    o0.args.parallel.dp_size = o1.args.parallel.dp_size = 2;
+    o1.args.parallel.dp_rank = 1;
+    o1.start_bootstrap_server = false;
+    auto m0 = pdlib::KVManager::Create(o0);
+    REQUIRE(m0.ok());
+    auto m1 = pdlib::KVManager::Create(o1);
+    REQUIRE(m1.ok());
+    p0 = std::move(*m0);
+    p1 = std::move(*m1);
+  }
+};
+
 TEST_CASE("2P1D: two prefill DP ranks feed one decode, routed by room % dp_size") {
   FOR_EACH_CONTROL_PLANE();
-  Pools p0pools, p1pools, dpools;
+  Pools dpools;
   uint16_t bootstrap = NextBootstrapPort();
-  auto o0 = Options(pdlib::Mode::kPrefill, bootstrap, p0pools);
-  auto o1 = Options(pdlib::Mode::kPrefill, bootstrap, p1pools);
-  o0.args.parallel.dp_size = o1.args.parallel.dp_size = 2;
-  o1.args.parallel.dp_rank = 1;
-  o1.start_bootstrap_server = false;  // rank dp 0 hosts it
-  auto p0 = pdlib::KVManager::Create(o0);
-  REQUIRE(p0.ok());
-  auto p1 = pdlib::KVManager::Create(o1);
-  REQUIRE(p1.ok());
+  TwoDpRanks ranks(bootstrap);
+  pdlib::KVManager* p0 = ranks.p0.get();
+  pdlib::KVManager* p1 = ranks.p1.get();
   auto d = pdlib::KVManager::Create(Options(pdlib::Mode::kDecode, bootstrap, dpools));
   REQUIRE(d.ok());
   // RunRequests puts room r's sender on prefill[r % 2], which is the DP rank decode must pick.
-  REQUIRE(RunRequests({p0->get(), p1->get()}, {d->get()}, {"127.0.0.1", bootstrap}, 1000, 40));
-  CHECK((*p0)->metrics().rooms_succeeded == 20);
-  CHECK((*p1)->metrics().rooms_succeeded == 20);
+  REQUIRE(RunRequests({p0, p1}, {d->get()}, {"127.0.0.1", bootstrap}, 1000, 40));
+  CHECK(p0->metrics().rooms_succeeded == 20);
+  CHECK(p1->metrics().rooms_succeeded == 20);
   CHECK((*d)->metrics().rooms_succeeded == 40);
   CHECK((*d)->metrics().connections == 2);
 }
@@ -208,23 +221,17 @@ TEST_CASE("a room prefill refuses on another DP rank fails decode at once, with 
   // (3 % 2), where decode binds it; the engine put it on DP rank 0, which refuses it before any
   // decode came. Decode must learn that at once, not at its waiting_timeout.
   g_plane = pdlib::ControlPlane::kGrpc;
-  Pools p0pools, p1pools, dpools;
+  Pools dpools;
   uint16_t bootstrap = NextBootstrapPort();
-  auto o0 = Options(pdlib::Mode::kPrefill, bootstrap, p0pools);
-  auto o1 = Options(pdlib::Mode::kPrefill, bootstrap, p1pools);
-  o0.args.parallel.dp_size = o1.args.parallel.dp_size = 2;
-  o1.args.parallel.dp_rank = 1;
-  o1.start_bootstrap_server = false;
-  auto p0 = pdlib::KVManager::Create(o0);
-  REQUIRE(p0.ok());
-  auto p1 = pdlib::KVManager::Create(o1);
-  REQUIRE(p1.ok());
+  TwoDpRanks ranks(bootstrap);
+  pdlib::KVManager* p0 = ranks.p0.get();
+  pdlib::KVManager* p1 = ranks.p1.get();
   auto od = Options(pdlib::Mode::kDecode, bootstrap, dpools);
   od.waiting_timeout = 60000ms;
   od.bootstrap_timeout = 60000ms;
   auto d = pdlib::KVManager::Create(od);
   REQUIRE(d.ok());
-  auto wrong = (*p0)->CreateSender(3);
+  auto wrong = p0->CreateSender(3);
   REQUIRE(wrong.ok());
   (*wrong)->Abort("reached prefill DP rank 0, but decode looks for it on DP rank 1");
   auto r = (*d)->CreateReceiver({"127.0.0.1", bootstrap}, 3);
@@ -240,9 +247,9 @@ TEST_CASE("a room prefill refuses on another DP rank fails decode at once, with 
   CHECK(reason.find("decode looks for it on DP rank 1") != std::string::npos);
   // DP rank 1 was told: it drops the TransferInfo it held, and decode's pages are free again.
   CHECK(WaitFor([&] { return (*r)->PagesReusable(); }));
-  CHECK(WaitFor([&] { return (*p1)->metrics().bootstrap_queue_size == 0; }));
+  CHECK(WaitFor([&] { return p1->metrics().bootstrap_queue_size == 0; }));
   // A room refused nowhere is not touched.
-  auto ok_s = (*p1)->CreateSender(5);
+  auto ok_s = p1->CreateSender(5);
   auto ok_r = (*d)->CreateReceiver({"127.0.0.1", bootstrap}, 5);
   REQUIRE((ok_s.ok() && ok_r.ok()));
   REQUIRE(WaitFor([&] { return (*ok_r)->Poll() == KVPoll::kWaitingForInput; }));

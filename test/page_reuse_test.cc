@@ -370,6 +370,18 @@ TEST_CASE("page reuse: a prefill manager that is gone ends the quarantine") {
   CHECK(dm.quarantine_released_gone == 1);
 }
 
+// A sender and a receiver of `room`, decode Init()ed with `pages`, prefill waiting for input.
+static std::pair<std::unique_ptr<pdlib::KVSender>, std::unique_ptr<pdlib::KVReceiver>> Paired(
+    Deployment& dep, uint64_t room, const std::vector<int32_t>& pages) {
+  auto s = dep.prefill->CreateSender(room);
+  auto d = dep.decode->CreateReceiver(dep.addr(), room);
+  REQUIRE((s.ok() && d.ok()));
+  REQUIRE(WaitFor([&] { return (*d)->Poll() == KVPoll::kWaitingForInput; }));
+  REQUIRE((*d)->Init(pages, 1).ok());
+  REQUIRE(WaitFor([&] { return (*s)->Poll() == KVPoll::kWaitingForInput; }));
+  return {std::move(*s), std::move(*d)};
+}
+
 // The room clocks (kv_args.h): waiting for the transfer to start is not a transfer, and a
 // transfer's deadline is about progress, not the room's age.
 
@@ -397,27 +409,22 @@ TEST_CASE("room clocks: a transfer that keeps progressing outlives transfer_time
     o.transfer_timeout = 300ms;
     o.waiting_timeout = 20000ms;
   });
-  auto s = dep.prefill->CreateSender(602);
-  auto d = dep.decode->CreateReceiver(dep.addr(), 602);
-  REQUIRE((s.ok() && d.ok()));
   const std::vector<int32_t> pages = {1, 2, 3, 4, 5, 6};
-  REQUIRE(WaitFor([&] { return (*d)->Poll() == KVPoll::kWaitingForInput; }));
-  REQUIRE((*d)->Init(pages, 1).ok());
-  REQUIRE(WaitFor([&] { return (*s)->Poll() == KVPoll::kWaitingForInput; }));
-  REQUIRE((*s)->Init(pages.size(), 1).ok());
+  auto [s, d] = Paired(dep, 602, pages);
+  REQUIRE(s->Init(pages.size(), 1).ok());
   const auto started = std::chrono::steady_clock::now();
   // One page a chunk, one every 150 ms, each batch completing before the next: 0.9 s in all,
   // three times transfer_timeout, never 300 ms without progress.
   for (size_t i = 0; i < pages.size(); ++i) {
     const size_t before = Held().size();
-    REQUIRE((*s)->Send(std::span(pages).subspan(i, 1), i + 1 == pages.size()).ok());
+    REQUIRE(s->Send(std::span(pages).subspan(i, 1), i + 1 == pages.size()).ok());
     REQUIRE(WaitFor([&] { return Held().size() > before; }));
     std::this_thread::sleep_for(150ms);
     Held().Release();
   }
   REQUIRE(WaitFor([&] {
     Held().Release();  // the aux batch
-    return (*s)->Poll() == KVPoll::kSuccess && (*d)->Poll() == KVPoll::kSuccess;
+    return s->Poll() == KVPoll::kSuccess && d->Poll() == KVPoll::kSuccess;
   }));
   CHECK(std::chrono::steady_clock::now() - started > 800ms);
 }
@@ -428,22 +435,18 @@ TEST_CASE("room clocks: a long wait for prefill to start is not a transfer") {
     o.transfer_timeout = 200ms;
     o.waiting_timeout = 20000ms;
   });
-  auto s = dep.prefill->CreateSender(603);
-  auto d = dep.decode->CreateReceiver(dep.addr(), 603);
-  REQUIRE((s.ok() && d.ok()));
   const std::vector<int32_t> pages = {7, 8};
-  REQUIRE(WaitFor([&] { return (*d)->Poll() == KVPoll::kWaitingForInput; }));
-  REQUIRE((*d)->Init(pages, 1).ok());
-  REQUIRE(WaitFor([&] { return (*d)->Poll() == KVPoll::kTransferring; }));
+  auto [s, d] = Paired(dep, 603, pages);
+  REQUIRE(WaitFor([&] { return d->Poll() == KVPoll::kTransferring; }));
   // A busy prefill: decode's TransferInfo is out, prefill starts this request 1 s later (five
   // times transfer_timeout). Neither side may fail meanwhile.
   std::this_thread::sleep_for(1000ms);
-  CHECK((*d)->Poll() == KVPoll::kTransferring);
-  CHECK((*s)->Poll() == KVPoll::kWaitingForInput);
-  REQUIRE((*s)->Init(pages.size(), 1).ok());
-  REQUIRE((*s)->Send(pages, true).ok());
+  CHECK(d->Poll() == KVPoll::kTransferring);
+  CHECK(s->Poll() == KVPoll::kWaitingForInput);
+  REQUIRE(s->Init(pages.size(), 1).ok());
+  REQUIRE(s->Send(pages, true).ok());
   REQUIRE(WaitFor([&] {
     Held().Release();
-    return (*s)->Poll() == KVPoll::kSuccess && (*d)->Poll() == KVPoll::kSuccess;
+    return s->Poll() == KVPoll::kSuccess && d->Poll() == KVPoll::kSuccess;
   }));
 }

@@ -407,6 +407,20 @@ def test_busy_prefill_starts_long_after_decode_metadata(pair, monkeypatch):
     assert time.monotonic() - started > 3.5
 
 
+def assert_room_check_catches(p: Pair, model: Model, seed: int) -> None:
+    """A prefill that writes another request's bootstrap_room is caught by pdlib's room check,
+    which names the field."""
+    meta = p.prefills[0].scheds[0].pools.meta
+    real = meta.set_buf
+    meta.set_buf = lambda req: (real(req), meta.bootstrap_room.__setitem__(
+        (req.metadata_buffer_index, 0), req.bootstrap_room ^ 2))
+    bad = specs(1, model, seed=seed)
+    d = p.run(bad)
+    meta.set_buf = real
+    state, reason = d[bad[0].room]
+    assert state == FAILED and "DATA_LOSS" in reason and "bootstrap_room" in reason, reason
+
+
 @needs_ucx
 @pytest.mark.parametrize("position", ["before", "after"])
 def test_kv_checksum_row_in_either_place_keeps_both_checks(pair, position):
@@ -425,16 +439,8 @@ def test_kv_checksum_row_in_either_place_keeps_both_checks(pair, position):
     assert room_at == (10 if position == "before" else 9)
     p.run(reqs)
     all_ok(p, reqs)
+    assert_room_check_catches(p, model, seed=14)
     pmeta = p.prefills[0].scheds[0].pools.meta
-    # Another request's bootstrap_room: pdlib's room check fails it, naming the field.
-    real = pmeta.set_buf
-    pmeta.set_buf = lambda req: (real(req), pmeta.bootstrap_room.__setitem__(
-        (req.metadata_buffer_index, 0), req.bootstrap_room ^ 2))
-    bad = specs(1, model, seed=14)
-    d = p.run(bad)
-    pmeta.set_buf = real
-    state, reason = d[bad[0].room]
-    assert state == FAILED and "DATA_LOSS" in reason and "bootstrap_room" in reason, reason
     # A wrong checksum: pdlib carries the row as it is and SGLang's own comparison catches it.
     real_ck = pmeta.set_kv_checksum
     pmeta.set_kv_checksum = lambda req, value: real_ck(req, value ^ 4)
@@ -456,17 +462,7 @@ def test_metadata_buffer_variants_keep_the_room_check(pair, dsa_dim, mask_tokens
     assert p.decode.scheds[0].kv_manager.options.args.aux_room_buffer == n - 1
     p.run(reqs)
     all_ok(p, reqs)
-    # A prefill that writes another request's bootstrap_room is caught by pdlib's room check.
-    sched = p.prefills[0].scheds[0]
-    meta = sched.pools.meta
-    real = meta.set_buf
-    meta.set_buf = lambda req: (real(req), meta.bootstrap_room.__setitem__(
-        (req.metadata_buffer_index, 0), req.bootstrap_room ^ 2))
-    bad = specs(1, model, seed=12)
-    d = p.run(bad)
-    meta.set_buf = real
-    state, reason = d[bad[0].room]
-    assert state == FAILED and "DATA_LOSS" in reason and "bootstrap_room" in reason, reason
+    assert_room_check_catches(p, model, seed=12)
 
 
 @needs_ucx
