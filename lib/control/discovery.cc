@@ -354,6 +354,10 @@ std::string EtcdDeploymentPrefix(std::string_view prefix, std::string_view deplo
   return absl::StrFormat("%s/%s/rank/", prefix, deployment);
 }
 
+std::string EtcdRoomFailurePrefix(std::string_view prefix, std::string_view deployment) {
+  return absl::StrFormat("%s/%s/failed/", prefix, deployment);
+}
+
 std::string EtcdRankKey(std::string_view prefix, std::string_view deployment, const RankId& id) {
   return absl::StrFormat("%s%d/%d/%d", EtcdDeploymentPrefix(prefix, deployment), id.dp_rank,
                          id.tp_rank, id.pp_rank);

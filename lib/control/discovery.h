@@ -40,8 +40,8 @@ class DeploymentDirectory {
   // INVALID_ARGUMENT out of range of the registered sizes, NOT_FOUND when not registered.
   virtual StatusOr<RankAddress> GetRankAddress(const RankId& id) = 0;
   // The rooms among `rooms` a prefill rank of the deployment failed before any decode rank was
-  // bound to them, with the reasons (the room-failure relay). The bootstrap server keeps them;
-  // etcd does not yet (none are ever found there).
+  // bound to them, with the reasons (the room-failure relay): kept by the bootstrap server, or
+  // as keys on a lease in etcd.
   virtual StatusOr<std::vector<RoomFailure>> GetRoomFailures(const std::vector<uint64_t>& rooms) {
     (void)rooms;
     return std::vector<RoomFailure>{};
@@ -79,7 +79,8 @@ class DiscoveryBackend {
 
   // Prefill: tells the deployment's directory of rooms this rank failed before any decode rank
   // was bound to them, so that a decode rank waiting on another rank for one learns it at once.
-  // Bootstrap server: one attempt (the caller batches and drops on error); etcd: not yet, OK.
+  // Bootstrap server: one attempt (the caller batches and drops on error); etcd: keys on a
+  // lease of the relay's TTL.
   virtual Status ReportRoomFailures(const std::vector<RoomFailure>& failures) {
     (void)failures;
     return Status::OK();
@@ -107,6 +108,8 @@ class DiscoveryBackend {
 std::string EtcdRankKey(std::string_view prefix, std::string_view deployment, const RankId& id);
 // "<prefix>/<deployment>/rank/"
 std::string EtcdDeploymentPrefix(std::string_view prefix, std::string_view deployment);
+// "<prefix>/<deployment>/failed/": the room-failure relay's keys, "<that><room>".
+std::string EtcdRoomFailurePrefix(std::string_view prefix, std::string_view deployment);
 // Splits a key under `prefix` into its deployment and rank; INVALID_ARGUMENT naming what is
 // wrong with it otherwise.
 struct EtcdRankKeyParts {

@@ -7,9 +7,14 @@
 #include "lib/control/discovery_etcd.h"
 
 #include <algorithm>
+#include <string_view>
 #include <thread>
 #include <utility>
+#include <vector>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "lib/base/log_internal.h"
@@ -137,6 +142,28 @@ class EtcdDirectory final : public DeploymentDirectory {
     MutexLock lock(&mu_);
     snapshot_ = std::move(snap);
     return info;
+  }
+
+  StatusOr<std::vector<RoomFailure>> GetRoomFailures(const std::vector<uint64_t>& rooms) override {
+    if (rooms.size() > kMaxRoomFailuresPerCall) {
+      return Status::InvalidArgument(absl::StrFormat("%d rooms in one lookup (at most %d)",
+                                                     rooms.size(), kMaxRoomFailuresPerCall));
+    }
+    const std::string key_prefix = EtcdRoomFailurePrefix(prefix_, deployment_);
+    auto range = client_->GetPrefix(key_prefix);
+    if (!range.ok()) return Transient(range.status());
+    const absl::flat_hash_set<uint64_t> asked(rooms.begin(), rooms.end());
+    std::vector<RoomFailure> out;
+    for (const auto& kv : range->kvs) {
+      uint64_t room = 0;
+      // Validated: a key that is not "<prefix>/<deployment>/failed/<room>" is skipped.
+      if (!absl::SimpleAtoi(absl::string_view(kv.key).substr(key_prefix.size()), &room) ||
+          !asked.contains(room)) {
+        continue;
+      }
+      out.push_back({room, kv.value.substr(0, kMaxRoomFailureReason)});
+    }
+    return out;
   }
 
   StatusOr<RankAddress> GetRankAddress(const RankId& id) override {
@@ -342,6 +369,22 @@ class EtcdDiscovery final : public DiscoveryBackend {
                                                       uint16_t port) override {
     return std::unique_ptr<DeploymentDirectory>(
         std::make_unique<EtcdDirectory>(client_, options_.etcd_prefix, JoinHostPort(host, port)));
+  }
+
+  // One key per room under "<prefix>/<deployment>/failed/", all of one report on one lease of
+  // the relay's TTL, so etcd drops them by itself; a room already there keeps its first reason.
+  Status ReportRoomFailures(const std::vector<RoomFailure>& failures) override {
+    if (failures.empty()) return Status::OK();
+    auto lease = client_->GrantLease(kRoomFailureTtlSeconds);
+    if (!lease.ok()) return lease.status();
+    const std::string key_prefix = EtcdRoomFailurePrefix(
+        options_.etcd_prefix, JoinHostPort(options_.bootstrap_host, options_.bootstrap_port));
+    for (const RoomFailure& f : failures) {
+      auto put = client_->PutIfAbsent(absl::StrCat(key_prefix, f.room),
+                                      f.reason.substr(0, kMaxRoomFailureReason), lease->id);
+      if (!put.ok()) return put.status();
+    }
+    return Status::OK();
   }
 
   Status Watch(std::function<void(const std::string&)> changed) override {

@@ -22,6 +22,7 @@ using pdlib::StatusCode;
 using pdlib::control::EtcdClient;
 using pdlib::control::EtcdClientOptions;
 using pdlib::control::EtcdRankKey;
+using pdlib::control::EtcdRoomFailurePrefix;
 using pdlib::control::RankId;
 
 namespace {
@@ -225,6 +226,50 @@ TEST_CASE(
   INFO(s.ToString());
   CHECK_FALSE(s.ok());
   CHECK(s.message().find("registered in etcd") != std::string::npos);
+}
+
+TEST_CASE("etcd discovery: a room refused on another DP rank fails decode at once") {
+  // The room-failure relay through etcd: DP rank 0 refuses room 3 (room 3 belongs to DP rank 1,
+  // where decode binds it) before any decode came; decode learns it from the keys under
+  // "<prefix>/<deployment>/failed/" within about a second, not at its waiting_timeout.
+  REQUIRE_ETCD();
+  auto etcd = StartEtcd();
+  const uint16_t port = FreePort();
+  Side p0s, p1s, ds;
+  auto o0 = p0s.Options(pdlib::Mode::kPrefill, etcd->endpoints(), port);
+  auto o1 = p1s.Options(pdlib::Mode::kPrefill, etcd->endpoints(), port);
+  o0.args.parallel.dp_size = o1.args.parallel.dp_size = 2;
+  o1.args.parallel.dp_rank = 1;
+  auto p0 = Create(o0);
+  auto p1 = Create(o1);
+  auto od = ds.Options(pdlib::Mode::kDecode, etcd->endpoints(), port);
+  od.waiting_timeout = 60000ms;
+  od.bootstrap_timeout = 60000ms;
+  auto decode = Create(od);
+  auto wrong = p0->CreateSender(3);
+  REQUIRE(wrong.ok());
+  (*wrong)->Abort("reached prefill DP rank 0, but decode looks for it on DP rank 1");
+  auto client = Client(etcd->endpoints());
+  const std::string key =
+      EtcdRoomFailurePrefix("/pdlib-test", "127.0.0.1:" + std::to_string(port)) + "3";
+  REQUIRE(WaitFor(
+      [&] {
+        auto kv = client->Get(key);
+        return kv.ok() && kv->has_value();
+      },
+      5000ms));
+  CHECK((*client->Get(key))->lease != 0);  // etcd drops it by itself
+  auto r = decode->CreateReceiver({"127.0.0.1", port}, 3);
+  REQUIRE(r.ok());
+  const auto started = std::chrono::steady_clock::now();
+  REQUIRE(WaitFor([&] { return (*r)->Poll() != KVPoll::kBootstrapping; }, 5000ms));
+  std::vector<int32_t> pages = {1};
+  (void)(*r)->Init(pages, std::nullopt);
+  REQUIRE(WaitFor([&] { return (*r)->Poll() == KVPoll::kFailed; }, 3000ms));
+  CHECK(std::chrono::steady_clock::now() - started < 2000ms);
+  CHECK((*r)->FailureReason().ToString().find("decode looks for it on DP rank 1") !=
+        std::string::npos);
+  CHECK(WaitFor([&] { return (*r)->PagesReusable(); }, 5000ms));
 }
 
 TEST_CASE("etcd discovery: a rank that stops renewing its lease disappears within the TTL") {
