@@ -117,7 +117,8 @@ class GrpcPrefillManager final : public PrefillManagerBase {
   std::string bootstrap_endpoint_;  // "host:port" of bootstrap_server_, "" without one
 
   // The room-failure relay: every 200 ms, rooms this rank failed before any decode rank was
-  // bound to them go to the deployment's directory (best effort: dropped on an error).
+  // bound to them go to the deployment's directory (bootstrap server or etcd; best effort:
+  // dropped on an error).
   void RelayLoop() {
     while (true) {
       {
