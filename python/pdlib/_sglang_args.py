@@ -593,14 +593,14 @@ def build(args: Any, mode: str, server_args: Any, is_mla_backend: bool
 
 
 def _address(value: Any) -> Optional[int]:
-    """The address of a torch tensor or a numpy array; None for anything else."""
-    if hasattr(value, "data_ptr") and callable(value.data_ptr):
-        try:
-            return int(value.data_ptr())
-        except (TypeError, RuntimeError):
-            return None
-    data = getattr(getattr(value, "ctypes", None), "data", None)
-    return int(data) if isinstance(data, int) else None
+    """The address of an array or tensor attribute (pdlib.buffer_address); None for anything
+    else (numbers, strings, None, non-contiguous views)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return None
+    try:
+        return pdlib.buffer_address(value)[0]
+    except (TypeError, ValueError):
+        return None
 
 
 def metadata_buffer_names(aux_ptrs: Sequence[int]) -> Dict[int, str]:
