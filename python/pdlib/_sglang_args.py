@@ -630,7 +630,8 @@ def metadata_buffer_names(aux_ptrs: Sequence[int]) -> Dict[int, str]:
 
 
 # get_buf_infos()'s buffer counts when bootstrap_room was last and nothing else was added
-# (utils.py @e877773f: 10; 11 with DSA top-k indices; 13 or 14 with the sampling-mask buffers).
+# (utils.py at main 3c69a4c7: 10; 11 with DSA top-k indices; 13 or 14 with the sampling-mask
+# buffers).
 _KNOWN_AUX_COUNTS = (10, 11, 13, 14)
 
 

@@ -1,12 +1,13 @@
 """pdlib as an SGLang disaggregation transfer backend.
 
-The classes here are what SGLang's schedulers call on a transfer backend today (upstream
-sgl-project/sglang: disaggregation/prefill.py @423bf210, decode.py @b7e89b39, base/conn.py and
-common/conn.py @ccd10042): KVManager, KVSender, KVReceiver, KVBootstrapServer, KVPoll, and a
-KVArgs of the same shape as SGLang's own (base.KVArgs: annotations only, every attribute set by
-SGLang's scheduler). python/README.md ("SGLang") has the call-by-call conformance table, the
-plugin that selects the backend without patching SGLang (pdlib.sglang_plugin, entry point
-group `sglang.srt.plugins`) and the two-line patch for older SGLang.
+The classes here are what SGLang's schedulers call on a transfer backend (upstream sgl-
+project/sglang main at 3c69a4c7, 2026-08-22: disaggregation/prefill.py, decode.py, base/conn.py,
+common/conn.py, utils.py; and what the newer, undated prefill.py @423bf210 / decode.py @b7e89b39
+add, python/README.md "SGLang"): KVManager, KVSender, KVReceiver, KVBootstrapServer, KVPoll, and
+a KVArgs of the same shape as SGLang's own (base.KVArgs: annotations only, every attribute set
+by SGLang's scheduler). python/README.md ("SGLang") has the call-by-call conformance table, the
+plugin that selects the backend without patching SGLang (pdlib.sglang_plugin, entry point group
+`sglang.srt.plugins`) and the two-line patch for older SGLang.
 
 How the shapes are bridged:
   * SGLang's KVArgs and server_args are translated by name (pdlib._sglang_args); the per-rank
@@ -100,11 +101,14 @@ class KVArgs:
     total_kv_head_num: int
     page_size: int
     system_dp_rank: int
-    rust_http_port: Optional[int]
     pp_rank: int
     prefill_start_layer: int
     prefill_end_layer: Optional[int]
     mla_compression_ratios: Optional[List[int]]
+    kv_buf_groups: int
+    total_kv_layers: int
+    # base/conn.py @ccd10042 (newer than main 3c69a4c7) adds these two
+    rust_http_port: Optional[int]
     num_draft_entries: int = 0
 
 

@@ -1,7 +1,8 @@
 """SGLang's prefill and decode schedulers, replayed around pdlib.sglang as upstream calls a
-transfer backend (sgl-project/sglang, python/sglang/srt/disaggregation/):
+transfer backend: sgl-project/sglang main at 3c69a4c744525be0146629fc5933e3ddab609fb2
+(2026-08-22, read from the fork bytedance-iaas/sglang), python/sglang/srt/disaggregation/:
 
-prefill.py @423bf210d7c2f33d58cfcf981280473ced8d0907
+prefill.py (last changed fbafd1b1, 2026-08-21)
     PrefillBootstrapQueue._init_kv_manager, create_sender (keyword sender), finalize_bootstrap
     (pop_decode_prefix_len, init(num_pages, metadata_buffer_index)), pop_bootstrapped;
     SchedulerDisaggregationPrefillMixin.event_loop_normal_disagg_prefill,
@@ -10,7 +11,7 @@ prefill.py @423bf210d7c2f33d58cfcf981280473ced8d0907
     send(page_indices, state_indices, num_kv_tokens=)), process_batch_result_disagg_prefill,
     process_disagg_prefill_inflight_queue (clear() then get_transfer_metric()),
     handle_bootstrap_failure, handle_inflight_transfer_failure, _retire_aborted_prefill_result
-decode.py @b7e89b394f2fe306f07a9731611b2dc9caa4767f
+decode.py (0db2c53d, 2026-08-21)
     DecodePreallocQueue._init_kv_manager (no head counts), add, _resolve_prefill_dp_rank
     (prefill_info_table.get), _create_receiver_and_enqueue (keyword receiver), _init_receiver
     (init(prefill_dp_rank)), _resolve_pending_reqs / _ensure_prefill_info
@@ -18,7 +19,12 @@ decode.py @b7e89b394f2fe306f07a9731611b2dc9caa4767f
     pop_preallocated (state payloads per StateType), _send_kv_metadata (send_metadata(...,
     decode_prefix_len=)); DecodeTransferQueue.pop_transferred (_poll_with_metadata_gate,
     deferred release), _commit_transfer_to_req (bootstrap_room check), resolve_deferred_releases
-managers/scheduler.py @0003215c Scheduler.abort_request (both sides)
+managers/scheduler.py (fbafd1b1, 2026-08-21) Scheduler.abort_request (both sides)
+
+Model(newer_revision=True) replays what the newer, undated prefill.py @423bf210 and decode.py
+@b7e89b39 do differently (python/README.md "SGLang" lists it): the KV checksum row
+(set_kv_checksum / get_kv_checksum), num_draft_entries and rust_http_port on KVArgs, and a failed
+transfer armed for the deferred release (ensure_abort_notified(force_arm=True)).
 
 Every scheduler rank is a thread running the same loop (SPMD); poll_and_all_reduce is a MIN
 all-reduce across them (sglang_standin.Group), and SGLang's illegal-state checks raise
@@ -48,6 +54,7 @@ from sglang_standin import (
     DisaggregationMode,
     Group,
     KVArgs,
+    KVArgsNewer,
     KVPoll,
     MetadataBuffers,
     RankGroup,
@@ -93,8 +100,15 @@ class Model:
     aux_slots: int = 32
     aux_dsa_dim: int = 0
     aux_sampling_tokens: int = 0
-    aux_kv_checksum: str = ""  # "", "before" or "after" bootstrap_room
+    aux_kv_checksum: str = ""  # "", "before" or "after" bootstrap_room (newer_revision only)
+    # False: main @3c69a4c7 (2026-08-22). True: the newer, undated prefill.py @423bf210 /
+    # decode.py @b7e89b39 (KV checksum row, ensure_abort_notified on a failed transfer).
+    newer_revision: bool = False
     seed: int = 7
+
+    def __post_init__(self) -> None:
+        assert not self.aux_kv_checksum or self.newer_revision, \
+            "main @3c69a4c7 has no KV checksum row (prefill.py @423bf210 / decode.py @b7e89b39)"
 
     def config(self) -> Dict[str, Any]:
         """config.json of model_path (what SGLang's ModelConfig reads)."""
@@ -301,14 +315,16 @@ def make_kv_args(model: Model, pools: Pools, engine_rank: int, dp_rank: int,
                  prefill: bool) -> KVArgs:
     """prefill.py / decode.py _init_kv_manager and utils.setup_state_kv_args: what SGLang puts
     on its KVArgs, nothing more (decode: no head counts, no prefill_start_layer)."""
-    a = KVArgs()
+    a = KVArgsNewer() if model.newer_revision else KVArgs()
     a.engine_rank = engine_rank
     a.pp_rank = 0
     a.system_dp_rank = dp_rank
     a.kv_cache_dtype_str = "auto"
     if prefill:
-        a.rust_http_port = None
+        if model.newer_revision:  # prefill.py @423bf210; main @3c69a4c7 sets no rust_http_port
+            a.rust_http_port = None
         a.prefill_start_layer = 0
+        a.mla_compression_ratios = None
     target = 2 * model.layers if not model.mla else model.layers
     bufs = pools.kv
     a.kv_data_ptrs = [b.ctypes.data for b in bufs]
@@ -316,7 +332,8 @@ def make_kv_args(model: Model, pools: Pools, engine_rank: int, dp_rank: int,
     a.kv_item_lens = [b[0].nbytes for b in bufs]
     if prefill:
         a.prefill_end_layer = None
-    a.num_draft_entries = len(bufs) - target
+    if model.newer_revision:  # main @3c69a4c7 appends the draft's buffers and says no more
+        a.num_draft_entries = len(bufs) - target
     a.kv_layer_ids = []
     if prefill and not model.mla:
         a.kv_head_num = len(model.heads(pools.tp, 0))
@@ -353,7 +370,8 @@ class Instance:
         self.group = Group(tp)
         self._inbox: List[Tuple[str, Any]] = []
         self._lock = threading.Lock()
-        self.results: Dict[int, Tuple[int, str]] = {}  # room -> (KVPoll, reason)
+        self.results: Dict[int, Tuple[int, str]] = {}  # room -> (KVPoll, reason) of rank 0
+        self.reasons: Dict[int, List[str]] = {}  # room -> every rank's reason
         self.metrics: Dict[int, Any] = {}
         self.errors: List[str] = []
         self.threads: List[threading.Thread] = []
@@ -537,6 +555,8 @@ class PrefillScheduler:
         req.pages, req.state = [], {}
 
     def finish(self, req: Req, state: int, reason: str, metric: Any = None) -> None:
+        with self.inst._lock:
+            self.inst.reasons.setdefault(req.bootstrap_room, []).append(reason)
         if self.rank == 0:
             self.inst.results[req.bootstrap_room] = (state, reason)
             if metric is not None:
@@ -905,6 +925,11 @@ class DecodeScheduler:
     def _update_handshake_waiters(self) -> None:
         if not self.queue:
             return
+        # As upstream (pp_size 1): once every request waits for input, only a receiver whose
+        # conclude_state reads Failed makes the queue poll again.
+        if all(d.waiting_for_input for d in self.queue) and not any(
+                d.kv_receiver.conclude_state == KVPoll.Failed for d in self.queue):
+            return
         polls = poll_and_all_reduce([d.kv_receiver for d in self.queue], self.gloo_group)
         for decode_req, poll in zip(self.queue, polls):
             if poll == KVPoll.Bootstrapping:
@@ -1026,9 +1051,12 @@ class DecodeScheduler:
                 except Exception as e:  # noqa: BLE001
                     message += f" with exception {e}"
                 prepare_abort(req, message)
+                # 3c69a4c7: only a decode-initiated abort (abort_notified) is held; the newer
+                # decode.py @b7e89b39 also arms one for a failure (ensure_abort_notified).
                 deferrable = (self.enable_deferred_kv_release
                               and decode_req.kv_receiver.kv_mgr.enable_deferred_decode_kv_release)
-                if deferrable and not decode_req.kv_receiver.abort_notified:
+                if deferrable and self.model.newer_revision \
+                        and not decode_req.kv_receiver.abort_notified:
                     decode_req.kv_receiver.ensure_abort_notified(force_arm=True)
                 if deferrable and decode_req.kv_receiver.abort_notified:
                     self._defer_release(decode_req)
@@ -1169,6 +1197,8 @@ class DecodeScheduler:
         req.pages, req.state = [], {}
 
     def finish(self, req: Req, state: int, reason: str) -> None:
+        with self.inst._lock:
+            self.inst.reasons.setdefault(req.bootstrap_room, []).append(reason)
         if self.rank == 0:
             self.inst.results[req.bootstrap_room] = (state, reason)
             if req.spec.decode_abort == "transfer" and req.spec.hold is not None:

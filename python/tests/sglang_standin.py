@@ -1,8 +1,11 @@
 """Stand-ins for the pieces of SGLang that its disaggregation schedulers use around a transfer
-backend, written from upstream sgl-project/sglang (python/sglang/srt/disaggregation/):
+backend, written from upstream sgl-project/sglang main at 3c69a4c7 (2026-08-22),
+python/sglang/srt/disaggregation/:
 
-  base/conn.py @ccd10042      KVArgs (annotations only), KVPoll, StateType, KVTransferMetric
-  utils.py @e877773f          DisaggregationMode, MetadataBuffers (get_buf_infos, get_buf,
+  base/conn.py (4f343abc, 2026-08-21)  KVArgs (annotations only), KVPoll, StateType,
+                              KVTransferMetric; KVArgsNewer and the marked StateType members are
+                              base/conn.py @ccd10042 (newer, undated)
+  utils.py (ac179eec, 2026-08-22)  DisaggregationMode, MetadataBuffers (get_buf_infos, get_buf,
                               set_buf), ReqToMetadataIdxAllocator, poll_and_all_reduce with
                               _apply_metadata_gate, poll_and_all_reduce_attn_cp_tp_group
   mem_cache/common.py         kv_to_page_indices, kv_to_page_num
@@ -30,18 +33,21 @@ class KVPoll:
 
 
 class StateType(str, enum.Enum):
+    """base/conn.py @3c69a4c7's members, then those only newer, undated revisions have."""
+
     MAMBA = "mamba"
-    QSA_PENDING = "qsa_pending"
-    QSA_COMPRESSED = "qsa_compressed"
     SWA = "swa"
     DSA = "dsa"
-    DSA_TAIL = "dsa_tail"
     MINIMAX_INDEX_K = "minimax_index_k"
-    MINIMAX_DENSE_KV = "minimax_dense_kv"
     SWA_RING = "swa_ring"
-    DSV4_REQUEST_STATE = "c128_state"
+    C128_STATE = "c128_state"
     BLOCK_SCALE = "block_scale"
     BLOCK_SCALE_SWA = "block_scale_swa"
+    # base/conn.py @ccd10042 (newer than 2026-08-22)
+    QSA_PENDING = "qsa_pending"
+    QSA_COMPRESSED = "qsa_compressed"
+    DSA_TAIL = "dsa_tail"
+    MINIMAX_DENSE_KV = "minimax_dense_kv"
 
 
 class DisaggregationMode(enum.Enum):
@@ -77,11 +83,18 @@ class KVArgs:
     total_kv_head_num: int
     page_size: int
     system_dp_rank: int
-    rust_http_port: Optional[int]
     pp_rank: int
     prefill_start_layer: int
     prefill_end_layer: Optional[int]
     mla_compression_ratios: Optional[List[int]]
+    kv_buf_groups: int
+    total_kv_layers: int
+
+
+class KVArgsNewer(KVArgs):
+    """base/conn.py @ccd10042 (newer than 2026-08-22) adds these."""
+
+    rust_http_port: Optional[int]
     num_draft_entries: int = 0
 
 
@@ -113,11 +126,11 @@ class ReqToMetadataIdxAllocator:
 
 class MetadataBuffers:
     """utils.py MetadataBuffers: 10 buffers; +1 with output_dsa_topk_indices_dim > 0; +3 with
-    max_sampling_mask_tokens > 0; bootstrap_room (8 uint64 per slot) last at @e877773f.
-    SGLang's KV checksum (--disaggregation-enable-kv-checksum, after 2026-08: set_kv_checksum /
-    get_kv_checksum, which prefill.py @423bf210 and decode.py @b7e89b39 call) adds a row
-    whose place among the buffers no dated revision fixes: `kv_checksum_position` ("before" or
-    "after" bootstrap_room) is the test's choice, so pdlib must find bootstrap_room by name."""
+    max_sampling_mask_tokens > 0; bootstrap_room (8 uint64 per slot) last at 3c69a4c7.
+    SGLang's KV checksum (--disaggregation-enable-kv-checksum, after 2026-08-22: set_kv_checksum
+    / get_kv_checksum, which prefill.py @423bf210 and decode.py @b7e89b39 call) adds a row
+    whose place among the buffers no stored revision of utils.py shows: `kv_checksum_position`
+    ("before" or "after" bootstrap_room) is the test's choice, so pdlib must find bootstrap_room by name."""
 
     def __init__(self, size: int, hidden_size: int, hidden_states_dtype: Any = np.float32,
                  max_top_logprobs_num: int = 128, max_sampling_mask_tokens: int = 0,

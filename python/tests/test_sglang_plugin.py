@@ -2,13 +2,13 @@
 metadata, registers "pdlib", and get_kv_class returns the adapter's classes.
 
 SGLang itself is not installed here: a stand-in of the modules the plugin touches is written
-from upstream's signatures (sgl-project/sglang python/sglang/srt/):
-  plugins/__init__.py @0298b5b4      load_plugins(): entry points of group sglang.srt.plugins,
+from upstream's signatures (sgl-project/sglang main at 3c69a4c7, 2026-08-22, python/sglang/srt/):
+  plugins/__init__.py (7ca35661)     load_plugins(): entry points of group sglang.srt.plugins,
                                      SGLANG_PLUGINS filter, then HookRegistry.apply_hooks()
-  plugins/hook_registry.py @106f37ce HookRegistry.register(target, hook, hook_type),
+  plugins/hook_registry.py (7ca35661, 2026-04-19) HookRegistry.register(target, hook, hook_type),
                                      apply_hooks() (class REPLACE targets first), AROUND
                                      wrappers, _propagate_patch over sys.modules
-  disaggregation/utils.py @e877773f  TransferBackend, KVClassType, get_kv_class
+  disaggregation/utils.py (ac179eec)  TransferBackend, KVClassType, get_kv_class
   server_args.py                     DISAGG_TRANSFER_BACKEND_CHOICES,
                                      add_disagg_transfer_backend_choices
 """
