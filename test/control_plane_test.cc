@@ -217,10 +217,11 @@ TEST_CASE("2P1D: two prefill DP ranks feed one decode, routed by room % dp_size"
 }
 
 TEST_CASE("a room prefill refuses on another DP rank fails decode at once, with the reason") {
-  // The room-failure relay (gRPC: through the bootstrap server). Room 3 belongs to DP rank 1
-  // (3 % 2), where decode binds it; the engine put it on DP rank 0, which refuses it before any
-  // decode came. Decode must learn that at once, not at its waiting_timeout.
-  g_plane = pdlib::ControlPlane::kGrpc;
+  // The room-failure relay (gRPC: through the bootstrap server; in process: the hub). Room 3
+  // belongs to DP rank 1 (3 % 2), where decode binds it; the engine put it on DP rank 0, which
+  // refuses it before any decode came. Decode must learn that at once, not at its
+  // waiting_timeout.
+  FOR_EACH_CONTROL_PLANE();
   Pools dpools;
   uint16_t bootstrap = NextBootstrapPort();
   TwoDpRanks ranks(bootstrap);
@@ -248,6 +249,23 @@ TEST_CASE("a room prefill refuses on another DP rank fails decode at once, with 
   // DP rank 1 was told: it drops the TransferInfo it held, and decode's pages are free again.
   CHECK(WaitFor([&] { return (*r)->PagesReusable(); }));
   CHECK(WaitFor([&] { return p1->metrics().bootstrap_queue_size == 0; }));
+  // The other order: decode waits for room 7 (DP rank 1) with its TransferInfo out when DP
+  // rank 0 refuses it.
+  auto waiting = (*d)->CreateReceiver({"127.0.0.1", bootstrap}, 7);
+  REQUIRE(waiting.ok());
+  REQUIRE(WaitFor([&] { return (*waiting)->Poll() == KVPoll::kWaitingForInput; }));
+  REQUIRE((*waiting)->Init(pages, std::nullopt).ok());
+  std::this_thread::sleep_for(400ms);  // past the 300 ms a gRPC decode waits before it asks
+  REQUIRE((*waiting)->Poll() == KVPoll::kTransferring);
+  auto wrong7 = p0->CreateSender(7);
+  REQUIRE(wrong7.ok());
+  const auto refused = std::chrono::steady_clock::now();
+  (*wrong7)->Abort("room 7 refused on DP rank 0");
+  REQUIRE(WaitFor([&] { return (*waiting)->Poll() == KVPoll::kFailed; }, 3000ms));
+  CHECK(std::chrono::steady_clock::now() - refused < 2000ms);
+  CHECK((*waiting)->FailureReason().ToString().find("room 7 refused on DP rank 0") !=
+        std::string::npos);
+  CHECK(WaitFor([&] { return (*waiting)->PagesReusable(); }));
   // A room refused nowhere is not touched.
   auto ok_s = p1->CreateSender(5);
   auto ok_r = (*d)->CreateReceiver({"127.0.0.1", bootstrap}, 5);

@@ -1,7 +1,9 @@
 #include "lib/core/local_kv_manager.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <optional>
 #include <string>
 #include <thread>
@@ -20,8 +22,57 @@ namespace pdlib {
 inline namespace v1 {
 namespace {
 
+// The rooms a decode manager created, with the deployment ("host:port") each went to: where a
+// relayed refusal finds the rooms it ends. Pruned of finished rooms as it grows.
+class RelayWatch {
+ public:
+  explicit RelayWatch(std::weak_ptr<DecodeCore> core) : core_(std::move(core)) {}
+  void Add(uint64_t room, const std::string& bootstrap) {
+    MutexLock lock(&mu_);
+    if (rooms_.size() >= prune_at_) {
+      if (auto core = core_.lock()) {
+        absl::erase_if(rooms_,
+                       [&](const auto& kv) { return IsTerminal(core->RoomPoll(kv.first)); });
+      }
+      prune_at_ = std::max<size_t>(1024, 2 * rooms_.size());
+    }
+    rooms_[room] = bootstrap;
+  }
+  // The decode core, when `room` of deployment `bootstrap` is one of its rooms.
+  std::shared_ptr<DecodeCore> Find(uint64_t room, const std::string& bootstrap) const {
+    MutexLock lock(&mu_);
+    auto it = rooms_.find(room);
+    if (it == rooms_.end() || it->second != bootstrap) return nullptr;
+    return core_.lock();
+  }
+
+ private:
+  const std::weak_ptr<DecodeCore> core_;
+  mutable Mutex mu_;
+  absl::flat_hash_map<uint64_t, std::string> rooms_ ABSL_GUARDED_BY(mu_);
+  size_t prune_at_ ABSL_GUARDED_BY(mu_) = 1024;
+};
+
+// How long, and how many, refusals the in-process directory keeps (as the bootstrap server).
+constexpr absl::Duration kRelayKeep = absl::Minutes(10);
+constexpr size_t kRelayKept = 65536;
+
+// Fails `room` on `core` with prefill's reason when it still waits for prefill, telling the
+// ranks it is bound to (they drop its TransferInfo, so its pages become reusable).
+void FailRelayed(DecodeCore& core, uint64_t room, const std::string& bootstrap,
+                 const std::string& reason) {
+  if (!core.RoomAwaitingPrefill(room, absl::ZeroDuration())) return;
+  core.FailRoomWith(room,
+                    Status::FailedPrecondition(absl::StrFormat(
+                        "room %d: prefill failed it before decode was bound (via %s): %s", room,
+                        bootstrap, reason)),
+                    true);
+}
+
 // Where in-process managers find each other: prefill ranks by bootstrap address and rank,
-// decode managers by session. Holds weak references only.
+// decode managers by session. Holds weak references only. It is also the deployments'
+// directory of refusals (the room-failure relay: what the bootstrap server or etcd keeps for
+// the gRPC control plane).
 class LocalHub {
  public:
   struct PrefillEntry {
@@ -153,6 +204,48 @@ class LocalHub {
     }
     return out;
   }
+  void AddWatch(uint64_t session, std::shared_ptr<RelayWatch> watch) {
+    MutexLock lock(&mu_);
+    watches_[session] = std::move(watch);
+  }
+  void RemoveWatch(uint64_t session) {
+    MutexLock lock(&mu_);
+    watches_.erase(session);
+  }
+
+  // A prefill rank of deployment `bootstrap` failed `room` before any decode rank was bound to
+  // it: kept for a decode that comes later, and the decode rooms waiting for it fail now.
+  // Called without locks held (the prefill manager's relay thread).
+  void ReportRoomFailure(const std::string& bootstrap, uint64_t room, const std::string& reason) {
+    std::vector<std::shared_ptr<RelayWatch>> watches;
+    {
+      MutexLock lock(&mu_);
+      const absl::Time now = absl::Now();
+      while (!failed_order_.empty() &&
+             (failed_order_.size() >= kRelayKept || failed_order_.front().expires <= now)) {
+        auto it = failed_.find(failed_order_.front().key);
+        if (it != failed_.end() && it->second.expires == failed_order_.front().expires) {
+          failed_.erase(it);
+        }
+        failed_order_.pop_front();
+      }
+      FailedKey key{bootstrap, room};
+      failed_[key] = {reason, now + kRelayKeep};
+      failed_order_.push_back({std::move(key), now + kRelayKeep});
+      for (auto& [session, w] : watches_) watches.push_back(w);
+    }
+    for (const auto& w : watches) {
+      if (auto core = w->Find(room, bootstrap)) FailRelayed(*core, room, bootstrap, reason);
+    }
+  }
+  // Prefill's reason, when a rank of `bootstrap` failed `room` before decode was bound.
+  std::optional<std::string> RoomFailure(const std::string& bootstrap, uint64_t room) {
+    MutexLock lock(&mu_);
+    auto it = failed_.find(FailedKey{bootstrap, room});
+    if (it == failed_.end() || it->second.expires <= absl::Now()) return std::nullopt;
+    return it->second.reason;
+  }
+
   std::vector<std::shared_ptr<PrefillCore>> Prefills() {
     MutexLock lock(&mu_);
     std::vector<std::shared_ptr<PrefillCore>> out;
@@ -165,9 +258,21 @@ class LocalHub {
   }
 
  private:
+  using FailedKey = std::pair<std::string, uint64_t>;  // (deployment, room)
+  struct Failed {
+    std::string reason;
+    absl::Time expires;
+  };
+  struct FailedOrder {
+    FailedKey key;
+    absl::Time expires;
+  };
   Mutex mu_;
   absl::flat_hash_map<std::string, std::vector<PrefillEntry>> prefills_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::weak_ptr<DecodeCore>> decodes_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::shared_ptr<RelayWatch>> watches_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<FailedKey, Failed> failed_ ABSL_GUARDED_BY(mu_);
+  std::deque<FailedOrder> failed_order_ ABSL_GUARDED_BY(mu_);  // oldest first
   uint16_t next_port_ ABSL_GUARDED_BY(mu_) = 20000;
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
 };
@@ -232,10 +337,18 @@ class LocalPrefillLink final : public PrefillLink {
 
 class LocalPrefillManager final : public PrefillManagerBase {
  public:
-  LocalPrefillManager(std::shared_ptr<PrefillCore> core, std::string key) : key_(std::move(key)) {
+  LocalPrefillManager(std::shared_ptr<PrefillCore> core, std::string key, std::string bootstrap)
+      : key_(std::move(key)), bootstrap_(std::move(bootstrap)) {
     core_ = std::move(core);
+    relay_ = std::thread([this] { RelayLoop(); });
   }
   ~LocalPrefillManager() override {
+    {
+      MutexLock lock(&relay_mu_);
+      relay_stop_ = true;
+    }
+    relay_cv_.SignalAll();
+    relay_.join();
     LocalHub::Get().RemovePrefill(key_);
     core_->Shutdown();  // its transport is destroyed: nothing of it can write any more
     for (auto& d : LocalHub::Get().Decodes()) {
@@ -246,14 +359,38 @@ class LocalPrefillManager final : public PrefillManagerBase {
   std::string endpoint() const override { return key_; }
 
  private:
-  std::string key_;
+  // The room-failure relay, as the gRPC manager's: every 200 ms, rooms this rank failed before
+  // any decode rank was bound to them go to the hub, which fails the decode rooms waiting for
+  // them and keeps them for decode rooms still to come.
+  void RelayLoop() {
+    while (true) {
+      {
+        MutexLock lock(&relay_mu_);
+        if (!relay_stop_) relay_cv_.WaitFor(&relay_mu_, std::chrono::milliseconds(200));
+        if (relay_stop_) return;
+      }
+      for (const PrefillCore::UnboundFailure& f : core_->TakeUnboundFailures()) {
+        LocalHub::Get().ReportRoomFailure(bootstrap_, f.room, f.reason);
+      }
+    }
+  }
+
+  const std::string key_;
+  const std::string bootstrap_;  // "host:port" of the deployment
+  Mutex relay_mu_;
+  CondVar relay_cv_;
+  bool relay_stop_ ABSL_GUARDED_BY(relay_mu_) = false;
+  std::thread relay_;
 };
 
 class LocalDecodeManager final : public DecodeManagerBase {
  public:
   explicit LocalDecodeManager(std::shared_ptr<DecodeCore> core)
-      : DecodeManagerBase(std::move(core)) {}
+      : DecodeManagerBase(std::move(core)), watch_(std::make_shared<RelayWatch>(core_)) {
+    LocalHub::Get().AddWatch(core_->session(), watch_);
+  }
   ~LocalDecodeManager() override {
+    LocalHub::Get().RemoveWatch(core_->session());
     LocalHub::Get().RemoveDecode(core_->session());
     core_->Shutdown();
     for (auto& p : LocalHub::Get().Prefills()) {
@@ -272,6 +409,12 @@ class LocalDecodeManager final : public DecodeManagerBase {
     auto bound = ConnectRanks(bootstrap, room, dp);
     if (bound.ok()) {
       core_->BindRoom(room, std::move(*bound));
+      // Watched first, then looked up: a refusal reported in between is found by one or both.
+      const std::string deployment = absl::StrFormat("%s:%d", bootstrap.host, bootstrap.port);
+      watch_->Add(room, deployment);
+      if (auto reason = LocalHub::Get().RoomFailure(deployment, room)) {
+        FailRelayed(*core_, room, deployment, *reason);
+      }
     } else {
       core_->FailRoomWith(room,
                           bound.status().WithPrefix(absl::StrFormat("room %d: bootstrap", room)));
@@ -319,6 +462,8 @@ class LocalDecodeManager final : public DecodeManagerBase {
     if (Status s = core_->CheckStageCoverage(bound); !s.ok()) return s;
     return bound;
   }
+
+  const std::shared_ptr<RelayWatch> watch_;
 };
 
 }  // namespace
@@ -333,7 +478,8 @@ StatusOr<std::unique_ptr<KVManager>> CreateLocalKVManager(const KVManagerOptions
     auto key = LocalHub::Get().AddPrefill(options, *core);
     if (!key.ok()) return key.status();
     PDLIB_LOG(kInfo, "prefill manager %s up (backend %s)", *key, options.backend);
-    return std::unique_ptr<KVManager>(std::make_unique<LocalPrefillManager>(*core, *key));
+    return std::unique_ptr<KVManager>(std::make_unique<LocalPrefillManager>(
+        *core, *key, absl::StrFormat("%s:%d", options.bootstrap_host, options.bootstrap_port)));
   }
   auto& hub = LocalHub::Get();
   uint64_t session = hub.NewSession();
