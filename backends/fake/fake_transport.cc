@@ -1,6 +1,16 @@
 // The fake backend (SPEC R8.1): implements the whole transport SPI but moves no bytes. Every
 // batch is validated exactly like a real backend would (regions exist, ops stay inside them)
-// and completes as soon as its progress thread sees it. Used for warm-up, control-plane tests
+// and completes as soon as its progress thread sees it.
+//
+// Options (KVManagerOptions::backend_options):
+//   fake.copy=true     move the bytes after all, by memcpy, when the batch completes: for peers
+//                      that share this process (the in-process control plane), whose region
+//                      addresses are this process's. Off by default.
+//   fake.corrupt=K:P,...  with fake.copy, corrupt a completed batch with probability P (0..1)
+//                      per kind K: `byte` flips one byte of one op, `page` overwrites one op's
+//                      bytes, `misplace` lands one op one op-length further on in its region
+//                      (the intended bytes stay as they were). At most one per batch; each is
+//                      logged and counted (FakeCorruptionsInjected), for KV integrity tests. Used for warm-up, control-plane tests
 // and benchmarks of everything except the wire. Its API side is the transport toolkit's
 // (backends/common/tables.h): the same region and peer tables and the same checks of every op
 // as ucx and verbs; it has no wire, so it keeps a plain condition-variable thread of its own.
@@ -9,13 +19,17 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "backends/common/tables.h"
+#include "backends/fake/fake_faults.h"
 #include "lib/base/log_internal.h"
 #include "lib/registry/builtin_registration.h"
 #include "pdlib/spi/transport.h"
@@ -61,9 +75,56 @@ bool IsFenced(spi::TargetId target) {
   return Fences().fenced.contains(target);
 }
 
+std::atomic<uint64_t>& CorruptionCounter() {
+  static auto* n = new std::atomic<uint64_t>(0);
+  return *n;
+}
+
+enum class Fault { kByte = 0, kPage = 1, kMisplace = 2 };
+constexpr const char* kFaultNames[] = {"byte", "page", "misplace"};
+
+struct FakeOptions {
+  bool copy = false;
+  double prob[3] = {0, 0, 0};
+};
+
+StatusOr<FakeOptions> ParseFakeOptions(const spi::TransportOptions& o) {
+  FakeOptions f;
+  for (const auto& [key, value] : o.options) {
+    if (key == "fake.copy") {
+      if (value == "1" || value == "true") {
+        f.copy = true;
+      } else if (value != "0" && value != "false") {
+        return Status::InvalidArgument("fake.copy=" + value + ": true or false");
+      }
+    } else if (key == "fake.corrupt") {
+      for (absl::string_view item : absl::StrSplit(value, ',', absl::SkipEmpty())) {
+        std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(item, ':');
+        int kind = -1;
+        for (int k = 0; k < 3; ++k) kind = kv.first == kFaultNames[k] ? k : kind;
+        double p = 0;
+        if (kind < 0 || !absl::SimpleAtod(kv.second, &p) || p < 0 || p > 1) {
+          return Status::InvalidArgument("fake.corrupt=" + value +
+                                         ": kind:probability,... with kinds byte, page, misplace "
+                                         "and probabilities in [0, 1]");
+        }
+        f.prob[kind] = p;
+      }
+    } else if (key.rfind("fake.", 0) == 0) {
+      return Status::InvalidArgument("unknown fake backend option " + key +
+                                     " (known: fake.copy, fake.corrupt)");
+    }
+  }
+  if (!f.copy && (f.prob[0] > 0 || f.prob[1] > 0 || f.prob[2] > 0)) {
+    return Status::InvalidArgument("fake.corrupt needs fake.copy=true (no bytes move otherwise)");
+  }
+  return f;
+}
+
 class FakeTransport final : public spi::Transport {
  public:
-  FakeTransport() : progress_([this] { ProgressLoop(); }) {}
+  explicit FakeTransport(FakeOptions options)
+      : options_(options), rng_(std::random_device{}()), progress_([this] { ProgressLoop(); }) {}
 
   ~FakeTransport() override {
     std::deque<Pending> left;
@@ -81,7 +142,7 @@ class FakeTransport final : public spi::Transport {
 
   spi::TransportCapabilities capabilities() const override {
     spi::TransportCapabilities caps;
-    caps.moves_bytes = false;
+    caps.moves_bytes = options_.copy;
     caps.supports_cuda_memory = true;  // nothing is touched, so any address is fine
     caps.fences = true;                // a fenced target's batches fail; nothing ever lands
     caps.reads = true;                 // validated like writes; no byte moves either way
@@ -94,7 +155,8 @@ class FakeTransport final : public spi::Transport {
       return Status::InvalidArgument("fake: cannot register an empty region");
     }
     std::lock_guard lock(mu_);
-    spi::LocalRegionId id = local_regions_.Add(LocalRegion{region.length});
+    spi::LocalRegionId id = local_regions_.Add(
+        LocalRegion{region.length, reinterpret_cast<uint64_t>(region.addr)});
     if (key_blob) *key_blob = EncodeU64Pair(kEndpointMagic + 1, id);
     return id;
   }
@@ -155,7 +217,7 @@ class FakeTransport final : public spi::Transport {
     std::lock_guard lock(mu_);
     auto entry = peers_.ForImport(peer);
     if (!entry.ok()) return entry.status();
-    (*entry)->regions.push_back(RemoteRegion{region.length});
+    (*entry)->regions.push_back(RemoteRegion{region.length, region.addr});
     return static_cast<spi::RemoteRegionId>((*entry)->regions.size() - 1);
   }
 
@@ -188,11 +250,24 @@ class FakeTransport final : public spi::Transport {
     if (stopping_) return Status::Cancelled("fake: transport is shutting down");
     auto entry = peers_.ForWrites(peer);
     if (!entry.ok()) return entry.status();
+    std::vector<Copy> copies;
     for (size_t i = 0; i < ops.size(); ++i) {
       auto resolved = peers_.ResolveWrite(peer, **entry, local_regions_, i, ops[i], kind);
       if (!resolved.ok()) return resolved.status();
+      if (options_.copy) {
+        const auto [local, remote] = *resolved;
+        uint64_t from = local->addr + ops[i].local_offset, to = remote->addr + ops[i].remote_offset;
+        uint64_t to_base = remote->addr, to_len = remote->length, to_off = ops[i].remote_offset;
+        if (kind == toolkit::OpKind::kRead) {
+          std::swap(from, to);
+          to_base = local->addr;
+          to_len = local->length;
+          to_off = ops[i].local_offset;
+        }
+        copies.push_back({from, to, ops[i].length, to_base, to_len, to_off});
+      }
     }
-    queue_.push_back(Pending{std::move(done), (*entry)->target});
+    queue_.push_back(Pending{std::move(done), (*entry)->target, std::move(copies)});
     lock.unlock();
     cv_.notify_one();
     return Status::OK();
@@ -200,9 +275,17 @@ class FakeTransport final : public spi::Transport {
 
   struct LocalRegion {
     uint64_t length = 0;
+    uint64_t addr = 0;
   };
   struct RemoteRegion {
     uint64_t length = 0;
+    uint64_t addr = 0;  // the peer's address: this process's only when it shares it (fake.copy)
+  };
+  // fake.copy: one op's bytes, moved when its batch completes; the destination region, for a
+  // misplaced landing.
+  struct Copy {
+    uint64_t from = 0, to = 0, length = 0;
+    uint64_t region = 0, region_length = 0, offset = 0;
   };
   struct PeerEntry {
     std::vector<RemoteRegion> regions;
@@ -212,7 +295,57 @@ class FakeTransport final : public spi::Transport {
   struct Pending {
     spi::WriteCallback done;
     spi::TargetId target = 0;  // the endpoint the batch's peer connected to
+    std::vector<Copy> copies;
   };
+
+  // Moves a batch's bytes (fake.copy), with at most one of the faults of fake.corrupt.
+  void MoveBytes(const std::vector<Copy>& copies) {
+    int fault = -1;
+    size_t victim = 0;
+    if (!copies.empty()) {
+      std::uniform_real_distribution<double> coin(0, 1);
+      for (int k = 0; k < 3 && fault < 0; ++k) {
+        if (options_.prob[k] > 0 && coin(rng_) < options_.prob[k]) fault = k;
+      }
+      victim = std::uniform_int_distribution<size_t>(0, copies.size() - 1)(rng_);
+    }
+    for (size_t i = 0; i < copies.size(); ++i) {
+      const Copy& c = copies[i];
+      auto* to = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(c.to));
+      const auto* from = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(c.from));
+      if (i != victim || fault < 0 || c.length == 0) {
+        std::memmove(to, from, c.length);
+        continue;
+      }
+      switch (static_cast<Fault>(fault)) {
+        case Fault::kByte: {
+          std::memmove(to, from, c.length);
+          to[std::uniform_int_distribution<uint64_t>(0, c.length - 1)(rng_)] ^= 0x5A;
+          break;
+        }
+        case Fault::kPage:
+          std::memset(to, 0xA5, c.length);
+          break;
+        case Fault::kMisplace: {
+          // One op-length further on, wrapping inside the region (a different place whenever
+          // the region holds two such ops).
+          uint64_t at = c.offset + c.length;
+          if (at + c.length > c.region_length) at = 0;
+          if (at == c.offset) {
+            std::memmove(to, from, c.length);
+            to[0] ^= 0x5A;  // nowhere else to land: a flipped byte instead
+          } else {
+            std::memmove(reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(c.region + at)), from,
+                         c.length);
+          }
+          break;
+        }
+      }
+      CorruptionCounter().fetch_add(1);
+      PDLIB_LOG(kWarning, "fake: corrupted a batch on purpose (fake.corrupt %s, %d bytes)",
+                kFaultNames[fault], c.length);
+    }
+  }
 
   void ProgressLoop() {
     std::unique_lock lock(mu_);
@@ -225,6 +358,7 @@ class FakeTransport final : public spi::Transport {
       std::vector<bool> fenced;
       for (const auto& p : batch) fenced.push_back(IsFenced(p.target));
       for (size_t i = 0; i < batch.size(); ++i) {
+        if (!fenced[i]) MoveBytes(batch[i].copies);
         batch[i].done(fenced[i] ? Status::Unavailable("fake: the target fenced this peer off")
                                 : Status::OK());
       }
@@ -232,6 +366,8 @@ class FakeTransport final : public spi::Transport {
     }
   }
 
+  const FakeOptions options_;
+  std::mt19937_64 rng_;  // the progress thread's
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
@@ -247,11 +383,15 @@ class FakeTransport final : public spi::Transport {
 void RegisterFakeBackend() {
   internal::RegisterBuiltinTransport(
       "fake",
-      [](const spi::TransportOptions&) -> StatusOr<std::unique_ptr<spi::Transport>> {
-        return std::unique_ptr<spi::Transport>(std::make_unique<FakeTransport>());
+      [](const spi::TransportOptions& o) -> StatusOr<std::unique_ptr<spi::Transport>> {
+        auto options = ParseFakeOptions(o);
+        if (!options.ok()) return options.status();
+        return std::unique_ptr<spi::Transport>(std::make_unique<FakeTransport>(*options));
       })
       .IgnoreError();  // only fails if "fake" is registered twice, which the call_once prevents
 }
+
+uint64_t FakeCorruptionsInjected() { return CorruptionCounter().load(); }
 
 }  // namespace v1
 }  // namespace pdlib

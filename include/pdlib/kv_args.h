@@ -93,6 +93,10 @@ struct ModelFingerprint {
   // pdlib's wire protocol version. pdlib sends its own (PDLIB_WIRE_VERSION) whatever this
   // holds; on a received fingerprint it is the peer's.
   int32_t wire_version = PDLIB_WIRE_VERSION;
+  // The KV checksum setting ("off", "all", "sampled/64"): pdlib fills it from
+  // KVManagerOptions::checksum whatever this holds, so two sides that disagree are refused at
+  // registration, naming both.
+  std::string checksum{};
 };
 
 // The element type names ModelFingerprint::kv_dtype and state_dtype accept, and their sizes in
@@ -159,6 +163,13 @@ struct KVArgs {
 // The state families `args` declares: state_families, or the one family of the shorthand
 // fields (state_type ... state_start), or none. kInvalidArgument when both are set.
 PDLIB_EXPORT StatusOr<std::vector<StateFamily>> EffectiveStateFamilies(const KVArgs& args);
+
+// KVManagerOptions::checksum.
+enum class KvChecksum : int32_t {
+  kOff = 0,
+  kSampled = 1,  // 1 room in checksum_sample_every
+  kAll = 2,
+};
 
 // How control messages travel between managers.
 enum class ControlPlane : int32_t {
@@ -263,6 +274,18 @@ struct KVManagerOptions {
   // pages are freed. A pull room has no other timeout on prefill (bootstrap_timeout and the
   // others apply to push). >= 1000 ms.
   std::chrono::milliseconds pull_lease{30000};
+  // KV integrity (SPEC R12.3, README "KV integrity"): a digest (CRC32C) of what each transfer
+  // moves, computed where the bytes leave (push: prefill's source pages as it writes them; pull:
+  // prefill's published pages for each reader) and compared with decode's pass over what landed
+  // before Success. It covers the KV pages after decode's prefix, the aux row and the state
+  // slots, each decode rank exactly the bytes it received. A mismatch fails the room
+  // (DATA_LOSS, naming the layers and request pages that differ), reports those pages invalid
+  // and counts in metrics().checksum_mismatches. kOff (default); kSampled: rooms whose id
+  // hashes to 1 in checksum_sample_every (the same rooms on both sides); kAll: every room. Both
+  // sides must agree: the setting is part of the fingerprint. Host memory only for now
+  // (MemoryKind::kCuda with a checksum is refused at Create()).
+  KvChecksum checksum = KvChecksum::kOff;
+  uint32_t checksum_sample_every = 64;
   // Threads that turn queued chunks into write batches (prefill).
   int32_t transfer_workers = 2;
   // Which rooms get their per-room log lines at info level (SPEC R10.3: created,

@@ -238,6 +238,13 @@ struct KVManagerMetrics {
   uint64_t quarantine_released_fenced = 0;   // the connection was fenced
   uint64_t quarantine_released_gone = 0;     // the prefill manager is known gone
   uint64_t fenced_connections = 0;           // decode: connections cut off with FenceTarget
+  // KV integrity (KVManagerOptions::checksum): rooms digested; decode: rooms whose bytes did not
+  // match what prefill moved (failed DATA_LOSS), and per prefill rank ("host:port" of its
+  // control endpoint) the mismatches of rooms it wrote to (a room several ranks wrote to counts
+  // for each of them: the digest cannot tell whose bytes went wrong).
+  uint64_t rooms_checksummed = 0;
+  uint64_t checksum_mismatches = 0;
+  std::map<std::string, uint64_t> checksum_mismatches_by_peer;
 };
 
 // Renders `m` in the Prometheus text exposition format, every metric prefixed "pdlib_" and

@@ -94,7 +94,7 @@ Status ValidateRankRegistration(const RankRegistration& reg) {
   for (const auto& [field, text] :
        {std::pair{"model_name", &fp.model_name}, std::pair{"kv_dtype", &fp.kv_dtype},
         std::pair{"state_dtype", &fp.state_dtype}, std::pair{"page_layout", &fp.page_layout},
-        std::pair{"engine_tag", &fp.engine_tag}}) {
+        std::pair{"engine_tag", &fp.engine_tag}, std::pair{"checksum", &fp.checksum}}) {
     if (text->size() > kMaxFingerprintText) {
       return Status::InvalidArgument(
           absl::StrFormat("fingerprint.%s of %d bytes is longer than %d bytes", field, text->size(),

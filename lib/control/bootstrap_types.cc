@@ -45,6 +45,9 @@ std::string FingerprintDifference(const ModelFingerprint& a, const ModelFingerpr
   check_text("page_layout", a.page_layout, b.page_layout);
   check("layout_version", a.layout_version, b.layout_version);
   check_text("engine_tag", a.engine_tag, b.engine_tag);
+  // A pdlib without the field sends none: it checks nothing.
+  check_text("checksum", a.checksum.empty() ? "off" : a.checksum,
+             b.checksum.empty() ? "off" : b.checksum);
   if (!a.model_name.empty() && !b.model_name.empty()) {
     check_text("model_name", a.model_name, b.model_name);
   }
@@ -55,10 +58,10 @@ std::string FingerprintString(const ModelFingerprint& fp) {
   return absl::StrFormat(
       "{wire_version %d, num_layers %d, num_kv_heads %d, head_dim %d, dtype_bytes %d, "
       "kv_dtype '%s', state_dtype '%s', page_layout '%s', layout_version %d, engine_tag '%s', "
-      "model_name '%s'}",
+      "model_name '%s', checksum '%s'}",
       fp.wire_version, fp.num_layers, fp.num_kv_heads, fp.head_dim, fp.dtype_bytes,
       Shown(fp.kv_dtype), Shown(fp.state_dtype), Shown(fp.page_layout), fp.layout_version,
-      Shown(fp.engine_tag), Shown(fp.model_name));
+      Shown(fp.engine_tag), Shown(fp.model_name), Shown(fp.checksum));
 }
 
 }  // namespace control

@@ -250,6 +250,48 @@ StatusOr<HeartbeatMsg> FromProto(const wire::v1::Heartbeat& in, uint64_t session
   return HeartbeatMsg{session, {in.rooms().begin(), in.rooms().end()}};
 }
 
+void DigestToProto(const KvDigest& in, wire::v1::KvDigest* out) {
+  out->set_page_group(in.page_group);
+  out->mutable_kv()->Add(in.kv.begin(), in.kv.end());
+  out->mutable_pages()->Add(in.pages.begin(), in.pages.end());
+  out->mutable_aux()->Add(in.aux.begin(), in.aux.end());
+  out->mutable_state()->Add(in.state.begin(), in.state.end());
+  out->set_aux_row_plus_one(in.aux_row + 1);
+  for (const auto& [first, count] : in.state_spans) {
+    out->add_state_span_first(first);
+    out->add_state_span_count(count);
+  }
+}
+
+// Sizes bounded here; the shape is checked against decode's own where it is used.
+StatusOr<KvDigest> DigestFromProto(const wire::v1::KvDigest& in) {
+  if (in.kv_size() > kMaxRegions || in.aux_size() > kMaxRegions || in.state_size() > kMaxRegions ||
+      in.pages_size() > static_cast<int>(kMaxDigestColumns) ||
+      in.state_span_first_size() > kMaxRegions ||
+      in.state_span_first_size() != in.state_span_count_size() || in.page_group() == 0) {
+    return Status::InvalidArgument(absl::StrFormat(
+        "a KV digest of %d KV, %d page, %d aux, %d state entries, %d/%d state spans, %d pages "
+        "per column",
+        in.kv_size(), in.pages_size(), in.aux_size(), in.state_size(), in.state_span_first_size(),
+        in.state_span_count_size(), in.page_group()));
+  }
+  KvDigest out;
+  out.page_group = in.page_group();
+  out.kv.assign(in.kv().begin(), in.kv().end());
+  out.pages.assign(in.pages().begin(), in.pages().end());
+  out.aux.assign(in.aux().begin(), in.aux().end());
+  out.state.assign(in.state().begin(), in.state().end());
+  if (in.aux_row_plus_one() < 0 || in.aux_row_plus_one() > (int64_t{1} << 32)) {
+    return Status::InvalidArgument(
+        absl::StrFormat("a KV digest of metadata slot %d", in.aux_row_plus_one() - 1));
+  }
+  out.aux_row = in.aux_row_plus_one() - 1;
+  for (int f = 0; f < in.state_span_first_size(); ++f) {
+    out.state_spans.emplace_back(in.state_span_first(f), in.state_span_count(f));
+  }
+  return out;
+}
+
 void ToProto(const ReadReadyMsg& in, wire::v1::ReadReady* out) {
   out->set_room(in.room);
   out->set_prefill_tp_rank(in.prefill_tp_rank);
@@ -262,6 +304,7 @@ void ToProto(const ReadReadyMsg& in, wire::v1::ReadReady* out) {
   if (in.aux_index) out->set_aux_index(static_cast<int32_t>(*in.aux_index));
   out->mutable_state_indices()->Add(in.state_indices.begin(), in.state_indices.end());
   out->mutable_state_counts()->Add(in.state_counts.begin(), in.state_counts.end());
+  if (in.digest) DigestToProto(*in.digest, out->mutable_digest());
 }
 
 StatusOr<ReadReadyMsg> FromProto(const wire::v1::ReadReady& in) {
@@ -302,6 +345,11 @@ StatusOr<ReadReadyMsg> FromProto(const wire::v1::ReadReady& in) {
   if (in.has_aux_index()) out.aux_index = static_cast<uint32_t>(in.aux_index());
   out.state_indices.assign(in.state_indices().begin(), in.state_indices().end());
   out.state_counts.assign(in.state_counts().begin(), in.state_counts().end());
+  if (in.has_digest()) {
+    auto digest = DigestFromProto(in.digest());
+    if (!digest.ok()) return digest.status().WithPrefix(absl::StrFormat("room %d", in.room()));
+    out.digest = std::move(*digest);
+  }
   return out;
 }
 
@@ -380,6 +428,7 @@ void ToProto(const TransferStatusMsg& in, wire::v1::TransferStatus* out) {
   out->set_prefill_pp_rank(in.prefill_pp_rank);
   out->set_error_code(static_cast<int>(in.status.code()));
   out->set_reason(std::string(in.status.message()));
+  if (in.digest) DigestToProto(*in.digest, out->mutable_digest());
 }
 
 StatusOr<TransferStatusMsg> FromProto(const wire::v1::TransferStatus& in) {
@@ -398,6 +447,11 @@ StatusOr<TransferStatusMsg> FromProto(const wire::v1::TransferStatus& in) {
     default:
       return Status::InvalidArgument(
           absl::StrFormat("room %d: TransferStatus without a result", in.room()));
+  }
+  if (in.has_digest()) {
+    auto digest = DigestFromProto(in.digest());
+    if (!digest.ok()) return digest.status().WithPrefix(absl::StrFormat("room %d", in.room()));
+    out.digest = std::move(*digest);
   }
   return out;
 }

@@ -137,7 +137,7 @@ class PeerStream final
         if (!info.ok()) {
           // Decode hears why, from this rank; the prefill room (if the engine made one) fails
           // now rather than waiting out bootstrap_timeout.
-          writer_->SendStatus({msg.transfer_info().room(), tp_rank_, pp_rank_, info.status()});
+          writer_->SendStatus({msg.transfer_info().room(), tp_rank_, pp_rank_, info.status(), {}});
           handler_->OnAbort(msg.transfer_info().room(), session_,
                             "its TransferInfo was refused: " + info.status().ToString());
           return info.status();

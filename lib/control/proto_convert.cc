@@ -21,6 +21,7 @@ void ToProto(const ModelFingerprint& in, pb::ModelFingerprint* out) {
   out->set_state_dtype(in.state_dtype);
   out->set_page_layout(in.page_layout);
   out->set_engine_tag(in.engine_tag);
+  out->set_checksum(in.checksum);
   out->set_wire_version(PDLIB_WIRE_VERSION);  // always this library's, whatever `in` holds
 }
 
@@ -36,6 +37,7 @@ ModelFingerprint FromProto(const pb::ModelFingerprint& in) {
   out.state_dtype = in.state_dtype();
   out.page_layout = in.page_layout();
   out.engine_tag = in.engine_tag();
+  out.checksum = in.checksum();
   out.wire_version = in.wire_version();
   return out;
 }

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "lib/core/kv_digest.h"
 #include "pdlib/kv_args.h"
 #include "pdlib/spi/transport.h"
 #include "pdlib/status.h"
@@ -113,6 +114,9 @@ struct ReadReadyMsg {
   std::optional<uint32_t> aux_index;
   std::vector<int32_t> state_indices;
   std::vector<uint32_t> state_counts;
+  // KV integrity (KVManagerOptions::checksum), for a digested room: what this chunk offers this
+  // reader (its reads as decode plans them), decode XORs them.
+  std::optional<KvDigest> digest;
 };
 
 // decode -> prefill, pull only: decode's reads of `room` from this prefill rank are over, none
@@ -155,6 +159,8 @@ struct TransferStatusMsg {
   int32_t prefill_tp_rank = 0;
   int32_t prefill_pp_rank = 0;
   Status status;  // OK: every byte of the room is in decode memory
+  // KV integrity, push, a digested room's success: what this rank wrote to that decode rank.
+  std::optional<KvDigest> digest;
 };
 
 // prefill -> decode: these failed rooms have no write from prefill manager `instance` in

@@ -30,6 +30,7 @@ StatusOr<std::shared_ptr<DecodeCore>> DecodeCore::Create(const KVManagerOptions&
   auto local = RegisterBuffers(*core->transport_, options.args);
   if (!local.ok()) return local.status();
   core->local_ = std::move(*local);
+  core->digest_mine_ = DigestMemoryOf(core->local_);
   const BufferFamily& aux = options.args.aux;
   int32_t pick = options.args.aux_room_buffer;
   if (pick == KVArgs::kAuxRoomBufferAuto) {
@@ -217,7 +218,10 @@ StatusOr<std::shared_ptr<RoomState>> DecodeCore::CreateRoom(uint64_t room_id) {
     rooms_.Erase(room_id, state->get());
     return Status::Unavailable("decode manager is shutting down");
   }
-  room_data_[room_id] = std::make_shared<Room>(*state);
+  auto room = std::make_shared<Room>(*state);
+  room->digested = ChecksumRoom(options_, room_id);
+  if (room->digested) counters_.Add(counters_.checksummed);
+  room_data_[room_id] = std::move(room);
   PDLIB_ROOM_LOG((*state)->logged(), "decode: room %d created", room_id);
   return state;
 }
@@ -392,6 +396,11 @@ Status DecodeCore::InitRoom(uint64_t room_id, const ReceiveRequest& request) {
     }
     room->info.decode_prefix_len = request.decode_prefix_len;
     room->info.required_dst_info_num = 1;
+    if (room->digested) {
+      room->digest_expected = KvDigest::Empty(local_.kv.descs.size(), pages.size(),
+                                              local_.aux.descs.size(), local_.state.descs.size(),
+                                              layout_.Families().size());
+    }
     bound = !room->prefills.empty();
   }
   // Not bound yet (still bootstrapping): BindRoom sends it.
@@ -413,6 +422,7 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
     return;
   }
   bool complete = false;
+  Status digest_error;
   {
     MutexLock lock(&room->mu);
     if (!room->initialized) return;  // a success before Init() is a confused peer: ignore
@@ -441,6 +451,19 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
         return;
       }
     }
+    if (room->digested && !pull()) {
+      // Push: the success carries what that rank wrote here.
+      digest_error = !msg.digest ? Status::FailedPrecondition(absl::StrFormat(
+                                       "room %d: prefill tp %d pp %d sent no KV digest (its "
+                                       "checksum setting differs from this rank's?)",
+                                       msg.room, from.tp_rank, from.pp_rank))
+                                 : room->digest_expected->Merge(*msg.digest);
+      if (!digest_error.ok()) {
+        digest_error = Status::DataLoss(absl::StrFormat(
+            "room %d: the KV digest from prefill tp %d pp %d: %s", msg.room, from.tp_rank,
+            from.pp_rank, digest_error.message()));
+      }
+    }
     room->statuses_ok.push_back(from);
     complete = room->statuses_ok.size() >= room->expected;
     // Every writer reported its writes complete: none of them can still land, so a failure
@@ -449,7 +472,10 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
       for (Exposure& e : room->exposed) e.open = false;
     }
   }
+  if (!digest_error.ok()) return FailRoom(room, std::move(digest_error), true);
   if (!complete) return;
+  // The digest first: it covers the metadata slot too, and says which bytes differ.
+  if (Status s = CheckDigest(*room); !s.ok()) return FailRoom(room, s, true);
   if (Status s = CheckAuxRoom(*room); !s.ok()) return FailRoom(room, s, true);
   // Every writer reported its writes complete: none is left to land. Marked before Success is
   // visible, so that an engine never sees Success with the pages not reusable.
@@ -458,6 +484,53 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
     counters_.CountSuccess(*room->state);
     PDLIB_ROOM_LOG(room->state->logged(), "decode: room %d received", msg.room);
   }
+}
+
+Status DecodeCore::CheckDigest(Room& room) {
+  if (!room.digested) return Status::OK();
+  KvDigest expected;
+  TransferInfoMsg info;
+  std::vector<std::string> writers;
+  {
+    MutexLock lock(&room.mu);
+    if (!room.digest_expected) return Status::OK();
+    expected = *room.digest_expected;
+    info = room.info;
+    for (const BoundPrefill& p : room.prefills) {
+      if (!p.target.dummy) writers.push_back(p.key);
+    }
+  }
+  const std::vector<planner::StateFamilySpan> families = layout_.Families();
+  auto landed = DigestLanded(digest_mine_, info.dst_kv_pages, info.aux_index,
+                             {families, info.dst_state_indices, info.dst_state_counts}, expected);
+  if (!landed.ok()) {
+    return Status::DataLoss(absl::StrFormat("room %d: KV digest: %s", room.state->room(),
+                                            landed.status().message()));
+  }
+  if (landed->kv == expected.kv && landed->pages == expected.pages &&
+      landed->aux == expected.aux && landed->state == expected.state) {
+    return Status::OK();
+  }
+  const int32_t layers = std::max(1, layout_.engine_layers());
+  auto name = [&](uint32_t b) {
+    const int32_t layer = layout_.start_layer + static_cast<int32_t>(b) % layers;
+    if (layout_.is_mla || static_cast<int32_t>(local_.kv.descs.size()) == layers) {
+      return absl::StrFormat("layer %d", layer);
+    }
+    return absl::StrFormat("layer %d %s", layer, static_cast<int32_t>(b) < layers ? "K" : "V");
+  };
+  std::vector<uint64_t> bad;
+  const std::string what =
+      DescribeDigestMismatch(expected, *landed, info.dst_kv_pages.size(), name, &bad);
+  {
+    MutexLock lock(&room.mu);
+    for (uint64_t p : bad) room.corrupt_pages.push_back(info.dst_kv_pages[p]);
+  }
+  counters_.CountChecksumMismatch(writers);
+  return Status::DataLoss(absl::StrFormat(
+      "room %d: KV checksum mismatch on decode rank tp %d pp %d (%s): the bytes that landed are "
+      "not the bytes prefill sent",
+      room.state->room(), options_.args.parallel.tp_rank, options_.args.parallel.pp_rank, what));
 }
 
 Status DecodeCore::CheckAuxRoom(const Room& room) const {

@@ -133,6 +133,9 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   void SendTransferInfo(const std::shared_ptr<Room>& room);
   void FailRoom(const std::shared_ptr<Room>& room, Status reason, bool tell_prefill);
   Status CheckAuxRoom(const Room& room) const;
+  // KV integrity: a digested room's bytes as they landed against what its writers moved;
+  // DATA_LOSS naming what differs (and its pages marked invalid) on a mismatch.
+  Status CheckDigest(Room& room);
   void CheckTimeouts();
   // A room that just failed: reusable at once when no exposure is open, else quarantined.
   void EnterQuarantine(const std::shared_ptr<Room>& room);
@@ -170,6 +173,7 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   Mutex transport_mu_;
   std::unique_ptr<spi::Transport> transport_;
   RegisteredBuffers local_;
+  DigestMemory digest_mine_;  // local_, for KV digests
   std::vector<uint64_t> state_caps_;  // per state family: items every buffer of it holds
   FailureInjector injector_;
   int32_t aux_room_buffer_ = -1;  // aux buffer holding bootstrap_room; -1: no check

@@ -101,52 +101,21 @@ void DecodeCore::OnReadReady(const std::string& key, const ReadReadyMsg& msg) {
   }
   // A room that is over reads nothing more: that rank hears its reads are over.
   if (IsTerminal(room->state->Poll())) return SendReadsDone(room);
-  const planner::PairPlan& plan = source->plan;
-  const uint64_t prefix_pages = info.decode_prefix_len / plan.page_size;
-  const uint64_t total = prefix_pages + info.dst_kv_pages.size();
-  const uint64_t begin = msg.src_offset, end = msg.src_offset + msg.src_pages.size();
-  const bool final = msg.last && msg.layer_end == plan.prefill_layers;
-  Status planned;
-  if (end > total || (msg.last && end != total)) {
-    planned = Status::OutOfRange(absl::StrFormat(
-        "room %d: prefill published prompt pages [%d, %d)%s; this request has %d (%d after the "
-        "prefix)",
-        msg.room, begin, end, msg.last ? " as the last chunk" : "", total,
-        info.dst_kv_pages.size()));
-  } else if (msg.layer_end > plan.prefill_layers || msg.layer_begin >= msg.layer_end) {
-    planned = Status::OutOfRange(
-        absl::StrFormat("room %d: prefill published layers [%d, %d) of its %d", msg.room,
-                        msg.layer_begin, msg.layer_end, plan.prefill_layers));
-  }
-  // The prompt pages decode holds in its prefix are not read.
-  const uint64_t skip =
-      std::min<uint64_t>(std::max<uint64_t>(prefix_pages, begin) - begin, msg.src_pages.size());
-  const uint64_t first = begin + skip;  // the first prompt page read
-  const uint64_t dst_begin = first >= prefix_pages ? first - prefix_pages : 0;
-  const uint64_t count = msg.src_pages.size() - skip;
   thread_local planner::PlanOutput out;
-  out.writes.clear();
-  out.bytes = 0;
-  if (planned.ok() && count > 0) {
-    std::span<const int32_t> src(msg.src_pages.data() + skip, count);
-    std::span<const int32_t> dst(info.dst_kv_pages.data() + dst_begin, count);
-    planned =
-        planner::PlanKvWrites(plan, {src, dst, msg.last, -1, msg.layer_begin, msg.layer_end}, &out);
-  }
-  if (planned.ok() && final) {
-    planner::TailInput tail;
-    if (msg.aux_index && info.aux_index) {
-      tail.src_aux = *msg.aux_index;
-      tail.dst_aux = *info.aux_index;
-    }
-    if (!msg.state_indices.empty()) {
-      tail.src_state = msg.state_indices;
-      tail.src_state_counts = msg.state_counts;
-      tail.dst_state = info.dst_state_indices;
-      tail.dst_state_counts = info.dst_state_counts;
-    }
-    tail.request_pages = static_cast<int64_t>(total);
-    planned = planner::PlanTailWrites(plan, tail, &out);
+  uint64_t dst_begin = 0, dst_end = 0;
+  bool final = false;
+  Status planned =
+      PlanPublishedChunk(source->plan, info, msg, &out, &dst_begin, &dst_end, &final);
+  if (planned.ok() && room->digested) {
+    // KV integrity: what prefill says this chunk offers this rank.
+    MutexLock lock(&room->mu);
+    planned = !msg.digest ? Status::FailedPrecondition(absl::StrFormat(
+                                "room %d: a ReadReady without a KV digest (prefill's checksum "
+                                "setting differs from this rank's?)",
+                                msg.room))
+          : !room->digest_expected ? Status::FailedPrecondition("a ReadReady before Init()")
+                                   : room->digest_expected->Merge(*msg.digest);
+    if (!planned.ok()) planned = Status::DataLoss(std::string(planned.message()));
   }
   if (!planned.ok()) {
     FailRoom(room, planned.WithPrefix(absl::StrFormat("prefill %s", key)), true);
@@ -174,10 +143,9 @@ void DecodeCore::OnReadReady(const std::string& key, const ReadReadyMsg& msg) {
   if (!counted) return SendReadsDone(room);
   if (ops.empty()) {
     // Nothing of this chunk is this rank's to read (the prefix, an empty last chunk).
-    return OnReadBatchDone(room, index, dst_begin, dst_begin + count, layers, 0, Status::OK());
+    return OnReadBatchDone(room, index, dst_begin, dst_end, layers, 0, Status::OK());
   }
   auto self = shared_from_this();
-  const uint64_t dst_end = dst_begin + count;
   room->state->NoteProgress();  // prefill published and reads go out: the transfer started
   Status posted;
   {
@@ -363,6 +331,10 @@ std::vector<int32_t> DecodeCore::InvalidPages(uint64_t room_id, const RoomState*
   std::vector<int32_t> out;
   for (size_t i = 0; i < room->page_layers.size(); ++i) {
     if (room->page_layers[i] < room->layers_expected) out.push_back(room->info.dst_kv_pages[i]);
+  }
+  // Pages read in full whose bytes did not match the KV digest.
+  for (int32_t p : room->corrupt_pages) {
+    if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
   }
   return out;
 }

@@ -53,6 +53,11 @@ struct DecodeCore::Room {
   int reads_outstanding ABSL_GUARDED_BY(mu) = 0;
   std::vector<uint32_t> page_layers ABSL_GUARDED_BY(mu);
   uint32_t layers_expected ABSL_GUARDED_BY(mu) = 0;
+  // KV integrity: whether the room is digested (KVManagerOptions::checksum), the XOR of what
+  // its writers said they moved (set at Init), and the pages a mismatch showed bad.
+  bool digested = false;
+  std::optional<KvDigest> digest_expected ABSL_GUARDED_BY(mu);
+  std::vector<int32_t> corrupt_pages ABSL_GUARDED_BY(mu);
 };
 
 }  // namespace v1

@@ -2,6 +2,7 @@
 
 #include "lib/core/grpc_kv_manager.h"
 #include "lib/core/local_kv_manager.h"
+#include "lib/core/manager_common.h"
 #include "lib/core/validate.h"
 
 namespace pdlib {
@@ -12,6 +13,7 @@ StatusOr<std::unique_ptr<KVManager>> KVManager::Create(const KVManagerOptions& o
   // The wire version is this library's, not the engine's (in-process peers compare it too).
   KVManagerOptions o = options;
   o.args.fingerprint.wire_version = PDLIB_WIRE_VERSION;
+  o.args.fingerprint.checksum = ChecksumSetting(o);
   if (o.control_plane == ControlPlane::kInProcess) return CreateLocalKVManager(o);
   return CreateGrpcKVManager(o);
 }

@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -145,6 +146,55 @@ void DeregisterBuffers(spi::Transport& transport, const RegisteredBuffers& buffe
   }
 }
 
+std::string ChecksumSetting(const KVManagerOptions& options) {
+  switch (options.checksum) {
+    case KvChecksum::kOff:
+      return "off";
+    case KvChecksum::kAll:
+      return "all";
+    case KvChecksum::kSampled:
+      return options.checksum_sample_every <= 1
+                 ? "all"
+                 : absl::StrFormat("sampled/%d", options.checksum_sample_every);
+  }
+  return "off";
+}
+
+bool ChecksumRoom(const KVManagerOptions& options, uint64_t room) {
+  if (options.checksum == KvChecksum::kAll) return true;
+  if (options.checksum != KvChecksum::kSampled) return false;
+  if (options.checksum_sample_every <= 1) return true;
+  // A hash of the id, not the id: engines number rooms in patterns (DP groups by room % dp).
+  uint64_t z = room + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return z % options.checksum_sample_every == 0;
+}
+
+DigestMemory DigestMemoryOf(const RegisteredBuffers& buffers) {
+  DigestMemory m;
+  for (auto [descs, addr, item] :
+       {std::tuple{&buffers.kv.descs, &m.kv, &m.kv_item},
+        std::tuple{&buffers.aux.descs, &m.aux, &m.aux_item},
+        std::tuple{&buffers.state.descs, &m.state, &m.state_item}}) {
+    for (const RegionDesc& d : *descs) {
+      addr->push_back(d.addr);
+      item->push_back(d.item_len);
+    }
+  }
+  return m;
+}
+
+DigestMemory DigestItemsOf(const std::vector<RegionDesc>& kv, const std::vector<RegionDesc>& aux,
+                           const std::vector<RegionDesc>& state) {
+  DigestMemory m;
+  for (const RegionDesc& d : kv) m.kv_item.push_back(d.item_len);
+  for (const RegionDesc& d : aux) m.aux_item.push_back(d.item_len);
+  for (const RegionDesc& d : state) m.state_item.push_back(d.item_len);
+  return m;
+}
+
 double ResolveFailureInjectionProb(const KVManagerOptions& options) {
   if (options.failure_injection_prob >= 0) return options.failure_injection_prob;
   const char* env = std::getenv("PDLIB_TEST_FAILURE_PROB");
@@ -243,6 +293,15 @@ void MetricCounters::CountSuccess(const RoomState& room) {
       static_cast<uint64_t>(absl::ToInt64Microseconds(absl::Now() - room.created())));
 }
 
+void MetricCounters::CountChecksumMismatch(const std::vector<std::string>& peers) {
+  MutexLock lock(&causes_mu_);
+  ++checksum_mismatches_;
+  for (const std::string& p : peers) {
+    // Bounded: a deployment has a few hundred prefill ranks, not thousands of names.
+    if (mismatches_by_peer_.size() < 1024 || mismatches_by_peer_.count(p)) ++mismatches_by_peer_[p];
+  }
+}
+
 void MetricCounters::FillInto(KVManagerMetrics* m, const RoomTable& rooms) const {
   auto get = [](const std::atomic<uint64_t>& c) { return c.load(std::memory_order_relaxed); };
   m->rooms_succeeded = get(succeeded);
@@ -255,9 +314,12 @@ void MetricCounters::FillInto(KVManagerMetrics* m, const RoomTable& rooms) const
   m->requests_total = get(requests);
   m->transfer_latency_us_sum = get(latency_us_sum);
   m->transfer_latency_count = m->rooms_succeeded;
+  m->rooms_checksummed = get(checksummed);
   {
     MutexLock lock(&causes_mu_);
     m->failed_by_cause = failed_by_cause_;
+    m->checksum_mismatches = checksum_mismatches_;
+    m->checksum_mismatches_by_peer = mismatches_by_peer_;
   }
   m->live_rooms = 0;
   m->bootstrap_queue_size = 0;

@@ -16,6 +16,7 @@
 
 #include "lib/base/mutex.h"
 #include "lib/core/control_messages.h"
+#include "lib/core/kv_digest.h"
 #include "lib/core/room_table.h"
 #include "pdlib/kv_manager.h"
 #include "pdlib/spi/transport.h"
@@ -49,6 +50,16 @@ spi::TransportOptions TransportOptionsFor(const KVManagerOptions& options);
 std::string PciAddressOfCudaMemory(uint64_t addr);
 StatusOr<RegisteredBuffers> RegisterBuffers(spi::Transport& transport, const KVArgs& args);
 void DeregisterBuffers(spi::Transport& transport, const RegisteredBuffers& buffers);
+
+// KV integrity (KVManagerOptions::checksum): the setting as the fingerprint carries it ("off",
+// "all", "sampled/N"), whether `room` is digested (the same rooms on both sides), and where one
+// side's registered buffers are, for the digest.
+std::string ChecksumSetting(const KVManagerOptions& options);
+bool ChecksumRoom(const KVManagerOptions& options, uint64_t room);
+DigestMemory DigestMemoryOf(const RegisteredBuffers& buffers);
+// The item sizes of a peer's regions (addresses unused): decode's items as a sender places them.
+DigestMemory DigestItemsOf(const std::vector<RegionDesc>& kv, const std::vector<RegionDesc>& aux,
+                           const std::vector<RegionDesc>& state);
 
 // The probability from options, or from PDLIB_TEST_FAILURE_PROB when the option is negative.
 double ResolveFailureInjectionProb(const KVManagerOptions& options);
@@ -94,6 +105,7 @@ struct MetricCounters {
       transfer_failed{0};
   std::atomic<uint64_t> bytes{0}, pages{0}, batches{0};
   std::atomic<uint64_t> latency_us_sum{0};
+  std::atomic<uint64_t> checksummed{0};  // rooms digested (KVManagerOptions::checksum)
 
   void Add(std::atomic<uint64_t>& c, uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
   // Counts a room that just failed (call only for the Fail() that returned true).
@@ -101,10 +113,14 @@ struct MetricCounters {
   // Counts a room that just succeeded (call only for the Advance(kSuccess) that returned true).
   void CountSuccess(const RoomState& room);
   void FillInto(KVManagerMetrics* m, const RoomTable& rooms) const;
+  // Decode: a digested room whose bytes did not match, with the prefill ranks that wrote it.
+  void CountChecksumMismatch(const std::vector<std::string>& peers);
 
  private:
   mutable Mutex causes_mu_;
   std::map<std::string, uint64_t> failed_by_cause_ ABSL_GUARDED_BY(causes_mu_);
+  uint64_t checksum_mismatches_ ABSL_GUARDED_BY(causes_mu_) = 0;
+  std::map<std::string, uint64_t> mismatches_by_peer_ ABSL_GUARDED_BY(causes_mu_);
 };
 
 // Chooses, when a room is created, whether its per-room info lines are logged, per

@@ -76,6 +76,10 @@ std::string RenderPrometheus(const KVManagerMetrics& m,
          "Quarantines ended because the prefill manager is gone.", m.quarantine_released_gone);
   metric("fenced_connections_total", "counter", "Connections cut off with a transport fence.",
          m.fenced_connections);
+  metric("rooms_checksummed_total", "counter", "Rooms whose KV was digested end to end.",
+         m.rooms_checksummed);
+  metric("checksum_mismatches_total", "counter",
+         "Rooms whose KV did not match its digest (failed DATA_LOSS).", m.checksum_mismatches);
   absl::StrAppend(&out,
                   "# HELP pdlib_failed_reqs_by_cause_total Failed requests by status code.\n"
                   "# TYPE pdlib_failed_reqs_by_cause_total counter\n");
@@ -83,6 +87,17 @@ std::string RenderPrometheus(const KVManagerMetrics& m,
     std::pair<std::string, std::string> extra{"cause", cause};
     absl::StrAppendFormat(&out, "pdlib_failed_reqs_by_cause_total%s %d\n", Labels(labels, &extra),
                           n);
+  }
+  if (!m.checksum_mismatches_by_peer.empty()) {
+    absl::StrAppend(&out,
+                    "# HELP pdlib_checksum_mismatches_by_peer_total KV digest mismatches of rooms "
+                    "a prefill rank wrote to.\n"
+                    "# TYPE pdlib_checksum_mismatches_by_peer_total counter\n");
+    for (const auto& [peer, n] : m.checksum_mismatches_by_peer) {
+      std::pair<std::string, std::string> extra{"peer", peer};
+      absl::StrAppendFormat(&out, "pdlib_checksum_mismatches_by_peer_total%s %d\n",
+                            Labels(labels, &extra), n);
+    }
   }
   absl::StrAppendFormat(&out,
                         "# HELP pdlib_transfer_latency_seconds Creation to Success.\n"

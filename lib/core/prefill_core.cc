@@ -27,6 +27,7 @@ StatusOr<std::shared_ptr<PrefillCore>> PrefillCore::Create(
   auto local = RegisterBuffers(*core->transport_, options.args);
   if (!local.ok()) return local.status();
   core->local_ = std::move(*local);
+  core->digest_src_ = DigestMemoryOf(core->local_);
   for (int i = 0; i < options.transfer_workers; ++i) {
     core->workers_.emplace_back([c = core.get()] { c->WorkerLoop(); });
   }
@@ -101,6 +102,8 @@ StatusOr<std::shared_ptr<RoomState>> PrefillCore::CreateRoom(uint64_t room_id) {
   counters_.Add(counters_.requests);
   (*state)->set_logged(room_log_.Sample(room_id));
   auto room = std::make_shared<Room>(*state);
+  room->digested = ChecksumRoom(options_, room_id);
+  if (room->digested) counters_.Add(counters_.checksummed);
   std::vector<TransferInfoMsg> early;
   std::optional<Status> aborted;
   {
@@ -173,13 +176,27 @@ void PrefillCore::FailRoom(const std::shared_ptr<Room>& room, Status reason) {
   MaybeDrained(room);
 }
 
+KvDigest PrefillCore::EmptyDigestFor(const Peer& peer, const TransferInfoMsg& info) const {
+  return KvDigest::Empty(peer.reg.kv.size(), info.dst_kv_pages.size(), peer.reg.aux.size(),
+                         peer.reg.state.size(), peer.reg.state_families.size());
+}
+
 void PrefillCore::SendStatusToDecode(const std::shared_ptr<Room>& room, const Status& status) {
   std::vector<std::shared_ptr<Peer>> peers;
+  std::vector<std::optional<KvDigest>> digests;
   {
     MutexLock lock(&room->mu);
     if (room->status_sent) return;
     room->status_sent = true;
     peers = room->peers;
+    // Push: a digested room's success carries what this rank wrote to each decode rank (pull
+    // sent it with the ReadReady messages).
+    digests.resize(peers.size());
+    for (size_t i = 0; i < peers.size() && i < room->digests.size(); ++i) {
+      if (room->digested && status.ok() && !pull() && !room->infos[i].is_dummy) {
+        digests[i] = room->digests[i];
+      }
+    }
   }
   if (peers.empty() && !status.ok()) {
     // No decode rank is bound: one bound to another rank (another DP group) would wait for
@@ -188,9 +205,9 @@ void PrefillCore::SendStatusToDecode(const std::shared_ptr<Room>& room, const St
     if (unbound_failures_.size() >= 4096) unbound_failures_.pop_front();
     unbound_failures_.push_back({room->state->room(), status.ToString()});
   }
-  for (const auto& peer : peers) {
-    peer->link->SendStatus({room->state->room(), options_.args.parallel.tp_rank,
-                            options_.args.parallel.pp_rank, status});
+  for (size_t i = 0; i < peers.size(); ++i) {
+    peers[i]->link->SendStatus({room->state->room(), options_.args.parallel.tp_rank,
+                                options_.args.parallel.pp_rank, status, std::move(digests[i])});
   }
 }
 

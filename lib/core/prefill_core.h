@@ -106,6 +106,21 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   std::vector<spi::WriteOp> ToWriteOps(const Peer& peer,
                                        std::span<const planner::PlannedWrite> writes);
   void OnBatchDone(const std::shared_ptr<Room>& room, uint64_t bytes, uint64_t pages, Status s);
+  // KV integrity: adds what `writes` move to the decode rank of room->infos[info] (whose
+  // request's pages are `dst_pages`) to the room's digest for it, then releases the batch count
+  // ProcessChunk held for it.
+  void DigestWrites(const std::shared_ptr<Room>& room, const Peer& peer, size_t info,
+                    std::span<const int32_t> dst_pages,
+                    std::span<const planner::PlannedWrite> writes);
+  // KV integrity: adds the aux/state writes of the tail to `digest` (with the positions of
+  // decode's state lists they cover).
+  Status DigestTail(const Peer& peer, const TransferInfoMsg& info, const planner::TailInput& tail,
+                    std::span<const planner::PlannedWrite> writes, KvDigest* digest) const;
+  // KV integrity, pull: sets msg->digest to what the reader behind `peer` (its request `info`)
+  // reads of the published chunk `msg`.
+  Status DigestOffer(const Peer& peer, const TransferInfoMsg& info, ReadReadyMsg* msg) const;
+  // The all-zero digest of the decode rank behind `peer` for the request `info`.
+  KvDigest EmptyDigestFor(const Peer& peer, const TransferInfoMsg& info) const;
   void Finalize(const std::shared_ptr<Room>& room);
   void FinalizeTail(const std::shared_ptr<Room>& room);
   void FailRoom(const std::shared_ptr<Room>& room, Status reason);
@@ -162,6 +177,7 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   std::unique_ptr<spi::Transport> transport_;
   planner::SideLayout layout_;  // this rank, as the planner sees it
   RegisteredBuffers local_;
+  DigestMemory digest_src_;  // local_, for KV digests
   std::vector<uint64_t> state_caps_;  // per state family: items every buffer of it holds
   FailureInjector injector_;
   RoomTable rooms_;

@@ -53,7 +53,7 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
     PDLIB_LOG(kWarning, "prefill: room %d: rejecting TransferInfo: %s", msg.room, s.ToString());
     if (peer) {
       peer->link->SendStatus(
-          {msg.room, options_.args.parallel.tp_rank, options_.args.parallel.pp_rank, s});
+          {msg.room, options_.args.parallel.tp_rank, options_.args.parallel.pp_rank, s, {}});
     }
     bool accepted_before = false;  // an earlier TransferInfo of this session is being served
     if (room) {
@@ -197,6 +197,7 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
     } else {
       room->infos.push_back(msg);
       room->peers.push_back(peer);
+      room->digests.push_back(room->digested ? EmptyDigestFor(*peer, msg) : KvDigest{});
       ready = room->infos.size() >= room->infos.front().required_dst_info_num;
       ready_infos = room->infos.size();
     }
@@ -205,7 +206,7 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
   if (room->state->Poll() == KVPoll::kFailed) {
     // Failed before this decode rank was known (abort, timeout): tell it now.
     peer->link->SendStatus({msg.room, options_.args.parallel.tp_rank,
-                            options_.args.parallel.pp_rank, room->state->FailureReason()});
+                            options_.args.parallel.pp_rank, room->state->FailureReason(), {}});
     return;
   }
   if (ready && room->state->Advance(KVPoll::kWaitingForInput)) {

@@ -87,6 +87,7 @@ RegisterAckMsg PrefillCore::OnRegister(const RegisterMsg& msg, std::shared_ptr<D
     if (!transport_) return refuse(Status::Unavailable("prefill manager is shutting down"));
     peer->session = msg.session;
     peer->reg = msg;
+    peer->digest_items = DigestItemsOf(msg.kv, msg.aux, msg.state);
     peer->plan = std::move(*plan);
     peer->required_dst_info_num = required;
     peer->link = std::move(link);

@@ -75,6 +75,7 @@ Status PrefillCore::AddReader(Room& room, const TransferInfoMsg& info, bool read
 void PrefillCore::PublishPending(const std::shared_ptr<Room>& room) {
   MutexLock publish_lock(&room->publish_mu);
   std::vector<std::pair<std::shared_ptr<Peer>, ReadReadyMsg>> out;
+  std::vector<TransferInfoMsg> readers;  // digested rooms: each message's reader's request
   {
     MutexLock lock(&room->mu);
     if (IsTerminal(room->state->Poll())) return;
@@ -100,6 +101,7 @@ void PrefillCore::PublishPending(const std::shared_ptr<Room>& room) {
           m.state_counts = room->state_src_counts;
         }
         out.emplace_back(room->peers[i], std::move(m));
+        if (room->digested) readers.push_back(room->infos[i]);
         if (!room->reads_open[i]) {
           room->reads_open[i] = 1;
           ++room->open_readers;
@@ -107,7 +109,42 @@ void PrefillCore::PublishPending(const std::shared_ptr<Room>& room) {
       }
     }
   }
+  // KV integrity: each message carries the digest of what that reader will read of the chunk,
+  // planned as decode plans its reads; computed here, off the room's lock, while earlier chunks
+  // are being read.
+  for (size_t k = 0; k < readers.size() && k < out.size(); ++k) {
+    auto& [peer, msg] = out[k];
+    Status s = DigestOffer(*peer, readers[k], &msg);
+    if (!s.ok()) {
+      FailRoom(room, s.WithPrefix(absl::StrFormat("room %d: KV digest", room->state->room())));
+      return;
+    }
+  }
   for (auto& [peer, msg] : out) peer->link->SendReadReady(msg);
+}
+
+Status PrefillCore::DigestOffer(const Peer& peer, const TransferInfoMsg& info,
+                                ReadReadyMsg* msg) const {
+  thread_local planner::PlanOutput plan;
+  uint64_t dst_begin = 0, dst_end = 0;
+  bool final = false;
+  planner::TailInput tail;
+  if (Status s =
+          PlanPublishedChunk(peer.plan, info, *msg, &plan, &dst_begin, &dst_end, &final, &tail);
+      !s.ok()) {
+    return s;
+  }
+  KvDigest part = EmptyDigestFor(peer, info);
+  if (Status s = AddWritesToDigest(plan.writes, digest_src_, peer.digest_items,
+                                   PagePositions(info.dst_kv_pages), &part);
+      !s.ok()) {
+    return s;
+  }
+  if (final) {
+    if (Status s = FillStateSpans(peer.plan, tail, &part); !s.ok()) return s;
+  }
+  msg->digest = std::move(part);
+  return Status::OK();
 }
 
 void PrefillCore::MaybePullSuccess(const std::shared_ptr<Room>& room) {

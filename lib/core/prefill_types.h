@@ -30,6 +30,7 @@ struct PrefillCore::Peer {
   std::vector<spi::RemoteRegionId> kv, aux, state;  // push: decode's regions
   spi::TargetId target = 0;  // pull: this rank's endpoint that decode reads through
   std::shared_ptr<DecodeLink> link;
+  DigestMemory digest_items;  // decode's item sizes, for KV digests
 };
 
 // Pull: one chunk announcement the engine made (Send, or SendLayers' new layers), published to
@@ -52,6 +53,10 @@ struct PrefillCore::Room {
   // One TransferInfo per decode rank this room writes to, each with its connection.
   std::vector<TransferInfoMsg> infos ABSL_GUARDED_BY(mu);
   std::vector<std::shared_ptr<Peer>> peers ABSL_GUARDED_BY(mu);
+  // KV integrity: whether this room is digested (KVManagerOptions::checksum), and per entry of
+  // `infos` what this rank moved to that decode rank so far (push: sent with the success).
+  bool digested = false;
+  std::vector<KvDigest> digests ABSL_GUARDED_BY(mu);
   size_t pages_queued ABSL_GUARDED_BY(mu) = 0;
   bool last_queued ABSL_GUARDED_BY(mu) = false;
   // Layer-wise streaming: the chunk whose layers are being announced (SendLayers), while

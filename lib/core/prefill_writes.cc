@@ -201,6 +201,8 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
   struct Target {
     std::shared_ptr<Peer> peer;
     std::vector<int32_t> dst;
+    size_t info = 0;                // its entry in room->infos
+    std::vector<int32_t> dst_all;   // digested rooms: every page of its request
   };
   std::vector<Target> targets;
   std::optional<Status> gone;
@@ -210,9 +212,11 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
     for (size_t i = 0; i < room->infos.size() && !gone; ++i) {
       if (room->infos[i].is_dummy || !room->peers[i]->plan.active) continue;
       const auto& dst = room->infos[i].dst_kv_pages;
-      targets.push_back({room->peers[i], std::vector<int32_t>(dst.begin() + chunk.dst_offset,
-                                                              dst.begin() + chunk.dst_offset +
-                                                                  chunk.src_pages.size())});
+      targets.push_back({room->peers[i],
+                         std::vector<int32_t>(dst.begin() + chunk.dst_offset,
+                                              dst.begin() + chunk.dst_offset +
+                                                  chunk.src_pages.size()),
+                         i, room->digested ? dst : std::vector<int32_t>{}});
     }
     // One batch per decode rank; every layer's writes of the chunk go in it (SPEC R5.3). The
     // chunk was counted once when queued; each batch ends with one OnBatchDone.
@@ -243,11 +247,40 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
     const uint64_t bytes = plan.bytes;
     const uint64_t pages = chunk.layer_end == layout_.engine_layers() ? chunk.src_pages.size() : 0;
     auto self = shared_from_this();
+    // A digested room digests the chunk's source pages while its writes are in flight, holding
+    // one more count of the room's outstanding batches so that the room cannot finish first.
+    if (room->digested) {
+      MutexLock lock(&room->mu);
+      ++room->outstanding;
+    }
     s = transport_->PostWrites(t.peer->peer, ops, [self, room, bytes, pages](Status st) {
       self->OnBatchDone(room, bytes, pages, std::move(st));
     });
     if (!s.ok()) OnBatchDone(room, 0, 0, s.WithPrefix("posting KV writes"));
+    if (room->digested) DigestWrites(room, *t.peer, t.info, t.dst_all, plan.writes);
   }
+}
+
+void PrefillCore::DigestWrites(const std::shared_ptr<Room>& room, const Peer& peer, size_t info,
+                               std::span<const int32_t> dst_pages,
+                               std::span<const planner::PlannedWrite> writes) {
+  Status s;
+  {
+    KvDigest part;
+    {
+      MutexLock lock(&room->mu);
+      part = KvDigest::Empty(room->digests[info].kv.size(), dst_pages.size(),
+                             room->digests[info].aux.size(), room->digests[info].state.size(),
+                             room->digests[info].state_spans.size());
+    }
+    s = AddWritesToDigest(writes, digest_src_, peer.digest_items, PagePositions(dst_pages), &part);
+    if (s.ok()) {
+      MutexLock lock(&room->mu);
+      s = room->digests[info].Merge(part);
+    }
+  }
+  // Releases the hold ProcessChunk took.
+  OnBatchDone(room, 0, 0, s.WithPrefix(absl::StrFormat("room %d: KV digest", room->state->room())));
 }
 
 std::vector<spi::WriteOp> PrefillCore::ToWriteOps(const Peer& peer,
@@ -348,6 +381,9 @@ void PrefillCore::FinalizeTail(const std::shared_ptr<Room>& room) {
       plan.writes.clear();
       plan.bytes = 0;
       planned = planner::PlanTailWrites(peer.plan, tail, &plan);
+      if (planned.ok() && room->digested) {
+        planned = DigestTail(peer, info, tail, plan.writes, &room->digests[i]);
+      }
       if (planned.ok()) batches.emplace_back(room->peers[i], ToWriteOps(peer, plan.writes));
     }
   }
@@ -393,6 +429,19 @@ void PrefillCore::FinalizeTail(const std::shared_ptr<Room>& room) {
       TailDone(room);
     }
   }
+}
+
+Status PrefillCore::DigestTail(const Peer& peer, const TransferInfoMsg& info,
+                               const planner::TailInput& tail,
+                               std::span<const planner::PlannedWrite> writes,
+                               KvDigest* digest) const {
+  KvDigest part = EmptyDigestFor(peer, info);
+  Status s =
+      AddWritesToDigest(writes, digest_src_, peer.digest_items, PagePositions(info.dst_kv_pages),
+                        &part);
+  if (!s.ok()) return s;
+  if (Status st = FillStateSpans(peer.plan, tail, &part); !st.ok()) return st;
+  return digest->Merge(part);
 }
 
 void PrefillCore::TailDone(const std::shared_ptr<Room>& room) {

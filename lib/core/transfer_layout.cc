@@ -214,5 +214,60 @@ StatusOr<std::vector<PrefillTarget>> PrefillTargetsFor(const planner::SideLayout
   return out;
 }
 
+Status PlanPublishedChunk(const planner::PairPlan& plan, const TransferInfoMsg& info,
+                          const ReadReadyMsg& msg, planner::PlanOutput* out, uint64_t* dst_begin,
+                          uint64_t* dst_end, bool* final, planner::TailInput* tail_out) {
+  const uint64_t prefix_pages = info.decode_prefix_len / plan.page_size;
+  const uint64_t total = prefix_pages + info.dst_kv_pages.size();
+  const uint64_t begin = msg.src_offset, end = msg.src_offset + msg.src_pages.size();
+  *final = msg.last && msg.layer_end == plan.prefill_layers;
+  out->writes.clear();
+  out->bytes = 0;
+  *dst_begin = *dst_end = 0;
+  if (end > total || (msg.last && end != total)) {
+    return Status::OutOfRange(absl::StrFormat(
+        "room %d: prefill published prompt pages [%d, %d)%s; this request has %d (%d after the "
+        "prefix)",
+        msg.room, begin, end, msg.last ? " as the last chunk" : "", total,
+        info.dst_kv_pages.size()));
+  }
+  if (msg.layer_end > plan.prefill_layers || msg.layer_begin >= msg.layer_end) {
+    return Status::OutOfRange(absl::StrFormat("room %d: prefill published layers [%d, %d) of its %d",
+                                              msg.room, msg.layer_begin, msg.layer_end,
+                                              plan.prefill_layers));
+  }
+  // The prompt pages decode holds in its prefix are not read.
+  const uint64_t skip =
+      std::min<uint64_t>(std::max<uint64_t>(prefix_pages, begin) - begin, msg.src_pages.size());
+  const uint64_t first = begin + skip;  // the first prompt page read
+  const uint64_t count = msg.src_pages.size() - skip;
+  *dst_begin = first >= prefix_pages ? first - prefix_pages : 0;
+  *dst_end = *dst_begin + count;
+  if (count > 0) {
+    std::span<const int32_t> src(msg.src_pages.data() + skip, count);
+    std::span<const int32_t> dst(info.dst_kv_pages.data() + *dst_begin, count);
+    if (Status s = planner::PlanKvWrites(
+            plan, {src, dst, msg.last, -1, msg.layer_begin, msg.layer_end}, out);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (!*final) return Status::OK();
+  planner::TailInput tail;
+  if (msg.aux_index && info.aux_index) {
+    tail.src_aux = *msg.aux_index;
+    tail.dst_aux = *info.aux_index;
+  }
+  if (!msg.state_indices.empty()) {
+    tail.src_state = msg.state_indices;
+    tail.src_state_counts = msg.state_counts;
+    tail.dst_state = info.dst_state_indices;
+    tail.dst_state_counts = info.dst_state_counts;
+  }
+  tail.request_pages = static_cast<int64_t>(total);
+  if (tail_out) *tail_out = tail;
+  return planner::PlanTailWrites(plan, tail, out);
+}
+
 }  // namespace v1
 }  // namespace pdlib

@@ -57,6 +57,17 @@ struct RegionIds {
 void AppendReads(std::span<const planner::PlannedWrite> writes, const RegionIds& decode,
                  const RegionIds& prefill, std::vector<spi::ReadOp>* out);
 
+// Pull: what decode reads of one published chunk (`msg`) for its request `info`, as the plan's
+// writes (prefill -> decode) into out->writes: the chunk's pages after decode's prefix, and after
+// the last chunk's last layers the aux row and the state slots. Decode posts them reversed;
+// prefill digests them (KV integrity), so both sides plan the same bytes. OutOfRange for a chunk
+// outside the request or its layers; `*dst_begin`, `*dst_end` get the request pages (after the
+// prefix) the chunk covers and `*final` whether it ends the room; `tail` (optional) the tail it
+// planned. The tail's spans point into `info` and `msg`.
+Status PlanPublishedChunk(const planner::PairPlan& plan, const TransferInfoMsg& info,
+                          const ReadReadyMsg& msg, planner::PlanOutput* out, uint64_t* dst_begin,
+                          uint64_t* dst_end, bool* final, planner::TailInput* tail = nullptr);
+
 // Checks that both sides agree on MLA and on opaque KV, which needs equal TP sizes.
 Status CheckOpaqueCompatible(int32_t prefill_kv_head_num, int32_t prefill_tp, bool prefill_mla,
                              int32_t decode_kv_head_num, int32_t decode_tp, bool decode_mla);
