@@ -6,6 +6,8 @@
 #include <random>
 #include <vector>
 
+#include "lib/base/crc32c.h"
+#include "lib/core/kv_digest.h"
 #include "lib/core/room_table.h"
 #include "pdlib/kv_manager.h"
 #include "pdlib/log.h"
@@ -170,6 +172,64 @@ void BM_MetadataSlotAllocFree(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_MetadataSlotAllocFree);
+
+// KV integrity (issue #42): the raw CRC32C rate of one core over a page-sized buffer, the
+// hardware path (SSE4.2 / ARMv8, three streams) and the portable one; bytes/s is the digest rate.
+void BM_Crc32c(benchmark::State& state) {
+  std::vector<uint8_t> buf(static_cast<size_t>(state.range(0)));
+  std::mt19937 rng(1);
+  for (auto& b : buf) b = static_cast<uint8_t>(rng());
+  const bool portable = state.range(1) != 0;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(portable ? pdlib::Crc32cRawPortable(0, buf.data(), buf.size())
+                                      : pdlib::Crc32cRaw(0, buf.data(), buf.size()));
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) *
+                          static_cast<int64_t>(buf.size()));
+  state.SetLabel(portable ? "portable" : pdlib::Crc32cImplementation());
+}
+BENCHMARK(BM_Crc32c)->Args({4096, 0})->Args({32768, 0})->Args({1 << 20, 0})->Args({32768, 1});
+
+// A sender's digest of one request as pdlib computes it (AddWritesToDigest): 2 layers x K,V x
+// 16 pages of 32 KiB, whole pages (TP 1:1) or two heads' halves of each token (TP 2 -> 1, NHD,
+// 16 tokens): the CRC plus the cell keys, and the zero shifts of sliced pages.
+void BM_DigestRequest(benchmark::State& state) {
+  const bool sliced = state.range(0) != 0;
+  constexpr uint64_t kPage = 32768, kPages = 16, kBuffers = 4, kTokens = 16;
+  std::vector<std::vector<uint8_t>> src(kBuffers, std::vector<uint8_t>(kPage * kPages, 7));
+  pdlib::DigestMemory mem, items;
+  for (auto& s : src) {
+    mem.kv.push_back(reinterpret_cast<uint64_t>(s.data()));
+    items.kv_item.push_back(kPage);
+  }
+  std::vector<int32_t> dst;
+  for (int32_t p = 0; p < static_cast<int32_t>(kPages); ++p) dst.push_back(p * 3 + 1);
+  std::vector<pdlib::planner::PlannedWrite> writes;
+  for (uint32_t b = 0; b < kBuffers; ++b) {
+    for (uint64_t p = 0; p < kPages; ++p) {
+      if (!sliced) {
+        writes.push_back({pdlib::planner::RegionKind::kKv, b, p * kPage, b,
+                          static_cast<uint64_t>(dst[p]) * kPage, kPage});
+        continue;
+      }
+      const uint64_t row = kPage / kTokens, half = row / 2;
+      for (uint64_t t = 0; t < kTokens; ++t) {
+        writes.push_back({pdlib::planner::RegionKind::kKv, b, p * kPage / 2 + t * half, b,
+                          static_cast<uint64_t>(dst[p]) * kPage + t * row, half});
+      }
+    }
+  }
+  const pdlib::PagePositions positions(dst);
+  uint64_t bytes = 0;
+  for (const auto& w : writes) bytes += w.length;
+  for (auto _ : state) {
+    pdlib::KvDigest d = pdlib::KvDigest::Empty(kBuffers, kPages, 0, 0, 0);
+    benchmark::DoNotOptimize(pdlib::AddWritesToDigest(writes, mem, items, positions, &d).ok());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * bytes));
+  state.SetLabel(sliced ? "TP 2 -> 1 head halves" : "whole pages");
+}
+BENCHMARK(BM_DigestRequest)->Arg(0)->Arg(1);
 
 }  // namespace
 

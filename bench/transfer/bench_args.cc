@@ -136,6 +136,13 @@ ABSL_FLAG(std::string, decode_prefix, "",
           "WaitingForInput and sends only those pages. A fraction > 0 also runs 0 (the same "
           "calls, no prefix) first and compares the two; unset: the calls without a prefix "
           "(Init(pages, aux)), as before the prefix API");
+ABSL_FLAG(std::string, checksum, "off",
+          "off|sampled|all, or a comma list: KV integrity (KVManagerOptions::checksum, both "
+          "sides; issue #42). Every configuration runs once per value; a row with a checksum "
+          "prints its time per request against the same configuration's `off` row of this run "
+          "(off is added first when the list lacks it)");
+ABSL_FLAG(uint32_t, checksum_sample_every, 64,
+          "with --checksum sampled: 1 room in this many is digested");
 ABSL_FLAG(std::string, direction, "push",
           "push|pull|both: which way KV moves (KVManagerOptions::direction, both sides; issue "
           "#29). push: prefill writes into decode's pages once decode's TransferInfo is in; pull: "
@@ -381,6 +388,28 @@ bool ParseArgs(int argc, char** argv, Options* o) {
   } else {
     return bad("direction", direction);
   }
+  {
+    o->checksums.clear();
+    for (absl::string_view v : absl::StrSplit(absl::GetFlag(FLAGS_checksum), ',')) {
+      if (v == "off") {
+        o->checksums.push_back(pdlib::KvChecksum::kOff);
+      } else if (v == "sampled") {
+        o->checksums.push_back(pdlib::KvChecksum::kSampled);
+      } else if (v == "all") {
+        o->checksums.push_back(pdlib::KvChecksum::kAll);
+      } else {
+        return bad("checksum", std::string(v));
+      }
+    }
+    const bool child = !absl::GetFlag(FLAGS_role).empty();
+    if (!child && o->checksums.size() > 1 && o->checksums.front() != pdlib::KvChecksum::kOff) {
+      std::erase(o->checksums, pdlib::KvChecksum::kOff);
+      o->checksums.insert(o->checksums.begin(), pdlib::KvChecksum::kOff);
+    }
+    o->base.checksum = o->checksums.front();
+    o->base.checksum_sample_every = absl::GetFlag(FLAGS_checksum_sample_every);
+    if (o->base.checksum_sample_every == 0) return bad("checksum_sample_every", "0");
+  }
   o->role = absl::GetFlag(FLAGS_role);
   if (!o->role.empty() && o->role != "prefill" && o->role != "decode") return bad("role", o->role);
   const uint64_t bootstrap_port = absl::GetFlag(FLAGS_bootstrap_port);
@@ -489,7 +518,13 @@ std::vector<std::string> ChildArgs(const BenchConfig& c, std::string_view role) 
                                 "--cuda-device",
                                 std::to_string(c.cuda_device),
                                 "--direction",
-                                std::string(pdlib::TransferDirectionName(c.direction))};
+                                std::string(pdlib::TransferDirectionName(c.direction)),
+                                "--checksum",
+                                c.checksum == pdlib::KvChecksum::kAll       ? "all"
+                                : c.checksum == pdlib::KvChecksum::kSampled ? "sampled"
+                                                                            : "off",
+                                "--checksum-sample-every",
+                                std::to_string(c.checksum_sample_every)};
   if (c.verify) a.push_back("--verify");
   for (auto [flag, names] : {std::pair{"--prefill-nic-names", &c.prefill_nic_names},
                              std::pair{"--decode-nic-names", &c.decode_nic_names}}) {

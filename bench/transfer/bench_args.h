@@ -25,6 +25,9 @@ struct Options {
   // --direction: push, pull, or both (push first: each pull row is compared with the push row of
   // the same configuration from this run).
   std::vector<pdlib::TransferDirection> directions{pdlib::TransferDirection::kPush};
+  // --checksum: off, sampled, all, or a list (every row runs with each; rows with a checksum
+  // are compared with the same configuration's row without one from this run).
+  std::vector<pdlib::KvChecksum> checksums{pdlib::KvChecksum::kOff};
   bool json = false;
   bool in_process = false;
   bool baseline_memcpy = false;

@@ -89,11 +89,27 @@ bool HoldsPattern(const uint8_t* data, uint64_t length, uint64_t pool_offset) {
 PageRing::PageRing(const BenchConfig& c, uint64_t seed) : pages_(c.pages) {
   const uint64_t pool = c.PoolPages();
   slots_ = std::min<uint64_t>(kPageRing, c.warmup + c.requests);
+  // With a checksum the requests in flight must not share pages (no engine gives one page to two
+  // live requests; a shared one is overwritten before its digest is checked, a true mismatch):
+  // each in-flight slot draws its scattered pages from a window of the pool of its own.
+  uint64_t windows = 0, width = 0;
+  if (c.checksum != pdlib::KvChecksum::kOff && c.layout == Layout::kScattered) {
+    width = std::max<uint64_t>(pages_, pool / std::max<uint64_t>(1, c.concurrency));
+    windows = std::max<uint64_t>(1, pool / width);
+    if (slots_ > windows) slots_ -= slots_ % windows;
+  }
   ring_.reserve(slots_ * pages_);
   std::mt19937_64 rng(seed);
   std::vector<int32_t> all;
   for (uint64_t s = 0; s < slots_; ++s) {
-    if (c.layout == Layout::kContiguous) {
+    if (windows > 0) {
+      const uint64_t base = (s % windows) * width;
+      std::unordered_set<int32_t> seen;
+      while (seen.size() < pages_) {
+        const auto p = int32_t(base + rng() % width);
+        if (seen.insert(p).second) ring_.push_back(p);
+      }
+    } else if (c.layout == Layout::kContiguous) {
       const uint64_t start = (s % std::max<uint64_t>(1, pool / pages_)) * pages_;
       for (uint64_t k = 0; k < pages_; ++k) ring_.push_back(int32_t(start + k));
     } else if (pages_ * 4 <= pool) {

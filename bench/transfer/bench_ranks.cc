@@ -101,6 +101,8 @@ struct Rank {
     o.transfer_workers = c.transfer_workers;
     o.room_log_every = c.room_log_every;
     o.direction = c.direction;
+    o.checksum = c.checksum;
+    o.checksum_sample_every = c.checksum_sample_every;
     for (uint64_t b = 0; b < pool.buffers(); ++b) {
       o.args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(pool.buffer(b)));
       o.args.kv.lens.push_back(pool.buffer_bytes());

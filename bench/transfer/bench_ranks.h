@@ -95,6 +95,10 @@ struct BenchConfig {
   // (PagesAfterPrefix counts them all); decode reads them. The rank that moves the bytes counts
   // them (RankResult::metrics): prefill in push, decode in pull.
   pdlib::TransferDirection direction = pdlib::TransferDirection::kPush;
+  // --checksum (issue #42; KVManagerOptions::checksum, both sides): off, sampled (1 room in
+  // checksum_sample_every) or all.
+  pdlib::KvChecksum checksum = pdlib::KvChecksum::kOff;
+  uint32_t checksum_sample_every = 64;
   // --netns --rails (issue #31): the links between the two hosts this configuration uses (UCX
   // over eth0 ... eth<rails-1>) and the cap on each (0: none). Reported only; the backend
   // options carry them to the ranks.

@@ -568,6 +568,9 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
     j.Str("transport", c.Transport());
     j.Str("control_plane", plane);
     j.Str("direction", direction);
+    j.Str("checksum", c.checksum == pdlib::KvChecksum::kAll       ? "all"
+                      : c.checksum == pdlib::KvChecksum::kSampled ? "sampled"
+                                                                  : "off");
     j.Int("layers", c.layers);
     j.Int("item_bytes", c.item_bytes);
     j.Int("pages", c.pages);
@@ -716,6 +719,9 @@ bool Report(const Options& o, const BenchConfig& c, const std::map<std::string, 
         c.requests, c.concurrency, seconds, kv_bytes, gbps, req_per_s, us_per_request,
         Num(d, "p50"), Num(d, "p99"), Num(d, "failed"));
     std::string row = buf;
+    if (c.checksum != pdlib::KvChecksum::kOff) {
+      row += c.checksum == pdlib::KvChecksum::kAll ? "  checksum all" : "  checksum sampled";
+    }
     if (baseline_gbps) {
       std::snprintf(buf, sizeof(buf), " %16.3f %6.3f", *baseline_gbps, gbps / *baseline_gbps);
       row += buf;
@@ -963,70 +969,93 @@ int main(int argc, char** argv) {
                 std::map<bool, RowFigures> prefix0;
                 for (const std::optional<double>& decode_prefix : o.decode_prefixes) {
                   for (bool layerwise : o.layerwise) {
-                    BenchConfig c = o.base;
-                    if (g_cluster != nullptr) SetRailOptions(o, user_options, rails, &c);
-                    c.direction = direction;
-                    c.decode_prefix = decode_prefix;
-                    c.layerwise = layerwise;
-                    c.layers = layers;
-                    c.item_bytes = item;
-                    c.pages = pages;
-                    c.layout = layout;
-                    c.concurrency = conc;
-                    std::map<std::string, std::string> prefill;
-                    const std::vector<uint64_t> rx_before =
-                        g_cluster != nullptr ? DecodeRailRxBytes() : std::vector<uint64_t>{};
-                    const Options::RailFault* fault = g_cluster != nullptr &&
-                                                              o.rail_fault.rail >= 0 &&
-                                                              c.rails > o.rail_fault.rail
-                                                          ? &o.rail_fault
-                                                          : nullptr;
-                    auto decode = o.in_process
-                                      ? RunInProcess(c, &prefill)
-                                      : RunTwoProcesses(&c, &prefill, fault, o.stall_timeout_s);
-                    if (g_cluster != nullptr) {
-                      const std::vector<uint64_t> rx_after = DecodeRailRxBytes();
-                      if (!rx_before.empty() && rx_after.size() == rx_before.size()) {
-                        for (size_t i = 0; i < rx_after.size(); ++i) {
-                          c.rail_rx_bytes.push_back(rx_after[i] - rx_before[i]);
+                    // The row without a checksum (first) that the rows with one are compared with.
+                    std::optional<RowFigures> checksum_off;
+                    for (pdlib::KvChecksum checksum : o.checksums) {
+                      BenchConfig c = o.base;
+                      c.checksum = checksum;
+                      if (g_cluster != nullptr) SetRailOptions(o, user_options, rails, &c);
+                      c.direction = direction;
+                      c.decode_prefix = decode_prefix;
+                      c.layerwise = layerwise;
+                      c.layers = layers;
+                      c.item_bytes = item;
+                      c.pages = pages;
+                      c.layout = layout;
+                      c.concurrency = conc;
+                      std::map<std::string, std::string> prefill;
+                      const std::vector<uint64_t> rx_before =
+                          g_cluster != nullptr ? DecodeRailRxBytes() : std::vector<uint64_t>{};
+                      const Options::RailFault* fault = g_cluster != nullptr &&
+                                                                o.rail_fault.rail >= 0 &&
+                                                                c.rails > o.rail_fault.rail
+                                                            ? &o.rail_fault
+                                                            : nullptr;
+                      auto decode = o.in_process
+                                        ? RunInProcess(c, &prefill)
+                                        : RunTwoProcesses(&c, &prefill, fault, o.stall_timeout_s);
+                      if (g_cluster != nullptr) {
+                        const std::vector<uint64_t> rx_after = DecodeRailRxBytes();
+                        if (!rx_before.empty() && rx_after.size() == rx_before.size()) {
+                          for (size_t i = 0; i < rx_after.size(); ++i) {
+                            c.rail_rx_bytes.push_back(rx_after[i] - rx_before[i]);
+                          }
                         }
                       }
-                    }
-                    const auto key = std::make_pair(decode_prefix, layerwise);
-                    if (!compared.count(key)) compared[key] = Compare(o, c);
-                    std::optional<RowFigures> reference, push;
-                    if (c.PrefixPages() > 0 && prefix0.count(layerwise)) {
-                      reference = prefix0[layerwise];
-                    }
-                    if (direction == pdlib::TransferDirection::kPull && push_rows.count(key)) {
-                      push = push_rows[key];
-                    }
-                    const auto rails_key = std::make_tuple(direction, decode_prefix, layerwise);
-                    std::optional<RailsBase> rails_base;
-                    if (rails != o.rails.front() && first_rails.count(rails_key)) {
-                      rails_base = first_rails[rails_key];
-                    }
-                    RowFigures figures;
-                    const bool ok = Report(o, c, decode, prefill, compared[key], first, reference,
-                                           push, rails_base, &figures);
-                    if (ok && rails == o.rails.front()) {
-                      first_rails[rails_key] = {rails, figures.gbps};
-                    }
-                    all_ok &= ok;
-                    first = false;
-                    if (decode_prefix && *decode_prefix == 0 && ok) prefix0[layerwise] = figures;
-                    if (direction == pdlib::TransferDirection::kPush && ok) {
-                      push_rows[key] = figures;
-                    }
-                    if (c.layer_compute_us > 0) {
-                      exposed[layerwise] = Num(decode, "exposed_mean");
-                      if (exposed.size() == 2 && exposed[false] > 0) {
-                        std::fprintf(o.json ? stderr : stdout,
-                                     "  exposed transfer with streaming / without: %.1f / %.1f us "
-                                     "= 1/%.1f\n",
-                                     exposed[true], exposed[false],
-                                     exposed[true] > 0 ? exposed[false] / exposed[true] : 0.0);
-                        exposed.clear();
+                      const auto key = std::make_pair(decode_prefix, layerwise);
+                      if (!compared.count(key)) compared[key] = Compare(o, c);
+                      std::optional<RowFigures> reference, push;
+                      if (c.PrefixPages() > 0 && prefix0.count(layerwise)) {
+                        reference = prefix0[layerwise];
+                      }
+                      if (direction == pdlib::TransferDirection::kPull && push_rows.count(key)) {
+                        push = push_rows[key];
+                      }
+                      const auto rails_key = std::make_tuple(direction, decode_prefix, layerwise);
+                      std::optional<RailsBase> rails_base;
+                      if (rails != o.rails.front() && first_rails.count(rails_key)) {
+                        rails_base = first_rails[rails_key];
+                      }
+                      RowFigures figures;
+                      const bool off = checksum == pdlib::KvChecksum::kOff;
+                      if (!off) reference.reset(), push.reset(), rails_base.reset();
+                      const bool ok = Report(o, c, decode, prefill, compared[key], first, reference,
+                                             push, rails_base, &figures);
+                      if (ok && rails == o.rails.front() && off) {
+                        first_rails[rails_key] = {rails, figures.gbps};
+                      }
+                      all_ok &= ok;
+                      first = false;
+                      if (off && decode_prefix && *decode_prefix == 0 && ok) {
+                        prefix0[layerwise] = figures;
+                      }
+                      if (off && direction == pdlib::TransferDirection::kPush && ok) {
+                        push_rows[key] = figures;
+                      }
+                      if (off && ok) checksum_off = figures;
+                      if (!off && ok && checksum_off && checksum_off->us_per_request > 0 &&
+                          checksum_off->mean_us > 0) {
+                        std::fprintf(
+                            o.json ? stderr : stdout,
+                            "  checksum %s vs off (this run): us/request %.1f / %.1f = %.4f; mean "
+                            "latency %.1f / %.1f us = %.4f; Gbit/s %.3f / %.3f\n",
+                            checksum == pdlib::KvChecksum::kAll ? "all" : "sampled",
+                            figures.us_per_request, checksum_off->us_per_request,
+                            figures.us_per_request / checksum_off->us_per_request, figures.mean_us,
+                            checksum_off->mean_us, figures.mean_us / checksum_off->mean_us,
+                            figures.gbps, checksum_off->gbps);
+                      }
+                      if (c.layer_compute_us > 0) {
+                        exposed[layerwise] = Num(decode, "exposed_mean");
+                        if (exposed.size() == 2 && exposed[false] > 0) {
+                          std::fprintf(
+                              o.json ? stderr : stdout,
+                              "  exposed transfer with streaming / without: %.1f / %.1f us "
+                              "= 1/%.1f\n",
+                              exposed[true], exposed[false],
+                              exposed[true] > 0 ? exposed[false] / exposed[true] : 0.0);
+                          exposed.clear();
+                        }
                       }
                     }
                   }

@@ -34,6 +34,7 @@ from ._enums import (
     StateType,
     StatusCode,
     TransferDirection,
+    KvChecksum,
 )
 from ._errors import (
     AbortedError,
@@ -160,6 +161,7 @@ __all__ = [
     'OutOfRangeError', 'ParallelConfig', 'PermissionDeniedError', 'ProcessGroup',
     'ResourceExhaustedError', 'StateFamily', 'StateType', 'StatusCode', 'TorchProcessGroup',
     'TransferDirection',
+    'KvChecksum',
     'UnauthenticatedError', 'UnavailableError', 'UnimplementedError', 'UnknownError',
     'allocate_kv_pool', 'buffer_address', 'builtin_backends', 'element_type_bytes', 'element_type_names',
     'get_log_level',

@@ -93,6 +93,15 @@ class TransferDirection(enum.IntEnum):
         return "pull" if self is TransferDirection.Pull else "push"
 
 
+class KvChecksum(enum.IntEnum):
+    """KV integrity (KVManagerOptions.checksum, the same on both sides; C++ pdlib::KvChecksum):
+    a CRC32C digest of what each transfer moved, checked where it landed before Success."""
+
+    Off = 0
+    Sampled = 1  # 1 room in checksum_sample_every
+    All = 2
+
+
 class StatusCode(enum.IntEnum):
     Ok = 0
     Cancelled = 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._enums import (ControlPlane, Discovery, KVLayout, MemoryKind, Mode, StateType,
+from ._enums import (ControlPlane, Discovery, KvChecksum, KVLayout, MemoryKind, Mode, StateType,
                      TransferDirection)
 from ._errors import InvalidArgumentError
 
@@ -271,6 +271,10 @@ class KVManagerOptions:
     # holds published pages for pull_lease seconds without word from decode (>= 1 s).
     direction: TransferDirection = TransferDirection.Push
     pull_lease: float = 30.0
+    # KV integrity (issue #42, README "KV integrity"): both sides must agree (the fingerprint
+    # carries it). A mismatch fails the room DATA_LOSS and marks its pages invalid.
+    checksum: KvChecksum = KvChecksum.Off
+    checksum_sample_every: int = 64
 
 
 def parse_bootstrap_address(address: Any) -> Tuple[str, int]:

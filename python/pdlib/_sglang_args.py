@@ -48,7 +48,22 @@ ENV_DOC: Dict[str, str] = {
     "PDLIB_SGLANG_TRANSFER_TIMEOUT": "seconds (pdlib's default 60)",
     "PDLIB_SGLANG_RELEASE_WAIT": "seconds clear() waits for pages another rank's failure left "
                                  "in flight (default 30)",
+    "PDLIB_SGLANG_CHECKSUM": "off | sampled | all: pdlib's end-to-end KV digest (default off; "
+                             "README \"KV integrity\"); the same on both sides",
+    "PDLIB_SGLANG_CHECKSUM_SAMPLE_EVERY": "with sampled: 1 request in this many (default 64)",
 }
+
+def checksum_setting(mode: str, every: str, what: str) -> Tuple[pdlib.KvChecksum, int]:
+    """pdlib's KV checksum setting from its text form ("off", "sampled", "all")."""
+    modes = {"off": pdlib.KvChecksum.Off, "sampled": pdlib.KvChecksum.Sampled,
+             "all": pdlib.KvChecksum.All}
+    key = str(mode).strip().lower()
+    if key not in modes:
+        raise ConfigError(f"{what}={mode!r}: off, sampled or all")
+    if not str(every).strip().isdigit() or int(every) < 1:
+        raise ConfigError(f"{what}: a sample of 1 in {every!r} requests: a whole number >= 1")
+    return modes[key], int(every)
+
 
 # SGLang's StateType values (base/conn.py) -> pdlib's kinds. The others have index layouts or TP
 # splits pdlib does not describe; a KVArgs that carries one is refused with the reason.
@@ -582,6 +597,9 @@ def build(args: Any, mode: str, server_args: Any, is_mla_backend: bool
     o.transfer_timeout = float(_get(s, "pdlib_transfer_timeout",
                                     env_float("PDLIB_SGLANG_TRANSFER_TIMEOUT",
                                               o.transfer_timeout)))
+    o.checksum, o.checksum_sample_every = checksum_setting(
+        env_str("PDLIB_SGLANG_CHECKSUM") or "off",
+        env_str("PDLIB_SGLANG_CHECKSUM_SAMPLE_EVERY") or "64", "PDLIB_SGLANG_CHECKSUM")
 
     layout = Layout(
         mode=mode, attn_tp_size=attn_tp, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank,

@@ -52,7 +52,7 @@ import numpy as np
 
 import pdlib
 from pdlib import _vllm_layout as _layout
-from pdlib._sglang_args import _local_ip
+from pdlib._sglang_args import _local_ip, checksum_setting
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import]
@@ -96,6 +96,9 @@ _EXTRA_KEYS = {
     "liveness_timeout": "seconds before a silent peer fails its requests; default 5",
     "connect_timeout": "seconds decode retries bootstrap lookups and connects; default 5",
     "auth_secret": "shared secret of every pdlib control-plane call; default none",
+    "checksum": "off | sampled | all: pdlib's end-to-end KV digest (README \"KV integrity\"); "
+                "default off; the same on both sides",
+    "checksum_sample_every": "with checksum sampled: 1 request in this many; default 64",
 }
 
 
@@ -116,6 +119,8 @@ class _Settings:
     liveness_timeout: float
     connect_timeout: float
     auth_secret: str
+    checksum: pdlib.KvChecksum = pdlib.KvChecksum.Off
+    checksum_sample_every: int = 64
 
     @classmethod
     def parse(cls, extra: Any, dp_rank: int) -> "_Settings":
@@ -166,9 +171,16 @@ class _Settings:
         secret = extra.get("auth_secret", "")
         if not isinstance(secret, str):
             raise _ConfigError("pdlib.vllm: auth_secret must be a string")
+        try:
+            checksum, every = checksum_setting(str(extra.get("checksum", "off")),
+                                               str(extra.get("checksum_sample_every", 64)),
+                                               "pdlib.vllm: checksum")
+        except ValueError as e:
+            raise _ConfigError(str(e)) from e
         return cls(backend, {str(k): str(v) for k, v in options.items()}, host,
                    port + dp_rank, listen, durations["pull_lease"],
-                   durations["liveness_timeout"], durations["connect_timeout"], secret)
+                   durations["liveness_timeout"], durations["connect_timeout"], secret,
+                   checksum, every)
 
     @property
     def bootstrap_address(self) -> str:
@@ -793,6 +805,8 @@ class _Worker:
         o.liveness_timeout = s.liveness_timeout
         o.connect_timeout = s.connect_timeout
         o.auth_secret = s.auth_secret
+        o.checksum = s.checksum
+        o.checksum_sample_every = s.checksum_sample_every
         return o
 
     # -- per step -------------------------------------------------------------------------

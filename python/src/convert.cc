@@ -441,6 +441,8 @@ pdlib::KVManagerOptions ToOptions(py::handle options) {
   out.etcd_tls_key_file = o.Str("etcd_tls_key_file");
   out.direction = o.Enum<pdlib::TransferDirection>("direction", 0, 1);
   out.pull_lease = o.Seconds("pull_lease");
+  out.checksum = o.Enum<pdlib::KvChecksum>("checksum", 0, 2);
+  out.checksum_sample_every = o.U32("checksum_sample_every");
   return out;
 }
 

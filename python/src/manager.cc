@@ -469,7 +469,9 @@ py::list PollAndAllReduce(py::sequence handles, py::object group) {
   X(quarantine_released_drained)   \
   X(quarantine_released_fenced)    \
   X(quarantine_released_gone)      \
-  X(fenced_connections)
+  X(fenced_connections)            \
+  X(rooms_checksummed)             \
+  X(checksum_mismatches)
 
 py::dict MetricsDict(const pdlib::KVManagerMetrics& m) {
   py::dict d;
@@ -477,6 +479,7 @@ py::dict MetricsDict(const pdlib::KVManagerMetrics& m) {
   PDLIB_PY_SCALAR_METRICS(PDLIB_PY_METRIC)
 #undef PDLIB_PY_METRIC
   d["failed_by_cause"] = m.failed_by_cause;
+  d["checksum_mismatches_by_peer"] = m.checksum_mismatches_by_peer;
   return d;
 }
 
@@ -491,6 +494,12 @@ pdlib::KVManagerMetrics MetricsFromDict(py::dict d) {
   if (d.contains("failed_by_cause")) {
     for (auto [k, v] : py::reinterpret_borrow<py::dict>(d["failed_by_cause"])) {
       m.failed_by_cause[py::str(k)] = ToU64(v, "metrics['failed_by_cause']");
+    }
+  }
+  if (d.contains("checksum_mismatches_by_peer")) {
+    for (auto [k, v] : py::reinterpret_borrow<py::dict>(d["checksum_mismatches_by_peer"])) {
+      m.checksum_mismatches_by_peer[py::str(k)] =
+          ToU64(v, "metrics['checksum_mismatches_by_peer']");
     }
   }
   return m;

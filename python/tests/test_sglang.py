@@ -429,6 +429,41 @@ def assert_room_check_catches(p: Pair, model: Model, seed: int) -> None:
 
 
 @needs_ucx
+@pytest.mark.parametrize("corrupt", [False, True], ids=["clean", "corrupted-in-flight"])
+def test_pdlib_kv_checksum_end_to_end(pair, monkeypatch, corrupt):
+    """pdlib's own KV digest (PDLIB_SGLANG_CHECKSUM=all, issue #42) under SGLang's schedulers,
+    TP 2 -> 1 with a mamba state: clean transfers all succeed with every byte right; with the
+    fake backend corrupting one op of every batch, every request fails at decode with pdlib's
+    DATA_LOSS through SGLang's failure path (failure_exception), none with wrong bytes."""
+    monkeypatch.setenv("PDLIB_SGLANG_CHECKSUM", "all")
+    if corrupt:
+        monkeypatch.setenv("PDLIB_SGLANG_BACKEND", "fake")
+        monkeypatch.setenv("PDLIB_SGLANG_BACKEND_OPTIONS", "fake.copy=true,fake.corrupt=page:1")
+    model = Model(layers=2, kv_heads=2, families=("mamba",))
+    reqs = specs(6, model, seed=21)
+    p = pair(model, prefill_tp=2, decode_tp=1)
+    d = p.run(reqs)
+    if not corrupt:
+        all_ok(p, reqs)
+        return
+    for s in reqs:
+        state, reason = d[s.room]
+        assert state == FAILED, (s, reason)
+        assert "KVTransferError" in reason and "DATA_LOSS" in reason, reason
+        assert "KV checksum mismatch" in reason, reason
+
+
+def test_pdlib_kv_checksum_setting_is_checked(monkeypatch):
+    """PDLIB_SGLANG_CHECKSUM takes off, sampled or all; anything else is refused by name."""
+    from pdlib._sglang_args import checksum_setting, ConfigError
+    assert checksum_setting("ALL", "64", "X") == (pdlib.KvChecksum.All, 64)
+    assert checksum_setting("sampled", "8", "X") == (pdlib.KvChecksum.Sampled, 8)
+    for mode, every in (("on", "64"), ("all", "0"), ("all", "x")):
+        with pytest.raises(ConfigError, match="X"):
+            checksum_setting(mode, every, "X")
+
+
+@needs_ucx
 @pytest.mark.parametrize("position", ["before", "after"])
 def test_kv_checksum_row_in_either_place_keeps_both_checks(pair, position):
     """SGLang's KV checksum row (set_kv_checksum / get_kv_checksum) before or after

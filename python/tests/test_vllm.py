@@ -391,6 +391,18 @@ def test_unknown_extra_config_key_is_refused_naming_it():
         e.close()
 
 
+def test_checksum_extra_config_reaches_the_manager_or_is_refused(connector_module):
+    """kv_connector_extra_config checksum (issue #42): off, sampled or all; a bad value is
+    refused naming it, a good one is the manager's KVManagerOptions.checksum."""
+    _ConfigError, _Settings = connector_module._ConfigError, connector_module._Settings
+    s = _Settings.parse({"checksum": "sampled", "checksum_sample_every": 4}, 0)
+    kinds = connector_module.pdlib.KvChecksum
+    assert (s.checksum, s.checksum_sample_every) == (kinds.Sampled, 4)
+    assert _Settings.parse({}, 0).checksum == kinds.Off
+    with pytest.raises(_ConfigError, match="checksum"):
+        _Settings.parse({"checksum": "yes"}, 0)
+
+
 # -- in this process: the stand-in on sys.path ------------------------------------------------
 
 
