@@ -43,8 +43,9 @@ TEST_CASE("crc32c: the standard check value") {
 TEST_CASE("crc32c: every path equals the bitwise definition, any length and alignment") {
   const auto data = Random(3 * 4096 * 2 + 3 * 256 + 77, 1);
   for (size_t offset : std::initializer_list<size_t>{0, 1, 3, 7}) {
-    for (size_t n : std::initializer_list<size_t>{0, 1, 7, 8, 9, 63, 255, 767, 768, 769, 3 * 4096 - 1, 3 * 4096, 3 * 4096 + 13,
-                     data.size() - 7}) {
+    for (size_t n :
+         std::initializer_list<size_t>{0, 1, 7, 8, 9, 63, 255, 767, 768, 769, 3 * 4096 - 1,
+                                       3 * 4096, 3 * 4096 + 13, data.size() - 7}) {
       const uint32_t want = BitwiseRaw(0x1234u, data.data() + offset, n);
       INFO("offset " << offset << " length " << n);
       CHECK(Crc32cRaw(0x1234u, data.data() + offset, n) == want);

@@ -225,10 +225,9 @@ struct Pair {
           for (uint64_t tok = 0; tok < kPageTokens; ++tok) {
             for (size_t t = 0; t < prefill.size(); ++t) {
               const uint8_t* want = prefill[t].kv[b].data() +
-                                    src[k + prefix_pages] * prefill[t].page_bytes() +
-                                    tok * per;
-              const uint8_t* got = decode.kv[b].data() + dst[k] * db + tok * (db / kPageTokens) +
-                                   t * per;
+                                    src[k + prefix_pages] * prefill[t].page_bytes() + tok * per;
+              const uint8_t* got =
+                  decode.kv[b].data() + dst[k] * db + tok * (db / kPageTokens) + t * per;
               REQUIRE(std::memcmp(want, got, per) == 0);
             }
           }
@@ -274,8 +273,8 @@ TEST_CASE("kv integrity: a decode prefix: only the pages after it are covered") 
 
 TEST_CASE("kv integrity: corruption in flight never reaches Success, and is narrowed down") {
   auto dir = GENERATE(pdlib::TransferDirection::kPush, pdlib::TransferDirection::kPull);
-  const std::string kind = GENERATE(std::string("byte"), std::string("page"),
-                                    std::string("misplace"));
+  const std::string kind =
+      GENERATE(std::string("byte"), std::string("page"), std::string("misplace"));
   INFO((dir == pdlib::TransferDirection::kPull ? "pull " : "push ") << kind);
   Setup s;
   s.direction = dir;

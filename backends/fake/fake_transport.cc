@@ -10,7 +10,8 @@
 //                      per kind K: `byte` flips one byte of one op, `page` overwrites one op's
 //                      bytes, `misplace` lands one op one op-length further on in its region
 //                      (the intended bytes stay as they were). At most one per batch; each is
-//                      logged and counted (FakeCorruptionsInjected), for KV integrity tests. Used for warm-up, control-plane tests
+//                      logged and counted (FakeCorruptionsInjected), for KV integrity tests. Used
+//                      for warm-up, control-plane tests
 // and benchmarks of everything except the wire. Its API side is the transport toolkit's
 // (backends/common/tables.h): the same region and peer tables and the same checks of every op
 // as ucx and verbs; it has no wire, so it keeps a plain condition-variable thread of its own.
@@ -155,8 +156,8 @@ class FakeTransport final : public spi::Transport {
       return Status::InvalidArgument("fake: cannot register an empty region");
     }
     std::lock_guard lock(mu_);
-    spi::LocalRegionId id = local_regions_.Add(
-        LocalRegion{region.length, reinterpret_cast<uint64_t>(region.addr)});
+    spi::LocalRegionId id =
+        local_regions_.Add(LocalRegion{region.length, reinterpret_cast<uint64_t>(region.addr)});
     if (key_blob) *key_blob = EncodeU64Pair(kEndpointMagic + 1, id);
     return id;
   }
@@ -323,9 +324,7 @@ class FakeTransport final : public spi::Transport {
           to[std::uniform_int_distribution<uint64_t>(0, c.length - 1)(rng_)] ^= 0x5A;
           break;
         }
-        case Fault::kPage:
-          std::memset(to, 0xA5, c.length);
-          break;
+        case Fault::kPage: std::memset(to, 0xA5, c.length); break;
         case Fault::kMisplace: {
           // One op-length further on, wrapping inside the region (a different place whenever
           // the region holds two such ops).

@@ -106,8 +106,7 @@ __attribute__((target("sse4.2"))) uint32_t Sse42(uint32_t crc, const uint8_t* p,
 }
 #elif defined(__aarch64__)
 template <size_t kBlock>
-__attribute__((target("+crc"))) uint32_t ThreeStreams(uint32_t crc, const uint8_t*& p,
-                                                      size_t& n) {
+__attribute__((target("+crc"))) uint32_t ThreeStreams(uint32_t crc, const uint8_t*& p, size_t& n) {
   const Joiners<kBlock>& j = JoinersFor<kBlock>();
   while (n >= 3 * kBlock) {
     uint32_t a = crc, b = 0, c = 0;

@@ -397,9 +397,9 @@ Status DecodeCore::InitRoom(uint64_t room_id, const ReceiveRequest& request) {
     room->info.decode_prefix_len = request.decode_prefix_len;
     room->info.required_dst_info_num = 1;
     if (room->digested) {
-      room->digest_expected = KvDigest::Empty(local_.kv.descs.size(), pages.size(),
-                                              local_.aux.descs.size(), local_.state.descs.size(),
-                                              layout_.Families().size());
+      room->digest_expected =
+          KvDigest::Empty(local_.kv.descs.size(), pages.size(), local_.aux.descs.size(),
+                          local_.state.descs.size(), layout_.Families().size());
     }
     bound = !room->prefills.empty();
   }
@@ -459,9 +459,9 @@ void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
                                        msg.room, from.tp_rank, from.pp_rank))
                                  : room->digest_expected->Merge(*msg.digest);
       if (!digest_error.ok()) {
-        digest_error = Status::DataLoss(absl::StrFormat(
-            "room %d: the KV digest from prefill tp %d pp %d: %s", msg.room, from.tp_rank,
-            from.pp_rank, digest_error.message()));
+        digest_error = Status::DataLoss(
+            absl::StrFormat("room %d: the KV digest from prefill tp %d pp %d: %s", msg.room,
+                            from.tp_rank, from.pp_rank, digest_error.message()));
       }
     }
     room->statuses_ok.push_back(from);
@@ -504,11 +504,11 @@ Status DecodeCore::CheckDigest(Room& room) {
   auto landed = DigestLanded(digest_mine_, info.dst_kv_pages, info.aux_index,
                              {families, info.dst_state_indices, info.dst_state_counts}, expected);
   if (!landed.ok()) {
-    return Status::DataLoss(absl::StrFormat("room %d: KV digest: %s", room.state->room(),
-                                            landed.status().message()));
+    return Status::DataLoss(
+        absl::StrFormat("room %d: KV digest: %s", room.state->room(), landed.status().message()));
   }
-  if (landed->kv == expected.kv && landed->pages == expected.pages &&
-      landed->aux == expected.aux && landed->state == expected.state) {
+  if (landed->kv == expected.kv && landed->pages == expected.pages && landed->aux == expected.aux &&
+      landed->state == expected.state) {
     return Status::OK();
   }
   const int32_t layers = std::max(1, layout_.engine_layers());

@@ -173,7 +173,7 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   Mutex transport_mu_;
   std::unique_ptr<spi::Transport> transport_;
   RegisteredBuffers local_;
-  DigestMemory digest_mine_;  // local_, for KV digests
+  DigestMemory digest_mine_;          // local_, for KV digests
   std::vector<uint64_t> state_caps_;  // per state family: items every buffer of it holds
   FailureInjector injector_;
   int32_t aux_room_buffer_ = -1;  // aux buffer holding bootstrap_room; -1: no check

@@ -104,17 +104,16 @@ void DecodeCore::OnReadReady(const std::string& key, const ReadReadyMsg& msg) {
   thread_local planner::PlanOutput out;
   uint64_t dst_begin = 0, dst_end = 0;
   bool final = false;
-  Status planned =
-      PlanPublishedChunk(source->plan, info, msg, &out, &dst_begin, &dst_end, &final);
+  Status planned = PlanPublishedChunk(source->plan, info, msg, &out, &dst_begin, &dst_end, &final);
   if (planned.ok() && room->digested) {
     // KV integrity: what prefill says this chunk offers this rank.
     MutexLock lock(&room->mu);
-    planned = !msg.digest ? Status::FailedPrecondition(absl::StrFormat(
-                                "room %d: a ReadReady without a KV digest (prefill's checksum "
-                                "setting differs from this rank's?)",
-                                msg.room))
-          : !room->digest_expected ? Status::FailedPrecondition("a ReadReady before Init()")
-                                   : room->digest_expected->Merge(*msg.digest);
+    planned = !msg.digest              ? Status::FailedPrecondition(absl::StrFormat(
+                                             "room %d: a ReadReady without a KV digest (prefill's checksum "
+                                                          "setting differs from this rank's?)",
+                                             msg.room))
+              : !room->digest_expected ? Status::FailedPrecondition("a ReadReady before Init()")
+                                       : room->digest_expected->Merge(*msg.digest);
     if (!planned.ok()) planned = Status::DataLoss(std::string(planned.message()));
   }
   if (!planned.ok()) {

@@ -49,8 +49,8 @@ std::string Shape(const KvDigest& d) {
 }  // namespace
 
 uint32_t DigestPageGroup(uint64_t pages) {
-  return static_cast<uint32_t>(std::max<uint64_t>(1, (pages + kMaxDigestColumns - 1) /
-                                                         kMaxDigestColumns));
+  return static_cast<uint32_t>(
+      std::max<uint64_t>(1, (pages + kMaxDigestColumns - 1) / kMaxDigestColumns));
 }
 
 KvDigest KvDigest::Empty(size_t kv_buffers, uint64_t request_pages, size_t aux_buffers,
@@ -144,15 +144,13 @@ Status AddWritesToDigest(std::span<const planner::PlannedWrite> writes, const Di
       }
       case RegionKind::kAux:
         if (digest->aux_row >= 0 && static_cast<uint64_t>(digest->aux_row) != cell.index) {
-          return Status::InvalidArgument(absl::StrFormat(
-              "KV digest: aux writes to slots %d and %d", digest->aux_row, cell.index));
+          return Status::InvalidArgument(absl::StrFormat("KV digest: aux writes to slots %d and %d",
+                                                         digest->aux_row, cell.index));
         }
         digest->aux_row = static_cast<int64_t>(cell.index);
         digest->aux[cell.buffer] ^= v;
         break;
-      case RegionKind::kState:
-        digest->state[cell.buffer] ^= v;
-        break;
+      case RegionKind::kState: digest->state[cell.buffer] ^= v; break;
     }
     return Status::OK();
   };
@@ -222,8 +220,8 @@ Status FillStateSpans(const planner::PairPlan& plan, const planner::TailInput& t
 StatusOr<KvDigest> DigestLanded(const DigestMemory& mine, std::span<const int32_t> dst_pages,
                                 std::optional<uint32_t> aux_index, const DigestedFamilies& state,
                                 const KvDigest& expected) {
-  KvDigest d = KvDigest::Empty(mine.kv.size(), dst_pages.size(), mine.aux.size(),
-                               mine.state.size(), state.families.size());
+  KvDigest d = KvDigest::Empty(mine.kv.size(), dst_pages.size(), mine.aux.size(), mine.state.size(),
+                               state.families.size());
   if (!d.SameShape(expected)) {
     return Status::InvalidArgument(absl::StrFormat(
         "prefill's KV digest has shape %s, this rank's is %s", Shape(expected), Shape(d)));
@@ -257,8 +255,8 @@ StatusOr<KvDigest> DigestLanded(const DigestMemory& mine, std::span<const int32_
   const bool one_list = counted != state.lists.size();
   size_t list_at = 0;
   for (size_t f = 0; f < state.families.size(); ++f) {
-    const uint32_t listed = f < state.counts.size() ? state.counts[f]
-                                                    : static_cast<uint32_t>(state.lists.size());
+    const uint32_t listed =
+        f < state.counts.size() ? state.counts[f] : static_cast<uint32_t>(state.lists.size());
     const auto [first, count] = expected.state_spans[f];
     if (static_cast<uint64_t>(first) + count > listed || list_at + listed > state.lists.size()) {
       return Status::InvalidArgument(absl::StrFormat(
@@ -303,8 +301,8 @@ std::string DescribeDigestMismatch(const KvDigest& expected, const KvDigest& lan
     for (uint64_t p = begin; p < end; ++p) bad_positions->push_back(p);
     // Adjacent columns read as one range.
     if (!ranges.empty() && c > 0 && expected.pages[c - 1] != landed.pages[c - 1]) {
-      ranges.back() = ranges.back().substr(0, ranges.back().find(',') + 2) +
-                      absl::StrFormat("%d)", end);
+      ranges.back() =
+          ranges.back().substr(0, ranges.back().find(',') + 2) + absl::StrFormat("%d)", end);
     } else {
       ranges.push_back(absl::StrFormat("[%d, %d)", begin, end));
     }

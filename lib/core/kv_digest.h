@@ -39,12 +39,12 @@ inline constexpr uint32_t kMaxDigestColumns = 64;
 uint32_t DigestPageGroup(uint64_t pages);
 
 struct KvDigest {
-  uint32_t page_group = 1;       // request pages per column
-  std::vector<uint32_t> kv;      // per decode KV buffer
-  std::vector<uint32_t> pages;   // per column: request pages [c * page_group, (c + 1) * page_group)
-  std::vector<uint32_t> aux;     // per decode aux buffer
-  int64_t aux_row = -1;          // decode's metadata slot the sender wrote (-1: none)
-  std::vector<uint32_t> state;   // per decode state buffer
+  uint32_t page_group = 1;      // request pages per column
+  std::vector<uint32_t> kv;     // per decode KV buffer
+  std::vector<uint32_t> pages;  // per column: request pages [c * page_group, (c + 1) * page_group)
+  std::vector<uint32_t> aux;    // per decode aux buffer
+  int64_t aux_row = -1;         // decode's metadata slot the sender wrote (-1: none)
+  std::vector<uint32_t> state;  // per decode state buffer
   // Per decode state family: the positions [first, first + count) of decode's index list of the
   // family that the digest covers (what the sender wrote; 0, 0 when it wrote none).
   std::vector<std::pair<uint32_t, uint32_t>> state_spans;

@@ -148,10 +148,8 @@ void DeregisterBuffers(spi::Transport& transport, const RegisteredBuffers& buffe
 
 std::string ChecksumSetting(const KVManagerOptions& options) {
   switch (options.checksum) {
-    case KvChecksum::kOff:
-      return "off";
-    case KvChecksum::kAll:
-      return "all";
+    case KvChecksum::kOff: return "off";
+    case KvChecksum::kAll: return "all";
     case KvChecksum::kSampled:
       return options.checksum_sample_every <= 1
                  ? "all"
@@ -174,10 +172,9 @@ bool ChecksumRoom(const KVManagerOptions& options, uint64_t room) {
 
 DigestMemory DigestMemoryOf(const RegisteredBuffers& buffers) {
   DigestMemory m;
-  for (auto [descs, addr, item] :
-       {std::tuple{&buffers.kv.descs, &m.kv, &m.kv_item},
-        std::tuple{&buffers.aux.descs, &m.aux, &m.aux_item},
-        std::tuple{&buffers.state.descs, &m.state, &m.state_item}}) {
+  for (auto [descs, addr, item] : {std::tuple{&buffers.kv.descs, &m.kv, &m.kv_item},
+                                   std::tuple{&buffers.aux.descs, &m.aux, &m.aux_item},
+                                   std::tuple{&buffers.state.descs, &m.state, &m.state_item}}) {
     for (const RegionDesc& d : *descs) {
       addr->push_back(d.addr);
       item->push_back(d.item_len);

@@ -177,7 +177,7 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   std::unique_ptr<spi::Transport> transport_;
   planner::SideLayout layout_;  // this rank, as the planner sees it
   RegisteredBuffers local_;
-  DigestMemory digest_src_;  // local_, for KV digests
+  DigestMemory digest_src_;           // local_, for KV digests
   std::vector<uint64_t> state_caps_;  // per state family: items every buffer of it holds
   FailureInjector injector_;
   RoomTable rooms_;

@@ -205,8 +205,11 @@ void PrefillCore::OnTransferInfo(const TransferInfoMsg& msg) {
   if (!refused.ok()) return reject(std::move(refused));
   if (room->state->Poll() == KVPoll::kFailed) {
     // Failed before this decode rank was known (abort, timeout): tell it now.
-    peer->link->SendStatus({msg.room, options_.args.parallel.tp_rank,
-                            options_.args.parallel.pp_rank, room->state->FailureReason(), {}});
+    peer->link->SendStatus({msg.room,
+                            options_.args.parallel.tp_rank,
+                            options_.args.parallel.pp_rank,
+                            room->state->FailureReason(),
+                            {}});
     return;
   }
   if (ready && room->state->Advance(KVPoll::kWaitingForInput)) {

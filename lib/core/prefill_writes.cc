@@ -201,8 +201,8 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
   struct Target {
     std::shared_ptr<Peer> peer;
     std::vector<int32_t> dst;
-    size_t info = 0;                // its entry in room->infos
-    std::vector<int32_t> dst_all;   // digested rooms: every page of its request
+    size_t info = 0;               // its entry in room->infos
+    std::vector<int32_t> dst_all;  // digested rooms: every page of its request
   };
   std::vector<Target> targets;
   std::optional<Status> gone;
@@ -212,11 +212,11 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
     for (size_t i = 0; i < room->infos.size() && !gone; ++i) {
       if (room->infos[i].is_dummy || !room->peers[i]->plan.active) continue;
       const auto& dst = room->infos[i].dst_kv_pages;
-      targets.push_back({room->peers[i],
-                         std::vector<int32_t>(dst.begin() + chunk.dst_offset,
-                                              dst.begin() + chunk.dst_offset +
-                                                  chunk.src_pages.size()),
-                         i, room->digested ? dst : std::vector<int32_t>{}});
+      targets.push_back(
+          {room->peers[i],
+           std::vector<int32_t>(dst.begin() + chunk.dst_offset,
+                                dst.begin() + chunk.dst_offset + chunk.src_pages.size()),
+           i, room->digested ? dst : std::vector<int32_t>{}});
     }
     // One batch per decode rank; every layer's writes of the chunk go in it (SPEC R5.3). The
     // chunk was counted once when queued; each batch ends with one OnBatchDone.
@@ -436,9 +436,8 @@ Status PrefillCore::DigestTail(const Peer& peer, const TransferInfoMsg& info,
                                std::span<const planner::PlannedWrite> writes,
                                KvDigest* digest) const {
   KvDigest part = EmptyDigestFor(peer, info);
-  Status s =
-      AddWritesToDigest(writes, digest_src_, peer.digest_items, PagePositions(info.dst_kv_pages),
-                        &part);
+  Status s = AddWritesToDigest(writes, digest_src_, peer.digest_items,
+                               PagePositions(info.dst_kv_pages), &part);
   if (!s.ok()) return s;
   if (Status st = FillStateSpans(peer.plan, tail, &part); !st.ok()) return st;
   return digest->Merge(part);

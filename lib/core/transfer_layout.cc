@@ -232,9 +232,9 @@ Status PlanPublishedChunk(const planner::PairPlan& plan, const TransferInfoMsg& 
         info.dst_kv_pages.size()));
   }
   if (msg.layer_end > plan.prefill_layers || msg.layer_begin >= msg.layer_end) {
-    return Status::OutOfRange(absl::StrFormat("room %d: prefill published layers [%d, %d) of its %d",
-                                              msg.room, msg.layer_begin, msg.layer_end,
-                                              plan.prefill_layers));
+    return Status::OutOfRange(
+        absl::StrFormat("room %d: prefill published layers [%d, %d) of its %d", msg.room,
+                        msg.layer_begin, msg.layer_end, plan.prefill_layers));
   }
   // The prompt pages decode holds in its prefix are not read.
   const uint64_t skip =
