@@ -18,6 +18,7 @@
 #include "pdlib/backends.h"
 #include "pdlib/kv_manager.h"
 #include "pdlib/metadata_buffers.h"
+#include "test/support/test_wait.h"
 
 namespace {
 
@@ -30,22 +31,8 @@ uint16_t NextPort() {
   return next++;
 }
 
-bool HaveUcx() {
-  for (const auto& b : pdlib::BuiltinBackends()) {
-    if (b == "ucx") return true;
-  }
-  return false;
-}
-
-template <typename Pred>
-bool WaitFor(Pred pred, std::chrono::milliseconds limit = 10000ms) {
-  auto end = std::chrono::steady_clock::now() + limit;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > end) return false;
-    std::this_thread::sleep_for(200us);
-  }
-  return true;
-}
+using pdlib_test::WaitFor;
+bool HaveUcx() { return pdlib_test::HaveBackend("ucx"); }
 
 constexpr uint32_t kPageTokens = 4;
 constexpr int32_t kHeads = 4, kHeadBytes = 8, kLayers = 2;

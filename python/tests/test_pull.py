@@ -54,7 +54,8 @@ def test_direction_enum_and_options_defaults():
     o = pdlib.KVManagerOptions()
     assert o.direction is pdlib.TransferDirection.Push and o.pull_lease == 30.0
     names = [f.name for f in dataclasses.fields(pdlib.KVManagerOptions)]
-    assert names[-2:] == ["direction", "pull_lease"]  # last: positional options keep meaning
+    # Added options come after the older ones: positional options keep their meaning.
+    assert names[-4:] == ["direction", "pull_lease", "checksum", "checksum_sample_every"]
 
 
 def test_bad_direction_and_lease_are_refused_naming_the_field():
