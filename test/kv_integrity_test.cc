@@ -146,7 +146,7 @@ struct Pair {
   // One request: `dst` pages on decode (after a prefix of `prefix_pages` pages), prefill's
   // `src` pages, aux slot 2 -> 3, and with families a mamba slot and the swa pages.
   Outcome Run(uint64_t room, std::vector<int32_t> src, std::vector<int32_t> dst,
-              uint32_t prefix_pages = 0) {
+              uint32_t prefix_pages = 0, bool layerwise = false) {
     Fill(room, src);
     auto recv = decode.manager->CreateReceiver({"127.0.0.1", port}, room);
     REQUIRE(recv.ok());
@@ -190,6 +190,15 @@ struct Pair {
       if (setup.families) st = {src_state, src_counts};
       // Two chunks: the first page, then the rest.
       std::span<const int32_t> all(send);
+      if (layerwise) {  // each chunk announced a layer at a time (SendLayers)
+        for (int32_t layers = 1; layers <= kLayers; ++layers) {
+          REQUIRE(senders[t]->SendLayersStates(all.subspan(0, 1), layers, false, {}).ok());
+        }
+        for (int32_t layers = 1; layers <= kLayers; ++layers) {
+          REQUIRE(senders[t]->SendLayersStates(all.subspan(1), layers, true, st).ok());
+        }
+        continue;
+      }
       REQUIRE(senders[t]->SendStates(all.subspan(0, 1), false, {}).ok());
       REQUIRE(senders[t]->SendStates(all.subspan(1), true, st).ok());
     }
@@ -256,6 +265,25 @@ TEST_CASE("kv integrity: a decode prefix: only the pages after it are covered") 
   auto out = pair.Run(200, {1, 2, 3, 5}, {8, 9}, 2);
   INFO(out.reason);
   CHECK(out.decode == KVPoll::kSuccess);
+}
+
+TEST_CASE("kv integrity: layer-wise streaming: each layer's batch digested, the room whole") {
+  auto dir = GENERATE(pdlib::TransferDirection::kPush, pdlib::TransferDirection::kPull);
+  Setup s;
+  s.direction = dir;
+  s.families = true;
+  Pair pair(s, 2);
+  for (uint64_t room = 250; room < 253; ++room) {
+    auto out = pair.Run(room, {1, 2, 3}, {7, 12, 4}, 0, true);
+    INFO(out.reason);
+    CHECK(out.decode == KVPoll::kSuccess);
+  }
+  Setup bad = s;
+  bad.corrupt = "byte:1";
+  Pair corrupt(bad, 1);
+  auto out = corrupt.Run(260, {1, 2, 3}, {7, 12, 4}, 0, true);
+  CHECK(out.decode == KVPoll::kFailed);
+  CHECK(out.reason.find("KV checksum mismatch") != std::string::npos);
 }
 
 TEST_CASE("kv integrity: corruption in flight never reaches Success, and is narrowed down") {
