@@ -45,6 +45,7 @@ struct Setup {
   pdlib::KvChecksum checksum = pdlib::KvChecksum::kAll;
   uint32_t sample_every = 64;
   bool families = false;
+  double inject = 0;  // failure injection stage `corrupt`, through the real transport
 };
 
 // One rank: K and V pools per layer ([token][head][byte], NHD: heads slice per token), the
@@ -78,6 +79,10 @@ pdlib::Status Start(Rank& r, pdlib::Mode mode, uint16_t bootstrap, const Setup& 
   o.direction = s.direction;
   o.checksum = checksum;
   o.checksum_sample_every = s.sample_every;
+  if (s.inject > 0) {
+    o.failure_injection_prob = s.inject;
+    o.failure_injection_stages = "corrupt";
+  }
   pdlib::KVArgs& a = o.args;
   for (auto& buf : r.kv) {
     a.kv.ptrs.push_back(reinterpret_cast<uint64_t>(buf.data()));
@@ -400,4 +405,36 @@ TEST_CASE("kv integrity over ucx (shared memory): no false alarm, push and pull"
     CHECK(out.decode == KVPoll::kSuccess);
   }
   CHECK(pair.decode.manager->metrics().checksum_mismatches == 0);
+}
+
+TEST_CASE("kv integrity over ucx: corruption through the real transport is caught, each time") {
+  if (!HaveUcx()) {
+    WARN("skipped: this build has no ucx backend");
+    return;
+  }
+  auto dir = GENERATE(pdlib::TransferDirection::kPush, pdlib::TransferDirection::kPull);
+  INFO((dir == pdlib::TransferDirection::kPull ? "pull" : "push"));
+  Setup s;
+  s.backend = "ucx";
+  s.direction = dir;
+  s.families = true;
+  s.inject = 0.3;
+  Pair pair(s, 2);
+  auto injected = [&] {
+    uint64_t n = pair.decode.manager->metrics().corruptions_injected;
+    for (auto& p : pair.prefill) n += p.manager->metrics().corruptions_injected;
+    return n;
+  };
+  int hit = 0;
+  for (uint64_t room = 700; room < 716; ++room) {
+    const uint64_t before = injected();
+    auto out = pair.Run(room, {1, 2, 3}, {7, 12, 4});
+    const bool corrupted = injected() > before;
+    hit += corrupted ? 1 : 0;
+    INFO("room " << room << ": " << out.reason);
+    CHECK((out.decode == KVPoll::kFailed) == corrupted);
+    if (corrupted) CHECK(out.reason.find("KV checksum mismatch") != std::string::npos);
+  }
+  CHECK(hit > 0);
+  CHECK(pair.decode.manager->metrics().checksum_mismatches == static_cast<uint64_t>(hit));
 }

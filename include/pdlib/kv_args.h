@@ -312,8 +312,12 @@ struct KVManagerOptions {
   //   chunk          prefill fails a chunk instead of writing it
   //   aux, state     prefill fails the aux / state writes after the last chunk
   //   status         prefill fails a request whose bytes are written instead of reporting it
+  //   corrupt        not a failure: one op of a KV batch moves its bytes shifted by one (push:
+  //                  prefill's write, pull: decode's read), so wrong bytes land; with a
+  //                  checksum the room fails DATA_LOSS, without one it succeeds wrong. Not in
+  //                  "all"; counted in metrics().corruptions_injected
   // Empty: read PDLIB_TEST_FAILURE_STAGES from the environment; unset or empty there: "chunk".
-  // "all" names every stage. An unknown name is an error naming it.
+  // "all" names every stage but corrupt. An unknown name is an error naming it.
   std::string failure_injection_stages;
 
   // Where prefill ranks publish their addresses and decode finds them (gRPC control plane).

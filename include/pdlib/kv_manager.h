@@ -244,6 +244,9 @@ struct KVManagerMetrics {
   // for each of them: the digest cannot tell whose bytes went wrong).
   uint64_t rooms_checksummed = 0;
   uint64_t checksum_mismatches = 0;
+  // Failure injection stage `corrupt` (failure_injection_stages): KV batches this rank moved
+  // wrong on purpose.
+  uint64_t corruptions_injected = 0;
   std::map<std::string, uint64_t> checksum_mismatches_by_peer;
 };
 

@@ -124,6 +124,14 @@ void DecodeCore::OnReadReady(const std::string& key, const ReadReadyMsg& msg) {
   std::vector<spi::ReadOp> ops;
   AppendReads(out.writes, {local_.kv.ids, local_.aux.ids, local_.state.ids},
               {source->kv, source->aux, source->state}, &ops);
+  if (!ops.empty() && injector_.Roll(FailureStage::kCorrupt) && !room->corrupted.exchange(true) &&
+      CorruptOneOp(&ops, true)) {
+    counters_.Add(counters_.corrupted);
+    PDLIB_LOG(kWarning,
+              "decode: room %d: injected corruption (stage corrupt): one read of the "
+              "chunk lands its bytes shifted by one",
+              msg.room);
+  }
   const uint32_t layers = static_cast<uint32_t>(msg.layer_end - msg.layer_begin);
   const uint64_t bytes = out.bytes;
   bool counted = true;

@@ -3,6 +3,7 @@
 #ifndef PDLIB_LIB_CORE_DECODE_TYPES_H_
 #define PDLIB_LIB_CORE_DECODE_TYPES_H_
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -56,6 +57,7 @@ struct DecodeCore::Room {
   // KV integrity: whether the room is digested (KVManagerOptions::checksum), the XOR of what
   // its writers said they moved (set at Init), and the pages a mismatch showed bad.
   bool digested = false;
+  std::atomic<bool> corrupted{false};  // failure injection `corrupt` struck it (once a room)
   std::optional<KvDigest> digest_expected ABSL_GUARDED_BY(mu);
   std::vector<int32_t> corrupt_pages ABSL_GUARDED_BY(mu);
 };

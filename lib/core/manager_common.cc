@@ -146,6 +146,17 @@ void DeregisterBuffers(spi::Transport& transport, const RegisteredBuffers& buffe
   }
 }
 
+bool CorruptOneOp(std::vector<spi::WriteOp>* ops, bool source_is_remote) {
+  spi::WriteOp* longest = nullptr;
+  for (spi::WriteOp& op : *ops) {
+    if (op.length >= 2 && (!longest || op.length > longest->length)) longest = &op;
+  }
+  if (!longest) return false;
+  (source_is_remote ? longest->remote_offset : longest->local_offset) += 1;
+  longest->length -= 1;
+  return true;
+}
+
 std::string ChecksumSetting(const KVManagerOptions& options) {
   switch (options.checksum) {
     case KvChecksum::kOff: return "off";
@@ -213,6 +224,7 @@ constexpr std::pair<FailureStage, const char*> kStageNames[] = {
     {FailureStage::kAux, "aux"},
     {FailureStage::kState, "state"},
     {FailureStage::kStatus, "status"},
+    {FailureStage::kCorrupt, "corrupt"},
 };
 }  // namespace
 
@@ -229,7 +241,10 @@ StatusOr<uint32_t> ParseFailureStages(std::string_view stages) {
                                                absl::SkipWhitespace())) {
     part = absl::StripAsciiWhitespace(part);
     if (part == "all") {
-      for (auto [s, name] : kStageNames) mask |= static_cast<uint32_t>(s);
+      // Every stage that fails a request; `corrupt` (wrong bytes, not a failure) only by name.
+      for (auto [s, name] : kStageNames) {
+        if (s != FailureStage::kCorrupt) mask |= static_cast<uint32_t>(s);
+      }
       continue;
     }
     bool found = false;
@@ -242,7 +257,7 @@ StatusOr<uint32_t> ParseFailureStages(std::string_view stages) {
     if (!found) {
       return Status::InvalidArgument(absl::StrFormat(
           "failure injection stage '%s' is not one of bootstrap, register, transfer_info, chunk, "
-          "aux, state, status, all",
+          "aux, state, status, corrupt, all",
           part));
     }
   }
@@ -312,6 +327,7 @@ void MetricCounters::FillInto(KVManagerMetrics* m, const RoomTable& rooms) const
   m->transfer_latency_us_sum = get(latency_us_sum);
   m->transfer_latency_count = m->rooms_succeeded;
   m->rooms_checksummed = get(checksummed);
+  m->corruptions_injected = get(corrupted);
   {
     MutexLock lock(&causes_mu_);
     m->failed_by_cause = failed_by_cause_;

@@ -74,6 +74,11 @@ enum class FailureStage : uint32_t {
   kAux = 1u << 4,
   kState = 1u << 5,
   kStatus = 1u << 6,
+  // Not a failure: one op of a KV batch moves the bytes one further on (push: prefill's write,
+  // pull: decode's read), through the real transport, so the bytes that land are wrong (KV
+  // integrity tests and pdlib-chaos). At most once a room per rank; counted in
+  // metrics().corruptions_injected.
+  kCorrupt = 1u << 7,
 };
 const char* FailureStageName(FailureStage stage);
 // Parses a comma-separated stage list ("all": every stage); kInvalidArgument names a bad entry.
@@ -98,6 +103,12 @@ class FailureInjector {
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_){std::random_device{}()};
 };
 
+// Failure injection stage `corrupt`: moves the longest op of `ops` (at least 2 bytes) one byte
+// further on at its source, so its destination gets its neighbour's bytes (and its last byte
+// stays as it was). `source_is_remote`: reads (the op's remote side is the source). False when
+// no op can be shifted.
+bool CorruptOneOp(std::vector<spi::WriteOp>* ops, bool source_is_remote);
+
 // Counters behind KVManagerMetrics; relaxed atomics: metrics are statistics, not
 // synchronisation.
 struct MetricCounters {
@@ -106,6 +117,7 @@ struct MetricCounters {
   std::atomic<uint64_t> bytes{0}, pages{0}, batches{0};
   std::atomic<uint64_t> latency_us_sum{0};
   std::atomic<uint64_t> checksummed{0};  // rooms digested (KVManagerOptions::checksum)
+  std::atomic<uint64_t> corrupted{0};    // failure injection stage `corrupt`
 
   void Add(std::atomic<uint64_t>& c, uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
   // Counts a room that just failed (call only for the Fail() that returned true).

@@ -57,6 +57,7 @@ struct PrefillCore::Room {
   // `infos` what this rank moved to that decode rank so far (push: sent with the success).
   bool digested = false;
   std::vector<KvDigest> digests ABSL_GUARDED_BY(mu);
+  std::atomic<bool> corrupted{false};  // failure injection `corrupt` struck it (once a room)
   size_t pages_queued ABSL_GUARDED_BY(mu) = 0;
   bool last_queued ABSL_GUARDED_BY(mu) = false;
   // Layer-wise streaming: the chunk whose layers are being announced (SendLayers), while

@@ -243,6 +243,14 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
       OnBatchDone(room, 0, 0, Status::OK());
       continue;
     }
+    if (injector_.Roll(FailureStage::kCorrupt) && !room->corrupted.exchange(true) &&
+        CorruptOneOp(&ops, false)) {
+      counters_.Add(counters_.corrupted);
+      PDLIB_LOG(kWarning,
+                "prefill: room %d: injected corruption (stage corrupt): one write of "
+                "the chunk lands its bytes shifted by one",
+                room->state->room());
+    }
     // A chunk announced layer by layer counts its pages once, with its last layers.
     const uint64_t bytes = plan.bytes;
     const uint64_t pages = chunk.layer_end == layout_.engine_layers() ? chunk.src_pages.size() : 0;

@@ -310,6 +310,39 @@ TEST_CASE("ucx shm negative control: a write into a page decode took back is a s
   CHECK(Field(r.json, "bad_bytes") == 0);
 }
 
+// KV integrity (issue #42): pdlib's failure injection corrupts KV batches in flight through the
+// real transport; with --checksum all every corrupted room fails (corruptions_caught ==
+// corruptions_injected, no bad bytes), without a checksum the same corruptions are bad bytes.
+TEST_CASE(
+    "ucx shm: corruption in flight, checksum on: every corrupted room caught, push and pull") {
+  const std::string direction = GENERATE(std::string("push"), std::string("pull"));
+  const RunResult r =
+      RunChaos({"--backend", "ucx", "--backend-option", "ucx.tls=shm", "--fault-kinds", "none",
+                "--requests", "120", "--rate", "0", "--prefill-ms", "0", "--checksum", "all",
+                "--corrupt-in-flight-one-in", "8", "--direction", direction});
+  INFO(direction << ": " << r.json);
+  REQUIRE_FALSE(r.json.empty());
+  CHECK(r.exit_code == 0);
+  CHECK(Field(r.json, "corruptions_injected") >= 1);
+  CHECK(Field(r.json, "corruptions_caught") == Field(r.json, "corruptions_injected"));
+  CHECK(Field(r.json, "bad_bytes") == 0);
+  CHECK(Field(r.json, "failed_untouched") == 0);
+}
+
+TEST_CASE("ucx shm negative control: corruption in flight without a checksum is bad_bytes") {
+  const RunResult r = RunChaos({"--backend", "ucx", "--backend-option", "ucx.tls=shm", "--topology",
+                                "1p1d", "--fault-kinds", "none", "--requests", "60", "--rate", "0",
+                                "--prefill-ms", "0", "--corrupt-in-flight-one-in", "6"});
+  INFO(r.json);
+  REQUIRE_FALSE(r.json.empty());
+  CHECK(r.exit_code == 1);
+  CHECK(Field(r.json, "corruptions_injected") >= 1);
+  // Every corruption is a request with wrong bytes, or a probe that did not succeed.
+  CHECK(Field(r.json, "bad_bytes") + Field(r.json, "probes_failed") ==
+        Field(r.json, "corruptions_injected"));
+  CHECK(Field(r.json, "corruptions_caught") == 0);
+}
+
 // Decode prefixes and state families (issue #27): each check must catch what it is for.
 RunResult RunControl(const char* flag) {
   return RunChaos({"--backend", "ucx", "--backend-option", "ucx.tls=shm", "--topology", "1p1d",

@@ -145,6 +145,9 @@ void Topology::Spawn(size_t slot) {
                                            .stderr_path = LogPath(p)});
   p.state = Proc::State::kStarting;
   p.started_at = Clock::now();
+  if (auto it = p.metrics.find("corruptions_injected"); it != p.metrics.end()) {
+    p.corruptions_before += it->second;
+  }
   p.metrics.clear();
   p.metrics_fresh = false;
   if (!placed.ok()) {

@@ -144,6 +144,14 @@ ABSL_FLAG(uint64_t, corrupt_kv_one_in, 0,
 ABSL_FLAG(uint64_t, corrupt_aux_one_in, 0,
           "negative control: prefill spoils one aux value of about one request in N, which must "
           "show up as bad_bytes");
+ABSL_FLAG(std::string, checksum, "off",
+          "off|sampled|all: KVManagerOptions::checksum on every process (KV integrity)");
+ABSL_FLAG(uint64_t, corrupt_in_flight_one_in, 0,
+          "pdlib's failure injection stage `corrupt` on every process: about one KV batch in N "
+          "lands its bytes shifted (prefill's writes in push, decode's reads in pull), at most "
+          "once a room; with --checksum every such room must fail with a KV checksum mismatch "
+          "(corruptions_injected == corruptions_caught when no other fault runs), without one it "
+          "shows up as bad_bytes");
 ABSL_FLAG(uint64_t, corrupt_free_one_in, 0,
           "negative control: decode overwrites a byte of a page it took back from about one "
           "request in N: must show up as stale_writes");
@@ -297,6 +305,19 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   p.corrupt_kv_one_in = absl::GetFlag(FLAGS_corrupt_kv_one_in);
   p.corrupt_aux_one_in = absl::GetFlag(FLAGS_corrupt_aux_one_in);
   p.corrupt_free_one_in = absl::GetFlag(FLAGS_corrupt_free_one_in);
+  p.corrupt_in_flight_one_in = absl::GetFlag(FLAGS_corrupt_in_flight_one_in);
+  {
+    const std::string checksum = absl::GetFlag(FLAGS_checksum);
+    if (checksum == "off") {
+      p.checksum = pdlib::KvChecksum::kOff;
+    } else if (checksum == "sampled") {
+      p.checksum = pdlib::KvChecksum::kSampled;
+    } else if (checksum == "all") {
+      p.checksum = pdlib::KvChecksum::kAll;
+    } else {
+      return bad("checksum", checksum);
+    }
+  }
   p.corrupt_state_one_in = absl::GetFlag(FLAGS_corrupt_state_one_in);
   p.corrupt_prefix_one_in = absl::GetFlag(FLAGS_corrupt_prefix_one_in);
   p.ignore_prefix_one_in = absl::GetFlag(FLAGS_ignore_prefix_one_in);

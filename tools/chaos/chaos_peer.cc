@@ -165,6 +165,11 @@ class Peer {
     o.transfer_timeout = milliseconds(c_.transfer_ms);
     o.direction = c_.direction;
     o.pull_lease = milliseconds(c_.pull_lease_ms);
+    o.checksum = c_.checksum;
+    if (c_.corrupt_in_flight_one_in > 0) {
+      o.failure_injection_prob = 1.0 / double(c_.corrupt_in_flight_one_in);
+      o.failure_injection_stages = "corrupt";
+    }
     for (auto& buffer : kv().buffers) {
       o.args.kv.ptrs.push_back(reinterpret_cast<uint64_t>(buffer.data()));
       o.args.kv.lens.push_back(buffer.size());
@@ -791,8 +796,9 @@ class Peer {
         << " handles=" << requests_.size() + held_.size() + dropped_.size()
         << " quarantined_pages=" << m.quarantined_pages
         << " quarantine_max_hold_ms=" << m.quarantine_max_hold_ms
-        << " aux_free=" << slots_->available() << " aux_capacity=" << slots_->capacity()
-        << " pages_free=" << kv().alloc->available()
+        << " corruptions_injected=" << m.corruptions_injected
+        << " checksum_mismatches=" << m.checksum_mismatches << " aux_free=" << slots_->available()
+        << " aux_capacity=" << slots_->capacity() << " pages_free=" << kv().alloc->available()
         << " pages_capacity=" << kv().alloc->capacity();
     size_t state_free = 0, state_capacity = 0;
     for (size_t k = 1; k < pools_.size(); ++k) {
@@ -905,6 +911,10 @@ std::vector<std::string> PeerArgs(const PeerConfig& c) {
       {"--max-seconds", std::to_string(c.max_seconds)},
       {"--direction", std::string(pdlib::TransferDirectionName(c.direction))},
       {"--pull-lease-ms", std::to_string(c.pull_lease_ms)},
+      {"--checksum", c.checksum == pdlib::KvChecksum::kAll       ? "all"
+                     : c.checksum == pdlib::KvChecksum::kSampled ? "sampled"
+                                                                 : "off"},
+      {"--corrupt-in-flight-one-in", std::to_string(c.corrupt_in_flight_one_in)},
   };
   std::vector<std::string> a;
   for (const auto& [flag, value] : flags) {

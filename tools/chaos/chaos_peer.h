@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "pdlib/kv_args.h"
 #include "pdlib/types.h"
 
 namespace pdlib_chaos {
@@ -84,6 +85,11 @@ struct PeerConfig {
   // pages as a decode that ignored its prefix would read them: published page i holds position
   // i - prefix (bad bytes when it has one).
   uint64_t corrupt_state_one_in = 0;
+  // KV integrity: KVManagerOptions::checksum on every peer, and pdlib's failure injection stage
+  // `corrupt` striking about one KV batch in N (0: never; prefill's writes in push, decode's
+  // reads in pull), which the checksum must catch.
+  pdlib::KvChecksum checksum = pdlib::KvChecksum::kOff;
+  uint64_t corrupt_in_flight_one_in = 0;
   uint64_t corrupt_prefix_one_in = 0;
   uint64_t ignore_prefix_one_in = 0;
   // Decode prefix reuse: the share of requests whose decode holds a prefix of the prompt

@@ -43,6 +43,8 @@ nlohmann::ordered_json TallyFields(const Tally& t) {
           {"harness_errors", t.harness_errors},
           {"max_fault_to_terminal_ms", t.max_fault_to_terminal_ms},
           {"hang_bound_ms", t.hang_bound_ms},
+          {"corruptions_injected", t.corruptions_injected},
+          {"corruptions_caught", t.corruptions_caught},
           {"quarantined_requests", t.quarantined_requests},
           {"quarantined_pages", t.quarantined_pages},
           {"quarantine_peak_pages", t.quarantine_peak_pages},
@@ -59,6 +61,8 @@ void Tally::Add(const Tally& o) {
   hung += o.hung;
   bad_bytes += o.bad_bytes;
   stale_writes += o.stale_writes;
+  corruptions_injected += o.corruptions_injected;
+  corruptions_caught += o.corruptions_caught;
   quarantined_requests += o.quarantined_requests;
   quarantined_pages += o.quarantined_pages;
   quarantine_peak_pages = std::max(quarantine_peak_pages, o.quarantine_peak_pages);
@@ -103,7 +107,8 @@ bool IsKnownUcxAbort(std::string_view log) {
 bool Tally::Clean() const {
   return hung == 0 && bad_bytes == 0 && leaked == 0 && stale_writes == 0 && crashes == 0 &&
          unclean_exits == 0 && restart_failures == 0 && probes_failed == 0 &&
-         failed_untouched == 0 && fault_errors == 0;
+         failed_untouched == 0 && fault_errors == 0 &&
+         (faults > 0 || corruptions_caught == corruptions_injected);
 }
 
 std::string RenderJson(const Report& r) {
@@ -158,6 +163,10 @@ std::string RenderSummary(const Report& r) {
     o << "; " << t.verified_kept_pages << " pages of failed requests that InvalidPages() left out";
   }
   o << "\n";
+  if (t.corruptions_injected > 0 || t.corruptions_caught > 0) {
+    o << "  corrupted in flight: " << t.corruptions_injected << " rooms, caught by the KV checksum "
+      << t.corruptions_caught << "\n";
+  }
   if (t.ucx_known_aborts > 0) {
     o << "  NOTE: " << t.ucx_known_aborts
       << " process(es) aborted inside UCX 1.13 (a wireup message pending on a tcp endpoint "

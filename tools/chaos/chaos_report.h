@@ -63,6 +63,12 @@ struct Tally {
   // Page reuse: failed requests whose pages decode's engine held aside until pdlib said no late
   // write could land (QUARANTINE lines), the pages they held, the most held at once by one
   // decode process, and the longest hold.
+  // KV integrity (--checksum, --corrupt_in_flight_one_in): rooms pdlib's failure injection
+  // corrupted in flight (stage `corrupt`, counted by the processes: a killed process's last
+  // count), and rooms decode failed with a KV checksum mismatch. With no other fault the two
+  // must be equal; a corrupted room never reaches Success with its bytes (bad_bytes).
+  uint64_t corruptions_injected = 0;
+  uint64_t corruptions_caught = 0;
   uint64_t quarantined_requests = 0;
   uint64_t quarantined_pages = 0;
   uint64_t quarantine_peak_pages = 0;

@@ -78,6 +78,7 @@ struct Proc {
   std::vector<Clock::time_point> heals;  // when each link fault on its host ended
   std::set<uint64_t> rooms;              // in flight here (this generation)
   std::map<std::string, uint64_t> metrics;
+  uint64_t corruptions_before = 0;  // corruptions_injected of the earlier generations
   bool metrics_fresh = false;
   bool quitting = false;
   bool stacks_dumped = false;  // DumpStacks ran for this generation

@@ -66,6 +66,13 @@ void Topology::RunProbes() {
       if (r.prefill_generation > 0 || r.decode_generation > 0) ++t_.succeeded_after_restart;
       continue;
     }
+    if (r.d.kind == Outcome::kFailed &&
+        r.d.detail.find("KV checksum mismatch") != std::string::npos) {
+      // --corrupt_in_flight_one_in struck the probe and the checksum caught it: the pair moved
+      // its bytes and checked them.
+      ++t_.corruptions_caught;
+      continue;
+    }
     ++t_.probes_failed;
     Problem("probe room " + std::to_string(id) + " " + procs_[r.prefill].name() + " -> " +
             procs_[r.decode].name() + " did not succeed: prefill " + r.p.detail + "; decode " +
@@ -141,6 +148,12 @@ void Topology::CollectLeaks() {
 }
 
 void Topology::Finalize() {
+  for (const Proc& p : procs_) {
+    t_.corruptions_injected += p.corruptions_before;
+    if (auto it = p.metrics.find("corruptions_injected"); it != p.metrics.end()) {
+      t_.corruptions_injected += it->second;
+    }
+  }
   for (const auto& [id, r] : rooms_) {
     if (r.probe) continue;
     ++t_.requests;
@@ -152,10 +165,14 @@ void Topology::Finalize() {
       if (AfterHeal(r)) ++t_.requests_after_heal;
     }
     if (reason == "BAD_BYTES") ++t_.bad_bytes;
+    // A room pdlib's failure injection corrupted in flight, caught by the KV checksum.
+    const bool caught = r.d.kind == Outcome::kFailed &&
+                        r.d.detail.find("KV checksum mismatch") != std::string::npos;
+    if (caught) ++t_.corruptions_caught;
     if (!reason.empty()) {
       ++t_.failed;
       ++t_.failure_reasons[reason];
-      if (!touched && reason != "BAD_BYTES") {
+      if (!touched && reason != "BAD_BYTES" && !caught) {
         ++t_.failed_untouched;
         Problem("room " + std::to_string(id) + " " + procs_[r.prefill].name() + " -> " +
                 procs_[r.decode].name() + " failed though no fault touched it (" +
