@@ -547,7 +547,7 @@ TEST_CASE("abort on either side fails both, with the reason") {
   CHECK(std::string((*r2)->FailureReason().message()).find("out of memory") != std::string::npos);
 }
 
-TEST_CASE("a prefill manager going away fails its decode rooms; a new one serves new rooms") {
+TEST_CASE("a prefill manager going away fails its decode rooms, a new one serves new rooms") {
   FOR_EACH_CONTROL_PLANE();
   Pools ppools, dpools;
   uint16_t bootstrap = NextBootstrapPort();
@@ -698,7 +698,7 @@ TEST_CASE("auth: a decode with a wrong or missing shared secret is refused, the 
   CHECK(OneTransfer(ok, 2).ok());
 }
 
-TEST_CASE("tls: prefill and decode talk over TLS; a plaintext decode cannot") {
+TEST_CASE("tls: prefill and decode talk over TLS, a plaintext decode cannot") {
   g_plane = pdlib::ControlPlane::kGrpc;
   // A throwaway CA and a server certificate for 127.0.0.1, made with the openssl tool.
   char dir_template[] = "/tmp/pdlib-tls-XXXXXX";

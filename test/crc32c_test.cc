@@ -65,7 +65,7 @@ TEST_CASE("crc32c: continuing a CRC over pieces equals one pass") {
   CHECK(c == Crc32cRaw(0, data.data(), data.size()));
 }
 
-TEST_CASE("crc32c: appending zeros multiplies by the zeros factor; the shift table agrees") {
+TEST_CASE("crc32c: appending zeros multiplies by the zeros factor, the shift table agrees") {
   const auto data = Random(1000, 3);
   const uint32_t c = Crc32cRaw(0, data.data(), data.size());
   for (uint64_t zeros : std::initializer_list<uint64_t>{0, 1, 4, 15, 256, 4096, 12345}) {

@@ -325,7 +325,7 @@ TEST_CASE("kv integrity: corruption in flight never reaches Success, and is narr
   CHECK(by_peer.size() == 2);  // both prefill ranks wrote to every failed room
 }
 
-TEST_CASE("kv integrity: the message names the layer and the pages; pull lists only those") {
+TEST_CASE("kv integrity: the message names the layer and the pages, pull lists only those") {
   Setup s;
   s.direction = pdlib::TransferDirection::kPull;
   s.corrupt = "byte:1";
@@ -343,7 +343,7 @@ TEST_CASE("kv integrity: the message names the layer and the pages; pull lists o
   CHECK(out.invalid.size() < dst.size());
 }
 
-TEST_CASE("kv integrity: both sides must agree on the setting; sampled picks the same rooms") {
+TEST_CASE("kv integrity: both sides must agree on the setting, sampled picks the same rooms") {
   SECTION("a decode that checks and a prefill that does not are refused, naming both") {
     Setup s;
     s.checksum = pdlib::KvChecksum::kOff;

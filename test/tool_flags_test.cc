@@ -24,7 +24,7 @@ bool InThisFile(std::string_view file) {
   return absl::StrContains(absl::string_view(file.data(), file.size()), "tool_flags_test");
 }
 
-TEST_CASE("flag names may use dashes; values, positionals and what follows -- do not change") {
+TEST_CASE("flag names may use dashes, values, positionals and what follows -- do not change") {
   CHECK(NormalizeFlagNames(V{"prog", "--auth-secret-file=a-b", "--tls-ca", "x-y", "pos-1", "-5",
                              "--", "--not-a-flag"}) == V{"prog", "--auth_secret_file=a-b",
                                                          "--tls_ca", "x-y", "pos-1", "-5", "--",

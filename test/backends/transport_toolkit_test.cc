@@ -257,7 +257,7 @@ TEST_CASE("toolkit batches: complete when every part has, the first error wins")
   CHECK(list.empty());
 }
 
-TEST_CASE("toolkit completions: each callback once, then the waiters; callbacks may queue more") {
+TEST_CASE("toolkit completions: each callback once, then the waiters, callbacks may queue more") {
   std::vector<std::string> log;
   toolkit::BatchList<TestBatch> list;
   toolkit::Completions<TestBatch> completions;

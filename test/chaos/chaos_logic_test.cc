@@ -271,7 +271,7 @@ std::string Parsed(const std::string& text, bool etcd) {
 }  // namespace
 
 TEST_CASE(
-    "a faults list names groups and kinds; the network group brings the discovery's own fault") {
+    "a faults list names groups and kinds, the network group brings the discovery's own fault") {
   CHECK(Parsed("process", false) == "kill,stop");
   CHECK(Parsed("kill,stop", false) == "kill,stop");
   CHECK(Parsed("stop,kill", false) == "kill,stop");  // one canonical order

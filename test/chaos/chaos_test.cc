@@ -208,6 +208,19 @@ TEST_CASE("verbs: 1P1D and 2P2D under kill -9 and SIGSTOP, seeds 1-5, no stale w
   CheckSeeds({"--backend", "verbs"}, "kill,stop", "100");
 }
 
+// KV integrity over RDMA (issue #42): corruptions injected into the RDMA writes are all caught.
+TEST_CASE("verbs: corruption in flight, checksum on: every corrupted room caught", "[.][verbs]") {
+  const RunResult r =
+      RunChaos({"--backend", "verbs", "--fault-kinds", "none", "--requests", "60", "--rate", "0",
+                "--prefill-ms", "0", "--checksum", "all", "--corrupt-in-flight-one-in", "6"});
+  INFO(r.json);
+  REQUIRE_FALSE(r.json.empty());
+  CHECK(r.exit_code == 0);
+  CHECK(Field(r.json, "corruptions_injected") >= 1);
+  CHECK(Field(r.json, "corruptions_caught") == Field(r.json, "corruptions_injected"));
+  CHECK(Field(r.json, "bad_bytes") == 0);
+}
+
 #if defined(PDLIB_CHAOS_HAVE_UCX)
 // pdlib-chaos's exit status when this machine cannot run what was asked (no root or network
 // namespaces, no etcd); it printed the reason on stderr.

@@ -105,7 +105,7 @@ TEST_CASE("pdlib-bootstrap: --help lists every flag from its definition") {
   CHECK(child.Wait(kStartTimeout) == 0);
 }
 
-TEST_CASE("pdlib-bootstrap: a wrong flag is refused, naming it; dashed names are accepted") {
+TEST_CASE("pdlib-bootstrap: a wrong flag is refused, naming it, dashed names are accepted") {
   Child unknown({"--no-such-flag"}, true);
   CHECK_THAT(unknown.ReadAll(kStartTimeout),
              Catch::Contains("pdlib-bootstrap: Unknown command line flag 'no_such_flag'"));

@@ -153,7 +153,7 @@ Exited RunToExit(std::vector<std::string> argv) {
                                 std::chrono::seconds(30));
 }
 
-TEST_CASE("hosts process: --device takes cpu or cuda; cuda without a GPU exits 1 with the reason") {
+TEST_CASE("hosts process: --device takes cpu or cuda, cuda without a GPU exits 1 with the reason") {
   const Exited bad = RunToExit({PD_DECODE_BIN, "--device", "tpu"});
   INFO(bad.output);
   CHECK(bad.status == 2);

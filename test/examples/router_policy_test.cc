@@ -152,7 +152,7 @@ TEST_CASE("router rooms: the counter wraps at 2^63 and skips 0") {
   CHECK(z.Next() == 2);
 }
 
-TEST_CASE("router tokenizer: bytes in, bytes out; other ids as <id>") {
+TEST_CASE("router tokenizer: bytes in, bytes out, other ids as <id>") {
   const std::string text = "Hi \xc3\xa9\n";
   const std::vector<int32_t> ids = Tokenize(text);
   CHECK(ids == std::vector<int32_t>{'H', 'i', ' ', 0xc3, 0xa9, '\n'});

@@ -400,7 +400,7 @@ TEST_CASE("scheduler: decode checks the quarantine on every step, not only when 
 }
 
 TEST_CASE(
-    "scheduler: decode FailAll quarantines what prefill may still write; shutdown frees all") {
+    "scheduler: decode FailAll quarantines what prefill may still write, shutdown frees all") {
   DecodeSchedulerOptions o;
   o.reserved_decode_tokens = 0;
   o.num_state_slots = 4;

@@ -508,7 +508,7 @@ TEST_CASE("scheduler: prefill quarantines a failed request's source pages until 
   CHECK(rig.transport[3].aux == aux1);
 }
 
-TEST_CASE("scheduler: prefill FailAll quarantines aborted senders; shutdown frees all") {
+TEST_CASE("scheduler: prefill FailAll quarantines aborted senders, shutdown frees all") {
   PrefillSchedulerOptions o;
   PrefillRig rig(o, /*num_pages=*/8, /*page_size=*/4);
   rig.Add(1, 8);

@@ -162,7 +162,7 @@ TEST_CASE("nsa: the indexer's choice and sparse attention match naive double for
   }
 }
 
-TEST_CASE("nsa: equal scores choose the lower positions; NaN scores count as -inf") {
+TEST_CASE("nsa: equal scores choose the lower positions, NaN scores count as -inf") {
   ThreadPool pool(2);
   const ModelConfig c = TinyNsaConfig();
   const OpBatch ob(c, 15, 3);
@@ -258,7 +258,7 @@ TEST_CASE("nsa: Random() of the existing configs is unchanged") {
   }
 }
 
-TEST_CASE("nsa: indexer weights have their names and shapes; the rest are Small()'s") {
+TEST_CASE("nsa: indexer weights have their names and shapes, the rest are Small()'s") {
   StatusOr<ModelWeights> w = ModelWeights::Random(ModelConfig::SmallNsa(), 5);
   StatusOr<ModelWeights> small = ModelWeights::Random(ModelConfig::Small(), 5);
   REQUIRE(w.ok());
@@ -468,7 +468,7 @@ std::vector<int32_t> Generate(Model& m, Request r, int32_t steps, int32_t* next_
   return out;
 }
 
-TEST_CASE("nsa: decode reads the moved index pages; wrong ones change the tokens") {
+TEST_CASE("nsa: decode reads the moved index pages, wrong ones change the tokens") {
   // A decode host that receives the prompt's KV and index pages (into other page numbers, as a
   // transfer does) decodes exactly like the prefill host; one that gets the KV but wrong index
   // pages chooses other positions and decodes other tokens.

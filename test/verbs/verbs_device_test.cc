@@ -238,7 +238,7 @@ TEST_CASE("verbs device: blobs are checked against the connection") {
 }
 
 TEST_CASE(
-    "verbs device: a fence mid-transfer stops the writes; the fenced endpoint stays until closed") {
+    "verbs device: a fence mid-transfer stops the writes, the fenced endpoint stays until closed") {
   // Default options: on rxe this also checks that retry_cnt 7 is not "retry forever" there.
   constexpr size_t kSlice = 1 << 20;
   constexpr int kBatches = 32;
@@ -295,7 +295,7 @@ TEST_CASE(
 
 TEST_CASE(
     "verbs device: a target killed mid-transfer fails the batches with the work-completion "
-    "status; a new connection succeeds") {
+    "status, a new connection succeeds") {
   // Short ACK timeout and few retries: the dead peer is found in well under a second.
   const std::vector<std::string> peer_options = {"verbs.timeout=12", "verbs.retry_cnt=3"};
   constexpr size_t kBytes = 4 << 20;
