@@ -29,10 +29,10 @@ fi
 # What gpu-check.sh runs, by file name under build_dir (test helpers included).
 executables=(
   pd-demo pd-prefill pd-decode pd-router pdlib-bootstrap pdlib-transfer-bench
-  pdlib_kernel_bench pdlib_cuda_info pdlib_relayout_bench
+  pdlib_kernel_bench pdlib_cuda_info pdlib_relayout_bench pdlib_digest_bench
   backend_conformance_test hosts_engine_test planner_e2e_test pdlib_planner_peer pdlib_test_peer
   kernel_cuda_test cuda_ipc_transport_test cuda_ipc_multiprocess_test copy_plan_test
-  gather_copy_test
+  gather_copy_test digest_math_test digest_kernel_test
 )
 
 pack() {

@@ -11,7 +11,8 @@
 # build; a failed step does not stop the others):
 #   cuda_info      nvidia-smi -L and pdlib_cuda_info (kernels::ProbeCuda())
 #   kernel_cuda    ctest -R kernel_cuda: the CUDA model against the CPU model
-#   cuda_ipc       ctest -R 'cuda_ipc|copy_plan|gather_copy': the cuda_ipc backend's tests, the
+#   cuda_ipc       ctest -R 'cuda_ipc|copy_plan|gather_copy|digest_*': the cuda_ipc backend's tests
+#                  and the GPU digest kernel's, the
 #                  two-process planner scenarios over GPU pools (TP 2->1 HND/NHD, MLA, PP 2, mamba
 #                  state, a negative control, layer-wise) and the transfer bench's GPU byte check
 #                  (transfer_bench_cuda_ipc_verify); fails if any GPU case printed SKIP
@@ -23,6 +24,8 @@
 #                  32 KiB items, 16 scattered pages, next to cudaMemcpy D2D of the same writes
 #   transfer_ratio the issue's figure from that run: cuda_ipc / cudaMemcpy D2D >= 0.70
 #   relayout       pdlib_relayout_bench, when this build has it
+#   digest         pdlib_digest_bench: the GPU KV digest (issue #42) next to cudaMemcpy D2D
+#   transfer_checksum  the transfer bench over GPU pools with --checksum off,sampled,all
 #   kernel_bench   pdlib_kernel_bench's CUDA cases: decode tokens/s and decode attention GB/s vs
 #                  the GPU's peak
 #   demo           pd-demo --device cuda, 16 requests, 16/16 identical to the CPU colocated run;
@@ -113,7 +116,7 @@ if [ "$build" -eq 1 ]; then
   targets="$targets pdlib_kernel_bench pdlib_cuda_info backend_conformance_test hosts_engine_test"
   targets="$targets planner_e2e_test pdlib_planner_peer"
   targets="$targets $(ninja -C "$build_dir" -t targets all 2>/dev/null |
-    sed -n 's/^\(kernel_cuda[a-z_]*_test\|cuda_ipc[a-z_]*_test\|copy_plan[a-z_]*_test\|gather_copy[a-z_]*_test\|pdlib_relayout_bench\): phony$/\1/p' |
+    sed -n 's/^\(kernel_cuda[a-z_]*_test\|cuda_ipc[a-z_]*_test\|copy_plan[a-z_]*_test\|gather_copy[a-z_]*_test\|digest_[a-z_]*_test\|pdlib_relayout_bench\|pdlib_digest_bench\): phony$/\1/p' |
     sort -u | tr '\n' ' ')"
   echo "gpu-check: building $targets"
   # shellcheck disable=SC2086
@@ -163,7 +166,7 @@ ctest_step() {  # NAME SECONDS REGEX [ENV=VALUE or ctest flag...]
 }
 ctest_step kernel_cuda 50 'kernel_cuda' -V
 expect_absent 'skipped: no CUDA device' "a CUDA case skipped although the GPU is there"
-ctest_step cuda_ipc 90 'cuda_ipc|copy_plan|gather_copy' -j4 -V
+ctest_step cuda_ipc 90 'cuda_ipc|copy_plan|gather_copy|digest_math|digest_kernel' -j4 -V
 expect_absent 'SKIP' "a cuda_ipc GPU case skipped although the GPU is there"
 ctest_step hosts_cuda 50 'hosts engine: device cuda' -V
 expect_absent 'skipped: no CUDA device' "the GPU hosts case skipped although the GPU is there"
@@ -204,6 +207,20 @@ if [ -n "$relayout" ]; then
 else
   printf '%-15s %-12s\n' relayout "SKIPPED (no pdlib_relayout_bench in this build)" >> "$summary"
 fi
+
+# --- 6b. the KV digest on the GPU (issue #42): the kernel's rate next to cudaMemcpy D2D, then
+# the transfer bench's GPU pools with checksums off, sampled and all ---
+digest_bench="$(find "$build_dir/bench" -name pdlib_digest_bench -type f -perm -u+x 2>/dev/null | head -1)"
+if [ -n "$digest_bench" ]; then
+  run_step digest 30 "$digest_bench"
+  expect_absent 'SKIP' "the digest bench skipped although the GPU is there"
+else
+  printf '%-15s %-12s\n' digest "SKIPPED (no pdlib_digest_bench in this build)" >> "$summary"
+fi
+run_step transfer_checksum 60 "$(bin bench/transfer/pdlib-transfer-bench)" \
+  --memory cuda --backend cuda_ipc --layers 32 --item-bytes 32768 --pages 16 --layout scattered \
+  --concurrency 4 --requests 300 --warmup 30 --pool-bytes 1g --progress-every 0 \
+  --checksum off,sampled,all --checksum-sample-every 8
 
 # --- 7. the kernels: CUDA decode throughput and decode-attention bandwidth against HBM ---
 run_step kernel_bench 50 "$(bin bench/kernels/pdlib_kernel_bench)" \

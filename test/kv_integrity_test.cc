@@ -46,6 +46,10 @@ struct Setup {
   uint32_t sample_every = 64;
   bool families = false;
   double inject = 0;  // failure injection stage `corrupt`, through the real transport
+  // KV and state pools registered as GPU memory (MemoryKind::kCuda): with the fake, host memory
+  // standing in for a GPU's, digested through the transport's DigestRanges as a GPU pool is.
+  bool cuda = false;
+  std::string extra_option;  // one more backend option, "key=value"
 };
 
 // One rank: K and V pools per layer ([token][head][byte], NHD: heads slice per token), the
@@ -74,6 +78,10 @@ pdlib::Status Start(Rank& r, pdlib::Mode mode, uint16_t bootstrap, const Setup& 
     o.backend_options = {{"fake.copy", "true"}};
     if (!s.corrupt.empty()) o.backend_options["fake.corrupt"] = s.corrupt;
   }
+  if (!s.extra_option.empty()) {
+    const size_t eq = s.extra_option.find('=');
+    o.backend_options[s.extra_option.substr(0, eq)] = s.extra_option.substr(eq + 1);
+  }
   o.control_plane = pdlib::ControlPlane::kInProcess;
   o.bootstrap_port = bootstrap;
   o.direction = s.direction;
@@ -91,6 +99,7 @@ pdlib::Status Start(Rank& r, pdlib::Mode mode, uint16_t bootstrap, const Setup& 
   }
   a.aux = r.aux->Describe();
   a.page_size = kPageTokens;
+  if (s.cuda) a.memory_kind = pdlib::MemoryKind::kCuda;
   a.kv_head_num = kHeads / r.tp_size;
   a.kv_layout = pdlib::KVLayout::kNHD;
   a.parallel.tp_size = r.tp_size;
@@ -323,6 +332,50 @@ TEST_CASE("kv integrity: corruption in flight never reaches Success, and is narr
   CHECK(pair.decode.manager->metrics().checksum_mismatches == static_cast<uint64_t>(failed));
   const auto by_peer = pair.decode.manager->metrics().checksum_mismatches_by_peer;
   CHECK(by_peer.size() == 2);  // both prefill ranks wrote to every failed room
+}
+
+TEST_CASE("kv integrity: GPU pools are digested by the transport, aux rows by the CPU") {
+  // The core hands every KV and state range of GPU pools to the transport's DigestRanges (the
+  // kernel of cuda_ipc; the fake's CPU stand-in here, which refuses anything outside a kCuda
+  // region) and digests the aux rows (host memory) itself; both sides, push and pull, M:N TP.
+  auto dir = GENERATE(pdlib::TransferDirection::kPush, pdlib::TransferDirection::kPull);
+  INFO((dir == pdlib::TransferDirection::kPull ? "pull" : "push"));
+  Setup s;
+  s.direction = dir;
+  s.families = true;
+  s.cuda = true;
+  Pair pair(s, 2);
+  const uint64_t before = pdlib::FakeDeviceRangesDigested();
+  for (uint64_t room = 280; room < 284; ++room) {
+    auto out = pair.Run(room, {1, 2, 3}, {7, 12, 4});
+    INFO(out.reason);
+    CHECK(out.decode == KVPoll::kSuccess);
+  }
+  // Per room: decode's pass over 2 layers x K,V x 3 pages + 3 state slots (12 + 3 = 15 ranges),
+  // and each of the 2 senders' ranges of its heads of the 12 KV cells (at least one a cell).
+  CHECK(pdlib::FakeDeviceRangesDigested() - before >= 4 * (15 + 2 * 12));
+  CHECK(pair.decode.manager->metrics().rooms_checksummed == 4);
+  // Corrupted in flight: caught the same way.
+  Setup bad = s;
+  bad.corrupt = "byte:1";
+  Pair corrupt(bad, 1);
+  auto out = corrupt.Run(290, {1, 2, 3}, {7, 12, 4});
+  CHECK(out.decode == KVPoll::kFailed);
+  CHECK(out.reason.find("KV checksum mismatch") != std::string::npos);
+}
+
+TEST_CASE("kv integrity: GPU pools on a backend that cannot digest GPU memory are refused") {
+  Setup s;
+  s.cuda = true;
+  s.extra_option = "fake.digests_cuda=false";
+  Rank r;
+  pdlib::Status st = Start(r, pdlib::Mode::kDecode, NextPort(), s, pdlib::KvChecksum::kAll);
+  INFO(st.ToString());
+  CHECK(st.code() == pdlib::StatusCode::kFailedPrecondition);
+  CHECK(st.message().find("backend 'fake' cannot digest GPU memory") != std::string::npos);
+  // Without checksums the same pools are fine.
+  Rank plain;
+  CHECK(Start(plain, pdlib::Mode::kDecode, NextPort(), s, pdlib::KvChecksum::kOff).ok());
 }
 
 TEST_CASE("kv integrity: the message names the layer and the pages, pull lists only those") {

@@ -70,6 +70,14 @@ class LocalRegions {
     return entry;
   }
   void Clear() { regions_.clear(); }
+  // The entry whose [addr, addr + length) holds [addr, addr + n), or null (for an Entry with
+  // `addr` and `length`).
+  const Entry* Holding(uint64_t addr, uint64_t n) const {
+    for (const std::optional<Entry>& e : regions_) {
+      if (e && addr >= e->addr && n <= e->length && addr - e->addr <= e->length - n) return &*e;
+    }
+    return nullptr;
+  }
 
  private:
   std::string backend_;

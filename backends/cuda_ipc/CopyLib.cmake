@@ -6,9 +6,14 @@
 # Included from backends/CMakeLists.txt before add_subdirectory(cuda_ipc), whatever
 # PDLIB_HAVE_CUDA says, so the target exists for the tests either way. The backend itself
 # (backends/cuda_ipc/CMakeLists.txt) only links it (pdlib_add_backend LIBS pdlib_cuda_ipc_copy).
-set(PDLIB_CUDA_IPC_COPY_SOURCES ${CMAKE_CURRENT_LIST_DIR}/copy_plan.cc)
+#
+# The KV digest of GPU memory (issue #42) lives here too: digest_plan.cc (the kernel's tables, its
+# tiling and its arithmetic on the CPU) everywhere, digest_kernel.cu (DeviceDigester) with nvcc.
+set(PDLIB_CUDA_IPC_COPY_SOURCES ${CMAKE_CURRENT_LIST_DIR}/copy_plan.cc
+  ${CMAKE_CURRENT_LIST_DIR}/digest_plan.cc)
 if(PDLIB_HAVE_CUDA)
-  list(APPEND PDLIB_CUDA_IPC_COPY_SOURCES ${CMAKE_CURRENT_LIST_DIR}/gather_copy.cu)
+  list(APPEND PDLIB_CUDA_IPC_COPY_SOURCES ${CMAKE_CURRENT_LIST_DIR}/gather_copy.cu
+    ${CMAKE_CURRENT_LIST_DIR}/digest_kernel.cu)
 endif()
 add_library(pdlib_cuda_ipc_copy STATIC ${PDLIB_CUDA_IPC_COPY_SOURCES})
 add_library(pdlib::cuda_ipc_copy ALIAS pdlib_cuda_ipc_copy)

@@ -333,6 +333,7 @@ void CudaIpcTransport::Shutdown() {
   for (cudaEvent_t event : free_events_) cudaEventDestroy(event);
   free_events_.clear();
   copier_.reset();
+  digester_.reset();
   stream_.reset();
 }
 

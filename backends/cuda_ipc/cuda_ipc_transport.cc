@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/strings/str_format.h"
 #include "lib/base/log_internal.h"
 #include "lib/registry/builtin_registration.h"
 
@@ -77,7 +78,35 @@ spi::TransportCapabilities CudaIpcTransport::capabilities() const {
   caps.supports_cuda_memory = probe_.count > 0;
   caps.reads = true;    // the same paths the other way round (process_vm_readv for host memory)
   caps.fences = false;  // the initiator writes through its own mappings (file comment)
+  caps.digests_cuda_memory = probe_.count > 0;  // DeviceDigester (digest_kernel.h)
   return caps;
+}
+
+Status CudaIpcTransport::DigestRanges(std::span<const spi::DigestRange> ranges,
+                                      std::span<uint32_t> crcs) {
+  if (crcs.size() < ranges.size()) {
+    return Status::InvalidArgument("cuda_ipc: DigestRanges with fewer CRCs than ranges");
+  }
+  {
+    MutexLock lock(&mu_);
+    for (const spi::DigestRange& r : ranges) {
+      const LocalRegionEntry* e = local_regions_.Holding(r.addr, r.length);
+      if (e == nullptr || !e->cuda) {
+        return Status::InvalidArgument(absl::StrFormat(
+            "cuda_ipc: DigestRanges: [%#x, +%d) is not inside a registered CUDA region", r.addr,
+            r.length));
+      }
+    }
+  }
+  return progress_.Run<Status>([&]() -> Status {
+    if (digester_ == nullptr) {
+      auto created = DeviceDigester::Create(device_);
+      if (!created.ok()) return created.status().WithPrefix("cuda_ipc: the digest kernel");
+      digester_ = std::move(created).value();
+    }
+    // After the writes and reads already on our stream (a pull's reads into these pages).
+    return digester_->Digest(ranges, crcs, stream_ ? stream_->get() : nullptr);
+  });
 }
 
 StatusOr<spi::LocalRegionId> CudaIpcTransport::RegisterMemory(const spi::MemoryRegion& region,

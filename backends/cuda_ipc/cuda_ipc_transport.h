@@ -55,6 +55,7 @@
 #include "backends/cuda_ipc/cuda_ipc_cuda.h"
 #include "backends/cuda_ipc/cuda_ipc_options.h"
 #include "backends/cuda_ipc/cuda_ipc_wire.h"
+#include "backends/cuda_ipc/digest_kernel.h"
 #include "backends/cuda_ipc/gather_copy.h"
 #include "lib/base/mutex.h"
 #include "pdlib/spi/transport.h"
@@ -89,6 +90,10 @@ class CudaIpcTransport final : public spi::Transport {
                    spi::ReadCallback done) override;
   // Also asks the target process's watch (a dead target fails the peer).
   Status PeerStatus(spi::PeerId peer) override;
+  // The KV digest of our GPU regions (capabilities().digests_cuda_memory when a device is
+  // usable): one DeviceDigester launch on the progress thread, after the GPU work already on the
+  // transport's stream; every range must lie inside one registered kCuda region.
+  Status DigestRanges(std::span<const spi::DigestRange> ranges, std::span<uint32_t> crcs) override;
   void Disconnect(spi::PeerId peer) override;
 
  private:
@@ -203,6 +208,7 @@ class CudaIpcTransport final : public spi::Transport {
   std::vector<cudaEvent_t> free_events_;
   std::optional<CudaStream> stream_;  // created on the progress thread when a device is usable
   std::unique_ptr<GatherCopier> copier_;
+  std::unique_ptr<DeviceDigester> digester_;  // created by the first DigestRanges
   IpcMappings mappings_;
   std::vector<ResolvedCopy> copies_;  // scratch for one batch
   std::vector<CopyDesc> descs_;

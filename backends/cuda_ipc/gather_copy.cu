@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "backends/cuda_ipc/device_scope.h"
 #include "backends/cuda_ipc/gather_copy.h"
 
 namespace pdlib {
@@ -25,26 +26,6 @@ constexpr uint32_t kTileUnits = GatherCopier::kTileUnits;
 std::string CudaError(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorString(e);
 }
-
-// Makes `device` current for the scope, then puts the caller's device back.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
-      status_ = cudaSetDevice(device);
-      restore_ = status_ == cudaSuccess;
-    }
-  }
-  ~DeviceScope() {
-    if (restore_) (void)cudaSetDevice(previous_);
-  }
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  bool restore_ = false;
-  cudaError_t status_ = cudaSuccess;
-};
 
 template <typename T>
 __device__ __forceinline__ void CopyTile(const TiledDesc& d, const TileSpan& s) {

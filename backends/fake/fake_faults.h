@@ -10,6 +10,9 @@ namespace pdlib {
 inline namespace v1 {
 
 uint64_t FakeCorruptionsInjected();
+// How many ranges of kCuda regions DigestRanges digested in this process (the checksum path of
+// GPU pools, with host memory standing in for the GPU's).
+uint64_t FakeDeviceRangesDigested();
 
 }  // namespace v1
 }  // namespace pdlib

@@ -10,11 +10,14 @@
 //                      per kind K: `byte` flips one byte of one op, `page` overwrites one op's
 //                      bytes, `misplace` lands one op one op-length further on in its region
 //                      (the intended bytes stay as they were). At most one per batch; each is
-//                      logged and counted (FakeCorruptionsInjected), for KV integrity tests. Used
-//                      for warm-up, control-plane tests
-// and benchmarks of everything except the wire. Its API side is the transport toolkit's
-// (backends/common/tables.h): the same region and peer tables and the same checks of every op
-// as ucx and verbs; it has no wire, so it keeps a plain condition-variable thread of its own.
+//                      logged and counted (FakeCorruptionsInjected), for KV integrity tests.
+//   fake.digests_cuda=false  do not offer DigestRanges for kCuda regions (on by default: the
+//                      "GPU" memory of a fake is host memory, digested by the CPU and counted,
+//                      FakeDeviceRangesDigested), to test the refusal of checksums.
+// Used for warm-up, control-plane tests and benchmarks of everything except the wire. Its API side
+// is the transport toolkit's (backends/common/tables.h): the same region and peer tables and the
+// same checks of every op as ucx and verbs; it has no wire, so it keeps a plain condition-variable
+// thread of its own.
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -28,9 +31,11 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "backends/common/tables.h"
 #include "backends/fake/fake_faults.h"
+#include "lib/base/crc32c.h"
 #include "lib/base/log_internal.h"
 #include "lib/registry/builtin_registration.h"
 #include "pdlib/spi/transport.h"
@@ -81,11 +86,17 @@ std::atomic<uint64_t>& CorruptionCounter() {
   return *n;
 }
 
+std::atomic<uint64_t>& DeviceDigestCounter() {
+  static auto* n = new std::atomic<uint64_t>(0);
+  return *n;
+}
+
 enum class Fault { kByte = 0, kPage = 1, kMisplace = 2 };
 constexpr const char* kFaultNames[] = {"byte", "page", "misplace"};
 
 struct FakeOptions {
   bool copy = false;
+  bool digests_cuda = true;
   double prob[3] = {0, 0, 0};
 };
 
@@ -97,6 +108,14 @@ StatusOr<FakeOptions> ParseFakeOptions(const spi::TransportOptions& o) {
         f.copy = true;
       } else if (value != "0" && value != "false") {
         return Status::InvalidArgument("fake.copy=" + value + ": true or false");
+      }
+    } else if (key == "fake.digests_cuda") {
+      if (value == "1" || value == "true") {
+        f.digests_cuda = true;
+      } else if (value == "0" || value == "false") {
+        f.digests_cuda = false;
+      } else {
+        return Status::InvalidArgument("fake.digests_cuda=" + value + ": true or false");
       }
     } else if (key == "fake.corrupt") {
       for (absl::string_view item : absl::StrSplit(value, ',', absl::SkipEmpty())) {
@@ -113,7 +132,7 @@ StatusOr<FakeOptions> ParseFakeOptions(const spi::TransportOptions& o) {
       }
     } else if (key.rfind("fake.", 0) == 0) {
       return Status::InvalidArgument("unknown fake backend option " + key +
-                                     " (known: fake.copy, fake.corrupt)");
+                                     " (known: fake.copy, fake.corrupt, fake.digests_cuda)");
     }
   }
   if (!f.copy && (f.prob[0] > 0 || f.prob[1] > 0 || f.prob[2] > 0)) {
@@ -147,7 +166,31 @@ class FakeTransport final : public spi::Transport {
     caps.supports_cuda_memory = true;  // nothing is touched, so any address is fine
     caps.fences = true;                // a fenced target's batches fail; nothing ever lands
     caps.reads = true;                 // validated like writes; no byte moves either way
+    caps.digests_cuda_memory = options_.digests_cuda;  // "GPU" regions are host memory here
     return caps;
+  }
+
+  // As a GPU backend would: only ranges inside kCuda regions, each counted
+  // (FakeDeviceRangesDigested), so that tests see the core hand GPU pools to the transport.
+  Status DigestRanges(std::span<const spi::DigestRange> ranges, std::span<uint32_t> crcs) override {
+    if (crcs.size() < ranges.size()) {
+      return Status::InvalidArgument("fake: DigestRanges with fewer CRCs than ranges");
+    }
+    std::lock_guard lock(mu_);
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      const spi::DigestRange& r = ranges[i];
+      const LocalRegion* region = local_regions_.Holding(r.addr, r.length);
+      if (region == nullptr || !region->cuda) {
+        return Status::InvalidArgument(
+            absl::StrFormat("fake: DigestRanges: [%#x, +%d) is not inside a registered CUDA region",
+                            r.addr, r.length));
+      }
+      const uint32_t raw =
+          Crc32cRaw(0, reinterpret_cast<const void*>(static_cast<uintptr_t>(r.addr)), r.length);
+      crcs[i] = Crc32cMulMod(raw, Crc32cZerosFactor(r.zeros_after));
+    }
+    DeviceDigestCounter() += ranges.size();
+    return Status::OK();
   }
 
   StatusOr<spi::LocalRegionId> RegisterMemory(const spi::MemoryRegion& region,
@@ -156,8 +199,8 @@ class FakeTransport final : public spi::Transport {
       return Status::InvalidArgument("fake: cannot register an empty region");
     }
     std::lock_guard lock(mu_);
-    spi::LocalRegionId id =
-        local_regions_.Add(LocalRegion{region.length, reinterpret_cast<uint64_t>(region.addr)});
+    spi::LocalRegionId id = local_regions_.Add(LocalRegion{
+        region.length, reinterpret_cast<uint64_t>(region.addr), region.kind == MemoryKind::kCuda});
     if (key_blob) *key_blob = EncodeU64Pair(kEndpointMagic + 1, id);
     return id;
   }
@@ -277,6 +320,7 @@ class FakeTransport final : public spi::Transport {
   struct LocalRegion {
     uint64_t length = 0;
     uint64_t addr = 0;
+    bool cuda = false;  // registered as kCuda (host memory standing in for a GPU's)
   };
   struct RemoteRegion {
     uint64_t length = 0;
@@ -391,6 +435,7 @@ void RegisterFakeBackend() {
 }
 
 uint64_t FakeCorruptionsInjected() { return CorruptionCounter().load(); }
+uint64_t FakeDeviceRangesDigested() { return DeviceDigestCounter().load(); }
 
 }  // namespace v1
 }  // namespace pdlib

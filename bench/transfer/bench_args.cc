@@ -96,7 +96,7 @@ ABSL_FLAG(std::string, rails, "1",
           "1,2: one configuration each, in one run, the later ones compared with the first). The "
           "hosts get that many veth links, each a bridge and a /24 of its own (tools/netns); UCX "
           "runs over eth0 for one rail, and pdlib stripes over eth0 ... eth<N-1> for N "
-          "(ucx.rails: a worker and an endpoint per rail; see README \"Rails\")");
+          "(ucx.rails: a worker and an endpoint per rail; see docs/backends.md \"Rails\")");
 ABSL_FLAG(uint64_t, rail_mbit, 0,
           "with --netns: caps every rail of both hosts at this many Mbit/s each way (tc tbf; 0: "
           "no cap), so that rails, not the CPU, bound the transfer");

@@ -274,10 +274,10 @@ struct KVManagerOptions {
   // pages are freed. A pull room has no other timeout on prefill (bootstrap_timeout and the
   // others apply to push). >= 1000 ms.
   std::chrono::milliseconds pull_lease{30000};
-  // KV integrity (SPEC R12.3, README "KV integrity"): a digest (CRC32C) of what each transfer
-  // moves, computed where the bytes leave (push: prefill's source pages as it writes them; pull:
-  // prefill's published pages for each reader) and compared with decode's pass over what landed
-  // before Success. It covers the KV pages after decode's prefix, the aux row and the state
+  // KV integrity (SPEC R12.3, docs/reliability.md "KV integrity"): a digest (CRC32C) of what each
+  // transfer moves, computed where the bytes leave (push: prefill's source pages as it writes them;
+  // pull: prefill's published pages for each reader) and compared with decode's pass over what
+  // landed before Success. It covers the KV pages after decode's prefix, the aux row and the state
   // slots, each decode rank exactly the bytes it received. A mismatch fails the room
   // (DATA_LOSS, naming the layers and request pages that differ), reports those pages invalid
   // and counts in metrics().checksum_mismatches. kOff (default); kSampled: rooms whose id

@@ -27,10 +27,13 @@ StatusOr<std::shared_ptr<DecodeCore>> DecodeCore::Create(const KVManagerOptions&
   if (!families.ok()) return families.status();
   core->state_caps_ = StateCapacities(*families);
   if (Status s = CheckDirectionSupported(*core->transport_, options); !s.ok()) return s;
+  if (Status s = CheckChecksumSupported(*core->transport_, options); !s.ok()) return s;
   auto local = RegisterBuffers(*core->transport_, options.args);
   if (!local.ok()) return local.status();
   core->local_ = std::move(*local);
-  core->digest_mine_ = DigestMemoryOf(core->local_);
+  core->digest_mine_ = DigestMemoryOf(core->local_, options.args.memory_kind == MemoryKind::kCuda
+                                                        ? core->transport_.get()
+                                                        : nullptr);
   const BufferFamily& aux = options.args.aux;
   int32_t pick = options.args.aux_room_buffer;
   if (pick == KVArgs::kAuxRoomBufferAuto) {

@@ -115,22 +115,117 @@ int64_t PagePositions::Find(int64_t page) const {
   return it->second;
 }
 
-Status AddWritesToDigest(std::span<const planner::PlannedWrite> writes, const DigestMemory& src,
-                         const DigestMemory& dst_items, const PagePositions& positions,
-                         KvDigest* digest) {
-  // The cell being filled: consecutive writes usually fill the same one (the pieces of a
-  // head-sliced page), so its key is applied once.
+Status HostRangeCrcs(std::span<const spi::DigestRange> ranges, std::span<uint32_t> crcs) {
+  if (crcs.size() < ranges.size()) {
+    return Status::InvalidArgument(
+        absl::StrFormat("KV digest: %d ranges and room for %d CRCs", ranges.size(), crcs.size()));
+  }
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const spi::DigestRange& r = ranges[i];
+    crcs[i] = ShiftZeros(Crc32cRaw(0, At(r.addr, 0), r.length), r.zeros_after);
+  }
+  return Status::OK();
+}
+
+namespace {
+
+// The ranges of one digest pass and the cell each belongs to, computed together by the memory's
+// reader (one kernel launch for GPU pools) and then folded into cells.
+struct DigestPass {
   struct Cell {
     RegionKind kind = RegionKind::kKv;
     uint32_t buffer = 0;
     uint64_t index = 0;
+  };
+  std::vector<spi::DigestRange> ranges;
+  std::vector<Cell> cells;
+  std::vector<uint32_t> crcs;
+
+  void Add(uint64_t addr, uint64_t length, uint64_t zeros_after, Cell cell) {
+    ranges.push_back({addr, length, zeros_after});
+    cells.push_back(cell);
+  }
+  Status Compute(const DigestMemory& memory) {
+    crcs.assign(ranges.size(), 0);
+    if (ranges.empty()) return Status::OK();
+    Status s;
+    if (!memory.device_crcs) {
+      s = HostRangeCrcs(ranges, crcs);
+    } else {
+      // KV and state on the device in one call, the aux rows (host memory) here.
+      std::vector<spi::DigestRange> device;
+      std::vector<size_t> at;
+      for (size_t i = 0; i < ranges.size() && s.ok(); ++i) {
+        if (cells[i].kind == RegionKind::kAux) {
+          s = HostRangeCrcs(std::span(&ranges[i], 1), std::span(&crcs[i], 1));
+        } else {
+          device.push_back(ranges[i]);
+          at.push_back(i);
+        }
+      }
+      std::vector<uint32_t> out(device.size(), 0);
+      if (s.ok() && !device.empty()) s = memory.device_crcs(device, out);
+      for (size_t j = 0; s.ok() && j < at.size(); ++j) crcs[at[j]] = out[j];
+    }
+    return s.ok() ? s : s.WithPrefix("KV digest");
+  }
+};
+
+}  // namespace
+
+Status AddWritesToDigest(std::span<const planner::PlannedWrite> writes, const DigestMemory& src,
+                         const DigestMemory& dst_items, const PagePositions& positions,
+                         KvDigest* digest) {
+  DigestPass pass;
+  pass.ranges.reserve(writes.size());
+  pass.cells.reserve(writes.size());
+  for (const planner::PlannedWrite& w : writes) {
+    const std::vector<uint64_t>* src_base = &src.kv;
+    const std::vector<uint64_t>* items = &dst_items.kv_item;
+    const std::vector<uint32_t>* rows = &digest->kv;
+    if (w.kind == RegionKind::kAux) {
+      src_base = &src.aux;
+      items = &dst_items.aux_item;
+      rows = &digest->aux;
+    } else if (w.kind == RegionKind::kState) {
+      src_base = &src.state;
+      items = &dst_items.state_item;
+      rows = &digest->state;
+    }
+    if (w.local_buffer >= src_base->size() || w.remote_buffer >= items->size() ||
+        w.remote_buffer >= rows->size() || (*items)[w.remote_buffer] == 0) {
+      return Status::InvalidArgument(
+          absl::StrFormat("KV digest: a %s write from buffer %d to buffer %d outside the layouts",
+                          planner::RegionKindName(w.kind), w.local_buffer, w.remote_buffer));
+    }
+    const uint64_t item = (*items)[w.remote_buffer];
+    uint64_t addr = (*src_base)[w.local_buffer] + w.local_offset;
+    uint64_t offset = w.remote_offset;
+    uint64_t left = w.length;
+    while (left > 0) {
+      const uint64_t index = offset / item;
+      const uint64_t within = offset % item;
+      const uint64_t n = std::min(left, item - within);
+      // Raw CRC of these bytes as they sit in the item, the item's other bytes zero: the bytes
+      // before them leave a zero register as it is, the ones after are appended zeros.
+      pass.Add(addr, n, item - within - n, {w.kind, w.remote_buffer, index});
+      offset += n;
+      addr += n;
+      left -= n;
+    }
+  }
+  if (Status s = pass.Compute(src); !s.ok()) return s;
+  // Consecutive ranges usually fill the same cell (the pieces of a head-sliced page), so its key
+  // is applied once.
+  for (size_t i = 0; i < pass.cells.size();) {
+    const DigestPass::Cell& cell = pass.cells[i];
     uint32_t crc = 0;
-    bool open = false;
-  } cell;
-  auto flush = [&]() -> Status {
-    if (!cell.open) return Status::OK();
-    cell.open = false;
-    const uint32_t v = Crc32cMulMod(cell.crc, CellKey(cell.kind, cell.buffer, cell.index));
+    for (; i < pass.cells.size() && pass.cells[i].kind == cell.kind &&
+           pass.cells[i].buffer == cell.buffer && pass.cells[i].index == cell.index;
+         ++i) {
+      crc ^= pass.crcs[i];
+    }
+    const uint32_t v = Crc32cMulMod(crc, CellKey(cell.kind, cell.buffer, cell.index));
     switch (cell.kind) {
       case RegionKind::kKv: {
         const int64_t pos = positions.Find(static_cast<int64_t>(cell.index));
@@ -152,50 +247,8 @@ Status AddWritesToDigest(std::span<const planner::PlannedWrite> writes, const Di
         break;
       case RegionKind::kState: digest->state[cell.buffer] ^= v; break;
     }
-    return Status::OK();
-  };
-  for (const planner::PlannedWrite& w : writes) {
-    const std::vector<uint64_t>* src_base = &src.kv;
-    const std::vector<uint64_t>* items = &dst_items.kv_item;
-    const std::vector<uint32_t>* rows = &digest->kv;
-    if (w.kind == RegionKind::kAux) {
-      src_base = &src.aux;
-      items = &dst_items.aux_item;
-      rows = &digest->aux;
-    } else if (w.kind == RegionKind::kState) {
-      src_base = &src.state;
-      items = &dst_items.state_item;
-      rows = &digest->state;
-    }
-    if (w.local_buffer >= src_base->size() || w.remote_buffer >= items->size() ||
-        w.remote_buffer >= rows->size() || (*items)[w.remote_buffer] == 0) {
-      return Status::InvalidArgument(
-          absl::StrFormat("KV digest: a %s write from buffer %d to buffer %d outside the layouts",
-                          planner::RegionKindName(w.kind), w.local_buffer, w.remote_buffer));
-    }
-    const uint64_t item = (*items)[w.remote_buffer];
-    const uint8_t* p = At((*src_base)[w.local_buffer], w.local_offset);
-    uint64_t offset = w.remote_offset;
-    uint64_t left = w.length;
-    while (left > 0) {
-      const uint64_t index = offset / item;
-      const uint64_t within = offset % item;
-      const uint64_t n = std::min(left, item - within);
-      // Raw CRC of these bytes as they sit in the item, the item's other bytes zero: the bytes
-      // before them leave a zero register as it is, the ones after are appended zeros.
-      const uint32_t c = ShiftZeros(Crc32cRaw(0, p, n), item - within - n);
-      if (!cell.open || cell.kind != w.kind || cell.buffer != w.remote_buffer ||
-          cell.index != index) {
-        if (Status s = flush(); !s.ok()) return s;
-        cell = {w.kind, w.remote_buffer, index, 0, true};
-      }
-      cell.crc ^= c;
-      offset += n;
-      p += n;
-      left -= n;
-    }
   }
-  return flush();
+  return Status::OK();
 }
 
 Status FillStateSpans(const planner::PairPlan& plan, const planner::TailInput& tail,
@@ -226,14 +279,14 @@ StatusOr<KvDigest> DigestLanded(const DigestMemory& mine, std::span<const int32_
     return Status::InvalidArgument(absl::StrFormat(
         "prefill's KV digest has shape %s, this rank's is %s", Shape(expected), Shape(d)));
   }
+  // Every cell is one whole item; for KV pages the cell's index is its request position (the
+  // column), its page is recomputed for the key.
+  DigestPass pass;
   for (size_t b = 0; b < mine.kv.size(); ++b) {
     const uint64_t item = mine.kv_item[b];
     for (size_t pos = 0; pos < dst_pages.size(); ++pos) {
       const uint64_t page = static_cast<uint64_t>(dst_pages[pos]);
-      const uint32_t v = Crc32cMulMod(Crc32cRaw(0, At(mine.kv[b], page * item), item),
-                                      CellKey(RegionKind::kKv, b, page));
-      d.kv[b] ^= v;
-      d.pages[pos / d.page_group] ^= v;
+      pass.Add(mine.kv[b] + page * item, item, 0, {RegionKind::kKv, static_cast<uint32_t>(b), pos});
     }
   }
   if (expected.aux_row >= 0) {
@@ -245,8 +298,8 @@ StatusOr<KvDigest> DigestLanded(const DigestMemory& mine, std::span<const int32_
     d.aux_row = expected.aux_row;
     for (size_t b = 0; b < mine.aux.size(); ++b) {
       const uint64_t item = mine.aux_item[b];
-      d.aux[b] = Crc32cMulMod(Crc32cRaw(0, At(mine.aux[b], *aux_index * item), item),
-                              CellKey(RegionKind::kAux, b, *aux_index));
+      pass.Add(mine.aux[b] + *aux_index * item, item, 0,
+               {RegionKind::kAux, static_cast<uint32_t>(b), *aux_index});
     }
   }
   // The lists one after another (counts add up), or one list every family uses.
@@ -269,11 +322,32 @@ StatusOr<KvDigest> DigestLanded(const DigestMemory& mine, std::span<const int32_
       const uint64_t slot = static_cast<uint64_t>(state.lists[list_at + first + i]);
       for (uint32_t b = fam.first; b < fam.first + fam.count && b < mine.state.size(); ++b) {
         const uint64_t item = mine.state_item[b];
-        d.state[b] ^= Crc32cMulMod(Crc32cRaw(0, At(mine.state[b], slot * item), item),
-                                   CellKey(RegionKind::kState, b, slot));
+        pass.Add(mine.state[b] + slot * item, item, 0, {RegionKind::kState, b, slot});
       }
     }
     if (!one_list) list_at += listed;
+  }
+  if (Status s = pass.Compute(mine); !s.ok()) return s;
+  for (size_t i = 0; i < pass.cells.size(); ++i) {
+    const DigestPass::Cell& cell = pass.cells[i];
+    switch (cell.kind) {
+      case RegionKind::kKv: {
+        const uint32_t v = Crc32cMulMod(
+            pass.crcs[i],
+            CellKey(RegionKind::kKv, cell.buffer, static_cast<uint64_t>(dst_pages[cell.index])));
+        d.kv[cell.buffer] ^= v;
+        d.pages[cell.index / d.page_group] ^= v;
+        break;
+      }
+      case RegionKind::kAux:
+        d.aux[cell.buffer] =
+            Crc32cMulMod(pass.crcs[i], CellKey(RegionKind::kAux, cell.buffer, cell.index));
+        break;
+      case RegionKind::kState:
+        d.state[cell.buffer] ^=
+            Crc32cMulMod(pass.crcs[i], CellKey(RegionKind::kState, cell.buffer, cell.index));
+        break;
+    }
   }
   return d;
 }

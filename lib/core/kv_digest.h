@@ -1,5 +1,6 @@
-// The KV integrity digest (SPEC R12.3, README "KV integrity"): what one prefill rank moved to one
-// decode rank for one room, and what landed there, in a form both sides compute independently.
+// The KV integrity digest (SPEC R12.3, docs/reliability.md "KV integrity"): what one prefill rank
+// moved to one decode rank for one room, and what landed there, in a form both sides compute
+// independently.
 //
 // Cells: every item a room moves is one cell: a KV page of one decode KV buffer (one layer's K
 // or V), the aux row of one aux buffer, a state slot of one state buffer. A cell's value is the
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "lib/planner/planner.h"
+#include "pdlib/spi/transport.h"
 #include "pdlib/status.h"
 
 namespace pdlib {
@@ -58,11 +60,21 @@ struct KvDigest {
   bool SameShape(const KvDigest& other) const;
 };
 
+// Raw CRCs of ranges of one side's memory (spi::DigestRange): crcs[i] for ranges[i].
+using RangeCrcFn =
+    std::function<Status(std::span<const spi::DigestRange> ranges, std::span<uint32_t> crcs)>;
+// The host's CPU (lib/base/crc32c.h); the zeros after a range are skipped by shift tables cached
+// per thread.
+Status HostRangeCrcs(std::span<const spi::DigestRange> ranges, std::span<uint32_t> crcs);
+
 // Where one side's buffers are, in the planner's order (SideLayout kv, aux, state), with their
 // item sizes: the source of a sender, or decode's own pools.
 struct DigestMemory {
   std::vector<uint64_t> kv, aux, state;                 // base addresses
   std::vector<uint64_t> kv_item, aux_item, state_item;  // item bytes
+  // Who reads the KV and state bytes: empty for host memory (HostRangeCrcs); for GPU pools, the
+  // transport's DigestRanges (a kernel on the device). Aux buffers are host memory always.
+  RangeCrcFn device_crcs;
 };
 
 // A decode KV page index -> its position among the request's pages (after the prefix).

@@ -107,6 +107,18 @@ Status CheckDirectionSupported(const spi::Transport& transport, const KVManagerO
       std::string(transport.name())));
 }
 
+Status CheckChecksumSupported(const spi::Transport& transport, const KVManagerOptions& options) {
+  if (options.checksum == KvChecksum::kOff || options.args.memory_kind == MemoryKind::kHost ||
+      transport.capabilities().digests_cuda_memory) {
+    return Status::OK();
+  }
+  return Status::FailedPrecondition(absl::StrFormat(
+      "checksum with KV pools in %s memory: backend '%s' cannot digest GPU memory "
+      "(capabilities().digests_cuda_memory is false); use backend cuda_ipc, or checksum off "
+      "(docs/reliability.md \"KV integrity\")",
+      std::string(MemoryKindName(options.args.memory_kind)), std::string(transport.name())));
+}
+
 StatusOr<RegisteredBuffers> RegisterBuffers(spi::Transport& transport, const KVArgs& args) {
   // A GPU pool with a backend that cannot reach GPU memory: refused before anything is
   // registered, with what to do about it (the backend's own RegisterMemory would say less).
@@ -181,8 +193,14 @@ bool ChecksumRoom(const KVManagerOptions& options, uint64_t room) {
   return z % options.checksum_sample_every == 0;
 }
 
-DigestMemory DigestMemoryOf(const RegisteredBuffers& buffers) {
+DigestMemory DigestMemoryOf(const RegisteredBuffers& buffers, spi::Transport* device_reader) {
   DigestMemory m;
+  if (device_reader != nullptr) {
+    m.device_crcs = [device_reader](std::span<const spi::DigestRange> ranges,
+                                    std::span<uint32_t> crcs) {
+      return device_reader->DigestRanges(ranges, crcs);
+    };
+  }
   for (auto [descs, addr, item] : {std::tuple{&buffers.kv.descs, &m.kv, &m.kv_item},
                                    std::tuple{&buffers.aux.descs, &m.aux, &m.aux_item},
                                    std::tuple{&buffers.state.descs, &m.state, &m.state_item}}) {

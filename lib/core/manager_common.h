@@ -38,6 +38,9 @@ struct RegisteredBuffers {
 // KVManagerOptions::direction kPull with a backend that cannot read: refused with the backend
 // named and what to do, before anything is registered.
 Status CheckDirectionSupported(const spi::Transport& transport, const KVManagerOptions& options);
+// KVManagerOptions::checksum with GPU pools and a backend that cannot digest GPU memory
+// (capabilities().digests_cuda_memory): refused the same way.
+Status CheckChecksumSupported(const spi::Transport& transport, const KVManagerOptions& options);
 // The transport's options for `options`: its args' device and NICs, the backend options, the
 // side, and where the KV pool lives (the NUMA node of the first KV buffer's memory for host
 // pools, the PCI address of its GPU for CUDA pools), which backends use to pick rails by topology
@@ -56,7 +59,9 @@ void DeregisterBuffers(spi::Transport& transport, const RegisteredBuffers& buffe
 // side's registered buffers are, for the digest.
 std::string ChecksumSetting(const KVManagerOptions& options);
 bool ChecksumRoom(const KVManagerOptions& options, uint64_t room);
-DigestMemory DigestMemoryOf(const RegisteredBuffers& buffers);
+// `device_reader`: the transport whose DigestRanges reads KV and state pools in GPU memory
+// (null: host pools); it must outlive the result.
+DigestMemory DigestMemoryOf(const RegisteredBuffers& buffers, spi::Transport* device_reader);
 // The item sizes of a peer's regions (addresses unused): decode's items as a sender places them.
 DigestMemory DigestItemsOf(const std::vector<RegionDesc>& kv, const std::vector<RegionDesc>& aux,
                            const std::vector<RegionDesc>& state);

@@ -24,10 +24,13 @@ StatusOr<std::shared_ptr<PrefillCore>> PrefillCore::Create(
   if (!families.ok()) return families.status();
   core->state_caps_ = StateCapacities(*families);
   if (Status s = CheckDirectionSupported(*core->transport_, options); !s.ok()) return s;
+  if (Status s = CheckChecksumSupported(*core->transport_, options); !s.ok()) return s;
   auto local = RegisterBuffers(*core->transport_, options.args);
   if (!local.ok()) return local.status();
   core->local_ = std::move(*local);
-  core->digest_src_ = DigestMemoryOf(core->local_);
+  core->digest_src_ = DigestMemoryOf(core->local_, options.args.memory_kind == MemoryKind::kCuda
+                                                       ? core->transport_.get()
+                                                       : nullptr);
   for (int i = 0; i < options.transfer_workers; ++i) {
     core->workers_.emplace_back([c = core.get()] { c->WorkerLoop(); });
   }

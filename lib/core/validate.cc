@@ -260,11 +260,6 @@ Status ValidateOptions(const KVManagerOptions& options) {
   if (options.checksum == KvChecksum::kSampled && options.checksum_sample_every == 0) {
     return Status::InvalidArgument("checksum_sample_every must be >= 1 (1: every room)");
   }
-  if (options.checksum != KvChecksum::kOff && options.args.memory_kind != MemoryKind::kHost) {
-    return Status::FailedPrecondition(
-        "checksum with KV pools in CUDA memory: the GPU digest kernel is not wired into the "
-        "transfer path yet; use checksum kOff for CUDA pools (README \"KV integrity\")");
-  }
   if (options.pull_lease < std::chrono::milliseconds(1000)) {
     return Status::InvalidArgument(
         absl::StrFormat("pull_lease %d ms must be >= 1000 ms", options.pull_lease.count()));

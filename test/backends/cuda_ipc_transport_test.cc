@@ -27,6 +27,7 @@
 #include "backends/cuda_ipc/cuda_ipc_cuda.h"
 #include "backends/cuda_ipc/cuda_ipc_options.h"
 #include "backends/cuda_ipc/cuda_ipc_wire.h"
+#include "lib/base/crc32c.h"
 #include "lib/core/manager_common.h"
 #include "pdlib/spi/transport.h"
 #include "test/support/write_completions.h"
@@ -495,6 +496,16 @@ TEST_CASE("cuda_ipc without a CUDA device: host memory works, CUDA memory is ref
   ci::DeviceProbe probe = ci::ProbeDevices();
   auto t = MakeTransport();
   CHECK(t->capabilities().supports_cuda_memory == (probe.count > 0));
+  CHECK(t->capabilities().digests_cuda_memory == (probe.count > 0));
+  // DigestRanges reads GPU regions only: a host region, or memory not registered, is refused
+  // before anything runs.
+  std::vector<uint8_t> host(4096, 7);
+  REQUIRE(t->RegisterMemory({host.data(), host.size()}, nullptr).ok());
+  const std::vector<spi::DigestRange> ranges = {{reinterpret_cast<uint64_t>(host.data()), 1024, 0}};
+  std::vector<uint32_t> crcs(1);
+  Status digest = t->DigestRanges(ranges, crcs);
+  CHECK(digest.code() == StatusCode::kInvalidArgument);
+  CHECK(Contains(digest, "not inside a registered CUDA region"));
   CHECK_FALSE(t->capabilities().fences);
   CHECK(t->capabilities().moves_bytes);
   CHECK(t->FenceTarget(1).code() == StatusCode::kUnimplemented);
@@ -588,6 +599,36 @@ spi::Blob Unhex(const std::string& text) {
 }
 
 }  // namespace
+
+TEST_CASE("cuda_ipc [gpu] DigestRanges: the KV digest of GPU regions equals the CPU's CRC32C") {
+  if (const std::string why = WhyNoGpu(); !why.empty()) {
+    WARN("SKIP cuda_ipc GPU case: no usable CUDA device (" << why << ")");
+    return;
+  }
+  auto t = MakeTransport();
+  REQUIRE(t->capabilities().digests_cuda_memory);
+  const std::vector<uint8_t> bytes = Pattern(kGpuBytes, 5);
+  void* dev = DeviceCopyOf(bytes);
+  REQUIRE(t->RegisterMemory({dev, kGpuBytes, pdlib::MemoryKind::kCuda, 0}, nullptr).ok());
+  const auto base = reinterpret_cast<uint64_t>(dev);
+  // Whole pages, a head slice with the zeros after it, an odd range.
+  const std::vector<spi::DigestRange> ranges = {
+      {base, kGpuPage, 0}, {base + 5 * kGpuPage + 256, 512, kGpuPage - 768}, {base + 77, 999, 3}};
+  std::vector<uint32_t> crcs(ranges.size());
+  Status s = t->DigestRanges(ranges, crcs);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const uint64_t off = ranges[i].addr - base;
+    CHECK(crcs[i] == pdlib::Crc32cMulMod(pdlib::Crc32cRaw(0, bytes.data() + off, ranges[i].length),
+                                         pdlib::Crc32cZerosFactor(ranges[i].zeros_after)));
+  }
+  // A range that runs past the region is refused.
+  const std::vector<spi::DigestRange> past = {{base + kGpuBytes - 10, 20, 0}};
+  CHECK(t->DigestRanges(past, crcs).code() == StatusCode::kInvalidArgument);
+  t.reset();
+  (void)cudaFree(dev);
+}
 
 TEST_CASE("cuda_ipc [gpu] in one process: device, host-to-device and device-to-host writes") {
   if (const std::string why = WhyNoGpu(); !why.empty()) {

@@ -47,7 +47,7 @@ inline namespace v1 {
 namespace spi {
 
 // Bumped whenever a declaration in this file changes incompatibly.
-inline constexpr uint32_t kTransportSpiVersion = 4;
+inline constexpr uint32_t kTransportSpiVersion = 5;
 
 using Blob = std::vector<uint8_t>;
 using LocalRegionId = uint32_t;
@@ -66,6 +66,10 @@ struct TransportCapabilities {
   // PostReads works: one-sided reads of a target's registered memory (SPI version 3). A manager
   // in pull (KVManagerOptions::direction) refuses a backend without it at Create.
   bool reads = false;
+  // DigestRanges works on kCuda memory this transport registered (SPI version 5): the KV
+  // integrity digest (KVManagerOptions::checksum) of GPU pools is computed by the transport, on
+  // the device. A manager refuses checksums with CUDA pools on a transport without it.
+  bool digests_cuda_memory = false;
   // Limits, for reads as for writes:
   uint32_t max_writes_per_batch = 0;  // 0: unlimited (the core splits larger batches)
   uint64_t max_write_bytes = 0;       // 0: unlimited (the core splits longer ops)
@@ -97,6 +101,15 @@ struct WriteOp {
   uint64_t length = 0;
 };
 using ReadOp = WriteOp;
+
+// One range of this process's memory for DigestRanges: the raw CRC32C (zero initial register, no
+// final inversion) of `length` bytes at `addr`, followed by `zeros_after` zero bytes that are not
+// read (pdlib's KV digest, docs/reliability.md "KV integrity").
+struct DigestRange {
+  uint64_t addr = 0;
+  uint64_t length = 0;
+  uint64_t zeros_after = 0;
+};
 
 struct Connection {
   PeerId peer = 0;
@@ -170,6 +183,15 @@ class PDLIB_EXPORT Transport {
   }
   // Outstanding batches to `peer` complete with kCancelled; its remote regions are dropped.
   virtual void Disconnect(PeerId peer) = 0;
+  // crcs[i] = the raw CRC32C of ranges[i] (DigestRange), for ranges inside kCuda regions this
+  // transport registered (capabilities().digests_cuda_memory); returns once every value is
+  // there. Called by the core of a manager with checksums on, from its own threads, while the
+  // transport may move other bytes. Default: kUnimplemented.
+  virtual Status DigestRanges(std::span<const DigestRange> ranges, std::span<uint32_t> crcs) {
+    (void)ranges;
+    (void)crcs;
+    return Status::Unimplemented(std::string(name()) + ": this transport cannot digest memory");
+  }
 };
 
 struct TransportOptions {
