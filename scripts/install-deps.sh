@@ -31,6 +31,9 @@ PACKAGES=(
   python3-dev pybind11-dev python3-pybind11 python3-numpy python3-pytest python3-torch
   # mypy type-checks the package and its stubs (ctest "python: mypy --strict").
   mypy
+  # pip install ./python into a virtualenv (ctest "python: pip install"; python3 -m build for a
+  # wheel), offline with the interpreter's own build tools.
+  python3-venv python3-pip python3-setuptools python3-wheel python3-build
   # The etcd client's tests (ctest -R etcd, issue #18) start a real etcd (3.4) on free local
   # ports; etcdctl enables auth on it for the authentication test.
   etcd-server etcd-client

@@ -271,7 +271,7 @@ class KVManagerOptions:
     # holds published pages for pull_lease seconds without word from decode (>= 1 s).
     direction: TransferDirection = TransferDirection.Push
     pull_lease: float = 30.0
-    # KV integrity (issue #42, README "KV integrity"): both sides must agree (the fingerprint
+    # KV integrity (issue #42, docs/reliability.md "KV integrity"): both sides must agree (the fingerprint
     # carries it). A mismatch fails the room DATA_LOSS and marks its pages invalid.
     checksum: KvChecksum = KvChecksum.Off
     checksum_sample_every: int = 64

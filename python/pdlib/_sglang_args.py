@@ -49,7 +49,7 @@ ENV_DOC: Dict[str, str] = {
     "PDLIB_SGLANG_RELEASE_WAIT": "seconds clear() waits for pages another rank's failure left "
                                  "in flight (default 30)",
     "PDLIB_SGLANG_CHECKSUM": "off | sampled | all: pdlib's end-to-end KV digest (default off; "
-                             "README \"KV integrity\"); the same on both sides",
+                             "docs/reliability.md \"KV integrity\"); the same on both sides",
     "PDLIB_SGLANG_CHECKSUM_SAMPLE_EVERY": "with sampled: 1 request in this many (default 64)",
 }
 

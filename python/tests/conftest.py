@@ -38,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HAVE_UCX = "ucx" in pdlib.list_backends()
 needs_ucx = pytest.mark.skipif(not HAVE_UCX, reason="pdlib built without the ucx backend")
 
-# UCX transports the two-process tests run over (README "Backends": ucx.tls, ucx.net_devices).
+# UCX transports the two-process tests run over (docs/backends.md "Backends": ucx.tls, ucx.net_devices).
 UCX_SHM = {"ucx.tls": "shm"}
 UCX_TCP = {"ucx.tls": "tcp", "ucx.net_devices": "lo"}
 
