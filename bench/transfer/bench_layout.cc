@@ -91,13 +91,16 @@ PageRing::PageRing(const BenchConfig& c, uint64_t seed) : pages_(c.pages) {
   slots_ = std::min<uint64_t>(kPageRing, c.warmup + c.requests);
   // With a checksum the requests in flight must not share pages (no engine gives one page to two
   // live requests; a shared one is overwritten before its digest is checked, a true mismatch):
-  // each in-flight slot draws its scattered pages from a window of the pool of its own.
+  // each request draws its scattered pages from a window of the pool, twice as many windows as
+  // requests in flight, and decode does not start one whose window a live request holds
+  // (requests end out of order, so the ring alone does not keep them apart).
   uint64_t windows = 0, width = 0;
   if (c.checksum != pdlib::KvChecksum::kOff && c.layout == Layout::kScattered) {
-    width = std::max<uint64_t>(pages_, pool / std::max<uint64_t>(1, c.concurrency));
+    width = std::max<uint64_t>(pages_, pool / std::max<uint64_t>(1, 2 * c.concurrency));
     windows = std::max<uint64_t>(1, pool / width);
     if (slots_ > windows) slots_ -= slots_ % windows;
   }
+  windows_ = windows;
   ring_.reserve(slots_ * pages_);
   std::mt19937_64 rng(seed);
   std::vector<int32_t> all;

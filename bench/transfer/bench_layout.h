@@ -76,10 +76,15 @@ class PageRing {
     return std::span(ring_).subspan((i % slots_) * pages_, pages_);
   }
   uint64_t slots() const { return slots_; }
+  // With a checksum (scattered): the window of the pool request i draws its pages from; two
+  // requests in flight must not hold the same one (DriveDecode waits). 0 windows: no rule.
+  uint64_t windows() const { return windows_; }
+  uint64_t Window(uint64_t i) const { return windows_ == 0 ? 0 : (i % slots_) % windows_; }
 
  private:
   uint64_t pages_;
   uint64_t slots_ = 1;
+  uint64_t windows_ = 0;
   std::vector<int32_t> ring_;
 };
 

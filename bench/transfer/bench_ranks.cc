@@ -409,7 +409,14 @@ void DriveDecode(const BenchConfig& c, Rank& rank, const PageRing& pages, uint64
       g_oldest = std::move(oldest);
       g_oldest_start = oldest_start;
     }
-    while (active.size() < c.concurrency && next < end) {
+    // A request whose page window a live one holds waits for it (PageRing::Window).
+    auto window_busy = [&](uint64_t index) {
+      if (pages.windows() == 0) return false;
+      return std::any_of(active.begin(), active.end(), [&](const auto& f) {
+        return pages.Window(f.index) == pages.Window(index);
+      });
+    };
+    while (active.size() < c.concurrency && next < end && !window_busy(next)) {
       const auto start = Clock::now();
       auto receiver = rank.manager->CreateReceiver(bootstrap, c.FirstRoom() + next);
       if (!receiver.ok()) {
