@@ -1,8 +1,11 @@
 #include "lib/core/kv_digest.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <vector>
+
+#include "lib/base/crc32c.h"
 
 using pdlib::AddWritesToDigest;
 using pdlib::DigestLanded;
@@ -180,4 +183,55 @@ TEST_CASE("kv digest: shapes and bad input") {
   CHECK(!AddWritesToDigest(w, sc.Source(0), sc.Decode(), pos, &d).ok());
   // A digest of another shape than decode's.
   CHECK(!DigestLanded(sc.Decode(), sc.dst_pages, 3, {}, KvDigest::Empty(3, 3, 1, 0, 0)).ok());
+}
+
+TEST_CASE("kv digest: decode's pass over what the transport copied, by cell, instead of memory") {
+  // A reader (the transport's landing digests) answers for every cell DigestLanded asks about;
+  // LandingCells lists exactly those cells (and any state slot), so a watch covers the pass.
+  Scene sc;
+  sc.Apply(sc.Writes(0), 0);
+  sc.Apply(sc.Writes(1), 1);
+  const KvDigest want = sc.Expected();
+  const std::vector<pdlib::spi::DigestRange> cells =
+      pdlib::LandingCells(sc.Decode(), sc.dst_pages, 3, {});
+  REQUIRE(cells.size() == 2 * sc.dst_pages.size() + 1);  // 2 buffers x 3 pages, the aux row
+  size_t asked = 0;
+  // What was copied equals memory: the same digest as reading memory.
+  pdlib::RangeCrcFn copied = [&](std::span<const pdlib::spi::DigestRange> ranges,
+                                 std::span<uint32_t> crcs) {
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      REQUIRE(std::find_if(cells.begin(), cells.end(), [&](const auto& c) {
+                return c.addr == ranges[i].addr && c.length == ranges[i].length;
+              }) != cells.end());
+      ++asked;
+    }
+    return pdlib::HostRangeCrcs(ranges, crcs);
+  };
+  auto same = DigestLanded(sc.Decode(), sc.dst_pages, 3, {}, want, copied);
+  REQUIRE(same.ok());
+  CHECK(asked == cells.size());
+  CHECK(same->kv == want.kv);
+  CHECK(same->aux == want.aux);
+  // The transport copied one wrong byte of buffer 1's page 7 (memory was fixed since, or never
+  // held it): the reader's value counts, the mismatch is narrowed to that buffer and column.
+  std::vector<uint8_t> wrong(sc.dst[1].begin() + 7 * Scene::kPage,
+                             sc.dst[1].begin() + 8 * Scene::kPage);
+  wrong[9] ^= 0x01;
+  const uint64_t page7 = Addr(sc.dst[1]) + 7 * Scene::kPage;
+  pdlib::RangeCrcFn bad = [&](std::span<const pdlib::spi::DigestRange> ranges,
+                              std::span<uint32_t> crcs) {
+    REQUIRE(pdlib::HostRangeCrcs(ranges, crcs).ok());
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      if (ranges[i].addr == page7) crcs[i] = pdlib::Crc32cRaw(0, wrong.data(), wrong.size());
+    }
+    return pdlib::Status::OK();
+  };
+  auto diff = DigestLanded(sc.Decode(), sc.dst_pages, 3, {}, want, bad);
+  REQUIRE(diff.ok());
+  CHECK(diff->kv[0] == want.kv[0]);
+  CHECK(diff->kv[1] != want.kv[1]);
+  std::vector<uint64_t> positions;
+  const std::string what = pdlib::DescribeDigestMismatch(want, *diff, 3, Name, &positions);
+  CHECK(what == "buffer 1; request pages [2, 3)");
+  CHECK(positions == std::vector<uint64_t>{2});
 }

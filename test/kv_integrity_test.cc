@@ -458,6 +458,9 @@ TEST_CASE("kv integrity over ucx (shared memory): no false alarm, push and pull"
     CHECK(out.decode == KVPoll::kSuccess);
   }
   CHECK(pair.decode.manager->metrics().checksum_mismatches == 0);
+  // The am path (memory UCX did not allocate) digested every cell as it copied it: no second
+  // pass over the pages.
+  CHECK(pair.decode.manager->metrics().rooms_checksummed_in_flight == 4);
 }
 
 TEST_CASE("kv integrity over ucx: corruption through the real transport is caught, each time") {
@@ -490,4 +493,8 @@ TEST_CASE("kv integrity over ucx: corruption through the real transport is caugh
   }
   CHECK(hit > 0);
   CHECK(pair.decode.manager->metrics().checksum_mismatches == static_cast<uint64_t>(hit));
+  // The clean rooms' cells were all digested by the am path's copies; a corrupted op lands one
+  // byte off, so its cells do not get exactly their length and are read again instead.
+  CHECK(pair.decode.manager->metrics().rooms_checksummed_in_flight >=
+        static_cast<uint64_t>(16 - hit));
 }

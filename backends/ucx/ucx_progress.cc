@@ -15,6 +15,7 @@
 
 #include "backends/ucx/ucx_send.h"
 #include "backends/ucx/ucx_transport.h"
+#include "lib/base/crc32c.h"
 #include "lib/base/log_internal.h"
 
 namespace pdlib {
@@ -461,6 +462,7 @@ UcxTransport::AmStatus UcxTransport::ApplyAmPut(const AmPutHeader& h, const void
       status = kAmBadAddress;
     } else if (length > 0) {
       std::memcpy(reinterpret_cast<void*>(dst), data, length);
+      DigestLanding(dst, length);
     }
   }
   if (h.messages == 1 || status == kAmBadMessage) {
@@ -485,6 +487,32 @@ UcxTransport::AmStatus UcxTransport::ApplyAmPut(const AmPutHeader& h, const void
   target.batches.erase(it);
   *batch_done = true;
   return status;
+}
+
+void UcxTransport::DigestLanding(uint64_t dst, uint64_t length) {
+  if (landing_watch_count_.load(std::memory_order_relaxed) == 0) return;
+  MutexLock lock(&landing_mu_);
+  const uint64_t end = dst + length;
+  auto it = landing_cells_.upper_bound(dst);
+  if (it != landing_cells_.begin() && std::prev(it)->second.end > dst) --it;
+  for (; it != landing_cells_.end() && it->first < end; ++it) {
+    const uint64_t from = std::max(dst, it->first);
+    const uint64_t to = std::min(end, it->second.end);
+    if (from >= to) continue;
+    // Just written, so still in cache: the raw CRC of the piece, placed in its cell.
+    const uint32_t crc =
+        Crc32cRaw(0, reinterpret_cast<const void*>(static_cast<uintptr_t>(from)), to - from);
+    it->second.digest->crc ^= Crc32cAppendZeros(crc, it->second.end - to);
+    it->second.digest->bytes += to - from;
+  }
+}
+
+void UcxTransport::EraseLandingWatch(uint64_t watch) {
+  auto it = landing_watches_.find(watch);
+  if (it == landing_watches_.end()) return;
+  for (uint64_t start : it->second.starts) landing_cells_.erase(start);
+  landing_watches_.erase(it);
+  landing_watch_count_.fetch_sub(1, std::memory_order_relaxed);
 }
 
 void UcxTransport::SendAmAck(ucp_ep_h reply_ep, uint64_t batch, AmStatus status) {
@@ -693,7 +721,10 @@ ucs_status_t UcxTransport::OnAmReadReply(void* arg, const void* header, size_t h
     self->FinishAmRead(reply->cookie);
     return UCS_OK;
   }
-  if (batch.status.ok() && length > 0) std::memcpy(read.dst + reply->offset, data, length);
+  if (batch.status.ok() && length > 0) {
+    std::memcpy(read.dst + reply->offset, data, length);
+    self->DigestLanding(reinterpret_cast<uint64_t>(read.dst + reply->offset), length);
+  }
   read.received += length;
   if (read.received >= read.length) self->FinishAmRead(reply->cookie);
   return UCS_OK;

@@ -206,8 +206,66 @@ spi::TransportCapabilities UcxTransport::capabilities() const {
   // On the "am" path the handler refuses a fenced connection's writes and read requests alike;
   // a region peers access directly (puts, gets) cannot be fenced, in push or pull.
   caps.fences = am_target_ && direct_regions_.load() == 0;
-  caps.reads = true;  // "am" read requests or gets; chunked and paced like writes
+  caps.reads = true;             // "am" read requests or gets; chunked and paced like writes
+  caps.digests_landings = true;  // where the am path copies (WatchLandings refuses elsewhere)
   return caps;
+}
+
+StatusOr<uint64_t> UcxTransport::WatchLandings(std::span<const spi::DigestRange> cells) {
+  {
+    // Only memory the am path writes: the handler's copies are what gets digested.
+    MutexLock lock(&mu_);
+    for (const spi::DigestRange& c : cells) {
+      if (c.length == 0) return Status::InvalidArgument("ucx: WatchLandings: an empty cell");
+      const LocalRegionEntry* r = local_regions_.Holding(c.addr, c.length);
+      if (r == nullptr || r->direct || !am_target_) {
+        return Status::FailedPrecondition(
+            "ucx: WatchLandings: a cell outside the memory the am path writes (a direct region, "
+            "or not registered, or no am path here)");
+      }
+    }
+  }
+  MutexLock lock(&landing_mu_);
+  std::map<uint64_t, uint64_t> mine;  // start -> end, to find overlaps among the cells
+  for (const spi::DigestRange& c : cells) {
+    auto next = mine.lower_bound(c.addr);
+    if ((next != mine.end() && next->first < c.addr + c.length) ||
+        (next != mine.begin() && std::prev(next)->second > c.addr)) {
+      return Status::InvalidArgument("ucx: WatchLandings: overlapping cells");
+    }
+    auto other = landing_cells_.lower_bound(c.addr);
+    if ((other != landing_cells_.end() && other->first < c.addr + c.length) ||
+        (other != landing_cells_.begin() && std::prev(other)->second.end > c.addr)) {
+      return Status::FailedPrecondition("ucx: WatchLandings: a cell another watch holds");
+    }
+    mine.emplace(c.addr, c.addr + c.length);
+  }
+  const uint64_t id = ++last_landing_watch_;
+  LandingWatch& stored = landing_watches_[id];
+  stored.digests.assign(cells.size(), {});
+  stored.starts.reserve(cells.size());
+  for (size_t i = 0; i < cells.size(); ++i) {
+    stored.starts.push_back(cells[i].addr);
+    landing_cells_[cells[i].addr] = {cells[i].addr + cells[i].length, id, &stored.digests[i]};
+  }
+  landing_watch_count_.fetch_add(1, std::memory_order_relaxed);
+  return id;
+}
+
+StatusOr<std::vector<spi::LandingDigest>> UcxTransport::TakeLandings(uint64_t watch) {
+  MutexLock lock(&landing_mu_);
+  auto it = landing_watches_.find(watch);
+  if (it == landing_watches_.end()) {
+    return Status::NotFound("ucx: no landing watch " + std::to_string(watch));
+  }
+  std::vector<spi::LandingDigest> digests = it->second.digests;
+  EraseLandingWatch(watch);
+  return digests;
+}
+
+void UcxTransport::DropLandings(uint64_t watch) {
+  MutexLock lock(&landing_mu_);
+  EraseLandingWatch(watch);
 }
 
 StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegion& region,

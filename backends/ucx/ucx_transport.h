@@ -101,6 +101,7 @@
 #include <deque>
 #include <functional>
 #include <future>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -153,6 +154,13 @@ class UcxTransport final : public spi::Transport {
     return peers_.Health(peer);
   }
   void Disconnect(spi::PeerId peer) override;
+  // Landing digests (KV integrity without a second pass): the handler's copies on the "am" path
+  // (pushed chunks on decode, read replies in pull) are digested as they are made, into the
+  // watched cells they fall in. Cells must lie in memory the am path writes (not a direct
+  // region): otherwise kFailedPrecondition, and the core reads the pages instead.
+  StatusOr<uint64_t> WatchLandings(std::span<const spi::DigestRange> cells) override;
+  StatusOr<std::vector<spi::LandingDigest>> TakeLandings(uint64_t watch) override;
+  void DropLandings(uint64_t watch) override;
   // Progresses the worker until it finds nothing more to do (three idle rounds) or 50 ms pass:
   // emulated puts already in this worker's FIFOs and sockets are applied before it returns.
   void SettleIncoming() override;
@@ -523,6 +531,26 @@ class UcxTransport final : public spi::Transport {
   // Closed targets' workers, destroyed at the time given (kTargetLinger after the close).
   std::vector<std::pair<Clock::time_point, RailWorkers>> closed_targets_;
   std::vector<AmRegion> am_regions_;  // host memory "am" messages may write and read (not direct)
+  // Landing digests: the watched cells by first address, and each watch's results (the cells
+  // point into them), under landing_mu_ (a leaf lock: the handler takes it per chunk while a
+  // watch is out; WatchLandings and TakeLandings never wait for the progress thread).
+  Mutex landing_mu_;
+  std::atomic<size_t> landing_watch_count_{0};
+  struct LandingCell {
+    uint64_t end = 0;
+    uint64_t watch = 0;
+    spi::LandingDigest* digest = nullptr;
+  };
+  std::map<uint64_t, LandingCell> landing_cells_ ABSL_GUARDED_BY(landing_mu_);
+  struct LandingWatch {
+    std::vector<uint64_t> starts;  // its cells' first addresses, in WatchLandings order
+    std::vector<spi::LandingDigest> digests;
+  };
+  std::unordered_map<uint64_t, LandingWatch> landing_watches_ ABSL_GUARDED_BY(landing_mu_);
+  uint64_t last_landing_watch_ ABSL_GUARDED_BY(landing_mu_) = 0;
+  // After the handler copied [dst, dst + length): digests it into the cells it overlaps.
+  void DigestLanding(uint64_t dst, uint64_t length);
+  void EraseLandingWatch(uint64_t watch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(landing_mu_);
   uint32_t last_am_region_ = 0;
   // Initiator: "am" read requests sent and not fully answered, by cookie (never reused, so a
   // late reply to a finished or dropped request finds nothing and is dropped).

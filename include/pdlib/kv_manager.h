@@ -244,6 +244,9 @@ struct KVManagerMetrics {
   // for each of them: the digest cannot tell whose bytes went wrong).
   uint64_t rooms_checksummed = 0;
   uint64_t checksum_mismatches = 0;
+  // decode: digested rooms whose landed bytes were all digested by the transport as it copied
+  // them (capabilities().digests_landings: UCX's am path), with no second pass over the pages.
+  uint64_t rooms_checksummed_in_flight = 0;
   // Failure injection stage `corrupt` (failure_injection_stages): KV batches this rank moved
   // wrong on purpose.
   uint64_t corruptions_injected = 0;

@@ -1,6 +1,8 @@
 #include "lib/base/crc32c.h"
 
 #include <cstring>
+#include <memory>
+#include <unordered_map>
 
 #if defined(__x86_64__)
 #include <nmmintrin.h>
@@ -188,6 +190,17 @@ uint32_t Crc32cZerosFactor(uint64_t bytes) {
     power = Crc32cMulMod(power, power);
   }
   return result;
+}
+
+uint32_t Crc32cAppendZeros(uint32_t crc, uint64_t bytes) {
+  if (bytes == 0 || crc == 0) return crc;
+  thread_local std::unordered_map<uint64_t, std::unique_ptr<Crc32cShift>> cache;
+  auto it = cache.find(bytes);
+  if (it == cache.end()) {
+    if (cache.size() >= 256) cache.clear();
+    it = cache.emplace(bytes, std::make_unique<Crc32cShift>(bytes)).first;
+  }
+  return (*it->second)(crc);
 }
 
 Crc32cShift::Crc32cShift(uint64_t bytes) : bytes_(bytes) {

@@ -35,6 +35,10 @@ uint32_t Crc32cMulMod(uint32_t a, uint32_t b);
 // x^(8 * bytes) modulo the polynomial: what appending `bytes` zero bytes multiplies a raw CRC by.
 uint32_t Crc32cZerosFactor(uint64_t bytes);
 
+// crc followed by `bytes` zero bytes, by Crc32cShift tables built once per length and cached per
+// thread (at most 256 lengths, then the cache starts over): for the few lengths a KV layout has.
+uint32_t Crc32cAppendZeros(uint32_t crc, uint64_t bytes);
+
 // Appending a fixed number of zero bytes to a message, applied to its raw CRC in four table
 // lookups (the map is linear in the CRC). Build once per length (1024 multiplications), use many
 // times; 4 KiB.

@@ -31,6 +31,9 @@ StatusOr<std::shared_ptr<DecodeCore>> DecodeCore::Create(const KVManagerOptions&
   auto local = RegisterBuffers(*core->transport_, options.args);
   if (!local.ok()) return local.status();
   core->local_ = std::move(*local);
+  core->landings_ = options.checksum != KvChecksum::kOff &&
+                    options.args.memory_kind == MemoryKind::kHost &&
+                    core->transport_->capabilities().digests_landings;
   core->digest_mine_ = DigestMemoryOf(core->local_, options.args.memory_kind == MemoryKind::kCuda
                                                         ? core->transport_.get()
                                                         : nullptr);
@@ -406,9 +409,39 @@ Status DecodeCore::InitRoom(uint64_t room_id, const ReceiveRequest& request) {
     }
     bound = !room->prefills.empty();
   }
+  // Before anything can land.
+  if (room->digested && landings_) WatchLandings(*room);
   // Not bound yet (still bootstrapping): BindRoom sends it.
   if (bound) SendTransferInfo(room);
   return Status::OK();
+}
+
+void DecodeCore::WatchLandings(Room& room) {
+  const std::vector<planner::StateFamilySpan> families = layout_.Families();
+  std::vector<spi::DigestRange> cells;
+  {
+    MutexLock lock(&room.mu);
+    cells = LandingCells(digest_mine_, room.info.dst_kv_pages, room.info.aux_index,
+                         {families, room.info.dst_state_indices, room.info.dst_state_counts});
+  }
+  auto watch = transport_->WatchLandings(cells);
+  if (!watch.ok()) {
+    // The pages are read after the last batch instead.
+    PDLIB_LOG(kDebug, "decode: room %d: KV digest by a second pass (%s)", room.state->room(),
+              watch.status().ToString());
+    return;
+  }
+  MutexLock lock(&room.mu);
+  room.landing_watch = *watch;
+}
+
+void DecodeCore::DropLandings(Room& room) {
+  std::optional<uint64_t> watch;
+  {
+    MutexLock lock(&room.mu);
+    watch = std::exchange(room.landing_watch, std::nullopt);
+  }
+  if (watch) transport_->DropLandings(*watch);
 }
 
 void DecodeCore::OnStatus(const TransferStatusMsg& msg) {
@@ -494,6 +527,7 @@ Status DecodeCore::CheckDigest(Room& room) {
   KvDigest expected;
   TransferInfoMsg info;
   std::vector<std::string> writers;
+  std::optional<uint64_t> watch;
   {
     MutexLock lock(&room.mu);
     if (!room.digest_expected) return Status::OK();
@@ -502,10 +536,45 @@ Status DecodeCore::CheckDigest(Room& room) {
     for (const BoundPrefill& p : room.prefills) {
       if (!p.target.dummy) writers.push_back(p.key);
     }
+    watch = std::exchange(room.landing_watch, std::nullopt);
   }
   const std::vector<planner::StateFamilySpan> families = layout_.Families();
-  auto landed = DigestLanded(digest_mine_, info.dst_kv_pages, info.aux_index,
-                             {families, info.dst_state_indices, info.dst_state_counts}, expected);
+  const DigestedFamilies state{families, info.dst_state_indices, info.dst_state_counts};
+  // What the transport digested as it copied, by cell: a cell it wrote exactly its length of
+  // is taken from there, any other is read from memory (bytes that came another way).
+  std::unordered_map<uint64_t, std::pair<uint64_t, spi::LandingDigest>> copied;
+  if (watch) {
+    auto took = transport_->TakeLandings(*watch);
+    const std::vector<spi::DigestRange> cells =
+        LandingCells(digest_mine_, info.dst_kv_pages, info.aux_index, state);
+    if (took.ok() && took->size() == cells.size()) {
+      for (size_t i = 0; i < cells.size(); ++i) {
+        copied.emplace(cells[i].addr, std::make_pair(cells[i].length, (*took)[i]));
+      }
+    }
+  }
+  size_t reread = 0;
+  RangeCrcFn reader;
+  if (!copied.empty()) {
+    reader = [&](std::span<const spi::DigestRange> ranges, std::span<uint32_t> crcs) {
+      for (size_t i = 0; i < ranges.size(); ++i) {
+        auto it = copied.find(ranges[i].addr);
+        if (it != copied.end() && it->second.first == ranges[i].length &&
+            it->second.second.bytes == ranges[i].length && ranges[i].zeros_after == 0) {
+          crcs[i] = it->second.second.crc;
+          continue;
+        }
+        ++reread;
+        if (Status s = HostRangeCrcs(ranges.subspan(i, 1), crcs.subspan(i, 1)); !s.ok()) {
+          return s;
+        }
+      }
+      return Status::OK();
+    };
+  }
+  auto landed =
+      DigestLanded(digest_mine_, info.dst_kv_pages, info.aux_index, state, expected, reader);
+  if (reader && reread == 0) counters_.Add(counters_.checksummed_in_flight);
   if (!landed.ok()) {
     return Status::DataLoss(
         absl::StrFormat("room %d: KV digest: %s", room.state->room(), landed.status().message()));
@@ -559,6 +628,7 @@ Status DecodeCore::CheckAuxRoom(const Room& room) const {
 
 void DecodeCore::FailRoom(const std::shared_ptr<Room>& room, Status reason, bool tell_prefill) {
   if (!room->state->Fail(reason)) return;
+  DropLandings(*room);
   counters_.CountFailure(*room->state);
   PDLIB_LOG(kWarning, "decode: room %d failed: %s", room->state->room(), reason.ToString());
   EnterQuarantine(room);
@@ -601,6 +671,7 @@ void DecodeCore::ReleaseRoom(uint64_t room_id, const RoomState* state) {
                                              room_id)),
              true);
   }
+  if (room) DropLandings(*room);
   if (room && room->state->Poll() == KVPoll::kFailed) {
     // TakeReusableRooms reports the room once its pages are free (at once if they are).
     MutexLock lock(&room->mu);

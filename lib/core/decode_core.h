@@ -136,6 +136,10 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   // KV integrity: a digested room's bytes as they landed against what its writers moved;
   // DATA_LOSS naming what differs (and its pages marked invalid) on a mismatch.
   Status CheckDigest(Room& room);
+  // Landing digests: asks the transport to digest the room's cells as it copies them (when it
+  // can, capabilities().digests_landings, host pools); ends the watch without its result.
+  void WatchLandings(Room& room);
+  void DropLandings(Room& room);
   void CheckTimeouts();
   // A room that just failed: reusable at once when no exposure is open, else quarantined.
   void EnterQuarantine(const std::shared_ptr<Room>& room);
@@ -174,6 +178,7 @@ class DecodeCore : public DecodeHandler, public std::enable_shared_from_this<Dec
   std::unique_ptr<spi::Transport> transport_;
   RegisteredBuffers local_;
   DigestMemory digest_mine_;          // local_, for KV digests
+  bool landings_ = false;             // the transport digests what it copies (WatchLandings)
   std::vector<uint64_t> state_caps_;  // per state family: items every buffer of it holds
   FailureInjector injector_;
   int32_t aux_room_buffer_ = -1;  // aux buffer holding bootstrap_room; -1: no check

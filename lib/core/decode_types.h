@@ -59,6 +59,9 @@ struct DecodeCore::Room {
   bool digested = false;
   std::atomic<bool> corrupted{false};  // failure injection `corrupt` struck it (once a room)
   std::optional<KvDigest> digest_expected ABSL_GUARDED_BY(mu);
+  // The transport's landing watch on the room's cells (Transport::WatchLandings), from Init until
+  // CheckDigest takes it or the room fails or goes away.
+  std::optional<uint64_t> landing_watch ABSL_GUARDED_BY(mu);
   std::vector<int32_t> corrupt_pages ABSL_GUARDED_BY(mu);
 };
 

@@ -1,9 +1,7 @@
 #include "lib/core/kv_digest.h"
 
 #include <algorithm>
-#include <memory>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "lib/base/crc32c.h"
@@ -22,18 +20,6 @@ uint32_t CellKey(RegionKind kind, uint64_t buffer, uint64_t index) {
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   z ^= z >> 31;
   return static_cast<uint32_t>(z) | 1u;
-}
-
-// Appending `bytes` zeros, by a table built once per length and thread.
-uint32_t ShiftZeros(uint32_t crc, uint64_t bytes) {
-  if (bytes == 0 || crc == 0) return crc;
-  thread_local absl::flat_hash_map<uint64_t, std::unique_ptr<Crc32cShift>> cache;
-  auto it = cache.find(bytes);
-  if (it == cache.end()) {
-    if (cache.size() >= 256) cache.clear();
-    it = cache.emplace(bytes, std::make_unique<Crc32cShift>(bytes)).first;
-  }
-  return (*it->second)(crc);
 }
 
 const uint8_t* At(uint64_t base, uint64_t offset) {
@@ -122,7 +108,7 @@ Status HostRangeCrcs(std::span<const spi::DigestRange> ranges, std::span<uint32_
   }
   for (size_t i = 0; i < ranges.size(); ++i) {
     const spi::DigestRange& r = ranges[i];
-    crcs[i] = ShiftZeros(Crc32cRaw(0, At(r.addr, 0), r.length), r.zeros_after);
+    crcs[i] = Crc32cAppendZeros(Crc32cRaw(0, At(r.addr, 0), r.length), r.zeros_after);
   }
   return Status::OK();
 }
@@ -145,11 +131,13 @@ struct DigestPass {
     ranges.push_back({addr, length, zeros_after});
     cells.push_back(cell);
   }
-  Status Compute(const DigestMemory& memory) {
+  Status Compute(const DigestMemory& memory, const RangeCrcFn& reader = {}) {
     crcs.assign(ranges.size(), 0);
     if (ranges.empty()) return Status::OK();
     Status s;
-    if (!memory.device_crcs) {
+    if (reader) {
+      s = reader(ranges, crcs);
+    } else if (!memory.device_crcs) {
       s = HostRangeCrcs(ranges, crcs);
     } else {
       // KV and state on the device in one call, the aux rows (host memory) here.
@@ -272,7 +260,7 @@ Status FillStateSpans(const planner::PairPlan& plan, const planner::TailInput& t
 
 StatusOr<KvDigest> DigestLanded(const DigestMemory& mine, std::span<const int32_t> dst_pages,
                                 std::optional<uint32_t> aux_index, const DigestedFamilies& state,
-                                const KvDigest& expected) {
+                                const KvDigest& expected, const RangeCrcFn& reader) {
   KvDigest d = KvDigest::Empty(mine.kv.size(), dst_pages.size(), mine.aux.size(), mine.state.size(),
                                state.families.size());
   if (!d.SameShape(expected)) {
@@ -327,7 +315,7 @@ StatusOr<KvDigest> DigestLanded(const DigestMemory& mine, std::span<const int32_
     }
     if (!one_list) list_at += listed;
   }
-  if (Status s = pass.Compute(mine); !s.ok()) return s;
+  if (Status s = pass.Compute(mine, reader); !s.ok()) return s;
   for (size_t i = 0; i < pass.cells.size(); ++i) {
     const DigestPass::Cell& cell = pass.cells[i];
     switch (cell.kind) {
@@ -350,6 +338,42 @@ StatusOr<KvDigest> DigestLanded(const DigestMemory& mine, std::span<const int32_
     }
   }
   return d;
+}
+
+std::vector<spi::DigestRange> LandingCells(const DigestMemory& mine,
+                                           std::span<const int32_t> dst_pages,
+                                           std::optional<uint32_t> aux_index,
+                                           const DigestedFamilies& state) {
+  std::vector<spi::DigestRange> cells;
+  for (size_t b = 0; b < mine.kv.size(); ++b) {
+    for (int32_t page : dst_pages) {
+      const uint64_t item = mine.kv_item[b];
+      cells.push_back({mine.kv[b] + static_cast<uint64_t>(page) * item, item, 0});
+    }
+  }
+  if (aux_index) {
+    for (size_t b = 0; b < mine.aux.size(); ++b) {
+      cells.push_back({mine.aux[b] + *aux_index * mine.aux_item[b], mine.aux_item[b], 0});
+    }
+  }
+  uint64_t counted = 0;
+  for (uint32_t c : state.counts) counted += c;
+  const bool one_list = counted != state.lists.size();
+  size_t list_at = 0;
+  for (size_t f = 0; f < state.families.size(); ++f) {
+    const uint32_t listed =
+        f < state.counts.size() ? state.counts[f] : static_cast<uint32_t>(state.lists.size());
+    if (list_at + listed > state.lists.size()) break;
+    const planner::StateFamilySpan& fam = state.families[f];
+    for (uint32_t i = 0; i < listed; ++i) {
+      const auto slot = static_cast<uint64_t>(state.lists[list_at + i]);
+      for (uint32_t b = fam.first; b < fam.first + fam.count && b < mine.state.size(); ++b) {
+        cells.push_back({mine.state[b] + slot * mine.state_item[b], mine.state_item[b], 0});
+      }
+    }
+    if (!one_list) list_at += listed;
+  }
+  return cells;
 }
 
 std::string DescribeDigestMismatch(const KvDigest& expected, const KvDigest& landed,

@@ -111,9 +111,20 @@ struct DigestedFamilies {
   std::span<const int32_t> lists;
   std::span<const uint32_t> counts;
 };
+// `reader`, when set, computes every range of the pass instead of `mine`'s reader (decode's
+// landing digests: what the transport digested as it copied).
 StatusOr<KvDigest> DigestLanded(const DigestMemory& mine, std::span<const int32_t> dst_pages,
                                 std::optional<uint32_t> aux_index, const DigestedFamilies& state,
-                                const KvDigest& expected);
+                                const KvDigest& expected, const RangeCrcFn& reader = {});
+
+// Every item decode's pass may read for a request, whatever the senders' digests will cover:
+// each KV buffer's `dst_pages`, the aux row `aux_index` of each aux buffer, and every listed
+// state slot of each family's buffers (spi::DigestRange, zeros_after 0): the cells decode asks
+// a transport to digest as it copies (Transport::WatchLandings).
+std::vector<spi::DigestRange> LandingCells(const DigestMemory& mine,
+                                           std::span<const int32_t> dst_pages,
+                                           std::optional<uint32_t> aux_index,
+                                           const DigestedFamilies& state);
 
 // What differs between `expected` (what the senders moved) and `landed`, for the message of a
 // DATA_LOSS: the KV buffers (named by `kv_name`, e.g. "layer 3 V"), the request page ranges,

@@ -345,6 +345,7 @@ void MetricCounters::FillInto(KVManagerMetrics* m, const RoomTable& rooms) const
   m->transfer_latency_us_sum = get(latency_us_sum);
   m->transfer_latency_count = m->rooms_succeeded;
   m->rooms_checksummed = get(checksummed);
+  m->rooms_checksummed_in_flight = get(checksummed_in_flight);
   m->corruptions_injected = get(corrupted);
   {
     MutexLock lock(&causes_mu_);

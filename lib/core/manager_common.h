@@ -121,8 +121,9 @@ struct MetricCounters {
       transfer_failed{0};
   std::atomic<uint64_t> bytes{0}, pages{0}, batches{0};
   std::atomic<uint64_t> latency_us_sum{0};
-  std::atomic<uint64_t> checksummed{0};  // rooms digested (KVManagerOptions::checksum)
-  std::atomic<uint64_t> corrupted{0};    // failure injection stage `corrupt`
+  std::atomic<uint64_t> checksummed{0};            // rooms digested (KVManagerOptions::checksum)
+  std::atomic<uint64_t> checksummed_in_flight{0};  // ... every cell by the transport's copy
+  std::atomic<uint64_t> corrupted{0};              // failure injection stage `corrupt`
 
   void Add(std::atomic<uint64_t>& c, uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
   // Counts a room that just failed (call only for the Fail() that returned true).

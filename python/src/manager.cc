@@ -471,6 +471,7 @@ py::list PollAndAllReduce(py::sequence handles, py::object group) {
   X(quarantine_released_gone)      \
   X(fenced_connections)            \
   X(rooms_checksummed)             \
+  X(rooms_checksummed_in_flight)   \
   X(checksum_mismatches)
 
 py::dict MetricsDict(const pdlib::KVManagerMetrics& m) {

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "lib/base/crc32c.h"
 #include "pdlib/kv_pool.h"
 #include "pdlib/spi/transport.h"
 #include "test/support/write_completions.h"
@@ -644,4 +645,93 @@ TEST_CASE("ucx completion callbacks may post, register and disconnect") {
   CHECK(statuses.size() == kBytes / 65536);
   CHECK(std::all_of(statuses.begin(), statuses.end(), [](const Status& s) { return s.ok(); }));
   CHECK(FirstDifference(dst, src) == kBytes);
+}
+
+TEST_CASE("ucx landing digests: the am path digests what it copies, pushed and read") {
+  // WatchLandings (capabilities().digests_landings): each watched cell's LandingDigest is the
+  // raw CRC32C of what the handler copied into it, placed in the cell, and its byte count; a
+  // cell written twice or partly shows in the count; memory the am path does not write is refused.
+  auto raw = [](const uint8_t* p, size_t n) { return pdlib::Crc32cRaw(0, p, n); };
+  for (std::string tls : {"shm", "tcp"}) {
+    for (bool pull : {false, true}) {
+      INFO("tls " << tls << (pull ? " pull" : " push"));
+      constexpr size_t kCell = 32768, kCells = 8;
+      std::mt19937_64 rng(pull ? 5 : 4);
+      std::vector<uint8_t> src(kCells * kCell), dst(kCells * kCell, 0);
+      FillRandom(src, rng);
+      spi::TransportOptions target_options;
+      target_options.options["ucx.tls"] = tls;
+      if (tls == "tcp") target_options.options["ucx.net_devices"] = "lo";
+      if (pull) target_options.direction = pdlib::TransferDirection::kPull;
+      auto target = spi::CreateTransport("ucx", target_options);
+      REQUIRE(target.ok());
+      Link link = Connect(MakeUcx(tls), std::move(*target));
+      // Push: the target's handler copies into dst; pull: the initiator's copies the replies.
+      spi::Transport& lands = pull ? *link.initiator : *link.target;
+      REQUIRE(lands.capabilities().digests_landings);
+      spi::Blob key;
+      spi::RemoteRegionId remote = 0;
+      spi::LocalRegionId local = 0;
+      if (pull) {
+        remote = ExportRegion(link, src.data(), src.size());
+        auto id = link.initiator->RegisterMemory({dst.data(), dst.size()}, &key);
+        REQUIRE(id.ok());
+        local = *id;
+      } else {
+        remote = ExportRegion(link, dst.data(), dst.size());
+        auto id = link.initiator->RegisterMemory({src.data(), src.size()}, &key);
+        REQUIRE(id.ok());
+        local = *id;
+      }
+      const uint64_t base = reinterpret_cast<uint64_t>(dst.data());
+      std::vector<spi::DigestRange> cells;
+      for (size_t c = 0; c < kCells; ++c) cells.push_back({base + c * kCell, kCell, 0});
+      auto watch = lands.WatchLandings(cells);
+      INFO(watch.status().ToString());
+      REQUIRE(watch.ok());
+      // A cell another watch holds, and memory nobody registered: refused.
+      const std::vector<spi::DigestRange> again = {{base + kCell / 2, kCell, 0}};
+      CHECK(lands.WatchLandings(again).status().code() == StatusCode::kFailedPrecondition);
+      std::vector<uint8_t> stray(kCell);
+      const std::vector<spi::DigestRange> outside = {
+          {reinterpret_cast<uint64_t>(stray.data()), kCell, 0}};
+      CHECK(lands.WatchLandings(outside).status().code() == StatusCode::kFailedPrecondition);
+      // Cells 0..5 whole (cell 1 in two pieces, in reverse), cell 6 half, cell 7 not at all;
+      // cell 5 twice.
+      std::vector<spi::WriteOp> ops = {
+          {local, 0, remote, 0, kCell},
+          {local, kCell + kCell / 2, remote, kCell + kCell / 2, kCell / 2},
+          {local, kCell, remote, kCell, kCell / 2},
+          {local, 2 * kCell, remote, 2 * kCell, 3 * kCell},
+          {local, 5 * kCell, remote, 5 * kCell, kCell},
+          {local, 6 * kCell, remote, 6 * kCell, kCell / 2}};
+      for (int round = 0; round < 2; ++round) {
+        Completions done;
+        const Status posted = pull ? link.initiator->PostReads(link.peer, ops, done.Callback())
+                                   : link.initiator->PostWrites(link.peer, ops, done.Callback());
+        REQUIRE(posted.ok());
+        REQUIRE(done.Wait(1, std::chrono::seconds(20)));
+        REQUIRE(done.statuses()[0].ok());
+        ops = {{local, 5 * kCell, remote, 5 * kCell, kCell}};  // the second round: cell 5 again
+      }
+      auto took = lands.TakeLandings(*watch);
+      REQUIRE(took.ok());
+      REQUIRE(took->size() == kCells);
+      for (size_t c = 0; c < 5; ++c) {
+        INFO("cell " << c);
+        CHECK((*took)[c].bytes == kCell);
+        CHECK((*took)[c].crc == raw(dst.data() + c * kCell, kCell));
+      }
+      CHECK((*took)[5].bytes == 2 * kCell);  // written twice: not this cell's contents
+      CHECK((*took)[5].crc == 0);            // the same bytes XORed twice
+      CHECK((*took)[6].bytes == kCell / 2);
+      CHECK((*took)[7].bytes == 0);
+      CHECK(std::memcmp(src.data(), dst.data(), 5 * kCell) == 0);
+      CHECK(lands.TakeLandings(*watch).status().code() == StatusCode::kNotFound);
+      // The cells are free again once taken.
+      auto next = lands.WatchLandings(again);
+      CHECK(next.ok());
+      if (next.ok()) lands.DropLandings(*next);
+    }
+  }
 }

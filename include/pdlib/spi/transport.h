@@ -70,6 +70,10 @@ struct TransportCapabilities {
   // integrity digest (KVManagerOptions::checksum) of GPU pools is computed by the transport, on
   // the device. A manager refuses checksums with CUDA pools on a transport without it.
   bool digests_cuda_memory = false;
+  // WatchLandings works (SPI version 5): where the transport's own code copies the bytes into
+  // this process's memory (UCX's am path: the handler's copy of each chunk, pushed or read), it
+  // digests them as it copies, so decode's KV digest needs no second pass over the pages.
+  bool digests_landings = false;
   // Limits, for reads as for writes:
   uint32_t max_writes_per_batch = 0;  // 0: unlimited (the core splits larger batches)
   uint64_t max_write_bytes = 0;       // 0: unlimited (the core splits longer ops)
@@ -109,6 +113,15 @@ struct DigestRange {
   uint64_t addr = 0;
   uint64_t length = 0;
   uint64_t zeros_after = 0;
+};
+
+// What the transport copied into one watched cell (WatchLandings): the XOR of the raw CRC32C of
+// each byte range it wrote there, each placed in the cell (followed by the cell's bytes after
+// it as zeros), and how many bytes it wrote. With every byte written exactly once, `crc` is the
+// raw CRC32C of the cell's contents and `bytes` its length.
+struct LandingDigest {
+  uint32_t crc = 0;
+  uint64_t bytes = 0;
 };
 
 struct Connection {
@@ -192,6 +205,23 @@ class PDLIB_EXPORT Transport {
     (void)crcs;
     return Status::Unimplemented(std::string(name()) + ": this transport cannot digest memory");
   }
+  // Starts digesting what the transport copies into `cells` (addresses of this process's
+  // memory, zeros_after unused; disjoint from each other and from every other watch's cells)
+  // from now on (capabilities().digests_landings). kFailedPrecondition when a cell lies in
+  // memory the transport does not copy into itself (it would be written without being
+  // digested). Returns the watch's id.
+  virtual StatusOr<uint64_t> WatchLandings(std::span<const DigestRange> cells) {
+    (void)cells;
+    return Status::Unimplemented(std::string(name()) + ": this transport does not digest landings");
+  }
+  // Ends watch `watch` and returns one LandingDigest per cell, in WatchLandings' order;
+  // kNotFound for a watch that is not there.
+  virtual StatusOr<std::vector<LandingDigest>> TakeLandings(uint64_t watch) {
+    (void)watch;
+    return Status::Unimplemented(std::string(name()) + ": this transport does not digest landings");
+  }
+  // Ends watch `watch` without its result (a room that failed or went away); no-op if not there.
+  virtual void DropLandings(uint64_t watch) { (void)watch; }
 };
 
 struct TransportOptions {
