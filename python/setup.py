@@ -8,6 +8,8 @@ level up (pip builds in place, so the tree is there):
                           no tests, benchmarks or examples) for this interpreter
   PDLIB_CMAKE_ARGS        more arguments for that configure step (e.g. -DPDLIB_WITH_CUDA=OFF)
   PDLIB_BUILD_JOBS        build parallelism (default: the CPU count)
+  PDLIB_KEEP_DEBUG=1      keep the extension's debug info (by default it is stripped from the
+                          copy that goes into the wheel: a RelWithDebInfo build's is ~100 MB)
 
 The extension links pdlib statically; the shared libraries it still needs at run time (gRPC,
 protobuf, Abseil, UCX, rdma-core) are listed by python/tools/wheel_deps.py.
@@ -66,6 +68,8 @@ class CMakeBuild(build_ext):
         # for it, else the one CMake gave.
         source = next((b for b in built if b.name == target.name), built[0])
         shutil.copyfile(source, target)
+        if not os.environ.get("PDLIB_KEEP_DEBUG") and shutil.which("strip"):
+            run(["strip", "--strip-debug", str(target)])
 
 
 setup(
