@@ -159,6 +159,23 @@ struct DigestPass {
   }
 };
 
+// Where each family's list starts in state.lists and how long it is: the lists one after
+// another (counts add up), or one list every family uses.
+std::vector<std::pair<size_t, uint32_t>> FamilyLists(const DigestedFamilies& state) {
+  uint64_t counted = 0;
+  for (uint32_t c : state.counts) counted += c;
+  const bool one_list = counted != state.lists.size();
+  std::vector<std::pair<size_t, uint32_t>> out;
+  size_t list_at = 0;
+  for (size_t f = 0; f < state.families.size(); ++f) {
+    const uint32_t listed =
+        f < state.counts.size() ? state.counts[f] : static_cast<uint32_t>(state.lists.size());
+    out.emplace_back(list_at, listed);
+    if (!one_list) list_at += listed;
+  }
+  return out;
+}
+
 }  // namespace
 
 Status AddWritesToDigest(std::span<const planner::PlannedWrite> writes, const DigestMemory& src,
@@ -290,14 +307,9 @@ StatusOr<KvDigest> DigestLanded(const DigestMemory& mine, std::span<const int32_
                {RegionKind::kAux, static_cast<uint32_t>(b), *aux_index});
     }
   }
-  // The lists one after another (counts add up), or one list every family uses.
-  uint64_t counted = 0;
-  for (uint32_t c : state.counts) counted += c;
-  const bool one_list = counted != state.lists.size();
-  size_t list_at = 0;
+  const std::vector<std::pair<size_t, uint32_t>> lists = FamilyLists(state);
   for (size_t f = 0; f < state.families.size(); ++f) {
-    const uint32_t listed =
-        f < state.counts.size() ? state.counts[f] : static_cast<uint32_t>(state.lists.size());
+    const auto [list_at, listed] = lists[f];
     const auto [first, count] = expected.state_spans[f];
     if (static_cast<uint64_t>(first) + count > listed || list_at + listed > state.lists.size()) {
       return Status::InvalidArgument(absl::StrFormat(
@@ -313,7 +325,6 @@ StatusOr<KvDigest> DigestLanded(const DigestMemory& mine, std::span<const int32_
         pass.Add(mine.state[b] + slot * item, item, 0, {RegionKind::kState, b, slot});
       }
     }
-    if (!one_list) list_at += listed;
   }
   if (Status s = pass.Compute(mine, reader); !s.ok()) return s;
   for (size_t i = 0; i < pass.cells.size(); ++i) {
@@ -356,13 +367,9 @@ std::vector<spi::DigestRange> LandingCells(const DigestMemory& mine,
       cells.push_back({mine.aux[b] + *aux_index * mine.aux_item[b], mine.aux_item[b], 0});
     }
   }
-  uint64_t counted = 0;
-  for (uint32_t c : state.counts) counted += c;
-  const bool one_list = counted != state.lists.size();
-  size_t list_at = 0;
+  const std::vector<std::pair<size_t, uint32_t>> lists = FamilyLists(state);
   for (size_t f = 0; f < state.families.size(); ++f) {
-    const uint32_t listed =
-        f < state.counts.size() ? state.counts[f] : static_cast<uint32_t>(state.lists.size());
+    const auto [list_at, listed] = lists[f];
     if (list_at + listed > state.lists.size()) break;
     const planner::StateFamilySpan& fam = state.families[f];
     for (uint32_t i = 0; i < listed; ++i) {
@@ -371,7 +378,6 @@ std::vector<spi::DigestRange> LandingCells(const DigestMemory& mine,
         cells.push_back({mine.state[b] + slot * mine.state_item[b], mine.state_item[b], 0});
       }
     }
-    if (!one_list) list_at += listed;
   }
   return cells;
 }
