@@ -6,6 +6,10 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
+
+#include "pdlib/status.h"
+
 namespace pdlib {
 inline namespace v1 {
 namespace cuda_ipc {
@@ -28,6 +32,22 @@ class DeviceScope {
   bool restore_ = false;
   cudaError_t status_ = cudaSuccess;
 };
+
+// Whether `device` can be used by the copy engine's kernels: kUnavailable with the runtime's
+// text when there is no usable device, kInvalidArgument when `device` is out of range.
+inline Status CheckCudaDevice(int device) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    return Status::Unavailable(std::string("no CUDA device: ") + cudaGetErrorString(e));
+  }
+  if (count == 0) return Status::Unavailable("no CUDA device: cudaGetDeviceCount found none");
+  if (device < 0 || device >= count) {
+    return Status::InvalidArgument("CUDA device " + std::to_string(device) + " out of range [0, " +
+                                   std::to_string(count) + ")");
+  }
+  return Status::OK();
+}
 
 }  // namespace cuda_ipc
 }  // namespace v1

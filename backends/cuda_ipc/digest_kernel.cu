@@ -106,14 +106,8 @@ DeviceDigester::~DeviceDigester() {
 }
 
 StatusOr<std::unique_ptr<DeviceDigester>> DeviceDigester::Create(int device) {
-  int count = 0;
-  cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess) return Status::Unavailable(CudaText("no CUDA device", e));
-  if (count == 0) return Status::Unavailable("no CUDA device: cudaGetDeviceCount found none");
-  if (device < 0 || device >= count) {
-    return Status::InvalidArgument("CUDA device " + std::to_string(device) + " out of range [0, " +
-                                   std::to_string(count) + ")");
-  }
+  if (Status s = CheckCudaDevice(device); !s.ok()) return s;
+  cudaError_t e = cudaSuccess;
   DeviceScope scope(device);
   if (scope.status() != cudaSuccess) {
     return Status::Unavailable(CudaText("cudaSetDevice", scope.status()));
