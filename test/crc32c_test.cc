@@ -4,6 +4,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <random>
+#include <string_view>
 #include <vector>
 
 using pdlib::Crc32cMulMod;
@@ -50,6 +51,49 @@ TEST_CASE("crc32c: every path equals the bitwise definition, any length and alig
       INFO("offset " << offset << " length " << n);
       CHECK(Crc32cRaw(0x1234u, data.data() + offset, n) == want);
       CHECK(Crc32cRawPortable(0x1234u, data.data() + offset, n) == want);
+      for (std::string_view path : pdlib::Crc32cPaths()) {
+        INFO("path " << path);
+        CHECK(pdlib::Crc32cRawBy(path, 0x1234u, data.data() + offset, n) == want);
+      }
+    }
+  }
+}
+
+TEST_CASE("crc32c: multiplication modulo the polynomial, fast and bitwise agree") {
+  std::mt19937 rng(9);
+  for (int i = 0; i < 20000; ++i) {
+    const uint32_t a = rng(), b = i % 7 == 0 ? (1u << (i % 32)) : static_cast<uint32_t>(rng());
+    INFO(a << " * " << b);
+    REQUIRE(pdlib::Crc32cMulMod(a, b) == pdlib::Crc32cMulModPortable(a, b));
+  }
+  // x^0 is one; x^32 = P's low terms (the reflected polynomial).
+  CHECK(pdlib::Crc32cMulMod(0x12345678u, 1u << 31) == 0x12345678u);
+  CHECK(pdlib::Crc32cMulMod(1u << 31, pdlib::Crc32cZerosFactor(4)) == 0x82F63B78u);
+}
+
+TEST_CASE("crc32c: the folding path around its block sizes, from any register value") {
+  // Folding takes 256-byte rounds, then 64-byte blocks, then 16-byte lanes, then bytes: every
+  // length from 240 to 600 crosses each boundary; registers 0, all ones and an odd one.
+  const auto paths = pdlib::Crc32cPaths();
+  INFO("paths here: " << paths.size() << ", fastest " << pdlib::Crc32cImplementation());
+  REQUIRE(paths.back() == "portable");
+  CHECK_FALSE(pdlib::Crc32cRawBy("no-such-path", 0, "x", 1).has_value());
+  const auto data = Random(4096 + 64, 4);
+  for (uint32_t start : {0u, 0xFFFFFFFFu, 0x9E3779B9u}) {
+    for (size_t n = 240; n <= 600; ++n) {
+      const uint32_t want = BitwiseRaw(start, data.data() + 5, n);
+      for (std::string_view path : paths) {
+        INFO("path " << path << " length " << n << " start " << start);
+        REQUIRE(pdlib::Crc32cRawBy(path, start, data.data() + 5, n) == want);
+      }
+    }
+    // Long: many 256-byte rounds, every 64-byte tail count.
+    for (size_t n : {4096u, 4096u + 64, 4096u + 64 * 3 + 15, 4095u}) {
+      const uint32_t want = BitwiseRaw(start, data.data() + 3, n);
+      for (std::string_view path : paths) {
+        INFO("path " << path << " length " << n);
+        CHECK(pdlib::Crc32cRawBy(path, start, data.data() + 3, n) == want);
+      }
     }
   }
 }

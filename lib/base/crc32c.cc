@@ -3,8 +3,10 @@
 #include <cstring>
 #include <memory>
 #include <unordered_map>
+#include <vector>
 
 #if defined(__x86_64__)
+#include <immintrin.h>
 #include <nmmintrin.h>
 #elif defined(__aarch64__)
 #include <arm_acle.h>
@@ -74,6 +76,109 @@ const Joiners<kBlock>& JoinersFor() {
 }
 
 #if defined(__x86_64__)
+// x^e modulo the polynomial, reflected (bit 31 is x^0), by squaring from x^1.
+uint32_t XPow(uint64_t e) {
+  uint32_t result = 1u << 31, power = 1u << 30;
+  for (; e != 0; e >>= 1) {
+    if (e & 1) result = Crc32cMulMod(result, power);
+    power = Crc32cMulMod(power, power);
+  }
+  return result;
+}
+
+// Folding with carry-less multiplication (the method of Intel's "Fast CRC Computation for
+// Generic Polynomials Using PCLMULQDQ", worked out here for the reflected CRC32C). A 128-bit
+// lane loaded little-endian holds 16 message bytes as a polynomial whose bit j is the coefficient
+// of x^(127-j); its low qword L and high qword H give lane = L x^64 + H. Moving the lane D bits
+// further on is lane x^D = L x^(64+D) + H x^D; a carry-less product of two reflected qwords is
+// their polynomial product times x^-1 read in a 128-bit lane, so multiplying L by
+// K_lo = x^(D+63) mod P and H by K_hi = x^(D-1) mod P (32-bit remainders, placed in the top half
+// of each qword) gives a 96-bit lane congruent to lane x^D, which is XORed onto the lane D bits
+// later. Once one lane is left, its CRC (the raw CRC of its 16 bytes from 0, two crc32
+// instructions) is the CRC of everything folded into it.
+struct FoldConstants {
+  uint64_t k2048[2], k512[2], k384[2], k256[2], k128[2];
+  FoldConstants() {
+    Set(2048, k2048);
+    Set(512, k512);
+    Set(384, k384);
+    Set(256, k256);
+    Set(128, k128);
+  }
+  static void Set(uint64_t d, uint64_t* k) {
+    k[0] = static_cast<uint64_t>(XPow(d + 63)) << 32;
+    k[1] = static_cast<uint64_t>(XPow(d - 1)) << 32;
+  }
+};
+const FoldConstants& Folds() {
+  static const FoldConstants* k = new FoldConstants();
+  return *k;
+}
+
+#define PDLIB_CRC_FOLD_TARGET \
+  __attribute__((target("sse4.2,pclmul,avx512f,avx512vl,avx512bw,vpclmulqdq")))
+
+PDLIB_CRC_FOLD_TARGET inline __m512i Fold512(__m512i x, __m512i k, __m512i next) {
+  return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00),
+                                   _mm512_clmulepi64_epi128(x, k, 0x11), next, 0x96);
+}
+
+PDLIB_CRC_FOLD_TARGET inline __m512i Broadcast(const uint64_t* k) {
+  return _mm512_set_epi64(static_cast<int64_t>(k[1]), static_cast<int64_t>(k[0]),
+                          static_cast<int64_t>(k[1]), static_cast<int64_t>(k[0]),
+                          static_cast<int64_t>(k[1]), static_cast<int64_t>(k[0]),
+                          static_cast<int64_t>(k[1]), static_cast<int64_t>(k[0]));
+}
+
+PDLIB_CRC_FOLD_TARGET inline __m512i Load512(const uint8_t* at) { return _mm512_loadu_si512(at); }
+
+PDLIB_CRC_FOLD_TARGET inline __m128i Fold128(__m128i x, const uint64_t* k, __m128i next) {
+  const __m128i kk = _mm_loadu_si128(reinterpret_cast<const __m128i*>(k));
+  return _mm_ternarylogic_epi64(_mm_clmulepi64_si128(x, kk, 0x00),
+                                _mm_clmulepi64_si128(x, kk, 0x11), next, 0x96);
+}
+
+__attribute__((target("sse4.2"))) uint32_t Sse42(uint32_t crc, const uint8_t* p, size_t n);
+
+// AVX-512 with VPCLMULQDQ: four 64-byte accumulators (256 bytes a round), four lanes each.
+PDLIB_CRC_FOLD_TARGET uint32_t Avx512Fold(uint32_t crc, const uint8_t* p, size_t n) {
+  if (n < 256) return Sse42(crc, p, n);
+  const FoldConstants& f = Folds();
+  // The register continues the CRC: XORed onto the message's first 32 bits.
+  __m512i a0 = _mm512_xor_si512(Load512(p),
+                                _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(crc))));
+  __m512i a1 = Load512(p + 64), a2 = Load512(p + 128), a3 = Load512(p + 192);
+  p += 256;
+  n -= 256;
+  const __m512i k2048 = Broadcast(f.k2048);
+  for (; n >= 256; n -= 256, p += 256) {
+    a0 = Fold512(a0, k2048, Load512(p));
+    a1 = Fold512(a1, k2048, Load512(p + 64));
+    a2 = Fold512(a2, k2048, Load512(p + 128));
+    a3 = Fold512(a3, k2048, Load512(p + 192));
+  }
+  const __m512i k512 = Broadcast(f.k512);
+  __m512i a = Fold512(a0, k512, a1);
+  a = Fold512(a, k512, a2);
+  a = Fold512(a, k512, a3);
+  for (; n >= 64; n -= 64, p += 64) a = Fold512(a, k512, Load512(p));
+  // The four lanes into one: lane i is 16 (3 - i) bytes before the last.
+  alignas(64) uint8_t lanes[64];
+  _mm512_store_si512(lanes, a);
+  auto lane = [&lanes](int i) {
+    return _mm_load_si128(reinterpret_cast<const __m128i*>(lanes + 16 * i));
+  };
+  __m128i r = Fold128(lane(2), f.k128, lane(3));
+  r = Fold128(lane(1), f.k256, r);
+  r = Fold128(lane(0), f.k384, r);
+  for (; n >= 16; n -= 16, p += 16) {
+    r = Fold128(r, f.k128, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(r)));
+  c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(r, 1)));
+  return Sse42(static_cast<uint32_t>(c), p, n);
+}
+
 template <size_t kBlock>
 __attribute__((target("sse4.2"))) uint32_t ThreeStreams(uint32_t crc, const uint8_t*& p,
                                                         size_t& n) {
@@ -138,41 +243,62 @@ __attribute__((target("+crc"))) uint32_t Armv8(uint32_t crc, const uint8_t* p, s
 #endif
 
 using Impl = uint32_t (*)(uint32_t, const uint8_t*, size_t);
+struct Path {
+  const char* name;
+  Impl fn;
+};
+// The paths this CPU can run, fastest first.
 struct Chosen {
-  Impl fn = Portable;
-  const char* name = "portable";
+  std::vector<Path> paths;
   Chosen() {
 #if defined(__x86_64__)
-    if (__builtin_cpu_supports("sse4.2")) {
-      fn = Sse42;
-      name = "sse4.2";
+    const bool sse42 = __builtin_cpu_supports("sse4.2");
+    if (sse42 && __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("vpclmulqdq")) {
+      paths.push_back({"avx512-vpclmul", Avx512Fold});
     }
+    if (sse42) paths.push_back({"sse4.2", Sse42});
 #elif defined(__aarch64__) && defined(__linux__)
-    if (getauxval(AT_HWCAP) & HWCAP_CRC32) {
-      fn = Armv8;
-      name = "armv8-crc";
-    }
+    if (getauxval(AT_HWCAP) & HWCAP_CRC32) paths.push_back({"armv8-crc", Armv8});
 #endif
+    paths.push_back({"portable", Portable});
   }
 };
 const Chosen& Choice() {
-  static const Chosen chosen;
-  return chosen;
+  static const Chosen* chosen = new Chosen();
+  return *chosen;
 }
-
 }  // namespace
 
 uint32_t Crc32cRaw(uint32_t crc, const void* data, size_t n) {
-  return Choice().fn(crc, static_cast<const uint8_t*>(data), n);
+  static const Impl fastest = Choice().paths.front().fn;
+  return fastest(crc, static_cast<const uint8_t*>(data), n);
 }
 
 uint32_t Crc32cRawPortable(uint32_t crc, const void* data, size_t n) {
   return Portable(crc, static_cast<const uint8_t*>(data), n);
 }
 
-const char* Crc32cImplementation() { return Choice().name; }
+const char* Crc32cImplementation() { return Choice().paths.front().name; }
 
-uint32_t Crc32cMulMod(uint32_t a, uint32_t b) {
+std::vector<std::string_view> Crc32cPaths() {
+  std::vector<std::string_view> names;
+  for (const Path& p : Choice().paths) names.emplace_back(p.name);
+  return names;
+}
+
+std::optional<uint32_t> Crc32cRawBy(std::string_view path, uint32_t crc, const void* data,
+                                    size_t n) {
+  for (const Path& p : Choice().paths) {
+    if (path == p.name) return p.fn(crc, static_cast<const uint8_t*>(data), n);
+  }
+  return std::nullopt;
+}
+
+namespace {
+
+uint32_t MulModBitwise(uint32_t a, uint32_t b) {
   uint32_t product = 0;
   for (uint32_t bit = 1u << 31; bit != 0; bit >>= 1) {
     if (a & bit) product ^= b;
@@ -180,6 +306,36 @@ uint32_t Crc32cMulMod(uint32_t a, uint32_t b) {
   }
   return product;
 }
+
+#if defined(__x86_64__)
+// One carry-less multiplication and one crc32 instruction. The product c of two reflected 32-bit
+// values has bit k as the coefficient of x^(62-k); shifted up by one, its low half H holds
+// x^63..x^32 and its high half L x^31..x^0, so a b = H x^32 + L, and H x^32 mod P is the raw
+// crc32 of H's four bytes from a zero register.
+__attribute__((target("sse4.2,pclmul"))) uint32_t MulModClmul(uint32_t a, uint32_t b) {
+  const __m128i product = _mm_clmulepi64_si128(_mm_cvtsi32_si128(static_cast<int>(a)),
+                                               _mm_cvtsi32_si128(static_cast<int>(b)), 0x00);
+  const uint64_t c = static_cast<uint64_t>(_mm_cvtsi128_si64(product)) << 1;
+  return _mm_crc32_u32(0, static_cast<uint32_t>(c)) ^ static_cast<uint32_t>(c >> 32);
+}
+#endif
+
+using MulModFn = uint32_t (*)(uint32_t, uint32_t);
+MulModFn ChooseMulMod() {
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul")) return MulModClmul;
+#endif
+  return MulModBitwise;
+}
+
+}  // namespace
+
+uint32_t Crc32cMulMod(uint32_t a, uint32_t b) {
+  static const MulModFn fn = ChooseMulMod();
+  return fn(a, b);
+}
+
+uint32_t Crc32cMulModPortable(uint32_t a, uint32_t b) { return MulModBitwise(a, b); }
 
 uint32_t Crc32cZerosFactor(uint64_t bytes) {
   // x^(2^k) for k = 0.., by squaring; x^(8 bytes) as the product of those its exponent holds.

@@ -8,16 +8,21 @@
 // (Crc32cShift skips the zeros without reading them), and decode's CRC of the whole page as it
 // landed must equal that XOR.
 //
-// Speed: SSE4.2's crc32 instruction (x86-64) or ARMv8's CRC32C instructions, chosen at run time,
-// over three independent streams at once for long buffers (the instruction's latency is three
-// cycles, its throughput one per cycle), the streams joined with precomputed shift tables; a
-// table-driven software path (slicing by eight) elsewhere.
+// Speed, chosen at run time: on x86-64 with AVX-512 and VPCLMULQDQ, folding 256 bytes a round
+// with carry-less multiplications (16 lanes of 128 bits) for buffers of 256 bytes and more;
+// otherwise SSE4.2's crc32 instruction (x86-64) or ARMv8's CRC32C instructions over three
+// independent streams at once for long buffers (the instruction's latency is three cycles, its
+// throughput one per cycle), the streams joined with precomputed shift tables; a table-driven
+// software path (slicing by eight) elsewhere.
 #ifndef PDLIB_LIB_BASE_CRC32C_H_
 #define PDLIB_LIB_BASE_CRC32C_H_
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string_view>
+#include <vector>
 
 namespace pdlib {
 inline namespace v1 {
@@ -26,12 +31,20 @@ inline namespace v1 {
 uint32_t Crc32cRaw(uint32_t crc, const void* data, size_t n);
 // The same, by the portable table-driven path whatever the CPU has (tests compare the two).
 uint32_t Crc32cRawPortable(uint32_t crc, const void* data, size_t n);
-// Which path Crc32cRaw takes here: "sse4.2", "armv8-crc" or "portable".
+// Which path Crc32cRaw takes here: "avx512-vpclmul", "sse4.2", "armv8-crc" or "portable".
 const char* Crc32cImplementation();
+// Every path this CPU can run, fastest first (Crc32cRaw takes the first), and the CRC by one of
+// them (nullopt for a path not in that list): tests and benchmarks compare them.
+std::vector<std::string_view> Crc32cPaths();
+std::optional<uint32_t> Crc32cRawBy(std::string_view path, uint32_t crc, const void* data,
+                                    size_t n);
 
 // a * b modulo the CRC32C polynomial, both in the CRC's bit-reflected representation (bit 31 is
 // the coefficient of x^0).
+// One carry-less multiplication and a crc32 instruction where the CPU has them (x86-64 PCLMUL and
+// SSE4.2), the bitwise definition elsewhere; Crc32cMulModPortable is always the bitwise one.
 uint32_t Crc32cMulMod(uint32_t a, uint32_t b);
+uint32_t Crc32cMulModPortable(uint32_t a, uint32_t b);
 // x^(8 * bytes) modulo the polynomial: what appending `bytes` zero bytes multiplies a raw CRC by.
 uint32_t Crc32cZerosFactor(uint64_t bytes);
 
