@@ -15,6 +15,7 @@ The extension links pdlib statically; the shared libraries it still needs at run
 protobuf, Abseil, UCX, rdma-core) are listed by python/tools/wheel_deps.py.
 """
 
+import importlib.util
 import os
 import re
 import shlex
@@ -28,6 +29,16 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+
+# pip's metadata step needs setuptools' bdist_wheel, which comes from the `wheel` package. Debian
+# has it for its own interpreter (python3-wheel, which `make deps` installs); a virtualenv of
+# another interpreter (pyenv, conda) lacks it, and pip would only say "invalid command
+# 'bdist_wheel'".
+if importlib.util.find_spec("wheel") is None and any(
+        a in ("bdist_wheel", "dist_info", "editable_wheel") for a in sys.argv[1:]):
+    sys.exit(f"pdlib: this interpreter ({sys.executable}) has no 'wheel' package. Build with "
+             "Debian's Python, for which `make deps` installs wheel, numpy, torch and pybind11: "
+             "/usr/bin/python3 -m venv --system-site-packages ~/venv")
 
 
 def pdlib_version() -> str:

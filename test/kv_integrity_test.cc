@@ -254,11 +254,16 @@ TEST_CASE("kv integrity: every room digested, push and pull, 1:1 and TP 2 -> 1: 
   auto dir = GENERATE(pdlib::TransferDirection::kPush, pdlib::TransferDirection::kPull);
   const int32_t ptp = GENERATE(1, 2);
   const bool families = GENERATE(false, true);
+  // The fake digests what it sends (PostWritesDigested) unless told not to: then the prefill
+  // core digests the source itself.
+  const bool core_pass = GENERATE(false, true);
   INFO((dir == pdlib::TransferDirection::kPull ? "pull" : "push")
-       << " prefill TP " << ptp << (families ? " with state families" : ""));
+       << " prefill TP " << ptp << (families ? " with state families" : "")
+       << (core_pass ? ", the core's own pass" : ", send digests"));
   Setup s;
   s.direction = dir;
   s.families = families;
+  if (core_pass) s.extra_option = "fake.digests_sends=false";
   Pair pair(s, ptp);
   for (uint64_t room = 100; room < 106; ++room) {
     auto out = pair.Run(room, {1, 2, 3}, {7, static_cast<int32_t>(room % 20 + 10), 4});
@@ -269,6 +274,11 @@ TEST_CASE("kv integrity: every room digested, push and pull, 1:1 and TP 2 -> 1: 
   CHECK(pair.decode.manager->metrics().rooms_checksummed == 6);
   CHECK(pair.decode.manager->metrics().checksum_mismatches == 0);
   CHECK(pair.prefill[0].manager->metrics().rooms_checksummed == 6);
+  // Push with send digests: no KV batch needed the core's pass (pull offers digest the source).
+  const bool by_sends = dir == pdlib::TransferDirection::kPush && !core_pass;
+  for (auto& p : pair.prefill) {
+    CHECK(p.manager->metrics().rooms_checksummed_in_flight == (by_sends ? 6u : 0u));
+  }
 }
 
 TEST_CASE("kv integrity: a decode prefix: only the pages after it are covered") {
@@ -461,6 +471,11 @@ TEST_CASE("kv integrity over ucx (shared memory): no false alarm, push and pull"
   // The am path (memory UCX did not allocate) digested every cell as it copied it: no second
   // pass over the pages.
   CHECK(pair.decode.manager->metrics().rooms_checksummed_in_flight == 4);
+  // Push: prefill's KV digest came from the transport's sends (each piece before its send).
+  for (auto& p : pair.prefill) {
+    CHECK(p.manager->metrics().rooms_checksummed_in_flight ==
+          (dir == pdlib::TransferDirection::kPush ? 4u : 0u));
+  }
 }
 
 TEST_CASE("kv integrity over ucx: corruption through the real transport is caught, each time") {

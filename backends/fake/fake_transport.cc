@@ -11,6 +11,9 @@
 //                      bytes, `misplace` lands one op one op-length further on in its region
 //                      (the intended bytes stay as they were). At most one per batch; each is
 //                      logged and counted (FakeCorruptionsInjected), for KV integrity tests.
+//   fake.digests_sends=false  do not offer PostWritesDigested (on with fake.copy: the source
+//                      bytes of each op are digested as they are copied, before any fault of
+//                      fake.corrupt), so that the core digests the source itself.
 //   fake.digests_cuda=false  do not offer DigestRanges for kCuda regions (on by default: the
 //                      "GPU" memory of a fake is host memory, digested by the CPU and counted,
 //                      FakeDeviceRangesDigested), to test the refusal of checksums.
@@ -97,6 +100,7 @@ constexpr const char* kFaultNames[] = {"byte", "page", "misplace"};
 struct FakeOptions {
   bool copy = false;
   bool digests_cuda = true;
+  bool digests_sends = true;
   double prob[3] = {0, 0, 0};
 };
 
@@ -117,6 +121,14 @@ StatusOr<FakeOptions> ParseFakeOptions(const spi::TransportOptions& o) {
       } else {
         return Status::InvalidArgument("fake.digests_cuda=" + value + ": true or false");
       }
+    } else if (key == "fake.digests_sends") {
+      if (value == "1" || value == "true") {
+        f.digests_sends = true;
+      } else if (value == "0" || value == "false") {
+        f.digests_sends = false;
+      } else {
+        return Status::InvalidArgument("fake.digests_sends=" + value + ": true or false");
+      }
     } else if (key == "fake.corrupt") {
       for (absl::string_view item : absl::StrSplit(value, ',', absl::SkipEmpty())) {
         std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(item, ':');
@@ -132,7 +144,8 @@ StatusOr<FakeOptions> ParseFakeOptions(const spi::TransportOptions& o) {
       }
     } else if (key.rfind("fake.", 0) == 0) {
       return Status::InvalidArgument("unknown fake backend option " + key +
-                                     " (known: fake.copy, fake.corrupt, fake.digests_cuda)");
+                                     " (known: fake.copy, fake.corrupt, fake.digests_cuda, "
+                                     "fake.digests_sends)");
     }
   }
   if (!f.copy && (f.prob[0] > 0 || f.prob[1] > 0 || f.prob[2] > 0)) {
@@ -167,6 +180,7 @@ class FakeTransport final : public spi::Transport {
     caps.fences = true;                // a fenced target's batches fail; nothing ever lands
     caps.reads = true;                 // validated like writes; no byte moves either way
     caps.digests_cuda_memory = options_.digests_cuda;  // "GPU" regions are host memory here
+    caps.digests_sends = options_.copy && options_.digests_sends;  // as MoveBytes copies
     return caps;
   }
 
@@ -270,6 +284,17 @@ class FakeTransport final : public spi::Transport {
     return Post(peer, ops, std::move(done), toolkit::OpKind::kWrite);
   }
 
+  // The source of each op digested as MoveBytes copies it, before any fault of fake.corrupt.
+  Status PostWritesDigested(spi::PeerId peer, std::span<const spi::WriteOp> ops,
+                            std::span<uint32_t> crcs, spi::WriteCallback done) override {
+    if (!capabilities().digests_sends)
+      return spi::Transport::PostWritesDigested(peer, ops, crcs, done);
+    if (crcs.size() != ops.size()) {
+      return Status::InvalidArgument("fake: PostWritesDigested with a CRC count unlike the ops'");
+    }
+    return Post(peer, ops, std::move(done), toolkit::OpKind::kWrite, crcs);
+  }
+
   Status PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
                    spi::ReadCallback done) override {
     return Post(peer, ops, std::move(done), toolkit::OpKind::kRead);
@@ -289,7 +314,7 @@ class FakeTransport final : public spi::Transport {
  private:
   // A batch of writes or reads: checked the same way, completed the same way.
   Status Post(spi::PeerId peer, std::span<const spi::WriteOp> ops, spi::WriteCallback done,
-              toolkit::OpKind kind) {
+              toolkit::OpKind kind, std::span<uint32_t> crcs = {}) {
     std::unique_lock lock(mu_);
     if (stopping_) return Status::Cancelled("fake: transport is shutting down");
     auto entry = peers_.ForWrites(peer);
@@ -298,6 +323,10 @@ class FakeTransport final : public spi::Transport {
     for (size_t i = 0; i < ops.size(); ++i) {
       auto resolved = peers_.ResolveWrite(peer, **entry, local_regions_, i, ops[i], kind);
       if (!resolved.ok()) return resolved.status();
+      if (!crcs.empty() && resolved->first->cuda) {
+        return Status::InvalidArgument("fake: PostWritesDigested: write " + std::to_string(i) +
+                                       " reads a CUDA region");
+      }
       if (options_.copy) {
         const auto [local, remote] = *resolved;
         uint64_t from = local->addr + ops[i].local_offset, to = remote->addr + ops[i].remote_offset;
@@ -308,7 +337,8 @@ class FakeTransport final : public spi::Transport {
           to_len = local->length;
           to_off = ops[i].local_offset;
         }
-        copies.push_back({from, to, ops[i].length, to_base, to_len, to_off});
+        copies.push_back(
+            {from, to, ops[i].length, to_base, to_len, to_off, crcs.empty() ? nullptr : &crcs[i]});
       }
     }
     queue_.push_back(Pending{std::move(done), (*entry)->target, std::move(copies)});
@@ -331,6 +361,7 @@ class FakeTransport final : public spi::Transport {
   struct Copy {
     uint64_t from = 0, to = 0, length = 0;
     uint64_t region = 0, region_length = 0, offset = 0;
+    uint32_t* crc = nullptr;  // PostWritesDigested: the raw CRC of the source, set as it is copied
   };
   struct PeerEntry {
     std::vector<RemoteRegion> regions;
@@ -358,6 +389,7 @@ class FakeTransport final : public spi::Transport {
       const Copy& c = copies[i];
       auto* to = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(c.to));
       const auto* from = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(c.from));
+      if (c.crc != nullptr) *c.crc = Crc32cRaw(0, from, c.length);
       if (i != victim || fault < 0 || c.length == 0) {
         std::memmove(to, from, c.length);
         continue;

@@ -185,6 +185,7 @@ bool UcxTransport::PostChunks(PeerState& peer) {
         batch.am_headers.push_back(AmPutHeader{kAmPutMagic, batch.am_messages, peer.target,
                                                batch.seq, op.remote + offset});
         batch.lanes_used |= uint8_t(1u << lane.rail);
+        DigestSend(op, offset, length);
         request = ucp_am_send_nbx(lane.ep.get(), kAmPutId, &batch.am_headers.back(),
                                   sizeof(AmPutHeader), op.local + offset, length, &param);
       } else if (batch.reads) {
@@ -192,6 +193,7 @@ bool UcxTransport::PostChunks(PeerState& peer) {
         request = ucp_get_nbx(lane.ep.get(), op.local + offset, length, op.remote + offset, op.rkey,
                               &param);
       } else {
+        DigestSend(op, offset, length);
         request = ucp_put_nbx(lane.ep.get(), op.local + offset, length, op.remote + offset, op.rkey,
                               &param);
       }
@@ -245,6 +247,10 @@ bool UcxTransport::PostChunks(PeerState& peer) {
     ReleaseRef(batch);  // the posting reference; may complete the batch
   }
   return posted;
+}
+
+void UcxTransport::DigestSend(const ResolvedOp& op, uint64_t offset, uint64_t length) {
+  if (op.crc != nullptr) *op.crc = Crc32cRaw(*op.crc, op.local + offset, length);
 }
 
 // Sends the batch's open ranges as one request message; false when the send failed (the batch

@@ -208,6 +208,7 @@ spi::TransportCapabilities UcxTransport::capabilities() const {
   caps.fences = am_target_ && direct_regions_.load() == 0;
   caps.reads = true;             // "am" read requests or gets; chunked and paced like writes
   caps.digests_landings = true;  // where the am path copies (WatchLandings refuses elsewhere)
+  caps.digests_sends = true;     // host memory, any path (each piece just before its send)
   return caps;
 }
 
@@ -332,8 +333,8 @@ StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegio
   if (key_blob != nullptr) *key_blob = std::move(mapped->second);
   if (direct) ++direct_regions_;
   MutexLock lock(&mu_);
-  return local_regions_.Add(
-      LocalRegionEntry{addr, region.length, std::move(mapped->first), direct, am_region});
+  return local_regions_.Add(LocalRegionEntry{addr, region.length, std::move(mapped->first), direct,
+                                             am_region, region.kind == MemoryKind::kCuda});
 }
 
 Status UcxTransport::DeregisterMemory(spi::LocalRegionId region) {
@@ -640,14 +641,24 @@ Status UcxTransport::PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> 
   return Post(peer, ops, std::move(done), toolkit::OpKind::kWrite);
 }
 
+Status UcxTransport::PostWritesDigested(spi::PeerId peer, std::span<const spi::WriteOp> ops,
+                                        std::span<uint32_t> crcs, spi::WriteCallback done) {
+  if (crcs.size() != ops.size()) {
+    return Status::InvalidArgument("ucx: PostWritesDigested with " + std::to_string(crcs.size()) +
+                                   " CRCs for " + std::to_string(ops.size()) + " writes");
+  }
+  return Post(peer, ops, std::move(done), toolkit::OpKind::kWrite, crcs);
+}
+
 Status UcxTransport::PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
                                spi::ReadCallback done) {
   return Post(peer, ops, std::move(done), toolkit::OpKind::kRead);
 }
 
 Status UcxTransport::Post(spi::PeerId peer, std::span<const spi::WriteOp> ops,
-                          spi::WriteCallback done, toolkit::OpKind kind) {
+                          spi::WriteCallback done, toolkit::OpKind kind, std::span<uint32_t> crcs) {
   const bool reads = kind == toolkit::OpKind::kRead;
+  for (uint32_t& crc : crcs) crc = 0;
   auto batch = std::make_unique<Batch>();
   batch->peer_id = peer;
   batch->done = std::move(done);
@@ -667,6 +678,10 @@ Status UcxTransport::Post(spi::PeerId peer, std::span<const spi::WriteOp> ops,
       const RemoteRegionEntry& remote = *resolved->second;
       // The target's choice: its messages (writes) or read requests, else puts or gets.
       const bool am = entry.am && !remote.direct && (!reads || remote.am_region != 0);
+      if (!crcs.empty() && local.cuda) {
+        return Status::InvalidArgument("ucx: PostWritesDigested: write " + std::to_string(i) +
+                                       " reads CUDA memory, which the CPU does not digest");
+      }
       if (op.length == 0) continue;
       if (am && !reads) {
         am_messages += (op.length + options_.am_chunk_bytes - 1) / options_.am_chunk_bytes;
@@ -675,7 +690,8 @@ Status UcxTransport::Post(spi::PeerId peer, std::span<const spi::WriteOp> ops,
       }
       batch->ops.push_back(ResolvedOp{reinterpret_cast<uint8_t*>(local.addr) + op.local_offset,
                                       remote.addr + op.remote_offset, op.length, local.memh->get(),
-                                      remote.rkey, am, remote.am_region});
+                                      remote.rkey, am, remote.am_region,
+                                      crcs.empty() ? nullptr : &crcs[i]});
     }
     if (am_messages > UINT32_MAX) {
       return Status::InvalidArgument("ucx: a batch of " + std::to_string(am_messages) +

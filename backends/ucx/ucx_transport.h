@@ -146,6 +146,10 @@ class UcxTransport final : public spi::Transport {
                                                    const spi::RemoteRegion& region) override;
   Status PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
                     spi::WriteCallback done) override;
+  // Send digests: each piece's source bytes are digested on the progress thread just before the
+  // piece is handed to UCX (an am message or a put), so the send's own copy finds them in cache.
+  Status PostWritesDigested(spi::PeerId peer, std::span<const spi::WriteOp> ops,
+                            std::span<uint32_t> crcs, spi::WriteCallback done) override;
   // pdlib read requests on the "am" path, else ucp_get_nbx per chunk ("Reads" above).
   Status PostReads(spi::PeerId peer, std::span<const spi::ReadOp> ops,
                    spi::ReadCallback done) override;
@@ -183,7 +187,11 @@ class UcxTransport final : public spi::Transport {
     ucp_rkey_h rkey;
     bool am;             // sent as pdlib active messages (or read requests), else puts (gets)
     uint32_t am_region;  // the target's region id, for read requests
+    uint32_t* crc;       // PostWritesDigested: the op's CRC, continued piece by piece as sent
   };
+  // Send digests: continues op.crc over [offset, offset + length) of the op's source, the piece
+  // about to be sent (pieces of an op are sent once each, in order).
+  static void DigestSend(const ResolvedOp& op, uint64_t offset, uint64_t length);
 
   // Active message ids on pdlib's own workers, and the magics that open their headers.
   static constexpr unsigned kAmPutId = 1;
@@ -369,6 +377,7 @@ class UcxTransport final : public spi::Transport {
     std::shared_ptr<UcpMemh> memh;
     bool direct = false;     // peers write it with puts (see IsDirectRegion)
     uint32_t am_region = 0;  // its AmRegion id (0 when direct)
+    bool cuda = false;       // registered as kCuda (never digested by the CPU)
   };
   struct RemoteRegionEntry {
     uint64_t addr = 0;
@@ -390,7 +399,7 @@ class UcxTransport final : public spi::Transport {
   UcxTransport(UcxOptions options, std::shared_ptr<UcxContext> context);
   Status Init();
   Status Post(spi::PeerId peer, std::span<const spi::WriteOp> ops, spi::WriteCallback done,
-              toolkit::OpKind kind);
+              toolkit::OpKind kind, std::span<uint32_t> crcs = {});
 
   // Progress thread (ucx_progress.cc).
   void ProgressLoop();

@@ -245,7 +245,9 @@ struct KVManagerMetrics {
   uint64_t rooms_checksummed = 0;
   uint64_t checksum_mismatches = 0;
   // decode: digested rooms whose landed bytes were all digested by the transport as it copied
-  // them (capabilities().digests_landings: UCX's am path), with no second pass over the pages.
+  // them (capabilities().digests_landings: UCX's am path), with no second pass over the pages;
+  // prefill (push): digested rooms whose KV writes the transport digested as it sent them
+  // (capabilities().digests_sends), with no pass of the core's own over the source pages.
   uint64_t rooms_checksummed_in_flight = 0;
   // Failure injection stage `corrupt` (failure_injection_stages): KV batches this rank moved
   // wrong on purpose.

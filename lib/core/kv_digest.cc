@@ -178,9 +178,47 @@ std::vector<std::pair<size_t, uint32_t>> FamilyLists(const DigestedFamilies& sta
 
 }  // namespace
 
+namespace {
+
+const std::vector<uint64_t>& ItemsOf(const DigestMemory& m, RegionKind kind) {
+  return kind == RegionKind::kAux     ? m.aux_item
+         : kind == RegionKind::kState ? m.state_item
+                                      : m.kv_item;
+}
+
+}  // namespace
+
+Status SplitWritesAtItems(std::span<const planner::PlannedWrite> writes,
+                          const DigestMemory& dst_items, std::vector<planner::PlannedWrite>* out) {
+  for (const planner::PlannedWrite& w : writes) {
+    const std::vector<uint64_t>& items = ItemsOf(dst_items, w.kind);
+    if (w.remote_buffer >= items.size() || items[w.remote_buffer] == 0) {
+      return Status::InvalidArgument(
+          absl::StrFormat("KV digest: a %s write to buffer %d outside the layouts",
+                          planner::RegionKindName(w.kind), w.remote_buffer));
+    }
+    const uint64_t item = items[w.remote_buffer];
+    planner::PlannedWrite piece = w;
+    for (uint64_t done = 0; done < w.length;) {
+      const uint64_t n = std::min(w.length - done, item - (w.remote_offset + done) % item);
+      piece.local_offset = w.local_offset + done;
+      piece.remote_offset = w.remote_offset + done;
+      piece.length = n;
+      out->push_back(piece);
+      done += n;
+    }
+    if (w.length == 0) out->push_back(w);
+  }
+  return Status::OK();
+}
+
 Status AddWritesToDigest(std::span<const planner::PlannedWrite> writes, const DigestMemory& src,
                          const DigestMemory& dst_items, const PagePositions& positions,
-                         KvDigest* digest) {
+                         KvDigest* digest, std::span<const uint32_t> sent) {
+  if (!sent.empty() && sent.size() != writes.size()) {
+    return Status::InvalidArgument(
+        absl::StrFormat("KV digest: %d sent CRCs for %d writes", sent.size(), writes.size()));
+  }
   DigestPass pass;
   pass.ranges.reserve(writes.size());
   pass.cells.reserve(writes.size());
@@ -213,13 +251,31 @@ Status AddWritesToDigest(std::span<const planner::PlannedWrite> writes, const Di
       const uint64_t n = std::min(left, item - within);
       // Raw CRC of these bytes as they sit in the item, the item's other bytes zero: the bytes
       // before them leave a zero register as it is, the ones after are appended zeros.
+      if (!sent.empty() && n != w.length) {
+        return Status::InvalidArgument(absl::StrFormat(
+            "KV digest: a sent %s write of %d bytes crosses an item of %d bytes (not split)",
+            planner::RegionKindName(w.kind), w.length, item));
+      }
       pass.Add(addr, n, item - within - n, {w.kind, w.remote_buffer, index});
       offset += n;
       addr += n;
       left -= n;
     }
   }
-  if (Status s = pass.Compute(src); !s.ok()) return s;
+  Status computed;
+  if (sent.empty()) {
+    computed = pass.Compute(src);
+  } else {
+    // What the transport read as it sent, placed in the item: one range per write (zero-length
+    // writes have none).
+    pass.crcs.assign(pass.ranges.size(), 0);
+    for (size_t w = 0, r = 0; w < writes.size(); ++w) {
+      if (writes[w].length == 0) continue;
+      pass.crcs[r] = Crc32cAppendZeros(sent[w], pass.ranges[r].zeros_after);
+      ++r;
+    }
+  }
+  if (!computed.ok()) return computed;
   // Consecutive ranges usually fill the same cell (the pieces of a head-sliced page), so its key
   // is applied once.
   for (size_t i = 0; i < pass.cells.size();) {

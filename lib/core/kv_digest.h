@@ -92,9 +92,18 @@ class PagePositions {
 // item bytes per buffer, kv/aux/state of DigestMemory; the addresses are not used). `positions`
 // gives the columns of KV pages; a page it does not hold, or a buffer out of range, is an
 // InvalidArgument. Caches its shift tables per thread.
+//
+// `sent`, when not empty, holds one raw CRC32C per write of the source bytes as the transport
+// sent them (Transport::PostWritesDigested), and the source is not read: each write must then
+// lie inside one of decode's items (SplitWritesAtItems), else InvalidArgument.
 Status AddWritesToDigest(std::span<const planner::PlannedWrite> writes, const DigestMemory& src,
                          const DigestMemory& dst_items, const PagePositions& positions,
-                         KvDigest* digest);
+                         KvDigest* digest, std::span<const uint32_t> sent = {});
+// `writes` cut where they cross one of decode's items (`dst_items`' item bytes per buffer), so
+// that each write lands in one item: what AddWritesToDigest needs with send digests. Appends to
+// `out`; a buffer out of range, or an item of 0 bytes, is an InvalidArgument.
+Status SplitWritesAtItems(std::span<const planner::PlannedWrite> writes,
+                          const DigestMemory& dst_items, std::vector<planner::PlannedWrite>* out);
 
 // Which positions of each of decode's state lists the tail `tail` of `plan` writes (decode
 // digests those): digest->state_spans, for the families the plan sends state of.

@@ -79,7 +79,8 @@ std::string RenderPrometheus(const KVManagerMetrics& m,
   metric("rooms_checksummed_total", "counter", "Rooms whose KV was digested end to end.",
          m.rooms_checksummed);
   metric("rooms_checksummed_in_flight_total", "counter",
-         "Digested rooms whose landed KV the transport digested as it copied it.",
+         "Digested rooms whose KV the transport digested as it moved it (decode: copied in; "
+         "prefill: sent).",
          m.rooms_checksummed_in_flight);
   metric("checksum_mismatches_total", "counter",
          "Rooms whose KV did not match its digest (failed DATA_LOSS).", m.checksum_mismatches);

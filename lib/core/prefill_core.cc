@@ -31,6 +31,9 @@ StatusOr<std::shared_ptr<PrefillCore>> PrefillCore::Create(
   core->digest_src_ = DigestMemoryOf(core->local_, options.args.memory_kind == MemoryKind::kCuda
                                                        ? core->transport_.get()
                                                        : nullptr);
+  // Push from host pools: the transport's send digests, where it has them.
+  core->send_digests_ = !core->pull() && options.args.memory_kind != MemoryKind::kCuda &&
+                        core->transport_->capabilities().digests_sends;
   for (int i = 0; i < options.transfer_workers; ++i) {
     core->workers_.emplace_back([c = core.get()] { c->WorkerLoop(); });
   }

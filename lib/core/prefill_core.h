@@ -112,6 +112,17 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   void DigestWrites(const std::shared_ptr<Room>& room, const Peer& peer, size_t info,
                     std::span<const int32_t> dst_pages,
                     std::span<const planner::PlannedWrite> writes);
+  // KV integrity with send digests: one batch's writes (each inside one of decode's items), the
+  // CRCs the transport computed as it sent them, and the request it belongs to.
+  struct SentDigest {
+    std::vector<planner::PlannedWrite> writes;
+    std::vector<uint32_t> crcs;
+    std::vector<int32_t> dst_pages;  // every page of the decode rank's request
+    size_t info = 0;                 // its entry in room->infos
+  };
+  // Folds a completed batch's send digests into the room's digest for that decode rank.
+  Status MergeSentDigest(const std::shared_ptr<Room>& room, const Peer& peer,
+                         const SentDigest& sent);
   // KV integrity: adds the aux/state writes of the tail to `digest` (with the positions of
   // decode's state lists they cover).
   Status DigestTail(const Peer& peer, const TransferInfoMsg& info, const planner::TailInput& tail,
@@ -178,6 +189,7 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
   planner::SideLayout layout_;  // this rank, as the planner sees it
   RegisteredBuffers local_;
   DigestMemory digest_src_;           // local_, for KV digests
+  bool send_digests_ = false;         // the transport digests host pools as it sends them
   std::vector<uint64_t> state_caps_;  // per state family: items every buffer of it holds
   FailureInjector injector_;
   RoomTable rooms_;

@@ -57,6 +57,9 @@ struct PrefillCore::Room {
   // `infos` what this rank moved to that decode rank so far (push: sent with the success).
   bool digested = false;
   std::vector<KvDigest> digests ABSL_GUARDED_BY(mu);
+  // Some KV batch of it was digested by the core's own pass over the source, not by the
+  // transport as it sent it (Transport::PostWritesDigested).
+  std::atomic<bool> digested_by_core{false};
   std::atomic<bool> corrupted{false};  // failure injection `corrupt` struck it (once a room)
   size_t pages_queued ABSL_GUARDED_BY(mu) = 0;
   bool last_queued ABSL_GUARDED_BY(mu) = false;

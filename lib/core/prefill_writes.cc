@@ -238,13 +238,31 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
       OnBatchDone(room, 0, 0, s.WithPrefix(absl::StrFormat("room %d", room->state->room())));
       continue;
     }
-    std::vector<spi::WriteOp> ops = ToWriteOps(*t.peer, plan.writes);
-    if (ops.empty()) {  // nothing of this chunk lands on that rank (e.g. an empty chunk)
+    if (plan.writes.empty()) {  // nothing of this chunk lands on that rank (e.g. an empty chunk)
       OnBatchDone(room, 0, 0, Status::OK());
       continue;
     }
-    if (injector_.Roll(FailureStage::kCorrupt) && !room->corrupted.exchange(true) &&
-        CorruptOneOp(&ops, false)) {
+    // The corruption injected (stage corrupt) models bytes going wrong after the sender's
+    // digest: such a batch is digested from the intended source by the core itself.
+    const bool corrupt = injector_.Roll(FailureStage::kCorrupt) && !room->corrupted.exchange(true);
+    // A digested room on a transport that digests what it sends: one CRC per write, each write
+    // inside one of decode's items, and no pass of the core's own over the source.
+    std::shared_ptr<SentDigest> sent;
+    if (room->digested && send_digests_ && !corrupt) {
+      sent = std::make_shared<SentDigest>();
+      s = SplitWritesAtItems(plan.writes, t.peer->digest_items, &sent->writes);
+      if (!s.ok()) {
+        OnBatchDone(room, 0, 0, s.WithPrefix(absl::StrFormat("room %d", room->state->room())));
+        continue;
+      }
+      sent->crcs.assign(sent->writes.size(), 0);
+      sent->dst_pages = std::move(t.dst_all);
+      sent->info = t.info;
+    }
+    const std::span<const planner::PlannedWrite> writes =
+        sent ? std::span<const planner::PlannedWrite>(sent->writes) : plan.writes;
+    std::vector<spi::WriteOp> ops = ToWriteOps(*t.peer, writes);
+    if (corrupt && CorruptOneOp(&ops, false)) {
       counters_.Add(counters_.corrupted);
       PDLIB_LOG(kWarning,
                 "prefill: room %d: injected corruption (stage corrupt): one write of "
@@ -255,18 +273,50 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
     const uint64_t bytes = plan.bytes;
     const uint64_t pages = chunk.layer_end == layout_.engine_layers() ? chunk.src_pages.size() : 0;
     auto self = shared_from_this();
-    // A digested room digests the chunk's source pages while its writes are in flight, holding
-    // one more count of the room's outstanding batches so that the room cannot finish first.
+    if (sent) {
+      // The transport's CRCs are there when the batch completes: folded into the room's digest
+      // before the batch counts as done, so the room cannot finish first.
+      std::span<uint32_t> crcs(sent->crcs);
+      s = transport_->PostWritesDigested(
+          t.peer->peer, ops, crcs, [self, room, bytes, pages, sent, peer = t.peer](Status st) {
+            if (st.ok()) st = self->MergeSentDigest(room, *peer, *sent);
+            self->OnBatchDone(room, bytes, pages, std::move(st));
+          });
+      if (!s.ok()) OnBatchDone(room, 0, 0, s.WithPrefix("posting KV writes"));
+      continue;
+    }
+    // Otherwise a digested room digests the chunk's source pages while its writes are in
+    // flight, holding one more count of the room's outstanding batches so that the room cannot
+    // finish first.
     if (room->digested) {
       MutexLock lock(&room->mu);
       ++room->outstanding;
     }
+    if (room->digested) room->digested_by_core.store(true, std::memory_order_relaxed);
     s = transport_->PostWrites(t.peer->peer, ops, [self, room, bytes, pages](Status st) {
       self->OnBatchDone(room, bytes, pages, std::move(st));
     });
     if (!s.ok()) OnBatchDone(room, 0, 0, s.WithPrefix("posting KV writes"));
     if (room->digested) DigestWrites(room, *t.peer, t.info, t.dst_all, plan.writes);
   }
+}
+
+Status PrefillCore::MergeSentDigest(const std::shared_ptr<Room>& room, const Peer& peer,
+                                    const SentDigest& sent) {
+  KvDigest part;
+  {
+    MutexLock lock(&room->mu);
+    const KvDigest& d = room->digests[sent.info];
+    part = KvDigest::Empty(d.kv.size(), sent.dst_pages.size(), d.aux.size(), d.state.size(),
+                           d.state_spans.size());
+  }
+  Status s = AddWritesToDigest(sent.writes, digest_src_, peer.digest_items,
+                               PagePositions(sent.dst_pages), &part, sent.crcs);
+  if (s.ok()) {
+    MutexLock lock(&room->mu);
+    s = room->digests[sent.info].Merge(part);
+  }
+  return s.WithPrefix(absl::StrFormat("room %d: KV digest", room->state->room()));
 }
 
 void PrefillCore::DigestWrites(const std::shared_ptr<Room>& room, const Peer& peer, size_t info,
@@ -414,6 +464,9 @@ void PrefillCore::FinalizeTail(const std::shared_ptr<Room>& room) {
     if (room->state->Poll() != KVPoll::kFailed) room->state->MarkReusable();
     if (room->state->Advance(KVPoll::kSuccess)) {
       self->counters_.CountSuccess(*room->state);
+      if (room->digested && !room->digested_by_core.load(std::memory_order_relaxed)) {
+        self->counters_.Add(self->counters_.checksummed_in_flight);
+      }
       PDLIB_ROOM_LOG(room->state->logged(), "prefill: room %d transferred", room->state->room());
       self->SendStatusToDecode(room, Status::OK());
     }

@@ -47,7 +47,7 @@ inline namespace v1 {
 namespace spi {
 
 // Bumped whenever a declaration in this file changes incompatibly.
-inline constexpr uint32_t kTransportSpiVersion = 5;
+inline constexpr uint32_t kTransportSpiVersion = 6;
 
 using Blob = std::vector<uint8_t>;
 using LocalRegionId = uint32_t;
@@ -74,6 +74,10 @@ struct TransportCapabilities {
   // this process's memory (UCX's am path: the handler's copy of each chunk, pushed or read), it
   // digests them as it copies, so decode's KV digest needs no second pass over the pages.
   bool digests_landings = false;
+  // PostWritesDigested works (SPI version 6): the transport digests the source bytes of each
+  // write as it hands them to the wire (UCX: each piece just before its send, so the send's own
+  // copy finds it in cache), so prefill's KV digest needs no pass of its own over the pages.
+  bool digests_sends = false;
   // Limits, for reads as for writes:
   uint32_t max_writes_per_batch = 0;  // 0: unlimited (the core splits larger batches)
   uint64_t max_write_bytes = 0;       // 0: unlimited (the core splits longer ops)
@@ -177,6 +181,19 @@ class PDLIB_EXPORT Transport {
   virtual StatusOr<RemoteRegionId> ImportRemoteRegion(PeerId peer, const RemoteRegion& region) = 0;
   // Posts every op of `ops` as one batch. On a non-OK return the callback is never called.
   virtual Status PostWrites(PeerId peer, std::span<const WriteOp> ops, WriteCallback done) = 0;
+  // PostWrites, and crcs[i] = the raw CRC32C (zero initial register, no final inversion) of
+  // ops[i]'s `length` source bytes as the transport read them to send them
+  // (capabilities().digests_sends), each set before `done` is called with OK; `crcs` (one per
+  // op) must stay valid until `done` has been called. The local regions must be host memory.
+  // Default: kUnimplemented.
+  virtual Status PostWritesDigested(PeerId peer, std::span<const WriteOp> ops,
+                                    std::span<uint32_t> crcs, WriteCallback done) {
+    (void)peer;
+    (void)ops;
+    (void)crcs;
+    (void)done;
+    return Status::Unimplemented(std::string(name()) + ": this transport does not digest sends");
+  }
   // Posts every op of `ops` as one batch of reads (remote -> local). Same rules as PostWrites.
   // Default: kUnimplemented (capabilities().reads false).
   virtual Status PostReads(PeerId peer, std::span<const ReadOp> ops, ReadCallback done) {
