@@ -185,17 +185,17 @@ bool UcxTransport::PostChunks(PeerState& peer) {
         batch.am_headers.push_back(AmPutHeader{kAmPutMagic, batch.am_messages, peer.target,
                                                batch.seq, op.remote + offset});
         batch.lanes_used |= uint8_t(1u << lane.rail);
-        DigestSend(op, offset, length);
         request = ucp_am_send_nbx(lane.ep.get(), kAmPutId, &batch.am_headers.back(),
                                   sizeof(AmPutHeader), op.local + offset, length, &param);
+        DigestSend(op, offset, length);
       } else if (batch.reads) {
         // Done (now, or when the request completes) means the bytes are in op.local.
         request = ucp_get_nbx(lane.ep.get(), op.local + offset, length, op.remote + offset, op.rkey,
                               &param);
       } else {
-        DigestSend(op, offset, length);
         request = ucp_put_nbx(lane.ep.get(), op.local + offset, length, op.remote + offset, op.rkey,
                               &param);
+        DigestSend(op, offset, length);
       }
       posted = true;
       peer.last_activity = now_;
@@ -249,6 +249,10 @@ bool UcxTransport::PostChunks(PeerState& peer) {
   return posted;
 }
 
+// Right after the piece's send: UCX has just read it (its copy into the socket or the FIFO, or a
+// put's), so the digest finds it in cache; digesting first would read it from memory instead.
+// Where UCX sends later (zero-copy, a full socket), the source is still what it sends: the
+// engine keeps it unchanged until the request ends.
 void UcxTransport::DigestSend(const ResolvedOp& op, uint64_t offset, uint64_t length) {
   if (op.crc != nullptr) *op.crc = Crc32cRaw(*op.crc, op.local + offset, length);
 }
@@ -435,6 +439,7 @@ ucs_status_t UcxTransport::OnAmPut(void* arg, const void* header, size_t header_
   }
   bool batch_done = false;
   const AmStatus status = self->ApplyAmPut(h, data, length, &batch_done);
+  if (batch_done) self->FoldLanded();  // the batch is acknowledged only once digested
   if (batch_done && reply_ep != nullptr) self->SendAmAck(reply_ep, h.batch, status);
   return UCS_OK;
 }
@@ -467,8 +472,7 @@ UcxTransport::AmStatus UcxTransport::ApplyAmPut(const AmPutHeader& h, const void
     if (!inside) {
       status = kAmBadAddress;
     } else if (length > 0) {
-      std::memcpy(reinterpret_cast<void*>(dst), data, length);
-      DigestLanding(dst, length);
+      CopyLanding(reinterpret_cast<uint8_t*>(dst), data, length);
     }
   }
   if (h.messages == 1 || status == kAmBadMessage) {
@@ -495,28 +499,63 @@ UcxTransport::AmStatus UcxTransport::ApplyAmPut(const AmPutHeader& h, const void
   return status;
 }
 
-void UcxTransport::DigestLanding(uint64_t dst, uint64_t length) {
-  if (landing_watch_count_.load(std::memory_order_relaxed) == 0) return;
-  MutexLock lock(&landing_mu_);
-  const uint64_t end = dst + length;
-  auto it = landing_cells_.upper_bound(dst);
-  if (it != landing_cells_.begin() && std::prev(it)->second.end > dst) --it;
-  for (; it != landing_cells_.end() && it->first < end; ++it) {
-    const uint64_t from = std::max(dst, it->first);
-    const uint64_t to = std::min(end, it->second.end);
-    if (from >= to) continue;
-    // Just written, so still in cache: the raw CRC of the piece, placed in its cell.
-    const uint32_t crc =
-        Crc32cRaw(0, reinterpret_cast<const void*>(static_cast<uintptr_t>(from)), to - from);
-    it->second.digest->crc ^= Crc32cAppendZeros(crc, it->second.end - to);
-    it->second.digest->bytes += to - from;
+void UcxTransport::CopyLanding(uint8_t* dst, const void* data, uint64_t length) {
+  if (landing_watch_count_.load(std::memory_order_relaxed) == 0 && landed_pending_.empty()) {
+    std::memcpy(dst, data, length);
+    return;
   }
+  // The pieces of watched cells the copy covers (a chunk spans a few cells at most) are found,
+  // and the previous chunks' digests folded in, in one hold of the leaf lock before the copy: a
+  // locked instruction right after the copy would wait for all of its stores.
+  const auto start = reinterpret_cast<uint64_t>(dst);
+  const uint64_t end = start + length;
+  {
+    MutexLock lock(&landing_mu_);
+    FoldLandedLocked();  // leaves landed_pending_ empty
+    auto it = landing_cells_.upper_bound(start);
+    if (it != landing_cells_.begin() && std::prev(it)->second.end > start) --it;
+    for (; it != landing_cells_.end() && it->first < end; ++it) {
+      const uint64_t from = std::max(start, it->first);
+      const uint64_t to = std::min(end, it->second.end);
+      if (from < to) {
+        landed_pending_.push_back({it->first, it->second.watch, to - from, 0});
+        landed_pending_.back().crc = static_cast<uint32_t>(from - start);  // offset, for now
+        landed_pending_.back().zeros_after = it->second.end - to;
+      }
+    }
+  }
+  // The raw CRC of each piece, placed in its cell, read from the message (just received, so in
+  // cache; the same bytes the copy writes): reading the destination back would wait for the
+  // copy's stores to reach it.
+  const auto* src = static_cast<const uint8_t*>(data);
+  for (LandedPiece& p : landed_pending_) {
+    p.crc = Crc32cAppendZeros(Crc32cRaw(0, src + p.crc, p.bytes), p.zeros_after);
+  }
+  std::memcpy(dst, data, length);
 }
 
-void UcxTransport::EraseLandingWatch(uint64_t watch) {
+void UcxTransport::FoldLanded() {
+  if (landed_pending_.empty()) return;
+  MutexLock lock(&landing_mu_);
+  FoldLandedLocked();
+}
+
+void UcxTransport::FoldLandedLocked() {
+  for (const LandedPiece& p : landed_pending_) {
+    // A watch taken or dropped meanwhile has no cell there any more (or another watch's).
+    auto it = landing_cells_.find(p.cell);
+    if (it == landing_cells_.end() || it->second.watch != p.watch) continue;
+    it->second.digest->crc ^= p.crc;
+    it->second.digest->bytes += p.bytes;
+  }
+  landed_pending_.clear();
+}
+
+void UcxTransport::EraseLandingWatch(
+    uint64_t watch, std::vector<std::map<uint64_t, LandingCell>::node_type>* freed) {
   auto it = landing_watches_.find(watch);
   if (it == landing_watches_.end()) return;
-  for (uint64_t start : it->second.starts) landing_cells_.erase(start);
+  for (uint64_t start : it->second.starts) freed->push_back(landing_cells_.extract(start));
   landing_watches_.erase(it);
   landing_watch_count_.fetch_sub(1, std::memory_order_relaxed);
 }
@@ -728,8 +767,7 @@ ucs_status_t UcxTransport::OnAmReadReply(void* arg, const void* header, size_t h
     return UCS_OK;
   }
   if (batch.status.ok() && length > 0) {
-    std::memcpy(read.dst + reply->offset, data, length);
-    self->DigestLanding(reinterpret_cast<uint64_t>(read.dst + reply->offset), length);
+    self->CopyLanding(read.dst + reply->offset, data, length);
   }
   read.received += length;
   if (read.received >= read.length) self->FinishAmRead(reply->cookie);
@@ -1009,7 +1047,10 @@ void UcxTransport::ReapRetired() {
   std::erase_if(retired_, [oldest](const auto& entry) { return entry.first < oldest; });
 }
 
-void UcxTransport::RunCompletions() { completions_.Run(); }
+void UcxTransport::RunCompletions() {
+  FoldLanded();  // a read batch completes only once what it copied is digested
+  completions_.Run();
+}
 
 bool UcxTransport::ProgressWorkers() {
   bool worked = false;

@@ -2,6 +2,7 @@
 // (whose side lives in ucx_progress.cc).
 #include "backends/ucx/ucx_transport.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -226,47 +227,58 @@ StatusOr<uint64_t> UcxTransport::WatchLandings(std::span<const spi::DigestRange>
       }
     }
   }
-  MutexLock lock(&landing_mu_);
-  std::map<uint64_t, uint64_t> mine;  // start -> end, to find overlaps among the cells
-  for (const spi::DigestRange& c : cells) {
-    auto next = mine.lower_bound(c.addr);
-    if ((next != mine.end() && next->first < c.addr + c.length) ||
-        (next != mine.begin() && std::prev(next)->second > c.addr)) {
+  // Everything that allocates or sorts happens before the lock: the progress thread takes it for
+  // every chunk it copies while a watch is out.
+  std::vector<std::pair<uint64_t, uint64_t>> sorted;  // (start, end)
+  sorted.reserve(cells.size());
+  for (const spi::DigestRange& c : cells) sorted.emplace_back(c.addr, c.addr + c.length);
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 1; i < sorted.size(); ++i) {
+    if (sorted[i].first < sorted[i - 1].second) {
       return Status::InvalidArgument("ucx: WatchLandings: overlapping cells");
     }
-    auto other = landing_cells_.lower_bound(c.addr);
-    if ((other != landing_cells_.end() && other->first < c.addr + c.length) ||
-        (other != landing_cells_.begin() && std::prev(other)->second.end > c.addr)) {
-      return Status::FailedPrecondition("ucx: WatchLandings: a cell another watch holds");
-    }
-    mine.emplace(c.addr, c.addr + c.length);
   }
-  const uint64_t id = ++last_landing_watch_;
-  LandingWatch& stored = landing_watches_[id];
-  stored.digests.assign(cells.size(), {});
+  const uint64_t id = last_landing_watch_.fetch_add(1, std::memory_order_relaxed) + 1;
+  LandingWatch stored;
+  stored.digests.assign(cells.size(), {});  // its buffer stays put when the watch is moved
   stored.starts.reserve(cells.size());
+  std::map<uint64_t, LandingCell> staged;
   for (size_t i = 0; i < cells.size(); ++i) {
     stored.starts.push_back(cells[i].addr);
-    landing_cells_[cells[i].addr] = {cells[i].addr + cells[i].length, id, &stored.digests[i]};
+    staged.emplace_hint(staged.end(), cells[i].addr,
+                        LandingCell{cells[i].addr + cells[i].length, id, &stored.digests[i]});
   }
+  MutexLock lock(&landing_mu_);
+  for (const auto& [start, end] : sorted) {
+    auto other = landing_cells_.lower_bound(start);
+    if ((other != landing_cells_.end() && other->first < end) ||
+        (other != landing_cells_.begin() && std::prev(other)->second.end > start)) {
+      return Status::FailedPrecondition("ucx: WatchLandings: a cell another watch holds");
+    }
+  }
+  landing_cells_.merge(staged);  // relinks the nodes: no allocation under the lock
+  landing_watches_.emplace(id, std::move(stored));
   landing_watch_count_.fetch_add(1, std::memory_order_relaxed);
   return id;
 }
 
 StatusOr<std::vector<spi::LandingDigest>> UcxTransport::TakeLandings(uint64_t watch) {
+  std::vector<std::map<uint64_t, LandingCell>::node_type> freed;  // destroyed after the lock
   MutexLock lock(&landing_mu_);
   auto it = landing_watches_.find(watch);
   if (it == landing_watches_.end()) {
     return Status::NotFound("ucx: no landing watch " + std::to_string(watch));
   }
-  std::vector<spi::LandingDigest> digests = it->second.digests;
-  EraseLandingWatch(watch);
+  std::vector<spi::LandingDigest> digests = std::move(it->second.digests);
+  freed.reserve(it->second.starts.size());
+  EraseLandingWatch(watch, &freed);
   return digests;
 }
 
 void UcxTransport::DropLandings(uint64_t watch) {
+  std::vector<std::map<uint64_t, LandingCell>::node_type> freed;  // destroyed after the lock
   MutexLock lock(&landing_mu_);
-  EraseLandingWatch(watch);
+  EraseLandingWatch(watch, &freed);
 }
 
 StatusOr<spi::LocalRegionId> UcxTransport::RegisterMemory(const spi::MemoryRegion& region,

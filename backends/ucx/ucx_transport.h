@@ -146,8 +146,8 @@ class UcxTransport final : public spi::Transport {
                                                    const spi::RemoteRegion& region) override;
   Status PostWrites(spi::PeerId peer, std::span<const spi::WriteOp> ops,
                     spi::WriteCallback done) override;
-  // Send digests: each piece's source bytes are digested on the progress thread just before the
-  // piece is handed to UCX (an am message or a put), so the send's own copy finds them in cache.
+  // Send digests: each piece's source bytes are digested on the progress thread right after the
+  // piece is handed to UCX (an am message or a put), whose copy has just brought them into cache.
   Status PostWritesDigested(spi::PeerId peer, std::span<const spi::WriteOp> ops,
                             std::span<uint32_t> crcs, spi::WriteCallback done) override;
   // pdlib read requests on the "am" path, else ucp_get_nbx per chunk ("Reads" above).
@@ -556,10 +556,25 @@ class UcxTransport final : public spi::Transport {
     std::vector<spi::LandingDigest> digests;
   };
   std::unordered_map<uint64_t, LandingWatch> landing_watches_ ABSL_GUARDED_BY(landing_mu_);
-  uint64_t last_landing_watch_ ABSL_GUARDED_BY(landing_mu_) = 0;
-  // After the handler copied [dst, dst + length): digests it into the cells it overlaps.
-  void DigestLanding(uint64_t dst, uint64_t length);
-  void EraseLandingWatch(uint64_t watch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(landing_mu_);
+  std::atomic<uint64_t> last_landing_watch_{0};
+  // The handler's copy of `length` bytes to `dst`, and the digest of what it wrote into the
+  // watched cells it overlaps (cells found before the copy, CRCs of the message's bytes computed
+  // without the lock).
+  // The digests wait in landed_pending_ (progress thread only) until the next chunk's lock hold,
+  // or FoldLanded before a batch is acknowledged or completed.
+  void CopyLanding(uint8_t* dst, const void* data, uint64_t length);
+  void FoldLanded();
+  void FoldLandedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(landing_mu_);
+  struct LandedPiece {
+    uint64_t cell = 0, watch = 0, bytes = 0;
+    uint32_t crc = 0;
+    uint64_t zeros_after = 0;
+  };
+  std::vector<LandedPiece> landed_pending_;
+  // Unlinks a watch's cells into `freed` (freed by the caller once the lock is released).
+  void EraseLandingWatch(uint64_t watch,
+                         std::vector<std::map<uint64_t, LandingCell>::node_type>* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(landing_mu_);
   uint32_t last_am_region_ = 0;
   // Initiator: "am" read requests sent and not fully answered, by cookie (never reused, so a
   // late reply to a finished or dropped request finds nothing and is dropped).

@@ -1,5 +1,6 @@
 #include "lib/base/crc32c.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <unordered_map>
@@ -263,6 +264,13 @@ struct Chosen {
     if (getauxval(AT_HWCAP) & HWCAP_CRC32) paths.push_back({"armv8-crc", Armv8});
 #endif
     paths.push_back({"portable", Portable});
+    // PDLIB_CRC32C names the path to prefer (benchmarks compare them in one binary); a path this
+    // CPU cannot run is ignored.
+    if (const char* want = std::getenv("PDLIB_CRC32C"); want != nullptr) {
+      for (size_t i = 0; i < paths.size(); ++i) {
+        if (std::string_view(want) == paths[i].name) std::swap(paths[0], paths[i]);
+      }
+    }
   }
 };
 const Chosen& Choice() {

@@ -75,8 +75,9 @@ struct TransportCapabilities {
   // digests them as it copies, so decode's KV digest needs no second pass over the pages.
   bool digests_landings = false;
   // PostWritesDigested works (SPI version 6): the transport digests the source bytes of each
-  // write as it hands them to the wire (UCX: each piece just before its send, so the send's own
-  // copy finds it in cache), so prefill's KV digest needs no pass of its own over the pages.
+  // write as it hands them to the wire (UCX: each piece right after handing it over, while the
+  // send's own copy has it in cache), so prefill's KV digest needs no pass of its own over the
+  // pages.
   bool digests_sends = false;
   // Limits, for reads as for writes:
   uint32_t max_writes_per_batch = 0;  // 0: unlimited (the core splits larger batches)
