@@ -4,7 +4,7 @@
 include(CMakePackageConfigHelpers)
 
 get_property(backend_targets GLOBAL PROPERTY PDLIB_BACKEND_TARGETS)
-install(TARGETS pdlib pdlib_base pdlib_control pdlib_proto pdlib_etcd_proto pdlib_planner pdlib_rails
+install(TARGETS pdlib pdlib_c pdlib_base pdlib_control pdlib_proto pdlib_etcd_proto pdlib_planner pdlib_rails
         ${backend_targets}
         EXPORT pdlibTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}

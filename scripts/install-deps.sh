@@ -34,6 +34,8 @@ PACKAGES=(
   # pip install ./python into a virtualenv (ctest "python: pip install"; python3 -m build for a
   # wheel), offline with the interpreter's own build tools.
   python3-venv python3-pip python3-setuptools python3-wheel python3-build
+  # The C API's Rust example (examples/rust, ctest "examples: rust"): Debian's rustc, std only.
+  rustc
   # The etcd client's tests (ctest -R etcd, issue #18) start a real etcd (3.4) on free local
   # ports; etcdctl enables auth on it for the authentication test.
   etcd-server etcd-client

@@ -1,4 +1,5 @@
-# Fails when a header under HEADER_DIR includes anything but a C++ standard header or another
+# Fails when a header under HEADER_DIR includes anything but a C++ standard header (or, for the
+# C API, stddef.h and stdint.h) or another
 # pdlib header. Run: cmake -DHEADER_DIR=include/pdlib -P check_includes.cmake
 set(std_headers
   algorithm any array atomic bit bitset cassert cctype cerrno cfloat chrono cinttypes climits
@@ -6,7 +7,8 @@ set(std_headers
   deque exception functional initializer_list iosfwd iterator limits list map memory mutex new
   numeric optional ostream queue random ratio set shared_mutex span sstream stdexcept string
   string_view system_error thread tuple type_traits typeinfo unordered_map unordered_set utility
-  variant vector version)
+  variant vector version
+  stddef.h stdint.h)  # the C API header (pdlib/c/pdlib.h) is C99: the C headers it needs
 file(GLOB_RECURSE headers ${HEADER_DIR}/*.h)
 list(LENGTH headers count)
 if(count EQUAL 0)
