@@ -123,11 +123,29 @@ std::chrono::milliseconds Ms(uint32_t ms, std::chrono::milliseconds fallback) {
   return ms == 0 ? fallback : std::chrono::milliseconds(ms);
 }
 
+// An enum field's value, which the caller may have set to anything.
+pdlib_status EnumIn(const char* field, int32_t value, int32_t last, const char* names) {
+  if (value >= 0 && value <= last) return PDLIB_OK;
+  return Fail(StatusCode::kInvalidArgument, std::string("pdlib_manager_options: ") + field + " " +
+                                                std::to_string(value) + " is not one of " + names);
+}
+
 pdlib_status ToOptions(const pdlib_manager_options& c, pdlib::KVManagerOptions* o) {
-  if (c.mode != PDLIB_MODE_PREFILL && c.mode != PDLIB_MODE_DECODE) {
-    return Fail(StatusCode::kInvalidArgument,
-                "pdlib_manager_options: mode " + std::to_string(static_cast<int>(c.mode)) +
-                    " is neither PDLIB_MODE_PREFILL nor PDLIB_MODE_DECODE");
+  const struct {
+    const char* field;
+    int32_t value, last;
+    const char* names;
+  } enums[] = {
+      {"mode", c.mode, PDLIB_MODE_DECODE, "PDLIB_MODE_PREFILL, PDLIB_MODE_DECODE"},
+      {"control_plane", c.control_plane, PDLIB_CONTROL_IN_PROCESS,
+       "PDLIB_CONTROL_GRPC, PDLIB_CONTROL_IN_PROCESS"},
+      {"direction", c.direction, PDLIB_PULL, "PDLIB_PUSH, PDLIB_PULL"},
+      {"kv_layout", c.kv_layout, PDLIB_LAYOUT_HND, "PDLIB_LAYOUT_NHD, PDLIB_LAYOUT_HND"},
+      {"memory_kind", c.memory_kind, PDLIB_MEMORY_CUDA, "PDLIB_MEMORY_HOST, PDLIB_MEMORY_CUDA"},
+      {"checksum", c.checksum, PDLIB_CHECKSUM_ALL, "PDLIB_CHECKSUM_OFF, _SAMPLED, _ALL"},
+  };
+  for (const auto& e : enums) {
+    if (pdlib_status s = EnumIn(e.field, e.value, e.last, e.names); s != PDLIB_OK) return s;
   }
   o->mode = static_cast<pdlib::Mode>(c.mode);
   o->backend = Str(c.backend, o->backend);
@@ -156,6 +174,11 @@ pdlib_status ToOptions(const pdlib_manager_options& c, pdlib::KVManagerOptions* 
     const std::string name = "state_families[" + std::to_string(f) + "]";
     if (pdlib_status s =
             ReadVersioned(name.c_str(), &c.state_families[f], c.state_families[f].struct_size, &in);
+        s != PDLIB_OK) {
+      return s;
+    }
+    if (pdlib_status s = EnumIn((name + ".type").c_str(), in.type, PDLIB_STATE_C128,
+                                "the pdlib_state_type values");
         s != PDLIB_OK) {
       return s;
     }
@@ -251,11 +274,11 @@ uint32_t pdlib_abi_version(void) { return PDLIB_C_ABI_VERSION; }
 
 const char* pdlib_last_error(void) { return last_error.c_str(); }
 
-const char* pdlib_status_name(pdlib_status code) {
+const char* pdlib_status_name(int32_t code) {
   return pdlib::StatusCodeName(static_cast<StatusCode>(code)).data();
 }
 
-const char* pdlib_poll_name(pdlib_poll state) {
+const char* pdlib_poll_name(int32_t state) {
   return pdlib::KVPollName(static_cast<pdlib::KVPoll>(state)).data();
 }
 
@@ -283,7 +306,8 @@ void pdlib_set_log_sink(pdlib_log_fn sink, void* user) {
   });
 }
 
-void pdlib_set_log_level(pdlib_log_level level) {
+void pdlib_set_log_level(int32_t level) {
+  if (level < PDLIB_LOG_DEBUG || level > PDLIB_LOG_OFF) return;  // not a level: ignored
   pdlib::SetLogLevel(static_cast<pdlib::LogLevel>(level));
 }
 
@@ -299,19 +323,19 @@ void pdlib_manager_options_init(pdlib_manager_options* options) {
   const pdlib::KVManagerOptions d;
   options->struct_size = sizeof *options;
   options->abi_version = PDLIB_C_ABI_VERSION;
-  options->mode = static_cast<pdlib_mode>(d.mode);
-  options->control_plane = static_cast<pdlib_control_plane>(d.control_plane);
-  options->direction = static_cast<pdlib_direction>(d.direction);
+  options->mode = static_cast<int32_t>(d.mode);
+  options->control_plane = static_cast<int32_t>(d.control_plane);
+  options->direction = static_cast<int32_t>(d.direction);
   options->page_size = d.args.page_size;
   options->kv_head_num = d.args.kv_head_num;
-  options->kv_layout = static_cast<pdlib_kv_layout>(d.args.kv_layout);
+  options->kv_layout = static_cast<int32_t>(d.args.kv_layout);
   options->tp_size = d.args.parallel.tp_size;
   options->dp_size = d.args.parallel.dp_size;
   options->pp_size = d.args.parallel.pp_size;
   options->layout_version = d.args.fingerprint.layout_version;
   options->listen_port = d.listen_port;
   options->bootstrap_port = d.bootstrap_port;
-  options->checksum = static_cast<pdlib_checksum>(d.checksum);
+  options->checksum = static_cast<int32_t>(d.checksum);
   options->checksum_sample_every = d.checksum_sample_every;
   options->transfer_workers = d.transfer_workers;
 }

@@ -441,9 +441,13 @@ static void TestErrors(void) {
   o.struct_size = 2;
   CHECK(pdlib_manager_create(&o, &m) == PDLIB_INVALID_ARGUMENT);
   pdlib_manager_options_init(&o);
-  o.mode = (pdlib_mode)7;
+  o.mode = 7;
   CHECK(pdlib_manager_create(&o, &m) == PDLIB_INVALID_ARGUMENT);
   CHECK(strstr(pdlib_last_error(), "mode 7") != NULL);
+  pdlib_manager_options_init(&o);
+  o.checksum = -1;
+  CHECK(pdlib_manager_create(&o, &m) == PDLIB_INVALID_ARGUMENT);
+  CHECK(strstr(pdlib_last_error(), "checksum -1") != NULL);
   pdlib_manager_options_init(&o);
   o.kv.count = 2;
   CHECK(pdlib_manager_create(&o, &m) == PDLIB_INVALID_ARGUMENT);

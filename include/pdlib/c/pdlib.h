@@ -23,6 +23,8 @@
  *    struct. pdlib_manager_options also carries abi_version, checked at pdlib_manager_create.
  *  - One process uses either libpdlib_c.so or pdlib's C++ library, not both: each carries its
  *    own copy of pdlib, and libprotobuf refuses pdlib's messages registered twice.
+ *  - Fields and parameters that take one of the enums below are int32_t (a value outside the
+ *    enum is an error pdlib reports, not undefined behaviour); results are the enum types.
  *  - Threads: every function may be called from any thread. The poll functions are wait-free
  *    (one atomic load), as KVPollable::Poll in C++.
  */
@@ -119,8 +121,8 @@ PDLIB_C_EXPORT uint32_t pdlib_abi_version(void);
 /* The message of this thread's last failed call ("" if none). */
 PDLIB_C_EXPORT const char* pdlib_last_error(void);
 /* "OK", "INVALID_ARGUMENT", ... (gRPC's names); "Failed", "Bootstrapping", ... (KVPollName). */
-PDLIB_C_EXPORT const char* pdlib_status_name(pdlib_status code);
-PDLIB_C_EXPORT const char* pdlib_poll_name(pdlib_poll state);
+PDLIB_C_EXPORT const char* pdlib_status_name(int32_t code);
+PDLIB_C_EXPORT const char* pdlib_poll_name(int32_t state);
 /* The registered backends ("cuda_ipc", "fake", "ucx", "verbs" as built): names[i] for i <
  * min(capacity, *count) point at strings that live as long as the process. */
 PDLIB_C_EXPORT pdlib_status pdlib_list_backends(const char** names, size_t capacity, size_t* count);
@@ -129,7 +131,7 @@ PDLIB_C_EXPORT pdlib_status pdlib_list_backends(const char** names, size_t capac
 typedef void (*pdlib_log_fn)(void* user, pdlib_log_level level, const char* file, int line,
                              const char* message);
 PDLIB_C_EXPORT void pdlib_set_log_sink(pdlib_log_fn sink, void* user);
-PDLIB_C_EXPORT void pdlib_set_log_level(pdlib_log_level level);
+PDLIB_C_EXPORT void pdlib_set_log_level(int32_t level);
 
 /* ---- Manager options -------------------------------------------------------------------- */
 
@@ -151,7 +153,7 @@ typedef struct pdlib_key_value {
 /* KVArgs::state_families[i] (kv_args.h, StateFamily). */
 typedef struct pdlib_state_family {
   size_t struct_size;
-  pdlib_state_type type;
+  int32_t type; /* pdlib_state_type */
   pdlib_buffers buffers;
   const int32_t* dim_per_tensor;
   size_t dim_per_tensor_count;
@@ -169,12 +171,12 @@ PDLIB_C_EXPORT void pdlib_state_family_init(pdlib_state_family* family);
 typedef struct pdlib_manager_options {
   size_t struct_size;
   uint32_t abi_version;
-  pdlib_mode mode;
+  int32_t mode;        /* pdlib_mode */
   const char* backend; /* "fake" by default */
   const pdlib_key_value* backend_options;
   size_t backend_option_count;
-  pdlib_control_plane control_plane;
-  pdlib_direction direction;
+  int32_t control_plane; /* pdlib_control_plane */
+  int32_t direction;     /* pdlib_direction */
   /* KVArgs */
   pdlib_buffers kv;
   pdlib_buffers aux;
@@ -182,10 +184,10 @@ typedef struct pdlib_manager_options {
   size_t state_family_count;
   uint32_t page_size;
   int32_t kv_head_num;
-  pdlib_kv_layout kv_layout;
+  int32_t kv_layout; /* pdlib_kv_layout */
   int32_t is_mla;
   int32_t prefill_start_layer;
-  pdlib_memory_kind memory_kind;
+  int32_t memory_kind; /* pdlib_memory_kind */
   int32_t device_id;
   /* ParallelConfig */
   int32_t tp_size, tp_rank, dp_size, dp_rank, pp_size, pp_rank;
@@ -204,7 +206,7 @@ typedef struct pdlib_manager_options {
       transfer_timeout_ms;
   const char* auth_secret;
   /* KV integrity */
-  pdlib_checksum checksum;
+  int32_t checksum; /* pdlib_checksum */
   uint32_t checksum_sample_every;
   int32_t transfer_workers;
 } pdlib_manager_options;
