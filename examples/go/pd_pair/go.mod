@@ -1,0 +1,3 @@
+module pd_pair
+
+go 1.19
