@@ -107,27 +107,16 @@ struct FakeOptions {
 StatusOr<FakeOptions> ParseFakeOptions(const spi::TransportOptions& o) {
   FakeOptions f;
   for (const auto& [key, value] : o.options) {
-    if (key == "fake.copy") {
+    if (key == "fake.copy" || key == "fake.digests_cuda" || key == "fake.digests_sends") {
+      bool* flag = key == "fake.copy"           ? &f.copy
+                   : key == "fake.digests_cuda" ? &f.digests_cuda
+                                                : &f.digests_sends;
       if (value == "1" || value == "true") {
-        f.copy = true;
-      } else if (value != "0" && value != "false") {
-        return Status::InvalidArgument("fake.copy=" + value + ": true or false");
-      }
-    } else if (key == "fake.digests_cuda") {
-      if (value == "1" || value == "true") {
-        f.digests_cuda = true;
+        *flag = true;
       } else if (value == "0" || value == "false") {
-        f.digests_cuda = false;
+        *flag = false;
       } else {
-        return Status::InvalidArgument("fake.digests_cuda=" + value + ": true or false");
-      }
-    } else if (key == "fake.digests_sends") {
-      if (value == "1" || value == "true") {
-        f.digests_sends = true;
-      } else if (value == "0" || value == "false") {
-        f.digests_sends = false;
-      } else {
-        return Status::InvalidArgument("fake.digests_sends=" + value + ": true or false");
+        return Status::InvalidArgument(key + "=" + value + ": true or false");
       }
     } else if (key == "fake.corrupt") {
       for (absl::string_view item : absl::StrSplit(value, ',', absl::SkipEmpty())) {

@@ -242,8 +242,14 @@ struct StateLists {
   std::vector<uint32_t> counts;
   pdlib::StateIndices view() const { return {indices, counts}; }
 };
+// Also checks the params' page list (read in place, not copied).
 template <typename P>
-pdlib_status States(const P& p, StateLists* out) {
+pdlib_status States(const char* function, const P& p, StateLists* out) {
+  if (p.page_count > 0 && p.pages == nullptr) {
+    return Fail(
+        StatusCode::kInvalidArgument,
+        std::string(function) + ": pages is NULL with a count of " + std::to_string(p.page_count));
+  }
   if (pdlib_status s = List("state_indices", p.state_indices, p.state_index_count, &out->indices);
       s != PDLIB_OK) {
     return s;
@@ -492,12 +498,8 @@ pdlib_status pdlib_sender_send(pdlib_sender* sender, const pdlib_send_params* pa
       s != PDLIB_OK) {
     return s;
   }
-  if (p.page_count > 0 && p.pages == nullptr) {
-    return Fail(StatusCode::kInvalidArgument,
-                "pdlib_sender_send: pages is NULL with a count of " + std::to_string(p.page_count));
-  }
   StateLists state;
-  if (pdlib_status s = States(p, &state); s != PDLIB_OK) return s;
+  if (pdlib_status s = States("pdlib_sender_send", p, &state); s != PDLIB_OK) return s;
   const std::span<const int32_t> pages(p.pages, p.page_count);
   const bool last = p.is_last_chunk != 0;
   if (p.layers_done >= 0) {
@@ -585,17 +587,12 @@ pdlib_status pdlib_receiver_init(pdlib_receiver* receiver, const pdlib_receive_p
       s != PDLIB_OK) {
     return s;
   }
-  if (p.page_count > 0 && p.pages == nullptr) {
-    return Fail(
-        StatusCode::kInvalidArgument,
-        "pdlib_receiver_init: pages is NULL with a count of " + std::to_string(p.page_count));
-  }
   if (p.aux_index > static_cast<int64_t>(UINT32_MAX)) {
     return Fail(StatusCode::kOutOfRange,
                 "pdlib_receiver_init: aux_index " + std::to_string(p.aux_index) + " is too large");
   }
   StateLists state;
-  if (pdlib_status s = States(p, &state); s != PDLIB_OK) return s;
+  if (pdlib_status s = States("pdlib_receiver_init", p, &state); s != PDLIB_OK) return s;
   pdlib::ReceiveRequest request;
   request.kv_page_indices = std::span<const int32_t>(p.pages, p.page_count);
   if (p.aux_index >= 0) request.aux_index = static_cast<uint32_t>(p.aux_index);
