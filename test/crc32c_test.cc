@@ -1,5 +1,6 @@
 #include "lib/base/crc32c.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <initializer_list>
@@ -146,4 +147,25 @@ TEST_CASE("crc32c: raw CRCs of equal-length messages are linear (XOR)") {
     return Crc32cShift(page.size() - end)(c);
   };
   CHECK((part(0, 64, 128) ^ part(64, 64, 128)) == Crc32cRaw(0, page.data(), page.size()));
+}
+
+TEST_CASE("crc32c: Crc32cCopy copies exactly and returns the CRC of what it copied") {
+  const auto data = Random(70000, 6);
+  for (uint32_t start : {0u, 0xFFFFFFFFu, 0x1234567u}) {
+    for (size_t n :
+         {size_t{0}, size_t{1}, size_t{15}, size_t{63}, size_t{255}, size_t{256}, size_t{257},
+          size_t{319}, size_t{4096}, size_t{32768}, size_t{32768 + 77}, size_t{65536 + 13}}) {
+      for (size_t offset : {size_t{0}, size_t{3}}) {
+        std::vector<uint8_t> out(n + 64, 0xEE);
+        INFO("length " << n << " offset " << offset << " start " << start);
+        const uint32_t crc = pdlib::Crc32cCopy(start, out.data() + 32, data.data() + offset, n);
+        CHECK(crc == Crc32cRawPortable(start, data.data() + offset, n));
+        CHECK(std::memcmp(out.data() + 32, data.data() + offset, n) == 0);
+        // Nothing written outside [dst, dst + n).
+        CHECK(std::all_of(out.begin(), out.begin() + 32, [](uint8_t b) { return b == 0xEE; }));
+        CHECK(std::all_of(out.begin() + 32 + static_cast<std::ptrdiff_t>(n), out.end(),
+                          [](uint8_t b) { return b == 0xEE; }));
+      }
+    }
+  }
 }

@@ -524,14 +524,18 @@ void UcxTransport::CopyLanding(uint8_t* dst, const void* data, uint64_t length) 
       }
     }
   }
-  // The raw CRC of each piece, placed in its cell, read from the message (just received, so in
-  // cache; the same bytes the copy writes): reading the destination back would wait for the
-  // copy's stores to reach it.
+  // The copy, each watched piece copied and digested in one pass (Crc32cCopy: the message's bytes
+  // are loaded once, stored and folded; reading the destination back would wait for the copy's
+  // stores), the bytes between pieces copied plainly. Pieces come in address order.
   const auto* src = static_cast<const uint8_t*>(data);
+  uint64_t done = 0;
   for (LandedPiece& p : landed_pending_) {
-    p.crc = Crc32cAppendZeros(Crc32cRaw(0, src + p.crc, p.bytes), p.zeros_after);
+    const uint64_t at = p.crc;  // the piece's offset in the message, for now
+    if (at > done) std::memcpy(dst + done, src + done, at - done);
+    p.crc = Crc32cAppendZeros(Crc32cCopy(0, dst + at, src + at, p.bytes), p.zeros_after);
+    done = at + p.bytes;
   }
-  std::memcpy(dst, data, length);
+  if (done < length) std::memcpy(dst + done, src + done, length - done);
 }
 
 void UcxTransport::FoldLanded() {

@@ -142,27 +142,46 @@ PDLIB_CRC_FOLD_TARGET inline __m128i Fold128(__m128i x, const uint64_t* k, __m12
 __attribute__((target("sse4.2"))) uint32_t Sse42(uint32_t crc, const uint8_t* p, size_t n);
 
 // AVX-512 with VPCLMULQDQ: four 64-byte accumulators (256 bytes a round), four lanes each.
-PDLIB_CRC_FOLD_TARGET uint32_t Avx512Fold(uint32_t crc, const uint8_t* p, size_t n) {
-  if (n < 256) return Sse42(crc, p, n);
+// Loads 64 bytes at p and, when copying, stores them at q.
+template <bool kCopy>
+PDLIB_CRC_FOLD_TARGET inline __m512i Take512(const uint8_t* p, uint8_t* q) {
+  const __m512i v = _mm512_loadu_si512(p);
+  if constexpr (kCopy) _mm512_storeu_si512(q, v);
+  return v;
+}
+
+// AVX-512 with VPCLMULQDQ: four 64-byte accumulators (256 bytes a round), four lanes each. With
+// kCopy the bytes also go to q as they are loaded (Crc32cCopy: one pass for both).
+template <bool kCopy>
+PDLIB_CRC_FOLD_TARGET uint32_t Avx512FoldImpl(uint32_t crc, const uint8_t* p, size_t n,
+                                              uint8_t* q) {
+  if (n < 256) {
+    if constexpr (kCopy) std::memcpy(q, p, n);
+    return Sse42(crc, p, n);
+  }
   const FoldConstants& f = Folds();
   // The register continues the CRC: XORed onto the message's first 32 bits.
-  __m512i a0 = _mm512_xor_si512(Load512(p),
+  __m512i a0 = _mm512_xor_si512(Take512<kCopy>(p, q),
                                 _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(crc))));
-  __m512i a1 = Load512(p + 64), a2 = Load512(p + 128), a3 = Load512(p + 192);
+  __m512i a1 = Take512<kCopy>(p + 64, q + 64), a2 = Take512<kCopy>(p + 128, q + 128),
+          a3 = Take512<kCopy>(p + 192, q + 192);
   p += 256;
+  q += kCopy ? 256 : 0;
   n -= 256;
   const __m512i k2048 = Broadcast(f.k2048);
-  for (; n >= 256; n -= 256, p += 256) {
-    a0 = Fold512(a0, k2048, Load512(p));
-    a1 = Fold512(a1, k2048, Load512(p + 64));
-    a2 = Fold512(a2, k2048, Load512(p + 128));
-    a3 = Fold512(a3, k2048, Load512(p + 192));
+  for (; n >= 256; n -= 256, p += 256, q += kCopy ? 256 : 0) {
+    a0 = Fold512(a0, k2048, Take512<kCopy>(p, q));
+    a1 = Fold512(a1, k2048, Take512<kCopy>(p + 64, q + 64));
+    a2 = Fold512(a2, k2048, Take512<kCopy>(p + 128, q + 128));
+    a3 = Fold512(a3, k2048, Take512<kCopy>(p + 192, q + 192));
   }
   const __m512i k512 = Broadcast(f.k512);
   __m512i a = Fold512(a0, k512, a1);
   a = Fold512(a, k512, a2);
   a = Fold512(a, k512, a3);
-  for (; n >= 64; n -= 64, p += 64) a = Fold512(a, k512, Load512(p));
+  for (; n >= 64; n -= 64, p += 64, q += kCopy ? 64 : 0) {
+    a = Fold512(a, k512, Take512<kCopy>(p, q));
+  }
   // The four lanes into one: lane i is 16 (3 - i) bytes before the last.
   alignas(64) uint8_t lanes[64];
   _mm512_store_si512(lanes, a);
@@ -172,12 +191,22 @@ PDLIB_CRC_FOLD_TARGET uint32_t Avx512Fold(uint32_t crc, const uint8_t* p, size_t
   __m128i r = Fold128(lane(2), f.k128, lane(3));
   r = Fold128(lane(1), f.k256, r);
   r = Fold128(lane(0), f.k384, r);
-  for (; n >= 16; n -= 16, p += 16) {
-    r = Fold128(r, f.k128, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  for (; n >= 16; n -= 16, p += 16, q += kCopy ? 16 : 0) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (kCopy) _mm_storeu_si128(reinterpret_cast<__m128i*>(q), v);
+    r = Fold128(r, f.k128, v);
   }
   uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(r)));
   c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(r, 1)));
+  if constexpr (kCopy) std::memcpy(q, p, n);
   return Sse42(static_cast<uint32_t>(c), p, n);
+}
+
+uint32_t Avx512Fold(uint32_t crc, const uint8_t* p, size_t n) {
+  return Avx512FoldImpl<false>(crc, p, n, nullptr);
+}
+uint32_t Avx512FoldCopy(uint32_t crc, const uint8_t* p, size_t n, uint8_t* q) {
+  return Avx512FoldImpl<true>(crc, p, n, q);
 }
 
 template <size_t kBlock>
@@ -282,6 +311,18 @@ const Chosen& Choice() {
 uint32_t Crc32cRaw(uint32_t crc, const void* data, size_t n) {
   static const Impl fastest = Choice().paths.front().fn;
   return fastest(crc, static_cast<const uint8_t*>(data), n);
+}
+
+uint32_t Crc32cCopy(uint32_t crc, void* dst, const void* src, size_t n) {
+#if defined(__x86_64__)
+  static const bool fused = Choice().paths.front().fn == Avx512Fold;
+  if (fused) {
+    return Avx512FoldCopy(crc, static_cast<const uint8_t*>(src), n, static_cast<uint8_t*>(dst));
+  }
+#endif
+  // Elsewhere: the copy, then the CRC of the source (still in cache).
+  std::memcpy(dst, src, n);
+  return Crc32cRaw(crc, src, n);
 }
 
 uint32_t Crc32cRawPortable(uint32_t crc, const void* data, size_t n) {

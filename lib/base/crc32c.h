@@ -29,7 +29,11 @@ inline namespace v1 {
 
 // The raw CRC32C of `data[0, n)` continued from register value `crc`.
 uint32_t Crc32cRaw(uint32_t crc, const void* data, size_t n);
-// The same, by the portable table-driven path whatever the CPU has (tests compare the two).
+// Copies n bytes from src to dst (which must not overlap) and returns the raw CRC32C of them
+// continued from `crc`: one pass where the CRC path is the AVX-512 fold (each 64 bytes loaded
+// once, stored and folded), else memcpy and then Crc32cRaw over src.
+uint32_t Crc32cCopy(uint32_t crc, void* dst, const void* src, size_t n);
+// Crc32cRaw by the portable table-driven path whatever the CPU has (tests compare the two).
 uint32_t Crc32cRawPortable(uint32_t crc, const void* data, size_t n);
 // Which path Crc32cRaw takes here: "avx512-vpclmul", "sse4.2", "armv8-crc" or "portable".
 const char* Crc32cImplementation();
