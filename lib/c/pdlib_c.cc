@@ -168,13 +168,21 @@ pdlib_status ToOptions(const pdlib_manager_options& c, pdlib::KVManagerOptions* 
   if (c.state_family_count > 0 && c.state_families == nullptr) {
     return Fail(StatusCode::kInvalidArgument, "pdlib_manager_options: state_families is NULL");
   }
+  // The caller's array steps by the struct size it was built with (its first element's).
+  const size_t stride = c.state_family_count > 0 ? c.state_families[0].struct_size : 0;
   for (size_t f = 0; f < c.state_family_count; ++f) {
     pdlib_state_family in;
     pdlib_state_family_init(&in);
     const std::string name = "state_families[" + std::to_string(f) + "]";
-    if (pdlib_status s =
-            ReadVersioned(name.c_str(), &c.state_families[f], c.state_families[f].struct_size, &in);
-        s != PDLIB_OK) {
+    const auto* element = reinterpret_cast<const unsigned char*>(c.state_families) + f * stride;
+    size_t size = 0;
+    std::memcpy(&size, element, sizeof size);
+    if (size != stride) {
+      return Fail(StatusCode::kInvalidArgument,
+                  "pdlib_manager_options: " + name + ".struct_size " + std::to_string(size) +
+                      " differs from state_families[0]'s " + std::to_string(stride));
+    }
+    if (pdlib_status s = ReadVersioned(name.c_str(), element, size, &in); s != PDLIB_OK) {
       return s;
     }
     if (pdlib_status s = EnumIn((name + ".type").c_str(), in.type, PDLIB_STATE_C128,

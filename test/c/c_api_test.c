@@ -6,6 +6,7 @@
  *
  *   c_api_test [case]   runs every case, or those whose name contains `case`
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,7 +64,12 @@ typedef struct Setup {
   const char* backend;
   pdlib_direction direction;
   int families;
+  /* The state families as a caller built against an older header passes them: elements without
+   * the last field (`start`), packed at that smaller stride. */
+  int older_families;
 } Setup;
+
+static unsigned char packed_families[2][2 * sizeof(pdlib_state_family)];
 
 static uint16_t next_port = 27100;
 
@@ -133,6 +139,16 @@ static pdlib_status Start(Side* s, pdlib_mode mode, uint16_t port, const Setup* 
     s->families[1].buffers.count = 1;
     o.state_families = s->families;
     o.state_family_count = 2;
+    if (setup->older_families) {
+      const size_t older = offsetof(pdlib_state_family, start);
+      unsigned char* packed = packed_families[mode == PDLIB_MODE_PREFILL ? 0 : 1];
+      size_t f;
+      for (f = 0; f < 2; ++f) {
+        s->families[f].struct_size = older;
+        memcpy(packed + f * older, &s->families[f], older);
+      }
+      o.state_families = (const pdlib_state_family*)(const void*)packed;
+    }
   }
   o.page_size = kPageTokens;
   o.kv_head_num = 1;
@@ -191,6 +207,7 @@ static int OpenPair(Pair* p, const char* backend, pdlib_direction direction, int
   p->setup.backend = backend;
   p->setup.direction = direction;
   p->setup.families = families;
+  p->setup.older_families = families == 2;
   p->port = next_port++;
   p->prefill = (Side*)calloc(1, sizeof(Side));
   p->decode = (Side*)calloc(1, sizeof(Side));
@@ -364,6 +381,36 @@ static void TestPush(const char* backend) {
     CHECK(m.pages_transferred == 18);
   }
   ClosePair(&p);
+}
+
+/* State families from an older caller (a smaller struct_size, packed at that stride) work; an
+ * element whose size differs from the first's is refused. */
+static void TestOlderStructs(void) {
+  Pair p;
+  int32_t src[2] = {1, 2}, dst[2] = {5, 6};
+  Request q;
+  pdlib_manager_options o;
+  pdlib_state_family fam[2];
+  pdlib_manager* m = NULL;
+  memset(&q, 0, sizeof q);
+  REQUIRE(OpenPair(&p, "fake", PDLIB_PUSH, 2));
+  q.src = src;
+  q.dst = dst;
+  q.n = 2;
+  q.src_aux = 1;
+  q.dst_aux = 2;
+  q.room = 41;
+  Run(&p, &q);
+  ClosePair(&p);
+  pdlib_manager_options_init(&o);
+  pdlib_state_family_init(&fam[0]);
+  pdlib_state_family_init(&fam[1]);
+  fam[1].struct_size = sizeof fam[1] - 4;
+  o.state_families = fam;
+  o.state_family_count = 2;
+  CHECK(pdlib_manager_create(&o, &m) == PDLIB_INVALID_ARGUMENT);
+  CHECK(strstr(pdlib_last_error(), "state_families[1].struct_size") != NULL);
+  CHECK(m == NULL);
 }
 
 static void TestPrefixAndPull(void) {
@@ -592,6 +639,7 @@ int main(int argc, char** argv) {
       {"push fake: one chunk, chunks, layer by layer, two state families", PushFake},
       {"push ucx shm: one chunk, chunks, layer by layer, two state families", PushUcx},
       {"decode prefix; pull", TestPrefixAndPull},
+      {"structs from an older header: state families at their own stride", TestOlderStructs},
       {"errors: NULLs, ABI and struct sizes, order, bad indices, abort, log sink", TestErrors},
       {"bootstrap server", TestBootstrapServer},
   };

@@ -150,7 +150,8 @@ typedef struct pdlib_key_value {
   const char* value;
 } pdlib_key_value;
 
-/* KVArgs::state_families[i] (kv_args.h, StateFamily). */
+/* KVArgs::state_families[i] (kv_args.h, StateFamily). In pdlib_manager_options::state_families
+ * every element has the struct_size of the caller's header (the array's stride). */
 typedef struct pdlib_state_family {
   size_t struct_size;
   int32_t type; /* pdlib_state_type */
