@@ -518,9 +518,8 @@ void UcxTransport::CopyLanding(uint8_t* dst, const void* data, uint64_t length) 
       const uint64_t from = std::max(start, it->first);
       const uint64_t to = std::min(end, it->second.end);
       if (from < to) {
-        landed_pending_.push_back({it->first, it->second.watch, to - from, 0});
-        landed_pending_.back().crc = static_cast<uint32_t>(from - start);  // offset, for now
-        landed_pending_.back().zeros_after = it->second.end - to;
+        landed_pending_.push_back(
+            {it->first, it->second.watch, from - start, to - from, it->second.end - to, 0});
       }
     }
   }
@@ -530,10 +529,10 @@ void UcxTransport::CopyLanding(uint8_t* dst, const void* data, uint64_t length) 
   const auto* src = static_cast<const uint8_t*>(data);
   uint64_t done = 0;
   for (LandedPiece& p : landed_pending_) {
-    const uint64_t at = p.crc;  // the piece's offset in the message, for now
-    if (at > done) std::memcpy(dst + done, src + done, at - done);
-    p.crc = Crc32cAppendZeros(Crc32cCopy(0, dst + at, src + at, p.bytes), p.zeros_after);
-    done = at + p.bytes;
+    if (p.offset > done) std::memcpy(dst + done, src + done, p.offset - done);
+    p.crc =
+        Crc32cAppendZeros(Crc32cCopy(0, dst + p.offset, src + p.offset, p.bytes), p.zeros_after);
+    done = p.offset + p.bytes;
   }
   if (done < length) std::memcpy(dst + done, src + done, length - done);
 }

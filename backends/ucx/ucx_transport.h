@@ -566,9 +566,10 @@ class UcxTransport final : public spi::Transport {
   void FoldLanded();
   void FoldLandedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(landing_mu_);
   struct LandedPiece {
-    uint64_t cell = 0, watch = 0, bytes = 0;
-    uint32_t crc = 0;
-    uint64_t zeros_after = 0;
+    uint64_t cell = 0, watch = 0;
+    uint64_t offset = 0, bytes = 0;  // where in the chunk, how long
+    uint64_t zeros_after = 0;        // the cell's bytes after the piece
+    uint32_t crc = 0;                // set by the copy
   };
   std::vector<LandedPiece> landed_pending_;
   // Unlinks a watch's cells into `freed` (freed by the caller once the lock is released).

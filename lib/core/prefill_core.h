@@ -120,9 +120,12 @@ class PrefillCore : public PrefillHandler, public std::enable_shared_from_this<P
     std::vector<int32_t> dst_pages;  // every page of the decode rank's request
     size_t info = 0;                 // its entry in room->infos
   };
-  // Folds a completed batch's send digests into the room's digest for that decode rank.
-  Status MergeSentDigest(const std::shared_ptr<Room>& room, const Peer& peer,
-                         const SentDigest& sent);
+  // Adds what `writes` move to the decode rank of room->infos[info] (its request's pages
+  // `dst_pages`) to the room's digest for it: from the source, or from the CRCs the transport
+  // took as it sent them (`sent`, one per write; AddWritesToDigest).
+  Status MergeDigest(const std::shared_ptr<Room>& room, const Peer& peer, size_t info,
+                     std::span<const int32_t> dst_pages,
+                     std::span<const planner::PlannedWrite> writes, std::span<const uint32_t> sent);
   // KV integrity: adds the aux/state writes of the tail to `digest` (with the positions of
   // decode's state lists they cover).
   Status DigestTail(const Peer& peer, const TransferInfoMsg& info, const planner::TailInput& tail,

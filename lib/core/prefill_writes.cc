@@ -279,7 +279,10 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
       std::span<uint32_t> crcs(sent->crcs);
       s = transport_->PostWritesDigested(
           t.peer->peer, ops, crcs, [self, room, bytes, pages, sent, peer = t.peer](Status st) {
-            if (st.ok()) st = self->MergeSentDigest(room, *peer, *sent);
+            if (st.ok()) {
+              st = self->MergeDigest(room, *peer, sent->info, sent->dst_pages, sent->writes,
+                                     sent->crcs);
+            }
             self->OnBatchDone(room, bytes, pages, std::move(st));
           });
       if (!s.ok()) OnBatchDone(room, 0, 0, s.WithPrefix("posting KV writes"));
@@ -291,8 +294,8 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
     if (room->digested) {
       MutexLock lock(&room->mu);
       ++room->outstanding;
+      room->digested_by_core.store(true, std::memory_order_relaxed);
     }
-    if (room->digested) room->digested_by_core.store(true, std::memory_order_relaxed);
     s = transport_->PostWrites(t.peer->peer, ops, [self, room, bytes, pages](Status st) {
       self->OnBatchDone(room, bytes, pages, std::move(st));
     });
@@ -301,20 +304,22 @@ void PrefillCore::ProcessChunk(const Chunk& chunk) {
   }
 }
 
-Status PrefillCore::MergeSentDigest(const std::shared_ptr<Room>& room, const Peer& peer,
-                                    const SentDigest& sent) {
+Status PrefillCore::MergeDigest(const std::shared_ptr<Room>& room, const Peer& peer, size_t info,
+                                std::span<const int32_t> dst_pages,
+                                std::span<const planner::PlannedWrite> writes,
+                                std::span<const uint32_t> sent) {
   KvDigest part;
   {
     MutexLock lock(&room->mu);
-    const KvDigest& d = room->digests[sent.info];
-    part = KvDigest::Empty(d.kv.size(), sent.dst_pages.size(), d.aux.size(), d.state.size(),
+    const KvDigest& d = room->digests[info];
+    part = KvDigest::Empty(d.kv.size(), dst_pages.size(), d.aux.size(), d.state.size(),
                            d.state_spans.size());
   }
-  Status s = AddWritesToDigest(sent.writes, digest_src_, peer.digest_items,
-                               PagePositions(sent.dst_pages), &part, sent.crcs);
+  Status s = AddWritesToDigest(writes, digest_src_, peer.digest_items, PagePositions(dst_pages),
+                               &part, sent);
   if (s.ok()) {
     MutexLock lock(&room->mu);
-    s = room->digests[sent.info].Merge(part);
+    s = room->digests[info].Merge(part);
   }
   return s.WithPrefix(absl::StrFormat("room %d: KV digest", room->state->room()));
 }
@@ -322,23 +327,8 @@ Status PrefillCore::MergeSentDigest(const std::shared_ptr<Room>& room, const Pee
 void PrefillCore::DigestWrites(const std::shared_ptr<Room>& room, const Peer& peer, size_t info,
                                std::span<const int32_t> dst_pages,
                                std::span<const planner::PlannedWrite> writes) {
-  Status s;
-  {
-    KvDigest part;
-    {
-      MutexLock lock(&room->mu);
-      part = KvDigest::Empty(room->digests[info].kv.size(), dst_pages.size(),
-                             room->digests[info].aux.size(), room->digests[info].state.size(),
-                             room->digests[info].state_spans.size());
-    }
-    s = AddWritesToDigest(writes, digest_src_, peer.digest_items, PagePositions(dst_pages), &part);
-    if (s.ok()) {
-      MutexLock lock(&room->mu);
-      s = room->digests[info].Merge(part);
-    }
-  }
   // Releases the hold ProcessChunk took.
-  OnBatchDone(room, 0, 0, s.WithPrefix(absl::StrFormat("room %d: KV digest", room->state->room())));
+  OnBatchDone(room, 0, 0, MergeDigest(room, peer, info, dst_pages, writes, {}));
 }
 
 std::vector<spi::WriteOp> PrefillCore::ToWriteOps(const Peer& peer,
